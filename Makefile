@@ -1,0 +1,28 @@
+# Everything a fresh machine needs: `make demo` and `make test` create (or reuse) .venv and install into it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# On the development and CI machines this resolves to a CPU wheel on local disk (seconds, not a GB download).
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test,plot,triton]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/flashattn demo --out demo-output
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -n 2 -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache
