@@ -1,0 +1,19 @@
+"""flashattn: exact, IO-aware attention. A drop-in for ``flash_attn`` with a tiled CPU path, and the
+FlashAttention derivation as executable code in ``flashattn.reference``."""
+
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    scaled_dot_product_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "scaled_dot_product_attention",
+]

@@ -1,0 +1,247 @@
+"""Tiled PyTorch attention: FlashAttention-2 written with torch ops, for CPU (and any device torch runs on).
+
+Never materialises the N x N score matrix: the query rows are cut into blocks (outer loop, FlashAttention-2),
+key/value rows into blocks (inner loop), and each score tile is reduced at once with the online softmax. The
+backward recomputes the tiles from the saved log-sum-exp. fp16/bf16 inputs are computed in float32, float64
+stays float64 (so ``torch.autograd.gradcheck`` holds).
+
+Layout: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv), H % Hk == 0 (GQA/MQA). Internally heads are
+viewed as (Hk, G) with G = H // Hk query heads per key/value head, so K and V are never copied per query head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .philox import dropout_keep
+from .spec import AttentionSpec
+
+# A score tile holds about this many elements across batch and heads (8 MB in float32): large enough that
+# Python's loop overhead vanishes behind the matmuls, small enough that memory stays O(N d), never O(N^2).
+TILE_ELEMENTS = 1 << 21
+MAX_BLOCK_K = 512
+
+
+def _blocks(n: int, size: int) -> range:
+    return range(0, n, size)
+
+
+class _Problem:
+    """One attention call cut into tiles: builds the score tile S_ij (scale, softcap, masks, ALiBi) and its
+    dropout mask, the pieces shared by the forward, the backward and the probabilities."""
+
+    def __init__(self, q, k, v, alibi, mask, spec: AttentionSpec):
+        b, nq, h, d = q.shape
+        nk, hk = k.shape[1], k.shape[2]
+        g = h // hk
+        self.shape = (b, nq, nk, h, hk, g)
+        self.spec = spec
+        self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.q = q.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)  # (B, Hk, G, Nq, D), a view
+        self.k = k.permute(0, 2, 1, 3)  # (B, Hk, Nk, D)
+        self.v = v.permute(0, 2, 1, 3)  # (B, Hk, Nk, Dv)
+        self.band = spec.band(nq, nk)
+        self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
+        self.mask = None if mask is None else self._heads5(mask)
+        self.block_k = max(1, min(nk, MAX_BLOCK_K))
+        self.block_q = max(1, min(nq, TILE_ELEMENTS // max(1, b * h * self.block_k)))
+        if spec.dropout_p > 0:
+            idx = torch.arange(b * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
+            self.dropout_base = idx * nq * nk
+
+    def _heads5(self, t: torch.Tensor) -> torch.Tensor:
+        """(B|1, H|1, Lq, Lk) -> (B|1, Hk|1, G|1, Lq, Lk) so it broadcasts against a score tile."""
+        _, _, _, _, hk, g = self.shape
+        return t.unsqueeze(2) if t.shape[1] == 1 else t.unflatten(1, (hk, g))
+
+    def key_blocks(self, r0: int, r1: int):
+        """Key blocks [c0, c1) that rows [r0, r1) can see; blocks fully outside the band are skipped."""
+        lo, hi = self.band.key_range(r0, r1, self.shape[2])
+        start = (lo // self.block_k) * self.block_k
+        for c0 in range(start, hi, self.block_k):
+            yield c0, min(c0 + self.block_k, self.shape[2])
+
+    def q_block(self, r0: int, r1: int) -> torch.Tensor:
+        return self.q[:, :, :, r0:r1].to(self.acc)
+
+    def kv_block(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, c0:c1].to(self.acc), self.v[:, :, c0:c1].to(self.acc)
+
+    def scores(self, qb, kb, r0, r1, c0, c1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """S_ij for rows [r0, r1) x columns [c0, c1), shape (B, Hk, G, r1-r0, c1-c0), masked entries -inf.
+
+        Returns also tanh(raw / softcap) when softcapping, which the backward needs for the chain rule.
+        """
+        spec = self.spec
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qb, kb) * spec.scale
+        tanh = None
+        if spec.softcap > 0:
+            tanh = torch.tanh(s / spec.softcap)
+            s = tanh * spec.softcap
+        if self.alibi is not None or not self.band.tile_is_full(r0, r1, c0, c1):
+            rows = torch.arange(r0, r1, device=s.device)
+            cols = torch.arange(c0, c1, device=s.device)
+            if self.alibi is not None:
+                dist = (rows[:, None] + self.band.shift - cols[None, :]).abs().to(self.acc)
+                s = s - self.alibi * dist
+            if not self.band.tile_is_full(r0, r1, c0, c1):
+                s = s.masked_fill(~self.band.visible(rows, cols), -math.inf)
+        if self.mask is not None:
+            m = self.mask_tile(self.mask, r0, r1, c0, c1)
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(self.acc)
+        return s, tanh
+
+    def mask_tile(self, m: torch.Tensor, r0, r1, c0, c1) -> torch.Tensor:
+        rows = slice(r0, r1) if m.shape[3] > 1 else slice(None)
+        cols = slice(c0, c1) if m.shape[4] > 1 else slice(None)
+        return m[:, :, :, rows, cols]
+
+    def dropout_scale(self, r0, r1, c0, c1) -> torch.Tensor | None:
+        """Keep-mask divided by (1 - p) for the tile, regenerated from the element indices; None if no dropout."""
+        spec = self.spec
+        if spec.dropout_p <= 0:
+            return None
+        nk = self.shape[2]
+        rows = torch.arange(r0, r1, device=self.dropout_base.device)
+        cols = torch.arange(c0, c1, device=self.dropout_base.device)
+        offset = self.dropout_base + (rows[:, None] * nk + cols[None, :])
+        keep = dropout_keep(spec.seed, offset, spec.dropout_p)
+        return keep.to(self.acc) / (1.0 - spec.dropout_p)
+
+
+def _nonzero_or(x: torch.Tensor, fill: float) -> torch.Tensor:
+    return torch.where(x == 0, torch.full_like(x, fill), x)
+
+
+def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False):
+    """Returns out (B, Nq, H, Dv) in q's dtype, lse (B, H, Nq) (float32, or float64 for float64 inputs) and,
+    if ``return_probs``, the probabilities (B, H, Nq, Nk) with dropped entries negated (else an empty tensor).
+
+    Example::
+
+        >>> q = k = v = torch.randn(1, 5, 2, 8)
+        >>> out, lse, _ = forward(q, k, v, None, None, AttentionSpec(scale=8 ** -0.5))
+        >>> out.shape, lse.shape
+        (torch.Size([1, 5, 2, 8]), torch.Size([1, 2, 5]))
+    """
+    p = _Problem(q, k, v, alibi, mask, spec)
+    b, nq, nk, h, hk, g = p.shape
+    dv = v.shape[-1]
+    out = torch.empty(b, nq, h, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, nq, dtype=p.acc, device=q.device)
+    out5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
+    lse5 = lse.unflatten(1, (hk, g))
+    for r0 in _blocks(nq, p.block_q):
+        r1 = min(r0 + p.block_q, nq)
+        qb = p.q_block(r0, r1)
+        row_max = torch.full(qb.shape[:-1], -math.inf, dtype=p.acc, device=q.device)
+        row_sum = torch.zeros_like(row_max)
+        acc = torch.zeros(*qb.shape[:-1], dv, dtype=p.acc, device=q.device)
+        for c0, c1 in p.key_blocks(r0, r1):
+            kb, vb = p.kv_block(c0, c1)
+            s, _ = p.scores(qb, kb, r0, r1, c0, c1)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            # A row that has seen only masked keys keeps max -inf; subtract 0 there so exp gives 0, not NaN.
+            safe_max = torch.where(new_max == -math.inf, 0.0, new_max)
+            e = torch.exp(s - safe_max[..., None])
+            rescale = torch.exp(row_max - safe_max)
+            # The denominator sums the undropped weights: dropout acts on normalised probabilities.
+            row_sum = row_sum * rescale + e.sum(-1)
+            keep = p.dropout_scale(r0, r1, c0, c1)
+            if keep is not None:
+                e = e * keep
+            acc = acc * rescale[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", e, vb)
+            row_max = new_max
+        # Deferred normalisation (FlashAttention-2): one division per row, at the end; empty rows give 0.
+        out5[:, :, :, r0:r1] = (acc / _nonzero_or(row_sum, 1.0)[..., None]).to(q.dtype)
+        lse5[:, :, :, r0:r1] = torch.where(row_sum == 0, -math.inf, row_max + torch.log(row_sum))
+    probs = _probabilities(p, lse, q.dtype) if return_probs else q.new_empty(0)
+    return out, lse, probs
+
+
+def _probabilities(p: _Problem, lse: torch.Tensor, dtype) -> torch.Tensor:
+    """softmax(S) recomputed from lse, dropped entries negated: the S_dmask of ``return_attn_probs``."""
+    b, nq, nk, h, hk, g = p.shape
+    probs = torch.zeros(b, h, nq, nk, dtype=dtype, device=lse.device)
+    probs5 = probs.unflatten(1, (hk, g))
+    lse5 = _lse_for_recompute(lse.unflatten(1, (hk, g)))
+    for r0 in _blocks(nq, p.block_q):
+        r1 = min(r0 + p.block_q, nq)
+        qb = p.q_block(r0, r1)
+        for c0, c1 in p.key_blocks(r0, r1):
+            kb, _ = p.kv_block(c0, c1)
+            s, _ = p.scores(qb, kb, r0, r1, c0, c1)
+            pt = torch.exp(s - lse5[:, :, :, r0:r1, None])
+            keep = p.dropout_scale(r0, r1, c0, c1)
+            if keep is not None:
+                pt = torch.where(keep > 0, pt, -pt)
+            probs5[:, :, :, r0:r1, c0:c1] = pt.to(dtype)
+    return probs
+
+
+def _lse_for_recompute(lse: torch.Tensor) -> torch.Tensor:
+    # A row that sees no key has lse = -inf; +inf makes exp(S - lse) = 0 there instead of NaN.
+    return torch.where(lse == -math.inf, math.inf, lse)
+
+
+def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum the broadcast dimensions of ``x`` away so it has ``shape`` (the reverse of broadcasting)."""
+    dims = [i for i, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False):
+    """Gradients (dq, dk, dv, dmask) by recomputation from the saved lse (FlashAttention-2 backward).
+
+    ``dlse`` (or None) is the gradient flowing into the returned log-sum-exp: d lse_i / d S_ij = P_ij, so it
+    folds into the preprocessing term, delta_i = rowsum(dO_i * O_i) - dlse_i. ``dmask`` is the gradient of an
+    additive mask (its own shape) when ``mask_grad``, else None.
+    """
+    p = _Problem(q, k, v, alibi, mask, spec)
+    b, nq, nk, h, hk, g = p.shape
+    acc_t = p.acc
+    dq = torch.empty_like(q)
+    dk_acc = torch.zeros(b, hk, nk, k.shape[-1], dtype=acc_t, device=q.device)
+    dv_acc = torch.zeros(b, hk, nk, v.shape[-1], dtype=acc_t, device=q.device)
+    dmask = torch.zeros(p.mask.shape, dtype=acc_t, device=q.device) if mask_grad else None
+    dq5 = dq.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
+    do5 = dout.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
+    o5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
+    lse5 = _lse_for_recompute(lse.unflatten(1, (hk, g)))
+    dlse5 = None if dlse is None else dlse.unflatten(1, (hk, g))
+    for r0 in _blocks(nq, p.block_q):
+        r1 = min(r0 + p.block_q, nq)
+        qb = p.q_block(r0, r1)
+        dob = do5[:, :, :, r0:r1].to(acc_t)
+        delta = (dob * o5[:, :, :, r0:r1].to(acc_t)).sum(-1)
+        if dlse5 is not None:
+            delta = delta - dlse5[:, :, :, r0:r1].to(acc_t)
+        lse_b = lse5[:, :, :, r0:r1, None]
+        dqb = torch.zeros_like(qb)
+        for c0, c1 in p.key_blocks(r0, r1):
+            kb, vb = p.kv_block(c0, c1)
+            s, tanh = p.scores(qb, kb, r0, r1, c0, c1)
+            pt = torch.exp(s - lse_b)
+            dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, vb)
+            keep = p.dropout_scale(r0, r1, c0, c1)
+            pv = pt if keep is None else pt * keep
+            if keep is not None:
+                dp = dp * keep
+            dv_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", pv, dob)
+            ds = pt * (dp - delta[..., None])
+            if dmask is not None:
+                tile = p.mask_tile(dmask, r0, r1, c0, c1)
+                tile += _sum_to(ds, tile.shape)
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)
+            dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb)
+            dk_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb)
+        dq5[:, :, :, r0:r1] = (dqb * spec.scale).to(q.dtype)
+    # Gradients take their input's strides, as the op's fake implementation promises torch.compile.
+    dk = torch.empty_like(k).copy_((dk_acc * spec.scale).permute(0, 2, 1, 3))
+    dv = torch.empty_like(v).copy_(dv_acc.permute(0, 2, 1, 3))
+    if dmask is not None:
+        dmask = dmask.reshape(mask.shape).to(mask.dtype)
+    return dq, dk, dv, dmask

@@ -1,0 +1,251 @@
+"""The one argument checker: every public entry point validates and normalises its arguments here.
+
+Each ``_validate_*`` helper raises a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, bad
+value) whose message names the function, the argument, the value received and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .backends.spec import AttentionSpec
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+
+@dataclass(frozen=True)
+class CheckedCall:
+    """A validated call in the flash layout, ready for ``flashattn.ops.attention``.
+
+    q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv); ``alibi_slopes`` (1 or B, H) float32 (float64 for
+    float64 inputs); ``attn_mask`` 4-D (B or 1, H or 1, Nq or 1, Nk or 1), boolean or of the inputs' dtype.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    spec: AttentionSpec
+    alibi_slopes: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+
+def _fail(fn: str, message: str, kind: type[Exception] = ValueError) -> Exception:
+    return kind(f"{fn}: {message}")
+
+
+def _validate_tensor(fn: str, name: str, t: object, ndim: int, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(fn, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}", TypeError)
+    if t.dim() != ndim:
+        raise _fail(fn, f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise _fail(fn, f"{name} has dtype {t.dtype}; supported dtypes are {_DTYPE_NAMES}", TypeError)
+    return t
+
+
+def _validate_same(fn: str, named: dict[str, torch.Tensor]) -> None:
+    (first, t0), *rest = named.items()
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise _fail(fn, f"{name} has dtype {t.dtype} but {first} has {t0.dtype}; all must match", TypeError)
+        if t.device != t0.device:
+            raise _fail(fn, f"{name} is on {t.device} but {first} is on {t0.device}; all must be on one device")
+
+
+def _validate_heads(fn: str, nheads: int, nheads_k: int, q_name: str, k_name: str) -> None:
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise _fail(
+            fn,
+            f"the number of heads in {q_name} ({nheads}) must be a multiple of the number of heads in "
+            f"{k_name} ({nheads_k}) for grouped-query attention",
+        )
+
+
+def _validate_real(fn: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(fn, f"{name} must be a real number, got {value!r}", TypeError)
+    if not math.isfinite(value):
+        raise _fail(fn, f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _validate_dropout(fn: str, dropout_p: object) -> float:
+    p = _validate_real(fn, "dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise _fail(fn, f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def _validate_scale(fn: str, name: str, scale: object, headdim: int) -> float:
+    if scale is None:
+        return headdim**-0.5 if headdim > 0 else 1.0
+    return _validate_real(fn, name, scale)
+
+
+def _validate_window(fn: str, window_size: object, causal: bool) -> tuple[int, int]:
+    ok = isinstance(window_size, Sequence) and len(window_size) == 2
+    if not ok or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+        raise _fail(fn, f"window_size must be a pair of ints (left, right), got {window_size!r}", TypeError)
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise _fail(fn, f"window_size values must be >= -1 (-1 means unbounded), got {tuple(window_size)}")
+    # flash_attn: causal is the window's right edge at the diagonal.
+    return (left, 0) if causal else (left, right)
+
+
+def _validate_softcap(fn: str, softcap: object) -> float:
+    c = _validate_real(fn, "softcap", softcap)
+    if c < 0:
+        raise _fail(fn, f"softcap must be >= 0 (0 disables it), got {softcap!r}")
+    return c
+
+
+def _validate_bool(fn: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(fn, f"{name} must be a bool, got {value!r}", TypeError)
+    return value
+
+
+def _validate_alibi(fn: str, slopes: object, batch: int, nheads: int, ref: torch.Tensor) -> torch.Tensor | None:
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise _fail(fn, f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}", TypeError)
+    if not slopes.is_floating_point():
+        raise _fail(fn, f"alibi_slopes must be a floating-point tensor, got dtype {slopes.dtype}", TypeError)
+    if slopes.device != ref.device:
+        raise _fail(fn, f"alibi_slopes is on {slopes.device} but q is on {ref.device}")
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise _fail(
+            fn,
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads}), "
+            f"got {tuple(slopes.shape)}",
+        )
+    dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
+    return slopes.reshape(-1, nheads).to(dtype)
+
+
+def _flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")) -> tuple[torch.Tensor, ...]:
+    layouts = ("(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)")
+    q = _validate_tensor(fn, names[0], q, 4, layouts[0])
+    k = _validate_tensor(fn, names[1], k, 4, layouts[1])
+    v = _validate_tensor(fn, names[2], v, 4, layouts[1])
+    _validate_same(fn, dict(zip(names, (q, k, v), strict=True)))
+    if k.shape != v.shape:
+        raise _fail(fn, f"{names[1]} and {names[2]} must have the same shape, got {tuple(k.shape)} and "
+                        f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise _fail(fn, f"batch sizes differ: {names[0]} has {q.shape[0]}, {names[1]} has {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise _fail(fn, f"head dims differ: {names[0]} has {q.shape[3]}, {names[1]} has {k.shape[3]}")
+    _validate_heads(fn, q.shape[2], k.shape[2], names[0], names[1])
+    return q, k, v
+
+
+def check_flash(
+    fn: str,
+    q: object,
+    k: object,
+    v: object,
+    *,
+    dropout_p: object = 0.0,
+    softmax_scale: object = None,
+    causal: object = False,
+    window_size: object = (-1, -1),
+    softcap: object = 0.0,
+    alibi_slopes: object = None,
+    deterministic: object = False,
+    return_attn_probs: object = False,
+    names: tuple[str, str, str] = ("q", "k", "v"),
+) -> CheckedCall:
+    """Validate the arguments of the ``flash_attn_*func`` family (flash layout, bottom-right causal)."""
+    q, k, v = _flash_layout(fn, q, k, v, names)
+    causal = _validate_bool(fn, "causal", causal)
+    _validate_bool(fn, "deterministic", deterministic)
+    _validate_bool(fn, "return_attn_probs", return_attn_probs)
+    left, right = _validate_window(fn, window_size, causal)
+    spec = AttentionSpec(
+        scale=_validate_scale(fn, "softmax_scale", softmax_scale, q.shape[3]),
+        window_left=left,
+        window_right=right,
+        bottom_right=True,
+        softcap=_validate_softcap(fn, softcap),
+        dropout_p=_validate_dropout(fn, dropout_p),
+        deterministic=deterministic,
+    )
+    alibi = _validate_alibi(fn, alibi_slopes, q.shape[0], q.shape[2], q)
+    return CheckedCall(q, k, v, spec, alibi_slopes=alibi)
+
+
+def unpack(fn: str, name: str, packed: object, count: int) -> tuple[torch.Tensor, ...]:
+    """Split a packed (batch, seqlen, count, nheads, headdim) tensor into ``count`` views."""
+    layout = f"(batch, seqlen, {count}, nheads, headdim)"
+    packed = _validate_tensor(fn, name, packed, 5, layout)
+    if packed.shape[2] != count:
+        raise _fail(fn, f"{name} must have shape {layout}, got {tuple(packed.shape)}")
+    return packed.unbind(2)
+
+
+def _validate_sdpa_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, int, int, int]):
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise _fail(fn, f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}", TypeError)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        raise _fail(fn, f"attn_mask must be boolean or of the query's dtype {q.dtype}, got {mask.dtype}",
+                    TypeError)
+    if mask.device != q.device:
+        raise _fail(fn, f"attn_mask is on {mask.device} but query is on {q.device}")
+    if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1], strict=False)):
+        raise _fail(fn, f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, L, S) = "
+                        f"{shape}")
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def check_sdpa(
+    fn: str,
+    query: object,
+    key: object,
+    value: object,
+    *,
+    attn_mask: object = None,
+    dropout_p: object = 0.0,
+    is_causal: object = False,
+    scale: object = None,
+    enable_gqa: object = False,
+) -> CheckedCall:
+    """Validate ``scaled_dot_product_attention`` arguments: layout (batch, heads, L, E) and (batch, heads, S, Ev),
+    top-left causal alignment. Returns the call in the flash layout (transposed views, no copies)."""
+    layout_q, layout_kv = "(batch, heads, L, E)", "(batch, heads_kv, S, E)"
+    q = _validate_tensor(fn, "query", query, 4, layout_q)
+    k = _validate_tensor(fn, "key", key, 4, layout_kv)
+    v = _validate_tensor(fn, "value", value, 4, "(batch, heads_kv, S, Ev)")
+    _validate_same(fn, {"query": q, "key": k, "value": v})
+    if k.shape[:3] != v.shape[:3]:
+        raise _fail(fn, f"key and value must agree in (batch, heads, S), got {tuple(k.shape)} and "
+                        f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise _fail(fn, f"query {tuple(q.shape)} and key {tuple(k.shape)} must agree in batch and E")
+    enable_gqa = _validate_bool(fn, "enable_gqa", enable_gqa)
+    if q.shape[1] != k.shape[1]:
+        if not enable_gqa:
+            raise _fail(fn, f"query has {q.shape[1]} heads but key has {k.shape[1]}; pass enable_gqa=True "
+                            "for grouped-query attention")
+        _validate_heads(fn, q.shape[1], k.shape[1], "query", "key")
+    is_causal = _validate_bool(fn, "is_causal", is_causal)
+    if is_causal and attn_mask is not None:
+        raise _fail(fn, "pass either attn_mask or is_causal=True, not both")
+    mask = _validate_sdpa_mask(fn, attn_mask, q, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    spec = AttentionSpec(
+        scale=_validate_scale(fn, "scale", scale, q.shape[3]),
+        window_left=-1,
+        window_right=0 if is_causal else -1,
+        bottom_right=False,
+        dropout_p=_validate_dropout(fn, dropout_p),
+    )
+    return CheckedCall(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec, attn_mask=mask)

@@ -1,0 +1,196 @@
+"""Public attention functions: drop-ins for the ``flash_attn`` package and for PyTorch's SDPA.
+
+Every function checks its arguments (``flashattn.checks``), then runs the one autograd op
+(``flashattn.ops.attention``), which dispatches to a backend by device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .ops import attention
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "scaled_dot_product_attention",
+]
+
+FlashResult = Tensor | tuple[Tensor, Tensor, Tensor]
+
+
+def _dropout_seed(dropout_p: float, device: torch.device) -> Tensor | None:
+    """A fresh 62-bit key for the counter-based dropout generator, drawn from torch's RNG for ``device``.
+
+    Drawing it from torch's generator is what makes dropout reproducible under ``torch.manual_seed``; the key is
+    saved for the backward, which regenerates the same mask.
+    """
+    if dropout_p == 0:
+        return None
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device).cpu()
+
+
+def _run(call: checks.CheckedCall, return_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
+    seed = _dropout_seed(call.spec.dropout_p, call.q.device)
+    return attention(
+        call.q, call.k, call.v, call.spec,
+        alibi_slopes=call.alibi_slopes, attn_mask=call.attn_mask, seed=seed, return_probs=return_probs,
+    )
+
+
+def _flash_result(call: checks.CheckedCall, return_attn_probs: bool) -> FlashResult:
+    out, lse, probs = _run(call, return_attn_probs)
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> FlashResult:
+    """Exact attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile; a drop-in for
+    ``flash_attn.flash_attn_func``.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k, v: (batch, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 gives GQA/MQA.
+        dropout_p: dropout on the attention weights (pass 0.0 in evaluation). Reproducible under
+            ``torch.manual_seed``.
+        softmax_scale: defaults to headdim ** -0.5.
+        causal: query i sees key j iff j <= i + seqlen_k - seqlen_q (aligned to the bottom-right corner).
+        window_size: (left, right): query i sees keys in [i + seqlen_k - seqlen_q - left,
+            i + seqlen_k - seqlen_q + right]; -1 is unbounded.
+        softcap: if > 0, scores are ``softcap * tanh(scores / softcap)``.
+        alibi_slopes: (nheads,) or (batch, nheads); adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
+        deterministic: bitwise-reproducible backward (always true of the CPU path).
+        return_attn_probs: also return ``softmax_lse`` and the attention probabilities (testing only: this
+            materialises a (batch, nheads, seqlen_q, seqlen_k) tensor).
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) when ``return_attn_probs``:
+        softmax_lse (batch, nheads, seqlen_q) is the natural-log log-sum-exp of the scaled scores (float32;
+        float64 for float64 inputs; -inf for a query that sees no key); S_dmask holds the probabilities, negated
+        where dropout dropped them. A query that sees no key outputs 0.
+
+    Example::
+
+        >>> q, k, v = (torch.randn(2, 128, 8, 64) for _ in range(3))
+        >>> flash_attn_func(q, k, v, causal=True).shape
+        torch.Size([2, 128, 8, 64])
+    """
+    call = checks.check_flash(
+        "flash_attn_func", q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        return_attn_probs=return_attn_probs,
+    )
+    return _flash_result(call, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> FlashResult:
+    """``flash_attn_func`` on a packed qkv of shape (batch, seqlen, 3, nheads, headdim); gradients flow back
+    into ``qkv``. Same arguments and returns as ``flash_attn_func``.
+
+    Example::
+
+        >>> qkv = torch.randn(2, 64, 3, 4, 32, requires_grad=True)
+        >>> flash_attn_qkvpacked_func(qkv, causal=True).sum().backward()
+        >>> qkv.grad.shape
+        torch.Size([2, 64, 3, 4, 32])
+    """
+    fn = "flash_attn_qkvpacked_func"
+    q, k, v = checks.unpack(fn, "qkv", qkv, 3)
+    call = checks.check_flash(
+        fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        return_attn_probs=return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+    )
+    return _flash_result(call, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> FlashResult:
+    """``flash_attn_func`` with k and v packed as kv (batch, seqlen_k, 2, nheads_k, headdim).
+
+    Example::
+
+        >>> q, kv = torch.randn(2, 16, 8, 32), torch.randn(2, 48, 2, 2, 32)
+        >>> flash_attn_kvpacked_func(q, kv).shape
+        torch.Size([2, 16, 8, 32])
+    """
+    fn = "flash_attn_kvpacked_func"
+    k, v = checks.unpack(fn, "kv", kv, 2)
+    call = checks.check_flash(
+        fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        return_attn_probs=return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+    )
+    return _flash_result(call, return_attn_probs)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``, computed tile by tile.
+
+    Args:
+        query: (batch, heads, L, E); key: (batch, heads_kv, S, E); value: (batch, heads_kv, S, Ev).
+        attn_mask: boolean (True = may attend) or additive float mask, broadcastable to (batch, heads, L, S).
+            An additive mask that requires grad gets its gradient.
+        dropout_p: dropout on the attention weights (always applied when > 0, as in PyTorch).
+        is_causal: top-left aligned causal mask (query i sees keys j <= i), PyTorch's convention.
+        scale: defaults to E ** -0.5.
+        enable_gqa: allow heads % heads_kv == 0 grouped-query attention.
+
+    Returns:
+        (batch, heads, L, Ev). A query that sees no key outputs 0 (never NaN).
+
+    Example::
+
+        >>> q, k, v = (torch.randn(2, 8, 128, 64) for _ in range(3))
+        >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
+        torch.Size([2, 8, 128, 64])
+    """
+    call = checks.check_sdpa(
+        "scaled_dot_product_attention", query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+    )
+    out, _, _ = _run(call, return_probs=False)
+    return out.transpose(1, 2)
