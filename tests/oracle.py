@@ -1,0 +1,70 @@
+"""Test oracle: plain attention that materialises S, in float64 (ground truth) or in the inputs' own precision
+(the baseline a kernel is judged against), plus the tolerance rule of DEVELOPERS.md."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_ref(
+    q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, mask=None,
+    bottom_right=True, dropped=None, dropout_p=0.0, upcast=True,
+):
+    """Attention in the flash layout q (B, Nq, H, D), k/v (B, Nk, Hk, D) by the textbook formula.
+
+    ``upcast`` computes in float64; otherwise in the inputs' dtype (the same-precision PyTorch baseline).
+    ``dropped`` (B, H, Nq, Nk) bool marks weights removed by dropout. Returns (out, lse) with out in float64 or
+    the input dtype, rows that see no key giving out 0 and lse -inf.
+    """
+    dtype = torch.float64 if upcast else q.dtype
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qt = q.transpose(1, 2).to(dtype)
+    kt = k.transpose(1, 2).to(dtype).repeat_interleave(h // hk, dim=1)
+    vt = v.transpose(1, 2).to(dtype).repeat_interleave(h // hk, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    offset = j - i - (nk - nq if bottom_right else 0)
+    left, right = window[0], 0 if causal else window[1]
+    visible = torch.ones(nq, nk, dtype=torch.bool)
+    if right >= 0:
+        visible &= offset <= right
+    if left >= 0:
+        visible &= offset >= -left
+    if alibi is not None:
+        slopes = alibi.reshape(-1, h, 1, 1).to(dtype)
+        s = s - slopes * offset.abs().to(dtype)
+    s = s.masked_fill(~visible, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.to(dtype)
+    lse = torch.logsumexp(s.to(torch.float64) if not upcast else s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if dropped is not None:
+        p = p.masked_fill(dropped, 0.0) / (1 - dropout_p)
+    out = (p @ vt).transpose(1, 2)
+    return out, lse
+
+
+def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    if x.numel() == 0:
+        return 0.0
+    return (x.double() - ref.double()).abs().max().item()
+
+
+def assert_close(name, ours, ref64, baseline, factor=2.0):
+    """The rule: |ours - ref64| <= factor * |baseline - ref64| for low precision; fp32/fp64 near 1e-5 relative."""
+    err = max_err(ours, ref64)
+    scale = 1.0 + (ref64.abs().max().item() if ref64.numel() else 0.0)
+    if ours.dtype in (torch.float32, torch.float64):
+        bound = 1e-5 * scale if ours.dtype == torch.float32 else 1e-10 * scale
+    else:
+        # The floor (1% of an fp16 ulp) matters only where the baseline is exact by luck, e.g. dq with one key.
+        bound = factor * max_err(baseline, ref64) + 1e-5 * scale
+    assert err <= bound, f"{name}: max error {err:.3g} > allowed {bound:.3g}"
+    assert not torch.isnan(ours).any(), f"{name}: NaN in output"

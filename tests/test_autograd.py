@@ -1,0 +1,78 @@
+"""Gradients by torch.autograd.gradcheck in float64 (every feature, lse included), and torch.compile tracing the
+one op without graph breaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashattn
+
+CASES = {
+    "plain": {},
+    "causal_gqa": {"causal": True},
+    "window_softcap": {"window_size": (3, 2), "softcap": 1.2},
+    "alibi": {"alibi": True, "causal": True},
+    "dropout": {"dropout_p": 0.3, "window_size": (4, -1)},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradcheck_flash(case):
+    kwargs = dict(CASES[case])
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(2, 4, dtype=torch.float64)
+    q = torch.randn(2, 7, 4, 5, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 9, 2, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 9, 2, 5, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v):
+        torch.manual_seed(0)  # dropout: the same mask on every evaluation gradcheck makes
+        out, lse, _ = flashattn.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        return out, lse
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_sdpa_with_learned_mask():
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 5, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(2, 1, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, m: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=m), (q, k, v, mask)
+    )
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(32, 96)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, 4, 8).unbind(2)
+            out = flashattn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+            sdpa = flashattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return out.reshape(b, n, 32) + sdpa.transpose(1, 2).reshape(b, n, 32)
+
+    torch._dynamo.reset()
+    model = Block()
+    x = torch.randn(2, 19, 32)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    eager_out = model(x)
+    compiled_out = compiled(x)
+    torch.testing.assert_close(compiled_out, eager_out)
+    eager_grads = torch.autograd.grad(eager_out.sum(), list(model.parameters()))
+    compiled_grads = torch.autograd.grad(compiled_out.sum(), list(model.parameters()))
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_custom_op_passes_torch_library_opcheck():
+    q = torch.randn(1, 5, 2, 8, requires_grad=True)
+    k = torch.randn(1, 6, 1, 8, requires_grad=True)
+    v = torch.randn(1, 6, 1, 8, requires_grad=True)
+    args = (q, k, v, None, None, None, 0.3, -1, 0, True, 0.0, 0.0, False, False)
+    torch.library.opcheck(torch.ops.flashattn.attention.default, args)

@@ -1,0 +1,201 @@
+"""flash_attn_* drop-ins on the CPU path: forward and gradients against the float64 oracle, by the DEVELOPERS.md
+rule, over odd shapes and every feature; dropout reproducibility and statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import assert_close, attention_ref
+
+from flashattn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim): odd lengths and head dims, q/k lengths that differ,
+# Nq > Nk (causal then masks whole rows), a single key, and MQA/GQA.
+SHAPES = [
+    (1, 1, 1, 1, 1, 40),
+    (2, 113, 113, 4, 2, 59),
+    (1, 113, 257, 2, 1, 96),
+    (1, 257, 113, 3, 3, 40),
+    (2, 64, 1, 2, 2, 16),
+    (1, 1025, 1025, 1, 1, 64),
+]
+FEATURES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (17, 5)},
+    "window_left_causal": {"window_size": (40, -1), "causal": True},
+    "softcap": {"softcap": 1.5},
+    "alibi": {"alibi": True},
+    "all": {"causal": True, "window_size": (64, 0), "softcap": 2.0, "alibi": True},
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_inputs(b, nq, nk, h, hk, d, dtype, requires_grad=True):
+    q = torch.randn(b, nq, h, d, dtype=dtype)
+    k = torch.randn(b, nk, hk, d, dtype=dtype)
+    v = torch.randn(b, nk, hk, d, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def feature_kwargs(features, b, h):
+    kwargs = {key: val for key, val in features.items() if key != "alibi"}
+    if features.get("alibi"):
+        kwargs["alibi_slopes"] = torch.rand(b, h) * 0.3
+    return kwargs
+
+
+def oracle_kwargs(kwargs):
+    return {
+        "causal": kwargs.get("causal", False),
+        "window": kwargs.get("window_size", (-1, -1)),
+        "softcap": kwargs.get("softcap", 0.0),
+        "alibi": kwargs.get("alibi_slopes"),
+        "scale": kwargs.get("softmax_scale"),
+    }
+
+
+def check_against_oracle(q, k, v, kwargs, out, grads=True, dropped=None, dropout_p=0.0):
+    ref, _ = attention_ref(q, k, v, dropped=dropped, dropout_p=dropout_p, **oracle_kwargs(kwargs))
+    base, _ = attention_ref(q, k, v, dropped=dropped, dropout_p=dropout_p, upcast=False, **oracle_kwargs(kwargs))
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    assert_close("out", out, ref, base)
+    if not grads:
+        return
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    ref_g = torch.autograd.grad(ref, (q, k, v), g.double())
+    base_g = torch.autograd.grad(base, (q, k, v), g)
+    for name, x, r, bl in zip(("dq", "dk", "dv"), ours, ref_g, base_g, strict=True):
+        assert x.dtype == q.dtype and x.shape == r.shape
+        assert_close(name, x, r, bl, factor=3.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_and_gradients(shape, feature, dtype):
+    b, nq, nk, h, hk, d = shape
+    if nq * nk > 10**6 and (dtype != torch.float32 or feature not in ("plain", "causal", "all")):
+        pytest.skip("the 1025 x 1025 shape runs a representative subset to keep the suite fast")
+    q, k, v = make_inputs(*shape, dtype)
+    kwargs = feature_kwargs(FEATURES[feature], b, h)
+    out = flash_attn_func(q, k, v, **kwargs)
+    check_against_oracle(q, k, v, kwargs, out)
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse():
+    # Nq > Nk with bottom-right causal: the first Nq - Nk queries see no key at all.
+    q, k, v = make_inputs(1, 9, 4, 2, 2, 8, torch.float32)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5]))
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    assert torch.equal(probs[:, :, :5], torch.zeros_like(probs[:, :, :5]))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[:, :5], torch.zeros_like(q.grad[:, :5]))
+
+
+def test_empty_key_sequence_gives_zero_output():
+    q, k, v = make_inputs(2, 3, 0, 2, 1, 8, torch.float32)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_softmax_lse_and_probabilities(dtype):
+    b, nq, nk, h, d = 2, 37, 70, 3, 24
+    q, k, v = make_inputs(b, nq, nk, h, h, d, dtype, requires_grad=False)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+    _, ref_lse = attention_ref(q, k, v, causal=True, softcap=3.0)
+    assert lse.shape == (b, h, nq)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close("lse", lse.to(dtype), ref_lse, ref_lse)
+    assert probs.shape == (b, h, nq, nk)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(probs.double().sum(-1), torch.ones(b, h, nq, dtype=torch.float64), rtol=0, atol=tol)
+
+
+def test_softmax_scale_and_packed_variants_agree():
+    b, n, h, d = 2, 50, 4, 32
+    qkv = torch.randn(b, n, 3, h, d, requires_grad=True)
+    out_packed = flash_attn_qkvpacked_func(qkv, causal=True, softmax_scale=0.3)
+    q, k, v = qkv.unbind(2)
+    out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(out_packed, out, rtol=0, atol=0)
+    ref, _ = attention_ref(q, k, v, causal=True, scale=0.3)
+    assert_close("out", out_packed, ref, ref)
+    out_packed.square().sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+
+    kv = torch.randn(b, 70, 2, 2, d)
+    out_kv = flash_attn_kvpacked_func(q, kv, window_size=(10, 10))
+    torch.testing.assert_close(out_kv, flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], window_size=(10, 10)))
+
+
+def test_output_is_contiguous_and_accepts_strided_inputs():
+    base = torch.randn(2, 8, 40, 64)  # (B, H, N, D) memory, seen as (B, N, H, D): non-contiguous q, k, v
+    q = k = v = base.transpose(1, 2)
+    out = flash_attn_func(q, k, v)
+    assert out.is_contiguous()
+    ref, _ = attention_ref(q, k, v)
+    assert_close("out", out, ref, ref)
+
+
+def dropped_from(s_dmask):
+    # S_dmask carries the probability, negated (sign bit set, -0.0 included) where dropout removed it.
+    return torch.signbit(s_dmask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("feature", ["plain", "causal", "all"])
+def test_dropout_matches_oracle_with_the_same_mask(feature, dtype):
+    b, nq, nk, h, hk, d = 2, 77, 91, 4, 2, 40
+    p = 0.17
+    q, k, v = make_inputs(b, nq, nk, h, hk, d, dtype)
+    kwargs = feature_kwargs(FEATURES[feature], b, h)
+    out, _, s_dmask = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **kwargs)
+    dropped = dropped_from(s_dmask)
+    check_against_oracle(q, k, v, kwargs, out, dropped=dropped, dropout_p=p)
+
+
+def test_dropout_reproducible_under_manual_seed_and_rate_is_p():
+    q, k, v = make_inputs(4, 128, 128, 2, 2, 16, torch.float32, requires_grad=False)
+    p = 0.3
+    torch.manual_seed(123)
+    out1, _, s1 = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    torch.manual_seed(123)
+    out2, _, s2 = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    out3, _, s3 = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    assert torch.equal(out1, out2) and torch.equal(s1, s2)
+    assert not torch.equal(out1, out3)
+    rate = dropped_from(s1).double().mean().item()
+    assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / s1.numel())
+
+
+def test_dropout_backward_replays_the_forward_mask():
+    # With a fixed seed, the gradient from flash_attn equals the oracle's gradient for the mask S_dmask reports;
+    # a backward that drew a fresh mask would not.
+    q, k, v = make_inputs(1, 64, 64, 2, 2, 16, torch.float64)
+    out, _, s_dmask = flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+    ref, _ = attention_ref(q, k, v, dropped=dropped_from(s_dmask), dropout_p=0.5)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    theirs = torch.autograd.grad(ref, (q, k, v), g)
+    for x, r in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10)
+
+
+def test_lse_is_differentiable():
+    # d lse_i / d S_ij = P_ij: ring/context-parallel attention merges partial results through lse.
+    q, k, v = make_inputs(1, 20, 30, 2, 1, 8, torch.float64)
+    _, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    _, ref_lse = attention_ref(q, k, v, causal=True)
+    g = torch.randn_like(lse)
+    ours = torch.autograd.grad(lse, (q, k), g)
+    theirs = torch.autograd.grad(ref_lse, (q, k), g)
+    for x, r in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10)
