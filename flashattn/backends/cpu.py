@@ -64,33 +64,41 @@ class _Problem:
             yield c0, min(c0 + self.block_k, self.shape[2])
 
     def q_block(self, r0: int, r1: int) -> torch.Tensor:
-        return self.q[:, :, :, r0:r1].to(self.acc)
+        """Q_i * scale in the accumulation dtype: scaling the (rows x D) block, not the (rows x cols) tile."""
+        return (self.q[:, :, :, r0:r1].to(self.acc) * self.spec.scale).contiguous()
 
     def kv_block(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, c0:c1].to(self.acc), self.v[:, :, c0:c1].to(self.acc)
+        return self.k[:, :, c0:c1].to(self.acc).contiguous(), self.v[:, :, c0:c1].to(self.acc).contiguous()
 
-    def scores(self, qb, kb, r0, r1, c0, c1) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """S_ij for rows [r0, r1) x columns [c0, c1), shape (B, Hk, G, r1-r0, c1-c0), masked entries -inf.
+    def scores(self, qb, kb, r0, r1, c0, c1, need_tanh=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """S_ij for rows [r0, r1) x columns [c0, c1) from the scaled ``qb``, shape (B, Hk, G, r1-r0, c1-c0),
+        masked entries -inf. A fresh tensor: callers may update it in place.
 
-        Returns also tanh(raw / softcap) when softcapping, which the backward needs for the chain rule.
+        With ``need_tanh`` also returns tanh(raw / softcap), which the backward needs for the chain rule.
         """
         spec = self.spec
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qb, kb) * spec.scale
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qb, kb)
         tanh = None
-        if spec.softcap > 0:
-            tanh = torch.tanh(s / spec.softcap)
-            s = tanh * spec.softcap
+        # Elementwise passes over the tile are this path's cost: update it in place, allocate nothing.
+        if spec.softcap > 0 and need_tanh:
+            tanh = torch.tanh(s.div_(spec.softcap))
+            s = torch.mul(tanh, spec.softcap)
+        elif spec.softcap > 0:
+            s.div_(spec.softcap).tanh_().mul_(spec.softcap)
         if self.alibi is not None or not self.band.tile_is_full(r0, r1, c0, c1):
             rows = torch.arange(r0, r1, device=s.device)
             cols = torch.arange(c0, c1, device=s.device)
             if self.alibi is not None:
                 dist = (rows[:, None] + self.band.shift - cols[None, :]).abs().to(self.acc)
-                s = s - self.alibi * dist
+                s.sub_(self.alibi * dist)
             if not self.band.tile_is_full(r0, r1, c0, c1):
-                s = s.masked_fill(~self.band.visible(rows, cols), -math.inf)
+                s.masked_fill_(~self.band.visible(rows, cols), -math.inf)
         if self.mask is not None:
             m = self.mask_tile(self.mask, r0, r1, c0, c1)
-            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(self.acc)
+            if m.dtype == torch.bool:
+                s.masked_fill_(~m, -math.inf)
+            else:
+                s.add_(m)
         return s, tanh
 
     def mask_tile(self, m: torch.Tensor, r0, r1, c0, c1) -> torch.Tensor:
@@ -141,17 +149,17 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         acc = torch.zeros(*qb.shape[:-1], dv, dtype=p.acc, device=q.device)
         for c0, c1 in p.key_blocks(r0, r1):
             kb, vb = p.kv_block(c0, c1)
-            s, _ = p.scores(qb, kb, r0, r1, c0, c1)
-            new_max = torch.maximum(row_max, s.amax(-1))
+            e, _ = p.scores(qb, kb, r0, r1, c0, c1)
+            new_max = torch.maximum(row_max, e.amax(-1))
             # A row that has seen only masked keys keeps max -inf; subtract 0 there so exp gives 0, not NaN.
             safe_max = torch.where(new_max == -math.inf, 0.0, new_max)
-            e = torch.exp(s - safe_max[..., None])
+            e.sub_(safe_max[..., None]).exp_()
             rescale = torch.exp(row_max - safe_max)
             # The denominator sums the undropped weights: dropout acts on normalised probabilities.
             row_sum = row_sum * rescale + e.sum(-1)
             keep = p.dropout_scale(r0, r1, c0, c1)
             if keep is not None:
-                e = e * keep
+                e.mul_(keep)
             acc = acc * rescale[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", e, vb)
             row_max = new_max
         # Deferred normalisation (FlashAttention-2): one division per row, at the end; empty rows give 0.
@@ -172,8 +180,8 @@ def _probabilities(p: _Problem, lse: torch.Tensor, dtype) -> torch.Tensor:
         qb = p.q_block(r0, r1)
         for c0, c1 in p.key_blocks(r0, r1):
             kb, _ = p.kv_block(c0, c1)
-            s, _ = p.scores(qb, kb, r0, r1, c0, c1)
-            pt = torch.exp(s - lse5[:, :, :, r0:r1, None])
+            pt, _ = p.scores(qb, kb, r0, r1, c0, c1)
+            pt.sub_(lse5[:, :, :, r0:r1, None]).exp_()
             keep = p.dropout_scale(r0, r1, c0, c1)
             if keep is not None:
                 pt = torch.where(keep > 0, pt, -pt)
@@ -222,25 +230,26 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
         dqb = torch.zeros_like(qb)
         for c0, c1 in p.key_blocks(r0, r1):
             kb, vb = p.kv_block(c0, c1)
-            s, tanh = p.scores(qb, kb, r0, r1, c0, c1)
-            pt = torch.exp(s - lse_b)
+            pt, tanh = p.scores(qb, kb, r0, r1, c0, c1, need_tanh=True)
+            pt.sub_(lse_b).exp_()
             dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, vb)
             keep = p.dropout_scale(r0, r1, c0, c1)
             pv = pt if keep is None else pt * keep
             if keep is not None:
-                dp = dp * keep
+                dp.mul_(keep)
             dv_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", pv, dob)
-            ds = pt * (dp - delta[..., None])
+            ds = dp.sub_(delta[..., None]).mul_(pt)
             if dmask is not None:
                 tile = p.mask_tile(dmask, r0, r1, c0, c1)
                 tile += _sum_to(ds, tile.shape)
             if tanh is not None:
-                ds = ds * (1 - tanh * tanh)
+                ds.mul_(1 - tanh * tanh)
             dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb)
+            # qb carries the scale already, so dK = dS^T (Q * scale) needs no further factor.
             dk_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb)
         dq5[:, :, :, r0:r1] = (dqb * spec.scale).to(q.dtype)
     # Gradients take their input's strides, as the op's fake implementation promises torch.compile.
-    dk = torch.empty_like(k).copy_((dk_acc * spec.scale).permute(0, 2, 1, 3))
+    dk = torch.empty_like(k).copy_(dk_acc.permute(0, 2, 1, 3))
     dv = torch.empty_like(v).copy_(dv_acc.permute(0, 2, 1, 3))
     if dmask is not None:
         dmask = dmask.reshape(mask.shape).to(mask.dtype)
