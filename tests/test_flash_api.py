@@ -199,3 +199,40 @@ def test_lse_is_differentiable():
     theirs = torch.autograd.grad(ref_lse, (q, k), g)
     for x, r in zip(ours, theirs, strict=True):
         torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch):
+    """Force 13-row x 16-column tiles so every test shape spans many query and key blocks (mask edges, skipped
+    blocks, partial last blocks); returns a function that applies them for a given batch x heads."""
+    from flashattn.backends import cpu
+
+    def apply(batch_heads):
+        monkeypatch.setattr(cpu, "MAX_BLOCK_K", 16)
+        monkeypatch.setattr(cpu, "TILE_ELEMENTS", 13 * 16 * batch_heads)
+
+    return apply
+
+
+@pytest.mark.parametrize("feature", ["plain", "causal", "window", "window_left_causal", "all"])
+@pytest.mark.parametrize("shape", [(2, 77, 91, 4, 2, 24), (1, 100, 37, 2, 1, 16), (1, 37, 100, 3, 1, 8)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_many_tiles(shape, feature, tiny_tiles):
+    b, nq, nk, h, hk, d = shape
+    tiny_tiles(b * h)
+    q, k, v = make_inputs(*shape, torch.float32)
+    kwargs = feature_kwargs(FEATURES[feature], b, h)
+    check_against_oracle(q, k, v, kwargs, flash_attn_func(q, k, v, **kwargs))
+
+
+def test_dropout_mask_does_not_depend_on_tiling(tiny_tiles):
+    q, k, v = make_inputs(2, 45, 60, 4, 2, 16, torch.float32, requires_grad=False)
+    torch.manual_seed(5)
+    big = flash_attn_func(q, k, v, dropout_p=0.4, causal=True, return_attn_probs=True)
+    tiny_tiles(2 * 4)
+    torch.manual_seed(5)
+    small = flash_attn_func(q, k, v, dropout_p=0.4, causal=True, return_attn_probs=True)
+    visible = big[2] != 0  # masked-out entries carry no dropout decision (skipped tiles never draw one)
+    assert visible.sum() > 1000
+    assert torch.equal(torch.signbit(big[2])[visible], torch.signbit(small[2])[visible])
+    torch.testing.assert_close(small[0], big[0], rtol=1e-5, atol=1e-6)

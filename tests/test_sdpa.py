@@ -98,3 +98,14 @@ def test_dropout_is_reproducible_and_changes_output():
     b = flashattn.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
     plain = flashattn.scaled_dot_product_attention(q, k, v)
     assert torch.equal(a, b) and not torch.allclose(a, plain)
+
+
+def test_masks_and_gradients_across_many_tiles(monkeypatch):
+    from flashattn.backends import cpu
+
+    monkeypatch.setattr(cpu, "MAX_BLOCK_K", 16)
+    monkeypatch.setattr(cpu, "TILE_ELEMENTS", 13 * 16 * 6)
+    q, k, v = qkv(2, 3, 3, 70, 50, 16)
+    mask = torch.randn(3, 70, 50, dtype=torch.float64, requires_grad=True)
+    compare_with_torch((q, k, v), {"attn_mask": mask})
+    compare_with_torch(qkv(2, 3, 3, 70, 50, 16), {"is_causal": True})

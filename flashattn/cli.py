@@ -1,0 +1,172 @@
+"""The ``flashattn`` command line: ``flashattn demo`` (also ``python -m flashattn demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import __version__, reference
+from .bench.measure import Case, measure
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(f"{{:>{w}}}" for w in widths)
+    out = [line.format(*header), line.format(*("-" * w for w in widths))]
+    out += [line.format(*map(str, r)) for r in rows]
+    return "\n".join(out)
+
+
+def _ladder_errors(n: int = 97, d: int = 40, seed: int = 0) -> list[list[str]]:
+    """Each rung of the ladder against standard attention (Algorithm 0), in float64."""
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (rng.standard_normal((n, d)) for _ in range(4))
+    x = rng.standard_normal((n, n))
+    rows = []
+    soft = reference.safe_softmax(x)
+    for name in ("naive_softmax", "three_pass_softmax", "online_softmax"):
+        rows.append([name, "safe_softmax", f"{np.abs(getattr(reference, name)(x) - soft).max():.1e}"])
+    for causal in (False, True):
+        want, lse = reference.standard_attention(q, k, v, causal=causal, return_lse=True)
+        rungs = {
+            "two_pass_attention": reference.two_pass_attention(q, k, v, causal=causal),
+            "one_pass_attention": reference.one_pass_attention(q, k, v, causal=causal),
+            "flash_attention_v1": reference.flash_attention_v1(q, k, v, M=4 * d * 16, causal=causal),
+            "flash_attention_v2_forward": reference.flash_attention_v2_forward(q, k, v, M=4 * d * 16,
+                                                                               causal=causal)[0],
+        }
+        tag = " (causal)" if causal else ""
+        for name, got in rungs.items():
+            rows.append([name + tag, "standard_attention", f"{np.abs(got - want).max():.1e}"])
+        grads = reference.flash_attention_v2_backward(q, k, v, want, do, lse, M=4 * d * 16, causal=causal)
+        want_grads = _autograd_grads(q, k, v, do, causal)
+        err = max(np.abs(g - w).max() for g, w in zip(grads, want_grads, strict=True))
+        rows.append(["flash_attention_v2_backward" + tag, "torch autograd (float64)", f"{err:.1e}"])
+    return rows
+
+
+def _autograd_grads(q, k, v, do, causal):
+    t = [torch.from_numpy(a).requires_grad_() for a in (q, k, v)]
+    s = t[0] @ t[1].T * q.shape[1] ** -0.5
+    if causal:
+        n = s.shape[0]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ t[2]
+    return [g.numpy() for g in torch.autograd.grad(out, t, torch.from_numpy(do))]
+
+
+def _traffic_rows(n: int, d: int, sram_sizes: list[int]) -> tuple[list[list[str]], int | None]:
+    rows = []
+    for m in sram_sizes:
+        counts = {a: reference.measure_traffic(a, n, d, m)["bytes"] for a in
+                  ("standard", "flash1", "flash2_fwd", "flash2_bwd")}
+        winner = "flash" if counts["flash2_fwd"] < counts["standard"] else "standard"
+        rows.append([n, d, m, *(f"{counts[a] / 2**20:.1f}" for a in counts), winner])
+    return rows, reference.crossover_sram(n, d, sram_sizes)
+
+
+def _plot(results: list[dict], path: Path, device: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl in sorted({r["impl"] for r in results}):
+        pts = [r for r in results if r["impl"] == impl and r["seconds"] is not None]
+        n = [r["seqlen"] for r in pts]
+        ax_t.plot(n, [r["seconds"] * 1e3 for r in pts], "o-", label=impl)
+        ax_m.plot(n, [r["peak_bytes"] / 2**20 for r in pts], "o-", label=impl)
+    for ax, label in ((ax_t, "time per forward (ms)"), (ax_m, "peak extra memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"attention forward on {device}: flashattn vs plain attention vs torch SDPA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def demo(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"flashattn {__version__} demo on {device} (torch {torch.__version__})\n")
+
+    print("1. The ladder: every rung computes the same attention (float64, max abs error)")
+    print(_table(_ladder_errors(), ["algorithm", "compared with", "max error"]), "\n")
+
+    n, d = args.traffic_n, args.traffic_d
+    sram = [d * d // 2, d * d, 2 * d * d, 4 * d * d, 16 * d * d, 64 * d * d]
+    rows, cross = _traffic_rows(n, d, sram)
+    print(f"2. HBM traffic counted block by block (MiB at 2 bytes/element), N={n}, d={d}, SRAM M in elements")
+    print(_table(rows, ["N", "d", "M", "standard", "flash1", "flash2_fwd", "flash2_bwd", "fwd winner"]))
+    print(f"   crossover: flash forward moves less data than standard attention from M = {cross} elements "
+          f"(theory: M ~ d^2 = {d * d})\n")
+
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    impls = ["flashattn", "torch_sdpa", "plain"]
+    cases = [Case(impl, s, heads=args.heads, headdim=args.headdim, device=device, causal=args.causal,
+                  repeats=args.repeats) for s in seqlens for impl in impls]
+    results = []
+    for case in tqdm(cases, desc="3. timing", unit="case", file=sys.stdout):
+        skip = case.impl == "plain" and 3 * case.heads * case.seqlen**2 * 4 > args.plain_limit_gib * 2**30
+        results.append({**vars(case), "seconds": None, "peak_bytes": None, "error": "skipped: N x N too big"}
+                       if skip else measure(case))
+    print(f"\n3. Forward time and peak extra memory, batch 1, {args.heads} heads, headdim {args.headdim}, "
+          f"float32, causal={args.causal}")
+    table = []
+    for s in seqlens:
+        by = {r["impl"]: r for r in results if r["seqlen"] == s}
+        row = [s]
+        for impl in impls:
+            r = by[impl]
+            if r["seconds"] is None:
+                row += ["-", "-"]
+            else:
+                row += [f"{r['seconds'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}"]
+        table.append(row)
+    header = ["N"] + [f"{impl} {what}" for impl in impls for what in ("ms", "MiB")]
+    print(_table(table, header))
+    (out_dir / "demo.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+    plotted = _plot(results, out_dir / "demo.png", device)
+    print(f"\nwrote {out_dir / 'demo.json'}" + (f" and {out_dir / 'demo.png'}" if plotted else
+                                                 " (install matplotlib for the plot)"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
+    parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="the ladder, the HBM-traffic table, and time/memory against plain attention")
+    p.add_argument("--out", default="demo-output", help="folder for demo.json and demo.png")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seqlens", default="512,1024,2048,4096,8192")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plain-limit-gib", type=float, default=8.0,
+                   help="skip plain attention where its N x N tensors would exceed this")
+    p.add_argument("--traffic-n", type=int, default=1024)
+    p.add_argument("--traffic-d", type=int, default=64)
+    p.set_defaults(func=demo)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

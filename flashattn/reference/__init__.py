@@ -1,0 +1,75 @@
+"""The algorithm ladder: exact attention, from the textbook softmax to FlashAttention-2, in NumPy.
+
+Each rung is a small function whose docstring states the recurrence it implements:
+
+* softmax: :func:`naive_softmax` -> :func:`safe_softmax` -> :func:`three_pass_softmax`
+  -> :func:`online_softmax`;
+* attention: :func:`standard_attention` (Algorithm 0) -> :func:`two_pass_attention`
+  -> :func:`one_pass_attention`;
+* FlashAttention: :func:`flash_attention_v1` (Algorithm 1) -> :func:`flash_attention_v2_forward`
+  -> :func:`flash_attention_v2_backward`;
+* HBM traffic: :class:`HBMCounter` / :class:`HBMArray` count what the tiled algorithms move,
+  :func:`measure_traffic`, :func:`traffic_table`, :func:`crossover_sram` report it.
+
+NumPy only; no torch.
+"""
+
+from flashattn.reference.attention import (
+    causal_mask,
+    one_pass_attention,
+    standard_attention,
+    standard_block_size,
+    two_pass_attention,
+)
+from flashattn.reference.flash import (
+    fa1_block_sizes,
+    fa2_block_sizes,
+    flash_attention_v1,
+    flash_attention_v2_backward,
+    flash_attention_v2_forward,
+)
+from flashattn.reference.hbm import (
+    ALGORITHMS,
+    DEFAULT_SRAM,
+    HBMArray,
+    HBMCounter,
+    NullCounter,
+    asymptotic_scale,
+    crossover_sram,
+    measure_traffic,
+    traffic_table,
+)
+from flashattn.reference.softmax import (
+    logsumexp,
+    naive_softmax,
+    online_softmax,
+    safe_softmax,
+    three_pass_softmax,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_SRAM",
+    "HBMArray",
+    "HBMCounter",
+    "NullCounter",
+    "asymptotic_scale",
+    "causal_mask",
+    "crossover_sram",
+    "fa1_block_sizes",
+    "fa2_block_sizes",
+    "flash_attention_v1",
+    "flash_attention_v2_backward",
+    "flash_attention_v2_forward",
+    "logsumexp",
+    "measure_traffic",
+    "naive_softmax",
+    "one_pass_attention",
+    "online_softmax",
+    "safe_softmax",
+    "standard_attention",
+    "standard_block_size",
+    "three_pass_softmax",
+    "traffic_table",
+    "two_pass_attention",
+]
