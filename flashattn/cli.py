@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from . import __version__, reference
 from .bench.measure import Case, measure
+from .bench.plot import plot_time_memory
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -71,34 +72,6 @@ def _traffic_rows(n: int, d: int, sram_sizes: list[int]) -> tuple[list[list[str]
     return rows, reference.crossover_sram(n, d, sram_sizes)
 
 
-def _plot(results: list[dict], path: Path, device: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for impl in sorted({r["impl"] for r in results}):
-        pts = [r for r in results if r["impl"] == impl and r["seconds"] is not None]
-        n = [r["seqlen"] for r in pts]
-        ax_t.plot(n, [r["seconds"] * 1e3 for r in pts], "o-", label=impl)
-        ax_m.plot(n, [r["peak_bytes"] / 2**20 for r in pts], "o-", label=impl)
-    for ax, label in ((ax_t, "time per forward (ms)"), (ax_m, "peak extra memory (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"attention forward on {device}: flashattn vs plain attention vs torch SDPA")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def demo(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +114,8 @@ def demo(args: argparse.Namespace) -> int:
     header = ["N"] + [f"{impl} {what}" for impl in impls for what in ("ms", "MiB")]
     print(_table(table, header))
     (out_dir / "demo.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
-    plotted = _plot(results, out_dir / "demo.png", device)
+    title = f"attention forward on {device}: flashattn vs plain attention vs torch SDPA"
+    plotted = plot_time_memory(results, out_dir / "demo.png", title)
     print(f"\nwrote {out_dir / 'demo.json'}" + (f" and {out_dir / 'demo.png'}" if plotted else
                                                  " (install matplotlib for the plot)"))
     return 0

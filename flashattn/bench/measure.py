@@ -62,6 +62,7 @@ class Case:
     device: str = "cpu"
     causal: bool = False
     repeats: int = 3
+    mode: str = "fwd"  # "fwd" (inference) or "fwd+bwd" (training step of the attention alone)
 
 
 def _proc_status(key: str) -> int:
@@ -81,43 +82,56 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _step(fn, q, k, v, causal: bool, mode: str) -> None:
+    if mode == "fwd":
+        with torch.inference_mode():
+            fn(q, k, v, causal)
+        return
+    out = fn(q, k, v, causal)
+    out.backward(torch.ones_like(out))
+    for t in (q, k, v):
+        t.grad = None
+
+
 def run_here(case: Case) -> dict:
     """Measure in this process: median seconds of ``repeats`` calls after one warm-up, and peak extra bytes."""
+    if case.mode not in ("fwd", "fwd+bwd"):
+        raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {case.mode!r}")
     fn = IMPLEMENTATIONS[case.impl]
     dtype = getattr(torch, case.dtype)
     shape = (case.batch, case.seqlen, case.heads, case.headdim)
-    q, k, v = (torch.randn(shape, dtype=dtype, device=case.device) for _ in range(3))
+    grad = case.mode == "fwd+bwd"
+    q, k, v = (torch.randn(shape, dtype=dtype, device=case.device, requires_grad=grad) for _ in range(3))
     cuda = case.device.startswith("cuda")
-    with torch.inference_mode():
-        tiny = [t[:, : min(case.seqlen, 16)] for t in (q, k, v)]
-        fn(*tiny, case.causal)  # load code and start thread pools outside the measured call
+    tiny = [t.detach()[:, : min(case.seqlen, 16)].requires_grad_(grad) for t in (q, k, v)]
+    _step(fn, *tiny, case.causal, case.mode)  # load code and start thread pools outside the measured call
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        exact = _reset_peak_rss()
+        before = _proc_status("VmRSS")
+    _step(fn, q, k, v, case.causal, case.mode)  # the measured call; it also warms up the timing loop
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        high = _proc_status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = high - before
+    times = []
+    for _ in range(case.repeats):
         if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _step(fn, q, k, v, case.causal, case.mode)
+            end.record()
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+            times.append(start.elapsed_time(end) / 1e3)
         else:
-            exact = _reset_peak_rss()
-            before = _proc_status("VmRSS")
-        fn(q, k, v, case.causal)  # the measured call; it also warms up the timing loop below
-        if cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - before
-        else:
-            high = _proc_status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            peak = high - before
-        times = []
-        for _ in range(case.repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(q, k, v, case.causal)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn(q, k, v, case.causal)
-                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            _step(fn, q, k, v, case.causal, case.mode)
+            times.append(time.perf_counter() - t0)
     return {**asdict(case), "seconds": statistics.median(times), "peak_bytes": max(0, peak)}
 
 
@@ -126,7 +140,7 @@ def measure(case: Case, timeout: float = 600) -> dict:
     if case.device.startswith("cuda"):
         return run_here(case)
     args = [sys.executable, "-m", "flashattn.bench.measure", case.impl, str(case.seqlen), "--json"]
-    for key in ("batch", "heads", "headdim", "dtype", "device", "repeats"):
+    for key in ("batch", "heads", "headdim", "dtype", "device", "repeats", "mode"):
         args += [f"--{key}", str(getattr(case, key))]
     if case.causal:
         args.append("--causal")
@@ -148,9 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
     p.add_argument("--json", action="store_true", help="print one JSON line")
     a = p.parse_args(argv)
-    result = run_here(Case(a.impl, a.seqlen, a.batch, a.heads, a.headdim, a.dtype, a.device, a.causal, a.repeats))
+    case = Case(a.impl, a.seqlen, a.batch, a.heads, a.headdim, a.dtype, a.device, a.causal, a.repeats, a.mode)
+    result = run_here(case)
     print(json.dumps(result) if a.json else result)
 
 
