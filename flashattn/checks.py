@@ -7,6 +7,7 @@ value) whose message names the function, the argument, the value received and wh
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,7 +68,7 @@ def _validate_heads(fn: str, nheads: int, nheads_k: int, q_name: str, k_name: st
 
 
 def _validate_real(fn: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(fn, f"{name} must be a real number, got {value!r}", TypeError)
     if not math.isfinite(value):
         raise _fail(fn, f"{name} must be finite, got {value!r}")
@@ -120,6 +121,8 @@ def _validate_alibi(fn: str, slopes: object, batch: int, nheads: int, ref: torch
         raise _fail(fn, f"alibi_slopes must be a floating-point tensor, got dtype {slopes.dtype}", TypeError)
     if slopes.device != ref.device:
         raise _fail(fn, f"alibi_slopes is on {slopes.device} but q is on {ref.device}")
+    if slopes.requires_grad and torch.is_grad_enabled():
+        raise _fail(fn, "alibi_slopes receives no gradient (as in flash_attn); pass alibi_slopes.detach()")
     if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
         raise _fail(
             fn,

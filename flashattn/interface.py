@@ -30,7 +30,7 @@ def _dropout_seed(dropout_p: float, device: torch.device) -> Tensor | None:
     """
     if dropout_p == 0:
         return None
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device).cpu()
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
 def _run(call: checks.CheckedCall, return_probs: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -96,7 +96,7 @@ def _attention_backward(
 def _(dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed, scale, window_left, window_right,
       bottom_right, softcap, dropout_p, deterministic, mask_grad):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 _SCALARS = ("scale", "window_left", "window_right", "bottom_right", "softcap", "dropout_p", "deterministic")

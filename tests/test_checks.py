@@ -47,7 +47,16 @@ FLASH_CASES = [
     ({"alibi_slopes": torch.rand(3)}, ValueError, ["alibi_slopes", "(nheads,)", "(4,)", "(3,)"]),
     ({"alibi_slopes": torch.ones(4, dtype=torch.int64)}, TypeError, ["alibi_slopes", "floating-point"]),
     ({"alibi_slopes": [0.1] * 4}, TypeError, ["alibi_slopes", "torch.Tensor"]),
+    ({"alibi_slopes": torch.rand(4, requires_grad=True)}, ValueError, ["alibi_slopes", "no gradient", "detach"]),
 ]
+
+
+def test_numpy_scalars_are_accepted():
+    import numpy as np
+
+    q, k, v = good()
+    out = flashattn.flash_attn_func(q, k, v, softmax_scale=np.float32(0.25), softcap=np.float64(3.0))
+    torch.testing.assert_close(out, flashattn.flash_attn_func(q, k, v, softmax_scale=0.25, softcap=3.0))
 
 
 @pytest.mark.parametrize("overrides,error,words", FLASH_CASES, ids=lambda x: None)

@@ -209,6 +209,7 @@ def tiny_tiles(monkeypatch):
 
     def apply(batch_heads):
         monkeypatch.setattr(cpu, "MAX_BLOCK_K", 16)
+        monkeypatch.setattr(cpu, "MIN_BLOCK_Q", 1)
         monkeypatch.setattr(cpu, "TILE_ELEMENTS", 13 * 16 * batch_heads)
 
     return apply
@@ -236,3 +237,22 @@ def test_dropout_mask_does_not_depend_on_tiling(tiny_tiles):
     assert visible.sum() > 1000
     assert torch.equal(torch.signbit(big[2])[visible], torch.signbit(small[2])[visible])
     torch.testing.assert_close(small[0], big[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("feature", ["plain", "causal", "all"])
+def test_every_output_element_is_written(feature, tiny_tiles, monkeypatch):
+    """Outputs and gradients are allocated NaN-poisoned: any element the backend forgets to write shows up."""
+    from flashattn.backends import cpu
+
+    monkeypatch.setattr(cpu, "_uninitialized", lambda *shape, dtype, device: torch.full(
+        shape, math.nan, dtype=dtype, device=device))
+    shape = (2, 50, 33, 4, 2, 16)  # Nq > Nk: causal leaves whole rows with no key
+    tiny_tiles(2 * 4)
+    q, k, v = make_inputs(*shape, torch.float32)
+    kwargs = feature_kwargs(FEATURES[feature], 2, 4)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    assert not out.isnan().any() and not lse.isnan().any()
+    (out.sum() + lse.clamp_min(-1e4).sum()).backward()
+    assert not any(t.grad.isnan().any() for t in (q, k, v))
+    check_against_oracle(q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
+                         kwargs, out.detach(), grads=False)

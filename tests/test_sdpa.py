@@ -104,6 +104,7 @@ def test_masks_and_gradients_across_many_tiles(monkeypatch):
     from flashattn.backends import cpu
 
     monkeypatch.setattr(cpu, "MAX_BLOCK_K", 16)
+    monkeypatch.setattr(cpu, "MIN_BLOCK_Q", 1)
     monkeypatch.setattr(cpu, "TILE_ELEMENTS", 13 * 16 * 6)
     q, k, v = qkv(2, 3, 3, 70, 50, 16)
     mask = torch.randn(3, 70, 50, dtype=torch.float64, requires_grad=True)

@@ -23,6 +23,13 @@ from .spec import AttentionSpec
 # Python's loop overhead vanishes behind the matmuls, small enough that memory stays O(N d), never O(N^2).
 TILE_ELEMENTS = 1 << 19
 MAX_BLOCK_K = 256
+# At least this many query rows per block, so a huge batch x heads costs tile memory, not a Python loop per row.
+MIN_BLOCK_Q = 64
+
+
+def _uninitialized(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocation of every output this backend must fill completely (tests poison it with NaN)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 def _blocks(n: int, size: int) -> range:
@@ -47,7 +54,7 @@ class _Problem:
         self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
         self.mask = None if mask is None else self._heads5(mask)
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
-        self.block_q = max(1, min(nq, TILE_ELEMENTS // max(1, b * h * self.block_k)))
+        self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
         if spec.dropout_p > 0:
             idx = torch.arange(b * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
             self.dropout_base = idx * nq * nk
@@ -138,8 +145,8 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     p = _Problem(q, k, v, alibi, mask, spec)
     b, nq, nk, h, hk, g = p.shape
     dv = v.shape[-1]
-    out = torch.empty(b, nq, h, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, h, nq, dtype=p.acc, device=q.device)
+    out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
+    lse = _uninitialized(b, h, nq, dtype=p.acc, device=q.device)
     out5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
     lse5 = lse.unflatten(1, (hk, g))
     for r0 in _blocks(nq, p.block_q):
@@ -211,7 +218,7 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
     p = _Problem(q, k, v, alibi, mask, spec)
     b, nq, nk, h, hk, g = p.shape
     acc_t = p.acc
-    dq = torch.empty_like(q)
+    dq = _uninitialized(*q.shape, dtype=q.dtype, device=q.device)
     dk_acc = torch.zeros(b, hk, nk, k.shape[-1], dtype=acc_t, device=q.device)
     dv_acc = torch.zeros(b, hk, nk, v.shape[-1], dtype=acc_t, device=q.device)
     dmask = torch.zeros(p.mask.shape, dtype=acc_t, device=q.device) if mask_grad else None
@@ -249,9 +256,8 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
             # qb carries the scale already, so dK = dS^T (Q * scale) needs no further factor.
             dk_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb)
         dq5[:, :, :, r0:r1] = (dqb * spec.scale).to(q.dtype)
-    # Gradients take their input's strides, as the op's fake implementation promises torch.compile.
-    dk = torch.empty_like(k).copy_(dk_acc.permute(0, 2, 1, 3))
-    dv = torch.empty_like(v).copy_(dv_acc.permute(0, 2, 1, 3))
+    dk = _uninitialized(*k.shape, dtype=k.dtype, device=k.device).copy_(dk_acc.permute(0, 2, 1, 3))
+    dv = _uninitialized(*v.shape, dtype=v.dtype, device=v.device).copy_(dv_acc.permute(0, 2, 1, 3))
     if dmask is not None:
         dmask = dmask.reshape(mask.shape).to(mask.dtype)
     return dq, dk, dv, dmask
