@@ -256,3 +256,12 @@ def test_every_output_element_is_written(feature, tiny_tiles, monkeypatch):
     assert not any(t.grad.isnan().any() for t in (q, k, v))
     check_against_oracle(q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
                          kwargs, out.detach(), grads=False)
+
+
+@pytest.mark.parametrize("b,nq,nk", [(0, 5, 7), (2, 0, 7)])
+def test_empty_batch_or_queries(b, nq, nk):
+    q, k, v = make_inputs(b, nq, nk, 2, 2, 8, torch.float32)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, dropout_p=0.1, return_attn_probs=True)
+    assert out.shape == (b, nq, 2, 8) and lse.shape == (b, 2, nq) and probs.shape == (b, 2, nq, nk)
+    out.sum().backward()
+    assert k.grad.shape == k.shape and not k.grad.any()
