@@ -1,6 +1,7 @@
 """flashattn: exact, IO-aware attention. A drop-in for ``flash_attn`` with a tiled CPU path, and the
 FlashAttention derivation as executable code in ``flashattn.reference``."""
 
+from .backends import use_backend
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -16,4 +17,5 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "scaled_dot_product_attention",
+    "use_backend",
 ]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from oracle import assert_close, attention_ref
+from oracle import assert_close, attention_ref, check_against_oracle, feature_kwargs, make_inputs
 
 from flashattn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
@@ -31,46 +31,6 @@ FEATURES = {
     "all": {"causal": True, "window_size": (64, 0), "softcap": 2.0, "alibi": True},
 }
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def make_inputs(b, nq, nk, h, hk, d, dtype, requires_grad=True):
-    q = torch.randn(b, nq, h, d, dtype=dtype)
-    k = torch.randn(b, nk, hk, d, dtype=dtype)
-    v = torch.randn(b, nk, hk, d, dtype=dtype)
-    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
-
-
-def feature_kwargs(features, b, h):
-    kwargs = {key: val for key, val in features.items() if key != "alibi"}
-    if features.get("alibi"):
-        kwargs["alibi_slopes"] = torch.rand(b, h) * 0.3
-    return kwargs
-
-
-def oracle_kwargs(kwargs):
-    return {
-        "causal": kwargs.get("causal", False),
-        "window": kwargs.get("window_size", (-1, -1)),
-        "softcap": kwargs.get("softcap", 0.0),
-        "alibi": kwargs.get("alibi_slopes"),
-        "scale": kwargs.get("softmax_scale"),
-    }
-
-
-def check_against_oracle(q, k, v, kwargs, out, grads=True, dropped=None, dropout_p=0.0):
-    ref, _ = attention_ref(q, k, v, dropped=dropped, dropout_p=dropout_p, **oracle_kwargs(kwargs))
-    base, _ = attention_ref(q, k, v, dropped=dropped, dropout_p=dropout_p, upcast=False, **oracle_kwargs(kwargs))
-    assert out.dtype == q.dtype and out.shape == ref.shape
-    assert_close("out", out, ref, base)
-    if not grads:
-        return
-    g = torch.randn_like(out)
-    ours = torch.autograd.grad(out, (q, k, v), g)
-    ref_g = torch.autograd.grad(ref, (q, k, v), g.double())
-    base_g = torch.autograd.grad(base, (q, k, v), g)
-    for name, x, r, bl in zip(("dq", "dk", "dv"), ours, ref_g, base_g, strict=True):
-        assert x.dtype == q.dtype and x.shape == r.shape
-        assert_close(name, x, r, bl, factor=3.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

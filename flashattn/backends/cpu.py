@@ -56,6 +56,7 @@ class _Problem:
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
         self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
         if spec.dropout_p > 0:
+            self.seed = int(spec.seed.item())
             idx = torch.arange(b * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
             self.dropout_base = idx * nq * nk
 
@@ -123,7 +124,7 @@ class _Problem:
         rows = torch.arange(r0, r1, device=self.dropout_base.device)
         cols = torch.arange(c0, c1, device=self.dropout_base.device)
         offset = self.dropout_base + (rows[:, None] * nk + cols[None, :])
-        keep = dropout_keep(spec.seed, offset, spec.dropout_p)
+        keep = dropout_keep(self.seed, offset, spec.dropout_p)
         return keep.to(self.acc) / (1.0 - spec.dropout_p)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .masking import Band
 
 
@@ -21,7 +23,8 @@ class AttentionSpec:
         bottom_right: align the band's diagonal to the bottom-right corner (flash_attn) or top-left (SDPA).
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masks).
         dropout_p: probability of dropping an attention weight; kept weights are scaled by 1 / (1 - p).
-        seed: key of the counter-based dropout generator (``flashattn.backends.philox``); None without dropout.
+        seed: one-element int64 tensor on the inputs' device, the key of the counter-based dropout generator
+            (``flashattn.backends.philox``); None without dropout. A tensor, so GPU kernels read it without a sync.
         deterministic: ask for bitwise-reproducible gradients (backends that could use atomics honour it).
     """
 
@@ -31,7 +34,7 @@ class AttentionSpec:
     bottom_right: bool = True
     softcap: float = 0.0
     dropout_p: float = 0.0
-    seed: int | None = None
+    seed: torch.Tensor | None = None
     deterministic: bool = False
 
     def band(self, nq: int, nk: int) -> Band:

@@ -1,0 +1,160 @@
+"""Triton backend: fused FlashAttention-2 kernels for NVIDIA GPUs (and CPU tensors under TRITON_INTERPRET=1).
+
+``forward`` and ``backward`` have the signatures of ``flashattn.backends.cpu``. Inputs are passed by strides,
+never copied; fp16/bf16/fp32 inputs accumulate in fp32 (fp32 matmuls in IEEE precision, not TF32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..spec import AttentionSpec
+from . import configs
+from .kernels import (
+    MASK_ADD,
+    MASK_BOOL,
+    MASK_NONE,
+    attention_backward_dkdv_kernel,
+    attention_backward_dq_kernel,
+    attention_backward_preprocess_kernel,
+    attention_forward_kernel,
+)
+
+MAX_HEAD_DIM = 256
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if t is None else tuple(t.stride())
+
+
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor):
+    if mask is None:
+        return q, (0, 0, 0, 0), MASK_NONE
+    # Broadcast dimensions (size 1) get stride 0, so the kernel reads the same element for every index.
+    strides = tuple(0 if n == 1 else s for n, s in zip(mask.shape, mask.stride(), strict=True))
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), strides, MASK_BOOL
+    return mask, strides, MASK_ADD
+
+
+def _flags(spec: AttentionSpec, alibi, mask, q, interp: bool) -> dict:
+    upcast = interp and q.dtype != torch.float32  # the interpreter's tl.dot is wrong on bf16: compute in fp32
+    return dict(
+        HAS_LEFT=spec.window_left >= 0,
+        HAS_RIGHT=spec.window_right >= 0,
+        HAS_SOFTCAP=spec.softcap > 0,
+        HAS_ALIBI=alibi is not None,
+        MASK_KIND=_mask_args(mask, q)[2],
+        HAS_DROPOUT=spec.dropout_p > 0,
+        UPCAST=upcast,
+        FP32_DOT=upcast or q.dtype == torch.float32,
+    )
+
+
+def _scalars(spec: AttentionSpec, nq: int, nk: int) -> tuple:
+    band = spec.band(nq, nk)
+    return (band.shift, max(band.left, 0), max(band.right, 0), spec.scale, spec.softcap or 1.0, spec.dropout_p)
+
+
+def _check(q: torch.Tensor, v: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+    if q.dtype == torch.float64:
+        raise TypeError("the triton backend supports float16, bfloat16 and float32; use the cpu backend for float64")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}")
+
+
+def _config(table: dict, d: int, dv: int) -> configs.KernelConfig:
+    return configs.INTERPRETER if interpreting() else table[configs.padded_head_dim(max(d, dv))]
+
+
+def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False):
+    """Same contract as ``flashattn.backends.cpu.forward``."""
+    _check(q, v)
+    b, nq, h, d = q.shape
+    nk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = torch.empty(b, nq, h, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
+    probs = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device) if return_probs else q.new_empty(0)
+    if out.numel() == 0:
+        lse.fill_(float("-inf"))
+        return out, lse, probs
+    cfg = _config(configs.FORWARD, d, dv)
+    mask_t, mask_strides, _ = _mask_args(mask, q)
+    grid = (triton.cdiv(nq, cfg.block_m), b * h)
+    attention_forward_kernel[grid](
+        q, k, v, out, lse, probs, alibi if alibi is not None else q, mask_t, _seed(spec, q),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *(_alibi_strides(alibi)), *mask_strides,
+        h, h // hk, nq, nk, d, dv, *_scalars(spec, nq, nk),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.padded_head_dim(d),
+        BLOCK_DV=configs.padded_head_dim(dv), WRITE_PROBS=return_probs,
+        **_flags(spec, alibi, mask, q, interpreting()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse, probs
+
+
+def _alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
+    if alibi is None:
+        return (0, 0)
+    return (0 if alibi.shape[0] == 1 else alibi.stride(0), alibi.stride(1))
+
+
+def _seed(spec: AttentionSpec, q: torch.Tensor) -> torch.Tensor:
+    # Without dropout the kernels never load it; any int64 pointer will do.
+    return spec.seed if spec.seed is not None else _placeholder(q)
+
+
+def _placeholder(q: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=q.device)
+
+
+def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False):
+    """Same contract as ``flashattn.backends.cpu.backward``; deterministic (no atomics) in every mode."""
+    if mask_grad:
+        raise ValueError("the triton backend does not compute gradients for attn_mask; detach the mask or use "
+                         "the cpu backend (flashattn.use_backend('cpu'))")
+    _check(q, v)
+    b, nq, h, d = q.shape
+    nk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dvv.zero_(), None
+    interp = interpreting()
+    delta = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
+    attention_backward_preprocess_kernel[(triton.cdiv(nq, configs.PREPROCESS_BLOCK_M), b * h)](
+        out, dout, dlse if dlse is not None else lse, delta, *out.stride(), *dout.stride(), h, nq, dv,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv), HAS_DLSE=dlse is not None,
+    )
+    cfg = _config(configs.BACKWARD, d, dv)
+    mask_t, mask_strides, _ = _mask_args(mask, q)
+    common = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.padded_head_dim(d),
+        BLOCK_DV=configs.padded_head_dim(dv), **_flags(spec, alibi, mask, q, interp),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    alibi_t = alibi if alibi is not None else q
+    seed = _seed(spec, q)
+    scalars = _scalars(spec, nq, nk)
+    attention_backward_dkdv_kernel[(triton.cdiv(nk, cfg.block_n), b * hk)](
+        q, k, v, dout, lse, delta, dk, dvv, alibi_t, mask_t, seed,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dvv.stride(),
+        *_alibi_strides(alibi), *mask_strides,
+        h, hk, h // hk, nq, nk, d, dv, *scalars, **common,
+    )
+    attention_backward_dq_kernel[(triton.cdiv(nq, cfg.block_m), b * h)](
+        q, k, v, dout, lse, delta, dq, alibi_t, mask_t, seed,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        *_alibi_strides(alibi), *mask_strides,
+        h, h // hk, nq, nk, d, dv, *scalars, **common,
+    )
+    return dq, dk, dvv, None

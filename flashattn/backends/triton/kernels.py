@@ -1,0 +1,400 @@
+"""FlashAttention-2 forward and backward as Triton kernels.
+
+One program owns one (query block, batch x head) pair in the forward and the dQ pass, one (key block, batch x
+key/value head) pair in the dK/dV pass. Every kernel builds its score tiles with ``_score_tile``, the single
+place where scale, softcap, the causal/window band, ALiBi and a user mask are applied; a ``tl.constexpr`` switch
+turns each feature off at compile time, and masks are applied only on tiles that straddle a boundary.
+
+Dropout draws ``tl.rand(seed, ((b * H + h) * Nq + i) * Nk + j)``: the same numbers as
+``flashattn.backends.philox``, so this backend and the CPU path drop exactly the same weights.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MASK_NONE: tl.constexpr = 0
+MASK_BOOL: tl.constexpr = 1
+MASK_ADD: tl.constexpr = 2
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): saturates to +-1 for large |x| without overflow (inf -> 1, 0 -> -1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    """a @ b accumulated in fp32; fp32 operands in IEEE precision (TF32 would cost fp32 inputs 3 digits)."""
+    if FP32_DOT:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tile_needs_mask(start_m, start_n, NQ, NK, shift, window_left, window_right,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """True unless every (i, j) of the tile is inside the sequences and inside the band."""
+    need = (start_m + BLOCK_M > NQ) | (start_n + BLOCK_N > NK)
+    if HAS_RIGHT:
+        need = need | ((start_n + BLOCK_N - 1) - start_m - shift > window_right)
+    if HAS_LEFT:
+        need = need | (start_n - (start_m + BLOCK_M - 1) - shift < -window_left)
+    return need
+
+
+@triton.jit
+def _score_tile(
+    q, k, offs_m, offs_n, start_m, start_n, b, h,
+    NQ, NK, shift, window_left, window_right, scale, softcap, slope,
+    Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Scores of q (BLOCK_M, D) against k^T (D, BLOCK_N), fp32, -inf where masked.
+
+    Returns (scores, capped): ``capped`` is the softcapped value before ALiBi and the user mask, which the
+    backward needs for d tanh (equal to scores when there is no softcap).
+    """
+    s = _dot(q, k, FP32_DOT) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    capped = s
+    if HAS_ALIBI:
+        dist = offs_m[:, None] + shift - offs_n[None, :]
+        s = s - slope * tl.abs(dist).to(tl.float32)
+    if MASK_KIND != MASK_NONE:
+        ptrs = Mask + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mq + offs_n[None, :] * stride_mk
+        inside = (offs_m[:, None] < NQ) & (offs_n[None, :] < NK)
+        if MASK_KIND == MASK_BOOL:
+            allowed = tl.load(ptrs, mask=inside, other=0)
+            s = tl.where(allowed != 0, s, float("-inf"))
+        else:
+            s = s + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+    if _tile_needs_mask(start_m, start_n, NQ, NK, shift, window_left, window_right,
+                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+        d = offs_n[None, :] - offs_m[:, None] - shift
+        keep = (offs_m[:, None] < NQ) & (offs_n[None, :] < NK)
+        if HAS_RIGHT:
+            keep = keep & (d <= window_right)
+        if HAS_LEFT:
+            keep = keep & (d >= -window_left)
+        s = tl.where(keep, s, float("-inf"))
+    return s, capped
+
+
+@triton.jit
+def _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p):
+    row = (b * H + h).to(tl.int64) * NQ + offs_m.to(tl.int64)
+    return tl.rand(seed, row[:, None] * NK + offs_n[None, :].to(tl.int64)) >= dropout_p
+
+
+@triton.jit
+def _key_range(start_m, NK, shift, window_left, window_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[lo, hi) of key blocks any row of the query block may see, lo aligned to BLOCK_N; skips hidden blocks."""
+    lo = 0
+    hi = NK
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + shift - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(start_m + BLOCK_M - 1 + shift + window_right + 1, NK)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(start_n, NQ, shift, window_left, window_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[lo, hi) of query blocks that may see any key of the key block, lo aligned to BLOCK_M."""
+    lo = 0
+    hi = NQ
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - shift - window_right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(start_n + BLOCK_N - 1 - shift + window_left + 1, NQ)
+    return lo, hi
+
+
+@triton.jit
+def attention_forward_kernel(
+    Q, K, V, Out, Lse, Probs, Alibi, Mask, Seed,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_on, stride_oh, stride_od,
+    stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    H, G, NQ, NK, D, DV, shift, window_left, window_right,
+    scale, softcap, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_PROBS: tl.constexpr, UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < D), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, hi = _key_range(start_m, NK, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                    mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+                           window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, FP32_DOT)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen only masked keys keep max -inf: shift by 0 there so exp gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p)
+            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+
+    # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < DV))
+    tl.store(Lse + bh * NQ + offs_m, lse, mask=offs_m < NQ)
+
+    if WRITE_PROBS:
+        # Testing aid (return_attn_probs): P = exp(S - lse) recomputed, dropped entries negated. Probs was
+        # zero-filled by the launcher, so hidden key blocks need no store.
+        lse_safe = tl.where(empty, float("inf"), lse)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                        mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+                               window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq,
+                               stride_mk, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                               FP32_DOT)
+            p = tl.exp(s - lse_safe[:, None])
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p)
+                p = tl.where(keep, p, -p)
+            p_ptrs = Probs + (bh * NQ + offs_m[:, None]).to(tl.int64) * NK + offs_n[None, :]
+            tl.store(p_ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_n[None, :] < NK))
+
+
+@triton.jit
+def attention_backward_preprocess_kernel(
+    Out, DOut, DLse, Delta,
+    stride_ob, stride_on, stride_oh, stride_od,
+    stride_db, stride_dn, stride_dh, stride_dd,
+    H, NQ, DV,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta_i = rowsum(dO_i * O_i) - dlse_i, in fp32 (the dlse term is the gradient of the returned lse)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    inside = (offs_m[:, None] < NQ) & (offs_dv[None, :] < DV)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od,
+                mask=inside, other=0.0).to(tl.float32)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dn + offs_dv[None, :] * stride_dd,
+                 mask=inside, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta = delta - tl.load(DLse + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * NQ + offs_m, delta, mask=offs_m < NQ)
+
+
+@triton.jit
+def attention_backward_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV_, Alibi, Mask, Seed,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_db, stride_dn, stride_dh, stride_dd,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    H, HK, G, NQ, NK, D, DV, shift, window_left, window_right,
+    scale, softcap, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """dK_j, dV_j for one key block of one key/value head, summed over the G query heads of its group inside
+    the program (no atomics, so the result is deterministic)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # k^T (D, BLOCK_N) for the score tile, v^T (DV, BLOCK_N) for dP = dO V^T.
+    kt = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                 mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
+    vt = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                 mask=(offs_n[None, :] < NK) & (offs_dv[:, None] < DV), other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, hi = _query_range(start_n, NQ, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, G):
+        h = hk * G + g
+        bh = b * H + h
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            rows = offs_m[:, None] < NQ
+            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                        mask=rows & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dn
+                         + offs_dv[None, :] * stride_dd, mask=rows & (offs_dv[None, :] < DV), other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(Lse + bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = 0
+            delta = tl.load(Delta + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
+            s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+                                    window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq,
+                                    stride_mk, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_KIND, FP32_DOT)
+            p = tl.exp(s - lse[:, None])
+            dp = _dot(do, vt, FP32_DOT)
+            pd = p
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p)
+                pd = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+                dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                t = capped / softcap
+                ds = ds * (1.0 - t * t)
+            dv += _dot(tl.trans(pd).to(do.dtype), do, FP32_DOT)
+            dk += _dot(tl.trans(ds).to(q.dtype), q, FP32_DOT)
+    dk = dk * scale
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=(offs_n[:, None] < NK) & (offs_d[None, :] < D))
+    tl.store(DV_ + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+             dv.to(DV_.dtype.element_ty), mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def attention_backward_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, Alibi, Mask, Seed,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_db, stride_dn, stride_dh, stride_dd,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    H, G, NQ, NK, D, DV, shift, window_left, window_right,
+    scale, softcap, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """dQ_i for one query block of one head: its own pass over the keys, so dQ needs no atomics."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = offs_m[:, None] < NQ
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=rows & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dn + offs_dv[None, :] * stride_dd,
+                 mask=rows & (offs_dv[None, :] < DV), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(Lse + bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(Delta + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_range(start_m, NK, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                     mask=(offs_n[None, :] < NK) & (offs_dv[:, None] < DV), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+                                window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, FP32_DOT)
+        p = tl.exp(s - lse[:, None])
+        dp = _dot(do, vt, FP32_DOT)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            t = capped / softcap
+            ds = ds * (1.0 - t * t)
+        dq += _dot(ds.to(kt.dtype), tl.trans(kt), FP32_DOT)
+    dq = dq * scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=rows & (offs_d[None, :] < D))
