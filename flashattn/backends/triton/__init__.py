@@ -72,8 +72,10 @@ def _check(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}")
 
 
-def _config(table: dict, d: int, dv: int) -> configs.KernelConfig:
-    return configs.INTERPRETER if interpreting() else table[configs.padded_head_dim(max(d, dv))]
+def _config(table: dict, d: int, dv: int, heavy: bool) -> configs.KernelConfig:
+    if interpreting():
+        return configs.INTERPRETER
+    return table[(configs.padded_head_dim(max(d, dv)), "heavy" if heavy else "light")]
 
 
 def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False):
@@ -87,7 +89,7 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     if out.numel() == 0:
         lse.fill_(float("-inf"))
         return out, lse, probs
-    cfg = _config(configs.FORWARD, d, dv)
+    cfg = _config(configs.FORWARD, d, dv, heavy=spec.dropout_p > 0 or mask is not None or return_probs)
     mask_t, mask_strides, _ = _mask_args(mask, q)
     grid = (triton.cdiv(nq, cfg.block_m), b * h)
     attention_forward_kernel[grid](
@@ -135,26 +137,30 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
         out, dout, dlse if dlse is not None else lse, delta, *out.stride(), *dout.stride(), h, nq, dv,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv), HAS_DLSE=dlse is not None,
     )
-    cfg = _config(configs.BACKWARD, d, dv)
+    heavy = spec.dropout_p > 0 or mask is not None
     mask_t, mask_strides, _ = _mask_args(mask, q)
-    common = dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.padded_head_dim(d),
-        BLOCK_DV=configs.padded_head_dim(dv), **_flags(spec, alibi, mask, q, interp),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    flags = _flags(spec, alibi, mask, q, interp)
     alibi_t = alibi if alibi is not None else q
     seed = _seed(spec, q)
     scalars = _scalars(spec, nq, nk)
+    blocks_d = dict(BLOCK_D=configs.padded_head_dim(d), BLOCK_DV=configs.padded_head_dim(dv))
+
+    cfg = _config(configs.BACKWARD_DKDV, d, dv, heavy)
     attention_backward_dkdv_kernel[(triton.cdiv(nk, cfg.block_n), b * hk)](
         q, k, v, dout, lse, delta, dk, dvv, alibi_t, mask_t, seed,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dvv.stride(),
         *_alibi_strides(alibi), *mask_strides,
-        h, hk, h // hk, nq, nk, d, dv, *scalars, **common,
+        h, hk, h // hk, nq, nk, d, dv, *scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **blocks_d, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    cfg = _config(configs.BACKWARD_DQ, d, dv, heavy)
     attention_backward_dq_kernel[(triton.cdiv(nq, cfg.block_m), b * h)](
         q, k, v, dout, lse, delta, dq, alibi_t, mask_t, seed,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         *_alibi_strides(alibi), *mask_strides,
-        h, h // hk, nq, nk, d, dv, *scalars, **common,
+        h, h // hk, nq, nk, d, dv, *scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **blocks_d, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq, dk, dvv, None

@@ -1,7 +1,10 @@
 """Tile shapes, warps and pipeline stages of the shipped kernels, as data.
 
-``flashattn/backends/triton/health.py`` compiles every entry here for sm_80 and sm_90 and fails a test if one
-spills registers or exceeds shared memory; tune here, then rerun it.
+Keyed by (padded head dim, weight): "light" calls use at most the causal/window band, softcap and ALiBi;
+"heavy" ones add dropout (Philox costs registers per score element) or a user mask tile. Each entry is the
+largest tile that compiles without register spills on sm_80 and sm_90, within shared memory, and (sm_90) on
+wgmma (HGMMA) where a 64-row warpgroup tile fits: measured with ``python -m flashattn.backends.triton.health``,
+which a test reruns. Tune here, then rerun it.
 """
 
 from __future__ import annotations
@@ -17,22 +20,29 @@ class KernelConfig:
     num_stages: int
 
 
-# Keyed by the padded head dim (the next power of two >= 16). A 128 x 128 tile at head dim 128 with 4 warps
-# spills; these are the conservative FlashAttention-2 shapes.
-FORWARD: dict[int, KernelConfig] = {
-    16: KernelConfig(128, 64, 4, 3),
-    32: KernelConfig(128, 64, 4, 3),
-    64: KernelConfig(128, 64, 4, 3),
-    128: KernelConfig(128, 64, 8, 2),
-    256: KernelConfig(64, 32, 4, 2),
+C = KernelConfig
+FORWARD: dict[tuple[int, str], KernelConfig] = {
+    (16, "light"): C(128, 64, 4, 3), (16, "heavy"): C(128, 64, 8, 2),
+    (32, "light"): C(128, 64, 4, 3), (32, "heavy"): C(128, 64, 8, 2),
+    (64, "light"): C(128, 64, 4, 3), (64, "heavy"): C(128, 64, 8, 2),
+    (128, "light"): C(128, 64, 8, 2), (128, "heavy"): C(64, 32, 4, 2),
+    (256, "light"): C(64, 32, 8, 2), (256, "heavy"): C(64, 32, 8, 2),
 }
-BACKWARD: dict[int, KernelConfig] = {
-    16: KernelConfig(64, 64, 4, 2),
-    32: KernelConfig(64, 64, 4, 2),
-    64: KernelConfig(64, 64, 4, 2),
-    128: KernelConfig(64, 64, 8, 1),
-    256: KernelConfig(32, 32, 4, 1),
+BACKWARD_DKDV: dict[tuple[int, str], KernelConfig] = {
+    (16, "light"): C(64, 64, 4, 2), (16, "heavy"): C(64, 32, 4, 2),
+    (32, "light"): C(64, 64, 4, 2), (32, "heavy"): C(64, 32, 8, 1),
+    (64, "light"): C(64, 32, 4, 2), (64, "heavy"): C(64, 32, 8, 1),
+    (128, "light"): C(64, 64, 8, 1), (128, "heavy"): C(64, 32, 8, 1),
+    (256, "light"): C(32, 64, 8, 1), (256, "heavy"): C(32, 32, 8, 1),
 }
+BACKWARD_DQ: dict[tuple[int, str], KernelConfig] = {
+    (16, "light"): C(64, 64, 4, 2), (16, "heavy"): C(64, 64, 8, 2),
+    (32, "light"): C(64, 64, 4, 2), (32, "heavy"): C(64, 64, 8, 2),
+    (64, "light"): C(64, 64, 8, 2), (64, "heavy"): C(64, 32, 4, 2),
+    (128, "light"): C(64, 32, 8, 1), (128, "heavy"): C(64, 64, 8, 2),
+    (256, "light"): C(32, 32, 8, 1), (256, "heavy"): C(32, 64, 8, 1),
+}
+del C
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
 INTERPRETER = KernelConfig(32, 32, 1, 1)
 PREPROCESS_BLOCK_M = 64

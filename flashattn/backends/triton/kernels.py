@@ -14,9 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MASK_NONE: tl.constexpr = 0
-MASK_BOOL: tl.constexpr = 1
-MASK_ADD: tl.constexpr = 2
+# Kinds of user mask (SDPA's attn_mask). Globals read inside @jit code must be tl.constexpr instances.
+MASK_NONE = tl.constexpr(0)
+MASK_BOOL = tl.constexpr(1)
+MASK_ADD = tl.constexpr(2)
 
 
 @triton.jit
