@@ -30,8 +30,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
-    return (0, 0, 0, 0) if t is None else tuple(t.stride())
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output buffer. The interpreter converts fp32 to bf16 by truncation (the GPU rounds to nearest), so
+    there bf16 outputs are written in fp32 and rounded by torch in ``_as``."""
+    if dtype == torch.bfloat16 and interpreting():
+        dtype = torch.float32
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor):
@@ -72,10 +80,11 @@ def _check(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}")
 
 
-def _config(table: dict, d: int, dv: int, heavy: bool) -> configs.KernelConfig:
+def _config(table: dict, q: torch.Tensor, d: int, dv: int, heavy: bool) -> configs.KernelConfig:
     if interpreting():
         return configs.INTERPRETER
-    return table[(configs.padded_head_dim(max(d, dv)), "heavy" if heavy else "light")]
+    weight = ("fp32-" if q.dtype == torch.float32 else "") + ("heavy" if heavy else "light")
+    return table[(configs.padded_head_dim(max(d, dv)), weight)]
 
 
 def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False):
@@ -83,13 +92,13 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     _check(q, v)
     b, nq, h, d = q.shape
     nk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    out = torch.empty(b, nq, h, dv, dtype=q.dtype, device=q.device)
+    out = _empty((b, nq, h, dv), q.dtype, q.device)
     lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
-    probs = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device) if return_probs else q.new_empty(0)
+    probs = _empty((b, h, nq, nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
     if out.numel() == 0:
         lse.fill_(float("-inf"))
-        return out, lse, probs
-    cfg = _config(configs.FORWARD, d, dv, heavy=spec.dropout_p > 0 or mask is not None or return_probs)
+        return _as(out, q.dtype), lse, _as(probs, q.dtype)
+    cfg = _config(configs.FORWARD, q, d, dv, heavy=spec.dropout_p > 0 or mask is not None or return_probs)
     mask_t, mask_strides, _ = _mask_args(mask, q)
     grid = (triton.cdiv(nq, cfg.block_m), b * h)
     attention_forward_kernel[grid](
@@ -102,7 +111,7 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         **_flags(spec, alibi, mask, q, interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out, lse, probs
+    return _as(out, q.dtype), lse, _as(probs, q.dtype)
 
 
 def _alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
@@ -128,9 +137,9 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
     _check(q, v)
     b, nq, h, d = q.shape
     nk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dvv = (_empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dvv.zero_(), None
+        return _as(dq.zero_(), q.dtype), _as(dk.zero_(), k.dtype), _as(dvv.zero_(), v.dtype), None
     interp = interpreting()
     delta = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
     attention_backward_preprocess_kernel[(triton.cdiv(nq, configs.PREPROCESS_BLOCK_M), b * h)](
@@ -145,7 +154,7 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
     scalars = _scalars(spec, nq, nk)
     blocks_d = dict(BLOCK_D=configs.padded_head_dim(d), BLOCK_DV=configs.padded_head_dim(dv))
 
-    cfg = _config(configs.BACKWARD_DKDV, d, dv, heavy)
+    cfg = _config(configs.BACKWARD_DKDV, q, d, dv, heavy)
     attention_backward_dkdv_kernel[(triton.cdiv(nk, cfg.block_n), b * hk)](
         q, k, v, dout, lse, delta, dk, dvv, alibi_t, mask_t, seed,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dvv.stride(),
@@ -154,7 +163,7 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **blocks_d, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    cfg = _config(configs.BACKWARD_DQ, d, dv, heavy)
+    cfg = _config(configs.BACKWARD_DQ, q, d, dv, heavy)
     attention_backward_dq_kernel[(triton.cdiv(nq, cfg.block_m), b * h)](
         q, k, v, dout, lse, delta, dq, alibi_t, mask_t, seed,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
@@ -163,4 +172,4 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **blocks_d, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dq, dk, dvv, None
+    return _as(dq, q.dtype), _as(dk, k.dtype), _as(dvv, v.dtype), None

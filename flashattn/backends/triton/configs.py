@@ -1,7 +1,8 @@
 """Tile shapes, warps and pipeline stages of the shipped kernels, as data.
 
-Keyed by (padded head dim, weight): "light" calls use at most the causal/window band, softcap and ALiBi;
-"heavy" ones add dropout (Philox costs registers per score element) or a user mask tile. Each entry is the
+Keyed by (padded head dim, weight): "light" calls use at most the causal/window band, softcap and ALiBi; "heavy"
+ones add dropout (Philox costs registers per score element) or a user mask tile; the "fp32-" weights serve fp32
+inputs (IEEE fp32 matmuls: twice the bytes per tile, no tensor cores, so small tiles). Each entry is the
 largest tile that compiles without register spills on sm_80 and sm_90, within shared memory, and (sm_90) on
 wgmma (HGMMA) where a 64-row warpgroup tile fits: measured with ``python -m flashattn.backends.triton.health``,
 which a test reruns. Tune here, then rerun it.
@@ -20,28 +21,36 @@ class KernelConfig:
     num_stages: int
 
 
+WEIGHTS = ("light", "heavy", "fp32-light", "fp32-heavy")
+
+
+def _table(rows: dict[int, tuple[KernelConfig, ...]]) -> dict[tuple[int, str], KernelConfig]:
+    """{head_dim: (light, heavy, fp32-light, fp32-heavy)} -> {(head_dim, weight): config}."""
+    return {(d, weight): cfg for d, cfgs in rows.items() for weight, cfg in zip(WEIGHTS, cfgs, strict=True)}
+
+
 C = KernelConfig
-FORWARD: dict[tuple[int, str], KernelConfig] = {
-    (16, "light"): C(128, 64, 4, 3), (16, "heavy"): C(128, 64, 8, 2),
-    (32, "light"): C(128, 64, 4, 3), (32, "heavy"): C(128, 64, 8, 2),
-    (64, "light"): C(128, 64, 4, 3), (64, "heavy"): C(128, 64, 8, 2),
-    (128, "light"): C(128, 64, 8, 2), (128, "heavy"): C(64, 32, 4, 2),
-    (256, "light"): C(64, 32, 8, 2), (256, "heavy"): C(64, 32, 8, 2),
-}
-BACKWARD_DKDV: dict[tuple[int, str], KernelConfig] = {
-    (16, "light"): C(64, 64, 4, 2), (16, "heavy"): C(64, 32, 4, 2),
-    (32, "light"): C(64, 64, 4, 2), (32, "heavy"): C(64, 32, 8, 1),
-    (64, "light"): C(64, 32, 4, 2), (64, "heavy"): C(64, 32, 8, 1),
-    (128, "light"): C(64, 64, 8, 1), (128, "heavy"): C(64, 32, 8, 1),
-    (256, "light"): C(32, 64, 8, 1), (256, "heavy"): C(32, 32, 8, 1),
-}
-BACKWARD_DQ: dict[tuple[int, str], KernelConfig] = {
-    (16, "light"): C(64, 64, 4, 2), (16, "heavy"): C(64, 64, 8, 2),
-    (32, "light"): C(64, 64, 4, 2), (32, "heavy"): C(64, 64, 8, 2),
-    (64, "light"): C(64, 64, 8, 2), (64, "heavy"): C(64, 32, 4, 2),
-    (128, "light"): C(64, 32, 8, 1), (128, "heavy"): C(64, 64, 8, 2),
-    (256, "light"): C(32, 32, 8, 1), (256, "heavy"): C(32, 64, 8, 1),
-}
+FORWARD = _table({
+    16: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 1)),
+    32: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 2)),
+    64: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(32, 32, 8, 1), C(32, 32, 8, 1)),
+    128: (C(128, 64, 8, 2), C(64, 32, 4, 2), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+    256: (C(64, 32, 8, 2), C(64, 32, 8, 2), C(32, 32, 8, 1), C(32, 32, 8, 1)),
+})
+BACKWARD_DKDV = _table({
+    16: (C(64, 64, 4, 2), C(64, 32, 4, 2), C(32, 16, 4, 1), C(32, 16, 4, 1)),
+    32: (C(64, 64, 4, 2), C(64, 32, 8, 1), C(16, 32, 4, 1), C(16, 32, 4, 1)),
+    64: (C(64, 32, 4, 2), C(64, 32, 8, 1), C(32, 32, 4, 1), C(32, 32, 4, 1)),
+    128: (C(64, 64, 8, 1), C(64, 32, 8, 1), C(16, 64, 4, 1), C(32, 16, 4, 1)),
+    256: (C(32, 64, 8, 1), C(32, 32, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+})
+BACKWARD_DQ = _table({
+    16: (C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 2)),
+    32: (C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 2)),
+    64: (C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 8, 1), C(64, 32, 8, 1)),
+    128: (C(64, 32, 8, 1), C(64, 64, 8, 2), C(32, 32, 8, 1), C(32, 32, 8, 1)),
+    256: (C(32, 32, 8, 1), C(32, 64, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+})
 del C
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
 INTERPRETER = KernelConfig(32, 32, 1, 1)

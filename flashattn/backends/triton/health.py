@@ -54,7 +54,7 @@ class Health:
     kernel: str
     arch: int
     head_dim: int
-    variant: str
+    variant: str  # the table's weight: light, heavy, fp32-light, fp32-heavy
     block_m: int
     block_n: int
     num_warps: int
@@ -107,20 +107,22 @@ def _inspect_cubin(cubin: bytes) -> tuple[int, int, bool]:
 
 
 def _shipped(head_dims):
-    """(kernel, head_dim, variant, config) for every entry of the config tables with a head dim in ``head_dims``."""
+    """(kernel, head_dim, weight, config) for every entry of the config tables with a head dim in ``head_dims``."""
     tables = ((kernels.attention_forward_kernel, configs.FORWARD),
               (kernels.attention_backward_dkdv_kernel, configs.BACKWARD_DKDV),
               (kernels.attention_backward_dq_kernel, configs.BACKWARD_DQ))
     for fn, table in tables:
-        for (d, variant), cfg in sorted(table.items()):
+        for (d, weight), cfg in sorted(table.items()):
             if d in head_dims:
-                yield fn, d, variant, cfg
+                yield fn, d, weight, cfg
 
 
-def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: str, dtype: str = "fp16") -> Health:
-    flags = VARIANT_FLAGS[variant]
+def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: str) -> Health:
+    fp32 = variant.startswith("fp32-")
+    dtype = "fp32" if fp32 else "fp16"
+    flags = VARIANT_FLAGS[variant.removeprefix("fp32-")]
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, BLOCK_DV=head_dim,
-                      UPCAST=False, FP32_DOT=False, **flags)
+                      UPCAST=False, FP32_DOT=fp32, **flags)
     if "WRITE_PROBS" in fn.arg_names:
         constexprs["WRITE_PROBS"] = False
     sig, consts, attrs = _signature(fn, dtype, constexprs)
@@ -134,7 +136,8 @@ def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: 
         problems.append(f"spills {spills} bytes")
     if shared > SHARED_LIMIT[arch]:
         problems.append(f"shared memory {shared} > {SHARED_LIMIT[arch]}")
-    if arch == 90 and not hgmma and (fn.__name__, head_dim, variant) not in HGMMA_EXEMPT:
+    # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
+    if arch == 90 and not fp32 and not hgmma and (fn.__name__, head_dim, variant) not in HGMMA_EXEMPT:
         problems.append("no HGMMA (wgmma) instructions on sm_90")
     return Health(fn.__name__, arch, head_dim, variant, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                   regs, spills, shared, hgmma, problems)
@@ -150,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", default="16,32,64,128,256", help="comma-separated padded head dims")
     a = p.parse_args(argv)
     rows = report(tuple(int(d) for d in a.head_dims.split(",")))
-    print(f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':7} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
+    print(f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
           f"{'spill':>5} {'smem':>7} {'hgmma':>5}  problems")
     for r in rows:
-        print(f"{r.kernel:34} {r.arch:3d} {r.head_dim:4d} {r.variant:7} {r.block_m:>4}x{r.block_n:<3} "
+        print(f"{r.kernel:34} {r.arch:3d} {r.head_dim:4d} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
               f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.shared_bytes:7d} "
               f"{'yes' if r.hgmma else 'no':>5}  {'; '.join(r.problems) or 'ok'}")
     if a.json:
