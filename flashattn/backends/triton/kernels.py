@@ -27,6 +27,26 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_tile(base, rows, cols, stride_r, stride_c, n_rows, n_cols, UPCAST: tl.constexpr):
+    """``base[rows, cols]`` as a (len(rows), len(cols)) tile, 0 outside [0, n_rows) x [0, n_cols)."""
+    x = tl.load(base + rows[:, None] * stride_r + cols[None, :] * stride_c,
+                mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_tile_t(base, rows, cols, stride_r, stride_c, n_rows, n_cols, UPCAST: tl.constexpr):
+    """The transpose of ``_load_tile``: a (len(cols), len(rows)) tile, as K^T and V^T are used in matmuls."""
+    x = tl.load(base + rows[None, :] * stride_r + cols[:, None] * stride_c,
+                mask=(rows[None, :] < n_rows) & (cols[:, None] < n_cols), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _dot(a, b, FP32_DOT: tl.constexpr):
     """a @ b accumulated in fp32; fp32 operands in IEEE precision (TF32 would cost fp32 inputs 3 digits)."""
     if FP32_DOT:
@@ -146,10 +166,7 @@ def attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < D), other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, NQ, D, UPCAST)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     slope = 0.0
@@ -165,13 +182,8 @@ def attention_forward_kernel(
     lo, hi = _key_range(start_m, NK, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                    mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DV), other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
+        v = _load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, NK, DV, UPCAST)
         s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
                            window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, FP32_DOT)
@@ -201,10 +213,7 @@ def attention_forward_kernel(
         lse_safe = tl.where(empty, float("inf"), lse)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                        mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
+            k = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
             s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
                                window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq,
                                stride_mk, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
@@ -232,11 +241,8 @@ def attention_backward_preprocess_kernel(
     h = bh % H
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    inside = (offs_m[:, None] < NQ) & (offs_dv[None, :] < DV)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od,
-                mask=inside, other=0.0).to(tl.float32)
-    do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dn + offs_dv[None, :] * stride_dd,
-                 mask=inside, other=0.0).to(tl.float32)
+    o = _load_tile(Out + b * stride_ob + h * stride_oh, offs_m, offs_dv, stride_on, stride_od, NQ, DV, True)
+    do = _load_tile(DOut + b * stride_db + h * stride_dh, offs_m, offs_dv, stride_dn, stride_dd, NQ, DV, True)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta = delta - tl.load(DLse + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0).to(tl.float32)
@@ -271,13 +277,8 @@ def attention_backward_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # k^T (D, BLOCK_N) for the score tile, v^T (DV, BLOCK_N) for dP = dO V^T.
-    kt = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                 mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
-    vt = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                 mask=(offs_n[None, :] < NK) & (offs_dv[:, None] < DV), other=0.0)
-    if UPCAST:
-        kt = kt.to(tl.float32)
-        vt = vt.to(tl.float32)
+    kt = _load_tile_t(K + b * stride_kb + hk * stride_kh, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
+    vt = _load_tile_t(V + b * stride_vb + hk * stride_vh, offs_n, offs_dv, stride_vn, stride_vd, NK, DV, UPCAST)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(Seed)
@@ -292,14 +293,9 @@ def attention_backward_dkdv_kernel(
             slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
-            rows = offs_m[:, None] < NQ
-            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                        mask=rows & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dn
-                         + offs_dv[None, :] * stride_dd, mask=rows & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
+            q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, NQ, D, UPCAST)
+            do = _load_tile(DOut + b * stride_db + h * stride_dh, offs_m, offs_dv, stride_dn, stride_dd, NQ, DV,
+                            UPCAST)
             lse = tl.load(Lse + bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
             lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = 0
             delta = tl.load(Delta + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
@@ -353,14 +349,8 @@ def attention_backward_dq_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = offs_m[:, None] < NQ
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=rows & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dn + offs_dv[None, :] * stride_dd,
-                 mask=rows & (offs_dv[None, :] < DV), other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, NQ, D, UPCAST)
+    do = _load_tile(DOut + b * stride_db + h * stride_dh, offs_m, offs_dv, stride_dn, stride_dd, NQ, DV, UPCAST)
     lse = tl.load(Lse + bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(Delta + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
@@ -376,13 +366,8 @@ def attention_backward_dq_kernel(
     lo, hi = _key_range(start_m, NK, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=(offs_n[None, :] < NK) & (offs_d[:, None] < D), other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                     mask=(offs_n[None, :] < NK) & (offs_dv[:, None] < DV), other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
+        kt = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
+        vt = _load_tile_t(v_base, offs_n, offs_dv, stride_vn, stride_vd, NK, DV, UPCAST)
         s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
                                 window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, FP32_DOT)
@@ -398,4 +383,4 @@ def attention_backward_dq_kernel(
         dq += _dot(ds.to(kt.dtype), tl.trans(kt), FP32_DOT)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=rows & (offs_d[None, :] < D))
+             dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < D))
