@@ -114,7 +114,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse, _dprobs):
     q, k, v, out, lse, alibi_slopes, attn_mask, seed = ctx.saved_tensors
     dq, dk, dv, dmask = _attention_backward(
-        dout.contiguous(), dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed,
+        dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed,
         **ctx.scalars, mask_grad=ctx.mask_grad,
     )
     return dq, dk, dv, None, (dmask if ctx.mask_grad else None), None, *([None] * (len(_SCALARS) + 1))

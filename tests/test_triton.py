@@ -163,3 +163,15 @@ def test_torch_compile_traces_the_triton_path():
     with flashattn.use_backend("triton"):
         compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
+def test_expanded_output_gradients():
+    # out.sum() and lse.sum() hand the backward stride-0 (expanded) gradients; the kernels must read them as such.
+    q, k, v = on_device(*make_inputs(1, 30, 30, 2, 2, 16, torch.float32))
+    with flashattn.use_backend("triton"):
+        out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    ref, ref_lse = attention_ref(q, k, v, causal=True)
+    ref_grads = torch.autograd.grad(ref.sum() + ref_lse.sum(), (q, k, v))
+    for x, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(x.double(), r.double(), rtol=1e-4, atol=1e-4)

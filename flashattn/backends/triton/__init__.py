@@ -143,7 +143,8 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
     interp = interpreting()
     delta = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
     attention_backward_preprocess_kernel[(triton.cdiv(nq, configs.PREPROCESS_BLOCK_M), b * h)](
-        out, dout, dlse if dlse is not None else lse, delta, *out.stride(), *dout.stride(), h, nq, dv,
+        # dlse is read as a dense (B, H, Nq) array; it is small, and autograd may hand it over expanded.
+        out, dout, dlse.contiguous() if dlse is not None else lse, delta, *out.stride(), *dout.stride(), h, nq, dv,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv), HAS_DLSE=dlse is not None,
     )
     heavy = spec.dropout_p > 0 or mask is not None
