@@ -51,7 +51,7 @@ def _attention(
     return_probs: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     spec = _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic)
-    return backends.select(q).forward(q, k, v, alibi_slopes, attn_mask, spec, return_probs)
+    return backends.select(q, v).forward(q, k, v, alibi_slopes, attn_mask, spec, return_probs)
 
 
 @_attention.register_fake
@@ -86,7 +86,7 @@ def _attention_backward(
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic)
-    dq, dk, dv, dmask = backends.select(q).backward(
+    dq, dk, dv, dmask = backends.select(q, v).backward(
         dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, spec, mask_grad
     )
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))

@@ -139,16 +139,18 @@ def test_backend_choice_and_override(monkeypatch):
     from flashattn.backends import select
 
     cpu_q = torch.randn(1, 4, 1, 16)
-    assert select(cpu_q).__name__.endswith(".cpu")
+    assert select(cpu_q, cpu_q).__name__.endswith(".cpu")
+    meta_q = torch.empty(1, 4, 1, 16, device="meta")
+    assert select(meta_q, meta_q).__name__.endswith(".cpu")  # not CUDA: the tiled path
     with flashattn.use_backend("triton"):
-        assert select(cpu_q).__name__.endswith(".triton")
+        assert select(cpu_q, cpu_q).__name__.endswith(".triton")
     monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
-    assert select(cpu_q).__name__.endswith(".triton")
+    assert select(cpu_q, cpu_q).__name__.endswith(".triton")
     with flashattn.use_backend("cpu"):  # the context manager wins over the environment
-        assert select(cpu_q).__name__.endswith(".cpu")
+        assert select(cpu_q, cpu_q).__name__.endswith(".cpu")
     monkeypatch.setenv("FLASHATTN_BACKEND", "cuda")
     with pytest.raises(ValueError, match="FLASHATTN_BACKEND must be one of auto, cpu, triton; got 'cuda'"):
-        select(cpu_q)
+        select(cpu_q, cpu_q)
     with pytest.raises(ValueError, match="use_backend"):
         flashattn.use_backend("fast").__enter__()
 
@@ -175,3 +177,14 @@ def test_expanded_output_gradients():
     ref_grads = torch.autograd.grad(ref.sum() + ref_lse.sum(), (q, k, v))
     for x, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(x.double(), r.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not GPU, reason="automatic choice of the triton backend needs CUDA tensors")
+def test_cuda_tensors_run_triton_and_large_head_dims_fall_back():
+    from flashattn.backends import select
+
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.float16)
+    assert select(q, q).__name__.endswith(".triton")
+    big = torch.randn(1, 8, 2, 320, device="cuda", dtype=torch.float16)
+    assert select(big, big).__name__.endswith(".cpu")
+    assert select(q.double(), q.double()).__name__.endswith(".cpu")

@@ -1,10 +1,11 @@
 """Backends behind the one attention op. Each module offers ``forward`` and ``backward`` with the signatures of
 ``flashattn.backends.cpu``; ``select`` picks one for the inputs.
 
-Automatic choice: CUDA tensors (fp16/bf16/fp32) -> ``triton``, anything else -> ``cpu`` (tiled PyTorch, which runs
-on every device). Force one with the environment variable ``FLASHATTN_BACKEND=cpu|triton|auto`` or, taking
-precedence, the context manager ``flashattn.use_backend("cpu")``. Forcing ``triton`` on CPU tensors needs
-``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI checks the kernels without a GPU.
+Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256) -> ``triton``, anything else -> ``cpu``
+(tiled PyTorch, which runs on every device). Force one with the environment variable
+``FLASHATTN_BACKEND=cpu|triton|auto`` or, taking precedence, the context manager ``flashattn.use_backend("cpu")``.
+Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
+checks the kernels without a GPU.
 """
 
 from __future__ import annotations
@@ -40,11 +41,19 @@ def requested() -> str:
     return _validate(os.environ.get("FLASHATTN_BACKEND", "auto"), "FLASHATTN_BACKEND")
 
 
-def select(q: torch.Tensor) -> ModuleType:
-    """The backend module for a call whose query is ``q``."""
+TRITON_MAX_HEAD_DIM = 256
+
+
+def select(q: torch.Tensor, v: torch.Tensor) -> ModuleType:
+    """The backend module for a call with query ``q`` and value ``v``."""
     name = requested()
     if name == "auto":
-        triton_ok = q.device.type == "cuda" and q.dtype != torch.float64 and importlib.util.find_spec("triton")
+        triton_ok = (
+            q.device.type == "cuda"
+            and q.dtype != torch.float64
+            and max(q.shape[-1], v.shape[-1]) <= TRITON_MAX_HEAD_DIM
+            and importlib.util.find_spec("triton") is not None
+        )
         name = "triton" if triton_ok else "cpu"
     if name == "triton":
         from . import triton as triton_backend  # imported on first use: CPU-only installs need no triton

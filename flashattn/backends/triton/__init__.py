@@ -11,6 +11,7 @@ import os
 import torch
 import triton
 
+from .. import TRITON_MAX_HEAD_DIM as MAX_HEAD_DIM
 from ..spec import AttentionSpec
 from . import configs
 from .kernels import (
@@ -22,8 +23,6 @@ from .kernels import (
     attention_backward_preprocess_kernel,
     attention_forward_kernel,
 )
-
-MAX_HEAD_DIM = 256
 
 
 def interpreting() -> bool:
