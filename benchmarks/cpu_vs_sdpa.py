@@ -21,7 +21,7 @@ from tqdm import tqdm
 from flashattn.bench.measure import Case, measure
 from flashattn.bench.plot import plot_time_memory
 
-IMPLS = ("flashattn", "torch_sdpa", "plain")
+IMPLS = ("flashattn", "sdpa", "plain")
 
 
 def too_big_for_plain(case: Case, limit_gib: float) -> bool:
@@ -61,7 +61,7 @@ def main() -> None:
     for mode in ("fwd", "fwd+bwd"):
         for n in map(int, a.seqlens.split(",")):
             by = {r["impl"]: r for r in results if r["seqlen"] == n and r["mode"] == mode}
-            ours, sdpa, plain = by["flashattn"], by["torch_sdpa"], by.get("plain")
+            ours, sdpa, plain = by["flashattn"], by["sdpa"], by.get("plain")
             plain_mib = f"{plain['peak_bytes'] / 2**20:9.1f}" if plain else f"{'-':>9}"
             print(f"{mode:8} {n:6d} {ours['seconds'] * 1e3:9.1f} {sdpa['seconds'] * 1e3:9.1f} "
                   f"{ours['seconds'] / sdpa['seconds']:6.2f} {ours['peak_bytes'] / 2**20:9.1f} "

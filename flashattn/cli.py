@@ -90,7 +90,7 @@ def demo(args: argparse.Namespace) -> int:
           f"(theory: M ~ d^2 = {d * d})\n")
 
     seqlens = [int(s) for s in args.seqlens.split(",")]
-    impls = ["flashattn", "torch_sdpa", "plain"]
+    impls = ["flashattn", "sdpa", "plain"]
     cases = [Case(impl, s, heads=args.heads, headdim=args.headdim, device=device, causal=args.causal,
                   repeats=args.repeats) for s in seqlens for impl in impls]
     results = []
@@ -121,6 +121,47 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def bench(args: argparse.Namespace) -> int:
+    from .bench import harness
+
+    device = args.device or harness.default_device()
+    sweep = harness.Sweep.for_device(device)
+    for name in ("seqlens", "headdims"):
+        if getattr(args, name):
+            setattr(sweep, name, _ints(getattr(args, name)))
+    if args.causal != "both":
+        sweep.causals = [args.causal == "true"]
+    for name in ("modes", "baselines"):
+        value = getattr(args, name)
+        if value:
+            items = [x for x in value.split(",") if x]
+            if name == "modes":
+                sweep.modes = items
+            else:
+                sweep.impls = [harness.OURS, *items]
+    for name in ("dtype", "tokens", "hidden", "repeats"):
+        if getattr(args, name) is not None:
+            setattr(sweep, name, getattr(args, name))
+    sweep.isolate = not args.in_process
+    bad = [m for m in sweep.modes if m not in ("fwd", "bwd", "fwd+bwd")]
+    if bad:
+        raise SystemExit(f"flashattn bench: --modes takes fwd, bwd, fwd+bwd; got {', '.join(bad)}")
+    print(f"flashattn bench on {device}: {len(sweep.cases())} cases, implementations {', '.join(sweep.impls)}")
+    rows = harness.run(sweep, progress=not args.quiet)
+    for r in rows:
+        if "seqlen" not in r:
+            print(f"  {r['impl']}: {r['error']}")
+    print(harness.table(rows))
+    stem = args.name or f"bench-{device.split(':')[0]}"
+    for path in harness.write(rows, sweep, Path(args.out), stem):
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
     parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
@@ -138,6 +179,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traffic-n", type=int, default=1024)
     p.add_argument("--traffic-d", type=int, default=64)
     p.set_defaults(func=demo)
+
+    p = sub.add_parser("bench", help="sweep our attention against every baseline on this machine (TFLOP/s, memory)")
+    p.add_argument("--out", default="bench-output", help="folder for the JSON and the plots")
+    p.add_argument("--name", default=None, help="file stem (default bench-<device>)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seqlens", default=None, help="comma-separated, e.g. 512,1024,2048")
+    p.add_argument("--headdims", default=None, help="comma-separated, e.g. 64,128")
+    p.add_argument("--causal", default="both", choices=("both", "true", "false"))
+    p.add_argument("--modes", default=None, help="comma-separated from fwd, bwd, fwd+bwd")
+    p.add_argument("--baselines", default=None,
+                   help="comma-separated from sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, flex, plain")
+    p.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per batch; batch = tokens // seqlen")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size; heads = hidden // headdim")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per case (the median is reported)")
+    p.add_argument("--in-process", action="store_true",
+                   help="on CPU, measure in this process (faster; memory readings less exact)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

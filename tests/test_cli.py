@@ -17,10 +17,10 @@ def test_demo_runs_and_writes_json_and_png(tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--seqlens", "64,128", "--repeats", "1", "--traffic-n", "128",
                  "--traffic-d", "16"]) == 0
     text = capsys.readouterr().out
-    for expected in ("flash_attention_v2_backward", "crossover", "flash2_fwd", "torch_sdpa"):
+    for expected in ("flash_attention_v2_backward", "crossover", "flash2_fwd", "sdpa"):
         assert expected in text
     results = json.loads((out / "demo.json").read_text())["results"]
-    assert {r["impl"] for r in results} == {"flashattn", "torch_sdpa", "plain"}
+    assert {r["impl"] for r in results} == {"flashattn", "sdpa", "plain"}
     assert all(r["seconds"] > 0 and r["peak_bytes"] >= 0 for r in results)
     assert (out / "demo.png").stat().st_size > 10_000
 

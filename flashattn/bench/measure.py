@@ -1,18 +1,22 @@
-"""Time and peak memory of one attention implementation on one problem size.
+"""Time, throughput and peak memory of one attention implementation on one problem.
 
-CPU: torch has no peak-memory counter for CPU tensors, so each case runs in a fresh subprocess that warms up on a
-tiny problem (loading code, starting threads), resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), and
-reports how far the peak rose over what it held just before the call. CUDA: CUDA events and
-``torch.cuda.max_memory_allocated`` in this process.
+Implementations take q, k, v in the flash layout (batch, seqlen, heads, headdim) and ``causal``. Modes: ``fwd``
+(inference), ``bwd`` (the backward alone, from a saved forward), ``fwd+bwd`` (a training step of attention).
+
+CPU: torch has no peak-memory counter for CPU tensors, so ``measure`` runs each case in a fresh subprocess that
+warms up on a tiny problem (loading code, starting threads), resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``), and reports how far the peak rose over what it held just before the call.
+CUDA: CUDA events around each call, L2 flushed before each, and ``torch.cuda.max_memory_allocated``.
 
 Run one case by hand::
 
-    python -m flashattn.bench.measure flashattn 4096 --heads 4 --headdim 64
+    python -m flashattn.bench.measure flashattn 4096 --heads 4 --headdim 64 --mode fwd+bwd
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -27,6 +31,8 @@ import torch.nn.functional as F
 
 from ..interface import flash_attn_func
 
+L2_FLUSH_BYTES = 256 * 2**20  # larger than any current GPU's L2 (H100: 50 MB)
+
 
 def plain_attention(q, k, v, causal):
     """Algorithm 0 in PyTorch: S and P are full (B, H, N, N) tensors."""
@@ -38,17 +44,53 @@ def plain_attention(q, k, v, causal):
     return (torch.softmax(s, dim=-1) @ v).transpose(1, 2)
 
 
-def torch_sdpa(q, k, v, causal):
-    """PyTorch's own scaled_dot_product_attention (on CPU, its fused flash kernel)."""
+def _sdpa(backend: str | None):
+    def run(q, k, v, causal):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        ctx = contextlib.nullcontext()
+        if backend is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            ctx = sdpa_kernel(getattr(SDPBackend, backend))
+        with ctx:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+
+    run.__doc__ = f"torch SDPA restricted to its {backend or 'default'} backend"
+    return run
+
+
+_FLEX: dict[str, Callable] = {}
+
+
+def flex_attention(q, k, v, causal):
+    """torch.nn.attention.flex_attention, compiled (the way it is meant to run)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    block_mask = None
+    if causal:
+        n = q.shape[-2]
+        block_mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device)
+    return _FLEX["fn"](q, k, v, block_mask=block_mask).transpose(1, 2)
 
 
 def ours(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal)
 
 
-IMPLEMENTATIONS: dict[str, Callable] = {"flashattn": ours, "plain": plain_attention, "torch_sdpa": torch_sdpa}
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "flashattn": ours,
+    "sdpa": _sdpa(None),
+    "sdpa-math": _sdpa("MATH"),
+    "sdpa-flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
+    "flex": flex_attention,
+    "plain": plain_attention,
+}
+MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 @dataclass
@@ -62,7 +104,13 @@ class Case:
     device: str = "cpu"
     causal: bool = False
     repeats: int = 3
-    mode: str = "fwd"  # "fwd" (inference) or "fwd+bwd" (training step of the attention alone)
+    mode: str = "fwd"
+
+    @property
+    def flops(self) -> float:
+        """4 B H N^2 D per forward (half when causal); the backward is 2.5 forwards."""
+        fwd = 4 * self.batch * self.heads * self.seqlen**2 * self.headdim / (2 if self.causal else 1)
+        return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[self.mode]
 
 
 def _proc_status(key: str) -> int:
@@ -82,29 +130,38 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _step(fn, q, k, v, causal: bool, mode: str) -> None:
+def _make_step(fn, q, k, v, causal: bool, mode: str) -> Callable[[], None]:
+    """A zero-argument callable doing one measured unit of work for ``mode``."""
     if mode == "fwd":
-        with torch.inference_mode():
-            fn(q, k, v, causal)
-        return
-    out = fn(q, k, v, causal)
-    out.backward(torch.ones_like(out))
-    for t in (q, k, v):
-        t.grad = None
+        def step():
+            with torch.inference_mode():
+                fn(q, k, v, causal)
+        return step
+    if mode == "fwd+bwd":
+        def step():
+            torch.autograd.grad(fn(q, k, v, causal), (q, k, v), grad)
+        grad = torch.randn_like(fn(q, k, v, causal).detach())
+        return step
+    out = fn(q, k, v, causal)  # "bwd": one saved forward, many backwards through it
+    grad = torch.randn_like(out.detach())
+
+    def step():
+        torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    return step
 
 
 def run_here(case: Case) -> dict:
-    """Measure in this process: median seconds of ``repeats`` calls after one warm-up, and peak extra bytes."""
-    if case.mode not in ("fwd", "fwd+bwd"):
-        raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {case.mode!r}")
+    """Measure in this process: median seconds of ``repeats`` calls after warm-up, TFLOP/s, peak extra bytes."""
+    if case.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {case.mode!r}")
     fn = IMPLEMENTATIONS[case.impl]
     dtype = getattr(torch, case.dtype)
     shape = (case.batch, case.seqlen, case.heads, case.headdim)
-    grad = case.mode == "fwd+bwd"
+    grad = case.mode != "fwd"
     q, k, v = (torch.randn(shape, dtype=dtype, device=case.device, requires_grad=grad) for _ in range(3))
     cuda = case.device.startswith("cuda")
     tiny = [t.detach()[:, : min(case.seqlen, 16)].requires_grad_(grad) for t in (q, k, v)]
-    _step(fn, *tiny, case.causal, case.mode)  # load code and start thread pools outside the measured call
+    _make_step(fn, *tiny, case.causal, case.mode)()  # load code and start thread pools outside the measurement
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -112,33 +169,55 @@ def run_here(case: Case) -> dict:
     else:
         exact = _reset_peak_rss()
         before = _proc_status("VmRSS")
-    _step(fn, q, k, v, case.causal, case.mode)  # the measured call; it also warms up the timing loop
+    step = _make_step(fn, q, k, v, case.causal, case.mode)
+    step()  # the measured call for memory; also the warm-up of the timing loop
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
         high = _proc_status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         peak = high - before
+    times = _time_cuda(step, case.repeats) if cuda else _time_cpu(step, case.repeats)
+    seconds = statistics.median(times)
+    return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": max(0, peak)}
+
+
+def _time_cpu(step, repeats: int) -> list[float]:
     times = []
-    for _ in range(case.repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _step(fn, q, k, v, case.causal, case.mode)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            _step(fn, q, k, v, case.causal, case.mode)
-            times.append(time.perf_counter() - t0)
-    return {**asdict(case), "seconds": statistics.median(times), "peak_bytes": max(0, peak)}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
-def measure(case: Case, timeout: float = 600) -> dict:
-    """Measure ``case``, isolated in a subprocess on CPU (a clean peak-RSS reading), in-process on CUDA."""
-    if case.device.startswith("cuda"):
-        return run_here(case)
+def _time_cuda(step, repeats: int) -> list[float]:
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        flush.zero_()  # evict the inputs from L2 so every call reads them from HBM
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def measure(case: Case, timeout: float = 600, isolate: bool = True) -> dict:
+    """Measure ``case``: in a subprocess on CPU when ``isolate`` (a clean peak-RSS reading), else in-process.
+
+    A failing implementation (unsupported on this device, out of memory) gives a row with ``error`` set.
+    """
+    if case.device.startswith("cuda") or not isolate:
+        try:
+            return run_here(case)
+        except Exception as e:  # a baseline that cannot run here is a result, not a crash
+            return {**asdict(case), "seconds": None, "tflops": None, "peak_bytes": None,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     args = [sys.executable, "-m", "flashattn.bench.measure", case.impl, str(case.seqlen), "--json"]
     for key in ("batch", "heads", "headdim", "dtype", "device", "repeats", "mode"):
         args += [f"--{key}", str(getattr(case, key))]
@@ -147,7 +226,7 @@ def measure(case: Case, timeout: float = 600) -> dict:
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return {**asdict(case), "seconds": None, "peak_bytes": None, "error": error}
+        return {**asdict(case), "seconds": None, "tflops": None, "peak_bytes": None, "error": error}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -162,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
+    p.add_argument("--mode", default="fwd", choices=MODES)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     a = p.parse_args(argv)
     case = Case(a.impl, a.seqlen, a.batch, a.heads, a.headdim, a.dtype, a.device, a.causal, a.repeats, a.mode)
