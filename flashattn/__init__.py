@@ -8,6 +8,7 @@ from .interface import (
     flash_attn_qkvpacked_func,
     scaled_dot_product_attention,
 )
+from .merge import merge_attention_states
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "merge_attention_states",
     "scaled_dot_product_attention",
     "use_backend",
 ]
