@@ -10,10 +10,11 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
-from .backends.spec import AttentionSpec
+from .backends.spec import AttentionSpec, Varlen
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -33,6 +34,7 @@ class CheckedCall:
     spec: AttentionSpec
     alibi_slopes: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    varlen: Varlen | None = None
 
 
 def _fail(fn: str, message: str, kind: type[Exception] = ValueError) -> Exception:
@@ -150,30 +152,15 @@ def _flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v"
     return q, k, v
 
 
-def check_flash(
-    fn: str,
-    q: object,
-    k: object,
-    v: object,
-    *,
-    dropout_p: object = 0.0,
-    softmax_scale: object = None,
-    causal: object = False,
-    window_size: object = (-1, -1),
-    softcap: object = 0.0,
-    alibi_slopes: object = None,
-    deterministic: object = False,
-    return_attn_probs: object = False,
-    names: tuple[str, str, str] = ("q", "k", "v"),
-) -> CheckedCall:
-    """Validate the arguments of the ``flash_attn_*func`` family (flash layout, bottom-right causal)."""
-    q, k, v = _flash_layout(fn, q, k, v, names)
+def _flash_options(fn, q, *, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   deterministic, return_attn_probs) -> tuple[AttentionSpec, torch.Tensor | None]:
+    """The options shared by the dense and varlen ``flash_attn_*`` functions (bottom-right causal)."""
     causal = _validate_bool(fn, "causal", causal)
     _validate_bool(fn, "deterministic", deterministic)
     _validate_bool(fn, "return_attn_probs", return_attn_probs)
     left, right = _validate_window(fn, window_size, causal)
     spec = AttentionSpec(
-        scale=_validate_scale(fn, "softmax_scale", softmax_scale, q.shape[3]),
+        scale=_validate_scale(fn, "softmax_scale", softmax_scale, q.shape[-1]),
         window_left=left,
         window_right=right,
         bottom_right=True,
@@ -181,8 +168,70 @@ def check_flash(
         dropout_p=_validate_dropout(fn, dropout_p),
         deterministic=deterministic,
     )
-    alibi = _validate_alibi(fn, alibi_slopes, q.shape[0], q.shape[2], q)
+    return spec, _validate_alibi(fn, alibi_slopes, batch, q.shape[-2], q)
+
+
+def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
+                **options) -> CheckedCall:
+    """Validate the arguments of the ``flash_attn_*func`` family (flash layout, bottom-right causal); ``options``
+    are the keyword arguments of ``flash_attn_func`` after q, k, v."""
+    q, k, v = _flash_layout(fn, q, k, v, names)
+    spec, alibi = _flash_options(fn, q, batch=q.shape[0], **options)
     return CheckedCall(q, k, v, spec, alibi_slopes=alibi)
+
+
+def _validate_cu_seqlens(fn: str, name: str, cu: object, total: int, ref: torch.Tensor) -> list[int]:
+    if not isinstance(cu, torch.Tensor):
+        raise _fail(fn, f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu).__name__}",
+                    TypeError)
+    if cu.dtype != torch.int32:
+        raise _fail(fn, f"{name} must have dtype torch.int32, got {cu.dtype}", TypeError)
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise _fail(fn, f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
+    if cu.device != ref.device:
+        raise _fail(fn, f"{name} is on {cu.device} but the inputs are on {ref.device}")
+    values = cu.tolist()  # a host read: the offsets must be right before any kernel trusts them
+    if values[0] != 0:
+        raise _fail(fn, f"{name} must start at 0, got {values[0]}")
+    drops = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
+    if drops:
+        i = drops[0]
+        raise _fail(fn, f"{name} must be non-decreasing, but {name}[{i}] = {values[i]} < {name}[{i - 1}] = "
+                        f"{values[i - 1]}")
+    if values[-1] != total:
+        raise _fail(fn, f"{name}[-1] = {values[-1]} must equal the number of packed rows, {total}")
+    return values
+
+
+def _validate_max_seqlen(fn: str, name: str, value: object, lengths: list[int]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(fn, f"{name} must be an int, got {value!r}", TypeError)
+    longest = max(lengths, default=0)
+    if value < longest:
+        raise _fail(fn, f"{name} = {value} is smaller than the longest sequence, {longest}")
+    return value
+
+
+def check_varlen(fn: str, q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object,
+                 max_seqlen_q: object, max_seqlen_k: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
+                 **options) -> CheckedCall:
+    """Validate the ``flash_attn_varlen_*func`` family: packed q (total_q, nheads, headdim), k/v (total_k,
+    nheads_k, headdim), int32 offsets ``cu_seqlens_*`` (batch + 1) and the maxima."""
+    layouts = ("(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)")
+    for name, t, layout in zip(names, (q, k, v), (layouts[0], layouts[1], layouts[1]), strict=True):
+        _validate_tensor(fn, name, t, 3, layout)
+    # The dense checks on a batch of one: same heads, head dims, dtypes and devices rules.
+    _flash_layout(fn, q[None], k[None], v[None], names)
+    cq = _validate_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q)
+    ck = _validate_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q)
+    if len(cq) != len(ck):
+        raise _fail(fn, f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got lengths {len(cq)} and "
+                        f"{len(ck)}")
+    max_q = _validate_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, [b - a for a, b in pairwise(cq)])
+    max_k = _validate_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, [b - a for a, b in pairwise(ck)])
+    spec, alibi = _flash_options(fn, q, batch=len(cq) - 1, **options)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+    return CheckedCall(q, k, v, spec, alibi_slopes=alibi, varlen=varlen)
 
 
 def unpack(fn: str, name: str, packed: object, count: int) -> tuple[torch.Tensor, ...]:
@@ -192,6 +241,15 @@ def unpack(fn: str, name: str, packed: object, count: int) -> tuple[torch.Tensor
     if packed.shape[2] != count:
         raise _fail(fn, f"{name} must have shape {layout}, got {tuple(packed.shape)}")
     return packed.unbind(2)
+
+
+def unpack_varlen(fn: str, name: str, packed: object, count: int) -> tuple[torch.Tensor, ...]:
+    """Split a packed (total, count, nheads, headdim) tensor into ``count`` views."""
+    layout = f"(total, {count}, nheads, headdim)"
+    packed = _validate_tensor(fn, name, packed, 4, layout)
+    if packed.shape[1] != count:
+        raise _fail(fn, f"{name} must have shape {layout}, got {tuple(packed.shape)}")
+    return packed.unbind(1)
 
 
 def _validate_sdpa_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, int, int, int]):

@@ -16,6 +16,9 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "scaled_dot_product_attention",
 ]
 
@@ -36,8 +39,8 @@ def _dropout_seed(dropout_p: float, device: torch.device) -> Tensor | None:
 def _run(call: checks.CheckedCall, return_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
     seed = _dropout_seed(call.spec.dropout_p, call.q.device)
     return attention(
-        call.q, call.k, call.v, call.spec,
-        alibi_slopes=call.alibi_slopes, attn_mask=call.attn_mask, seed=seed, return_probs=return_probs,
+        call.q, call.k, call.v, call.spec, alibi_slopes=call.alibi_slopes, attn_mask=call.attn_mask, seed=seed,
+        varlen=call.varlen, return_probs=return_probs,
     )
 
 
@@ -154,6 +157,131 @@ def flash_attn_kvpacked_func(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
         return_attn_probs=return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+    )
+    return _flash_result(call, return_attn_probs)
+
+
+def _refuse_block_table(fn: str, block_table: object) -> None:
+    if block_table is not None:
+        raise ValueError(f"{fn}: block_table (a paged K/V cache) is not supported yet; pass block_table=None")
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
+) -> FlashResult:
+    """``flash_attn_func`` on a packed batch of sequences of different lengths, without padding; a drop-in for
+    ``flash_attn.flash_attn_varlen_func``.
+
+    Args:
+        q: (total_q, nheads, headdim), the batch's queries one sequence after another.
+        k, v: (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b owns rows
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise for k, v). Empty sequences are allowed.
+        max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the kernels' grid).
+        The other arguments are those of ``flash_attn_func``, applied per sequence (causal aligns each
+        sequence's bottom-right corner); ``block_table`` (paged K/V) is not supported yet.
+
+    Returns:
+        out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask (batch, nheads,
+        max_seqlen_q, max_seqlen_k)) when ``return_attn_probs``.
+
+    Example::
+
+        >>> q, k, v = (torch.randn(10, 4, 32) for _ in range(3))
+        >>> cu = torch.tensor([0, 3, 10], dtype=torch.int32)  # two sequences: 3 and 7 tokens
+        >>> flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
+        torch.Size([10, 4, 32])
+    """
+    fn = "flash_attn_varlen_func"
+    _refuse_block_table(fn, block_table)
+    call = checks.check_varlen(
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    return _flash_result(call, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> FlashResult:
+    """``flash_attn_varlen_func`` with q, k, v packed as qkv (total, 3, nheads, headdim) and one set of offsets.
+
+    Example::
+
+        >>> qkv = torch.randn(9, 3, 2, 16)
+        >>> cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        >>> flash_attn_varlen_qkvpacked_func(qkv, cu, 5).shape
+        torch.Size([9, 2, 16])
+    """
+    fn = "flash_attn_varlen_qkvpacked_func"
+    q, k, v = checks.unpack_varlen(fn, "qkv", qkv, 3)
+    call = checks.check_varlen(
+        fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+        names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+    )
+    return _flash_result(call, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> FlashResult:
+    """``flash_attn_varlen_func`` with k and v packed as kv (total_k, 2, nheads_k, headdim).
+
+    Example::
+
+        >>> q, kv = torch.randn(6, 4, 16), torch.randn(8, 2, 2, 16)
+        >>> cq, ck = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 6], [0, 5, 8]))
+        >>> flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 4, 5).shape
+        torch.Size([6, 4, 16])
+    """
+    fn = "flash_attn_varlen_kvpacked_func"
+    k, v = checks.unpack_varlen(fn, "kv", kv, 2)
+    call = checks.check_varlen(
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+        names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .backends.spec import AttentionSpec
+from .backends.spec import AttentionSpec, Varlen
 
 
 def _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic) -> AttentionSpec:
@@ -33,6 +33,10 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen | None:
+    return None if cu_seqlens_q is None else Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
 @torch.library.custom_op("flashattn::attention", mutates_args=())
 def _attention(
     q: Tensor,
@@ -41,6 +45,10 @@ def _attention(
     alibi_slopes: Tensor | None,
     attn_mask: Tensor | None,
     seed: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     scale: float,
     window_left: int,
     window_right: int,
@@ -51,16 +59,22 @@ def _attention(
     return_probs: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     spec = _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic)
-    return backends.select(q, v).forward(q, k, v, alibi_slopes, attn_mask, spec, return_probs)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return backends.select(q, v).forward(q, k, v, alibi_slopes, attn_mask, spec, return_probs, varlen)
 
 
 @_attention.register_fake
-def _(q, k, v, alibi_slopes, attn_mask, seed, scale, window_left, window_right, bottom_right, softcap,
-      dropout_p, deterministic, return_probs):
-    b, nq, h, _ = q.shape
-    out = q.new_empty(b, nq, h, v.shape[-1])
-    lse = q.new_empty(b, h, nq, dtype=_lse_dtype(q))
-    probs = q.new_empty(b, h, nq, k.shape[1]) if return_probs else q.new_empty(0)
+def _(q, k, v, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+      window_left, window_right, bottom_right, softcap, dropout_p, deterministic, return_probs):
+    if cu_seqlens_q is None:
+        b, nq, h, _ = q.shape
+        nk, lse_shape = k.shape[1], (b, h, nq)
+    else:  # packed: q (total_q, H, D); lse (H, total_q); probs padded to the maxima
+        b, nq, h, nk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, q.shape[1], max_seqlen_k
+        lse_shape = (h, q.shape[0])
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty(lse_shape, dtype=_lse_dtype(q))
+    probs = q.new_empty(b, h, nq, nk) if return_probs else q.new_empty(0)
     return out, lse, probs
 
 
@@ -76,6 +90,10 @@ def _attention_backward(
     alibi_slopes: Tensor | None,
     attn_mask: Tensor | None,
     seed: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     scale: float,
     window_left: int,
     window_right: int,
@@ -86,38 +104,41 @@ def _attention_backward(
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dmask = backends.select(q, v).backward(
-        dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, spec, mask_grad
+        dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, spec, mask_grad, varlen
     )
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
 @_attention_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed, scale, window_left, window_right,
-      bottom_right, softcap, dropout_p, deterministic, mask_grad):
+def _(dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, scale, window_left, window_right, bottom_right, softcap, dropout_p, deterministic, mask_grad):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
-_SCALARS = ("scale", "window_left", "window_right", "bottom_right", "softcap", "dropout_p", "deterministic")
+_SCALARS = ("max_seqlen_q", "max_seqlen_k", "scale", "window_left", "window_right", "bottom_right", "softcap",
+            "dropout_p", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alibi_slopes, attn_mask, seed, *scalars, _return_probs = inputs
+    q, k, v, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs = inputs
     out, lse, probs = output
     ctx.scalars = dict(zip(_SCALARS, scalars, strict=True))
     ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask, seed)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k)
     ctx.mark_non_differentiable(probs)
 
 
 def _backward(ctx, dout, dlse, _dprobs):
-    q, k, v, out, lse, alibi_slopes, attn_mask, seed = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv, dmask = _attention_backward(
-        dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed,
+        dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k,
         **ctx.scalars, mask_grad=ctx.mask_grad,
     )
-    return dq, dk, dv, None, (dmask if ctx.mask_grad else None), None, *([None] * (len(_SCALARS) + 1))
+    no_grad = [None] * (3 + len(_SCALARS) + 1)  # seed, cu_seqlens_q/k, the scalars, return_probs
+    return dq, dk, dv, None, (dmask if ctx.mask_grad else None), *no_grad
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
@@ -132,13 +153,18 @@ def attention(
     alibi_slopes: Tensor | None = None,
     attn_mask: Tensor | None = None,
     seed: Tensor | None = None,
+    varlen: Varlen | None = None,
     return_probs: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the op on checked inputs in the flash layout: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv).
+    """Run the op on checked inputs in the flash layout: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv),
+    or packed (total, H, D) with ``varlen``.
 
-    Returns (out (B, Nq, H, Dv), lse (B, H, Nq), probs (B, H, Nq, Nk) or an empty tensor).
+    Returns (out (B, Nq, H, Dv), lse (B, H, Nq), probs (B, H, Nq, Nk) or an empty tensor); varlen: out
+    (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k).
     """
+    cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if varlen is None else (
+        varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k)
     return _attention(
-        q, k, v, alibi_slopes, attn_mask, seed, spec.scale, spec.window_left, spec.window_right,
-        spec.bottom_right, spec.softcap, spec.dropout_p, spec.deterministic, return_probs,
+        q, k, v, alibi_slopes, attn_mask, seed, cu_q, cu_k, max_q, max_k, spec.scale, spec.window_left,
+        spec.window_right, spec.bottom_right, spec.softcap, spec.dropout_p, spec.deterministic, return_probs,
     )

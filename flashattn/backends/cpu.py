@@ -16,7 +16,7 @@ import math
 import torch
 
 from .philox import dropout_keep
-from .spec import AttentionSpec
+from .spec import AttentionSpec, Varlen
 
 # A score tile holds about this many elements across batch and heads (2 MB in float32, about an L2 cache;
 # measured best of 2^17..2^21 x 256..1024 on 2 cores): large enough that
@@ -40,7 +40,9 @@ class _Problem:
     """One attention call cut into tiles: builds the score tile S_ij (scale, softcap, masks, ALiBi) and its
     dropout mask, the pieces shared by the forward, the backward and the probabilities."""
 
-    def __init__(self, q, k, v, alibi, mask, spec: AttentionSpec):
+    def __init__(self, q, k, v, alibi, mask, spec: AttentionSpec, dropout_origin: tuple[int, int, int] | None = None):
+        """``dropout_origin`` = (first batch index, Nq, Nk) of the counter layout ((b * H + h) * Nq + i) * Nk + j;
+        by default this call's own (0, nq, nk). A varlen sequence b uses (b, max_seqlen_q, max_seqlen_k)."""
         b, nq, h, d = q.shape
         nk, hk = k.shape[1], k.shape[2]
         g = h // hk
@@ -57,8 +59,9 @@ class _Problem:
         self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
         if spec.dropout_p > 0:
             self.seed = int(spec.seed.item())
-            idx = torch.arange(b * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
-            self.dropout_base = idx * nq * nk
+            b0, self.counter_rows, self.counter_cols = dropout_origin or (0, nq, nk)
+            idx = torch.arange(b0 * h, (b0 + b) * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
+            self.dropout_base = idx * self.counter_rows * self.counter_cols
 
     def _heads5(self, t: torch.Tensor) -> torch.Tensor:
         """(B|1, H|1, Lq, Lk) -> (B|1, Hk|1, G|1, Lq, Lk) so it broadcasts against a score tile."""
@@ -120,10 +123,9 @@ class _Problem:
         spec = self.spec
         if spec.dropout_p <= 0:
             return None
-        nk = self.shape[2]
         rows = torch.arange(r0, r1, device=self.dropout_base.device)
         cols = torch.arange(c0, c1, device=self.dropout_base.device)
-        offset = self.dropout_base + (rows[:, None] * nk + cols[None, :])
+        offset = self.dropout_base + (rows[:, None] * self.counter_cols + cols[None, :])
         keep = dropout_keep(self.seed, offset, spec.dropout_p)
         return keep.to(self.acc) / (1.0 - spec.dropout_p)
 
@@ -132,9 +134,12 @@ def _nonzero_or(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(x == 0, torch.full_like(x, fill), x)
 
 
-def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False):
+def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False, varlen: Varlen | None = None):
     """Returns out (B, Nq, H, Dv) in q's dtype, lse (B, H, Nq) (float32, or float64 for float64 inputs) and,
     if ``return_probs``, the probabilities (B, H, Nq, Nk) with dropped entries negated (else an empty tensor).
+
+    With ``varlen``, q is (total_q, H, D) and k/v (total_k, Hk, D), packed as ``varlen.cu_seqlens_*`` say: out is
+    (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k). Each sequence runs on views.
 
     Example::
 
@@ -143,19 +148,46 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         >>> out.shape, lse.shape
         (torch.Size([1, 5, 2, 8]), torch.Size([1, 2, 5]))
     """
-    p = _Problem(q, k, v, alibi, mask, spec)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h, dv = q.shape[-2], v.shape[-1]
+    if varlen is None:
+        b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
+        out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
+        lse = _uninitialized(b, h, nq, dtype=acc, device=q.device)
+        probs = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device) if return_probs else None
+        _forward_into(_Problem(q, k, v, alibi, mask, spec), out, lse, probs)
+        return out, lse, q.new_empty(0) if probs is None else probs
+    out = _uninitialized(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
+    lse = _uninitialized(h, q.shape[0], dtype=acc, device=q.device)
+    probs = None
+    if return_probs:
+        probs = torch.zeros(varlen.batch, h, varlen.max_seqlen_q, varlen.max_seqlen_k, dtype=q.dtype,
+                            device=q.device)
+    for i, (sq, eq, sk, ek) in enumerate(varlen.bounds()):
+        p = _Problem(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _batch_row(alibi, i), None, spec,
+                     dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
+        _forward_into(p, out[None, sq:eq], lse[None, :, sq:eq],
+                      None if probs is None else probs[i : i + 1, :, : eq - sq, : ek - sk])
+    return out, lse, q.new_empty(0) if probs is None else probs
+
+
+def _batch_row(alibi: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """ALiBi slopes of batch entry i: (1, H) whether the slopes are per batch entry or shared."""
+    return alibi if alibi is None or alibi.shape[0] == 1 else alibi[i : i + 1]
+
+
+def _forward_into(p: _Problem, out: torch.Tensor, lse: torch.Tensor, probs: torch.Tensor | None) -> None:
+    """Write out (B, Nq, H, Dv), lse (B, H, Nq) and, if given, probs (B, H, Nq, Nk) of problem ``p``."""
     b, nq, nk, h, hk, g = p.shape
-    dv = v.shape[-1]
-    out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
-    lse = _uninitialized(b, h, nq, dtype=p.acc, device=q.device)
+    dv = out.shape[-1]
     out5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
     lse5 = lse.unflatten(1, (hk, g))
     for r0 in _blocks(nq, p.block_q):
         r1 = min(r0 + p.block_q, nq)
         qb = p.q_block(r0, r1)
-        row_max = torch.full(qb.shape[:-1], -math.inf, dtype=p.acc, device=q.device)
+        row_max = torch.full(qb.shape[:-1], -math.inf, dtype=p.acc, device=out.device)
         row_sum = torch.zeros_like(row_max)
-        acc = torch.zeros(*qb.shape[:-1], dv, dtype=p.acc, device=q.device)
+        acc = torch.zeros(*qb.shape[:-1], dv, dtype=p.acc, device=out.device)
         for c0, c1 in p.key_blocks(r0, r1):
             kb, vb = p.kv_block(c0, c1)
             e, _ = p.scores(qb, kb, r0, r1, c0, c1)
@@ -172,16 +204,16 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
             acc = acc * rescale[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", e, vb)
             row_max = new_max
         # Deferred normalisation (FlashAttention-2): one division per row, at the end; empty rows give 0.
-        out5[:, :, :, r0:r1] = (acc / _nonzero_or(row_sum, 1.0)[..., None]).to(q.dtype)
+        out5[:, :, :, r0:r1] = (acc / _nonzero_or(row_sum, 1.0)[..., None]).to(out.dtype)
         lse5[:, :, :, r0:r1] = torch.where(row_sum == 0, -math.inf, row_max + torch.log(row_sum))
-    probs = _probabilities(p, lse, q.dtype) if return_probs else q.new_empty(0)
-    return out, lse, probs
+    if probs is not None:
+        _probabilities_into(p, lse, probs)
 
 
-def _probabilities(p: _Problem, lse: torch.Tensor, dtype) -> torch.Tensor:
-    """softmax(S) recomputed from lse, dropped entries negated: the S_dmask of ``return_attn_probs``."""
+def _probabilities_into(p: _Problem, lse: torch.Tensor, probs: torch.Tensor) -> None:
+    """softmax(S) recomputed from lse, dropped entries negated: the S_dmask of ``return_attn_probs``.
+    ``probs`` (B, H, Nq, Nk) is zero-filled; tiles hidden by the mask are not visited."""
     b, nq, nk, h, hk, g = p.shape
-    probs = torch.zeros(b, h, nq, nk, dtype=dtype, device=lse.device)
     probs5 = probs.unflatten(1, (hk, g))
     lse5 = _lse_for_recompute(lse.unflatten(1, (hk, g)))
     for r0 in _blocks(nq, p.block_q):
@@ -194,8 +226,7 @@ def _probabilities(p: _Problem, lse: torch.Tensor, dtype) -> torch.Tensor:
             keep = p.dropout_scale(r0, r1, c0, c1)
             if keep is not None:
                 pt = torch.where(keep > 0, pt, -pt)
-            probs5[:, :, :, r0:r1, c0:c1] = pt.to(dtype)
-    return probs
+            probs5[:, :, :, r0:r1, c0:c1] = pt.to(probs.dtype)
 
 
 def _lse_for_recompute(lse: torch.Tensor) -> torch.Tensor:
@@ -209,20 +240,34 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dim=dims, keepdim=True) if dims else x
 
 
-def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False):
+def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False,
+             varlen: Varlen | None = None):
     """Gradients (dq, dk, dv, dmask) by recomputation from the saved lse (FlashAttention-2 backward).
 
     ``dlse`` (or None) is the gradient flowing into the returned log-sum-exp: d lse_i / d S_ij = P_ij, so it
     folds into the preprocessing term, delta_i = rowsum(dO_i * O_i) - dlse_i. ``dmask`` is the gradient of an
-    additive mask (its own shape) when ``mask_grad``, else None.
+    additive mask (its own shape) when ``mask_grad``, else None. ``varlen``: the packed layout of ``forward``.
     """
-    p = _Problem(q, k, v, alibi, mask, spec)
+    dq, dk, dv = (_uninitialized(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if varlen is None:
+        p = _Problem(q, k, v, alibi, mask, spec)
+        dmask = torch.zeros(p.mask.shape, dtype=p.acc, device=q.device) if mask_grad else None
+        _backward_into(p, dout, dlse, out, lse, dq, dk, dv, dmask)
+        return dq, dk, dv, None if dmask is None else dmask.reshape(mask.shape).to(mask.dtype)
+    for i, (sq, eq, sk, ek) in enumerate(varlen.bounds()):
+        p = _Problem(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _batch_row(alibi, i), None, spec,
+                     dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
+        _backward_into(p, dout[None, sq:eq], None if dlse is None else dlse[None, :, sq:eq], out[None, sq:eq],
+                       lse[None, :, sq:eq], dq[None, sq:eq], dk[None, sk:ek], dv[None, sk:ek], None)
+    return dq, dk, dv, None
+
+
+def _backward_into(p: _Problem, dout, dlse, out, lse, dq, dk, dv, dmask) -> None:
+    """Write dq (B, Nq, H, D), dk and dv (B, Nk, Hk, D) and, if given, accumulate the mask gradient in dmask."""
     b, nq, nk, h, hk, g = p.shape
     acc_t = p.acc
-    dq = _uninitialized(*q.shape, dtype=q.dtype, device=q.device)
-    dk_acc = torch.zeros(b, hk, nk, k.shape[-1], dtype=acc_t, device=q.device)
-    dv_acc = torch.zeros(b, hk, nk, v.shape[-1], dtype=acc_t, device=q.device)
-    dmask = torch.zeros(p.mask.shape, dtype=acc_t, device=q.device) if mask_grad else None
+    dk_acc = torch.zeros(b, hk, nk, dk.shape[-1], dtype=acc_t, device=dq.device)
+    dv_acc = torch.zeros(b, hk, nk, dv.shape[-1], dtype=acc_t, device=dq.device)
     dq5 = dq.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
     do5 = dout.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
     o5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
@@ -256,9 +301,6 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
             dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb)
             # qb carries the scale already, so dK = dS^T (Q * scale) needs no further factor.
             dk_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb)
-        dq5[:, :, :, r0:r1] = (dqb * spec.scale).to(q.dtype)
-    dk = _uninitialized(*k.shape, dtype=k.dtype, device=k.device).copy_(dk_acc.permute(0, 2, 1, 3))
-    dv = _uninitialized(*v.shape, dtype=v.dtype, device=v.device).copy_(dv_acc.permute(0, 2, 1, 3))
-    if dmask is not None:
-        dmask = dmask.reshape(mask.shape).to(mask.dtype)
-    return dq, dk, dv, dmask
+        dq5[:, :, :, r0:r1] = (dqb * p.spec.scale).to(dq.dtype)
+    dk.copy_(dk_acc.permute(0, 2, 1, 3))
+    dv.copy_(dv_acc.permute(0, 2, 1, 3))

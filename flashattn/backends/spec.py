@@ -39,3 +39,27 @@ class AttentionSpec:
 
     def band(self, nq: int, nk: int) -> Band:
         return Band.of(nq, nk, self.window_left, self.window_right, self.bottom_right)
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """The packed layout of a variable-length batch: sequence b owns query rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
+
+    ``max_seqlen_*`` bound every length; they also fix the dropout counter layout
+    ((b * H + h) * max_seqlen_q + i) * max_seqlen_k + j, shared by every backend.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+    def bounds(self) -> list[tuple[int, int, int, int]]:
+        """(q start, q end, k start, k end) per sequence (reads the offsets on the host)."""
+        cq, ck = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
+        return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(self.batch)]

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from .. import TRITON_MAX_HEAD_DIM as MAX_HEAD_DIM
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, Varlen
 from . import configs
 from .kernels import (
     MASK_ADD,
@@ -65,9 +65,41 @@ def _flags(spec: AttentionSpec, alibi, mask, q, interp: bool) -> dict:
     )
 
 
-def _scalars(spec: AttentionSpec, nq: int, nk: int) -> tuple:
-    band = spec.band(nq, nk)
-    return (band.shift, max(band.left, 0), max(band.right, 0), spec.scale, spec.softcap or 1.0, spec.dropout_p)
+def _scalars(spec: AttentionSpec) -> tuple:
+    # The band's diagonal shift is per sequence (Nk - Nq for the bottom-right corner): the kernels compute it.
+    left = max(spec.window_left, 0)
+    right = max(spec.window_right, 0)
+    return (int(spec.bottom_right), left, right, spec.scale, spec.softcap or 1.0, spec.dropout_p)
+
+
+class _Layout:
+    """Shapes and strides of a dense (B, N, H, D) or packed varlen (total, H, D) call, as the kernels take them.
+
+    ``nq``/``nk`` are the dense lengths or the varlen maxima: they size the grid and lay out the dropout counters
+    and the probabilities. lse (and delta) are (B, H, Nq) dense, (H, total_q) varlen.
+    """
+
+    def __init__(self, q, k, v, varlen: Varlen | None):
+        self.varlen = varlen
+        self.h, self.d = q.shape[-2], q.shape[-1]
+        self.hk, self.dv = k.shape[-2], v.shape[-1]
+        if varlen is None:
+            self.b, self.nq, self.nk = q.shape[0], q.shape[1], k.shape[1]
+            self.lse_shape = (self.b, self.h, self.nq)
+            self.cu = (_placeholder(q), _placeholder(q))
+        else:
+            self.b, self.nq, self.nk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+            self.lse_shape = (self.h, q.shape[0])
+            self.cu = (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+
+    def strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(t.stride()) if t.dim() == 4 else (0, *t.stride())
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        return tuple(lse.stride()[:2]) if self.varlen is None else (0, lse.stride(0))
+
+    def out_shape(self, dv: int) -> tuple[int, ...]:
+        return (self.b, self.nq, self.h, dv) if self.varlen is None else (self.lse_shape[1], self.h, dv)
 
 
 def _check(q: torch.Tensor, v: torch.Tensor) -> None:
@@ -86,27 +118,26 @@ def _config(table: dict, q: torch.Tensor, d: int, dv: int, heavy: bool) -> confi
     return table[(configs.padded_head_dim(max(d, dv)), weight)]
 
 
-def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False):
+def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False, varlen: Varlen | None = None):
     """Same contract as ``flashattn.backends.cpu.forward``."""
     _check(q, v)
-    b, nq, h, d = q.shape
-    nk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    out = _empty((b, nq, h, dv), q.dtype, q.device)
-    lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
-    probs = _empty((b, h, nq, nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
-    if out.numel() == 0:
+    lay = _Layout(q, k, v, varlen)
+    out = _empty(lay.out_shape(lay.dv), q.dtype, q.device)
+    lse = torch.empty(lay.lse_shape, dtype=torch.float32, device=q.device)
+    probs = _empty((lay.b, lay.h, lay.nq, lay.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
+    if out.numel() == 0 or lay.nq == 0:
         lse.fill_(float("-inf"))
-        return _as(out, q.dtype), lse, _as(probs, q.dtype)
-    cfg = _config(configs.FORWARD, q, d, dv, heavy=spec.dropout_p > 0 or mask is not None or return_probs)
+        return _as(out.zero_(), q.dtype), lse, _as(probs, q.dtype)
+    cfg = _config(configs.FORWARD, q, lay.d, lay.dv, heavy=spec.dropout_p > 0 or mask is not None or return_probs)
     mask_t, mask_strides, _ = _mask_args(mask, q)
-    grid = (triton.cdiv(nq, cfg.block_m), b * h)
+    grid = (triton.cdiv(lay.nq, cfg.block_m), lay.b * lay.h)
     attention_forward_kernel[grid](
-        q, k, v, out, lse, probs, alibi if alibi is not None else q, mask_t, _seed(spec, q),
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        q, k, v, out, lse, probs, alibi if alibi is not None else q, mask_t, _seed(spec, q), *lay.cu,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out), *lay.lse_strides(lse),
         *(_alibi_strides(alibi)), *mask_strides,
-        h, h // hk, nq, nk, d, dv, *_scalars(spec, nq, nk),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.padded_head_dim(d),
-        BLOCK_DV=configs.padded_head_dim(dv), WRITE_PROBS=return_probs,
+        lay.h, lay.h // lay.hk, lay.nq, lay.nk, lay.d, lay.dv, *_scalars(spec),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.padded_head_dim(lay.d),
+        BLOCK_DV=configs.padded_head_dim(lay.dv), WRITE_PROBS=return_probs, IS_VARLEN=varlen is not None,
         **_flags(spec, alibi, mask, q, interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -128,48 +159,49 @@ def _placeholder(q: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=q.device)
 
 
-def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False):
+def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False,
+             varlen: Varlen | None = None):
     """Same contract as ``flashattn.backends.cpu.backward``; deterministic (no atomics) in every mode."""
     if mask_grad:
         raise ValueError("the triton backend does not compute gradients for attn_mask; detach the mask or use "
                          "the cpu backend (flashattn.use_backend('cpu'))")
     _check(q, v)
-    b, nq, h, d = q.shape
-    nk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    lay = _Layout(q, k, v, varlen)
     dq, dk, dvv = (_empty(t.shape, t.dtype, t.device) for t in (q, k, v))
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or lay.nq == 0 or lay.nk == 0:
         return _as(dq.zero_(), q.dtype), _as(dk.zero_(), k.dtype), _as(dvv.zero_(), v.dtype), None
     interp = interpreting()
-    delta = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
-    attention_backward_preprocess_kernel[(triton.cdiv(nq, configs.PREPROCESS_BLOCK_M), b * h)](
-        # dlse is read as a dense (B, H, Nq) array; it is small, and autograd may hand it over expanded.
-        out, dout, dlse.contiguous() if dlse is not None else lse, delta, *out.stride(), *dout.stride(), h, nq, dv,
-        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv), HAS_DLSE=dlse is not None,
+    # delta_i = rowsum(dO_i * O_i) - dlse_i is per row: a packed varlen batch is one long sequence to it.
+    delta = torch.empty(lay.lse_shape, dtype=torch.float32, device=q.device)
+    dense = (lambda t: t) if varlen is None else (lambda t: t[None])
+    pre_out, pre_dout, pre_delta = dense(out), dense(dout), dense(delta)
+    # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
+    pre_dlse = dense(dlse.contiguous()) if dlse is not None else pre_delta
+    rows, heads = pre_out.shape[1], pre_out.shape[2]
+    attention_backward_preprocess_kernel[(triton.cdiv(rows, configs.PREPROCESS_BLOCK_M), pre_out.shape[0] * heads)](
+        pre_out, pre_dout, pre_dlse, pre_delta, *pre_out.stride(), *pre_dout.stride(), heads, rows, lay.dv,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(lay.dv), HAS_DLSE=dlse is not None,
     )
     heavy = spec.dropout_p > 0 or mask is not None
     mask_t, mask_strides, _ = _mask_args(mask, q)
-    flags = _flags(spec, alibi, mask, q, interp)
-    alibi_t = alibi if alibi is not None else q
-    seed = _seed(spec, q)
-    scalars = _scalars(spec, nq, nk)
-    blocks_d = dict(BLOCK_D=configs.padded_head_dim(d), BLOCK_DV=configs.padded_head_dim(dv))
+    common = dict(BLOCK_D=configs.padded_head_dim(lay.d), BLOCK_DV=configs.padded_head_dim(lay.dv),
+                  IS_VARLEN=varlen is not None, **_flags(spec, alibi, mask, q, interp))
+    tensors = (alibi if alibi is not None else q, mask_t, _seed(spec, q), *lay.cu)
+    strides_in = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout))
+    strides_tail = (*lay.lse_strides(lse), *_alibi_strides(alibi), *mask_strides)
 
-    cfg = _config(configs.BACKWARD_DKDV, q, d, dv, heavy)
-    attention_backward_dkdv_kernel[(triton.cdiv(nk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk, dvv, alibi_t, mask_t, seed,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dvv.stride(),
-        *_alibi_strides(alibi), *mask_strides,
-        h, hk, h // hk, nq, nk, d, dv, *scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **blocks_d, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    cfg = _config(configs.BACKWARD_DKDV, q, lay.d, lay.dv, heavy)
+    attention_backward_dkdv_kernel[(triton.cdiv(lay.nk, cfg.block_n), lay.b * lay.hk)](
+        q, k, v, dout, lse, delta, dk, dvv, *tensors,
+        *strides_in, *lay.strides(dk), *lay.strides(dvv), *strides_tail,
+        lay.h, lay.hk, lay.h // lay.hk, lay.nq, lay.nk, lay.d, lay.dv, *_scalars(spec),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    cfg = _config(configs.BACKWARD_DQ, q, d, dv, heavy)
-    attention_backward_dq_kernel[(triton.cdiv(nq, cfg.block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, alibi_t, mask_t, seed,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        *_alibi_strides(alibi), *mask_strides,
-        h, h // hk, nq, nk, d, dv, *scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **blocks_d, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    cfg = _config(configs.BACKWARD_DQ, q, lay.d, lay.dv, heavy)
+    attention_backward_dq_kernel[(triton.cdiv(lay.nq, cfg.block_m), lay.b * lay.h)](
+        q, k, v, dout, lse, delta, dq, *tensors,
+        *strides_in, *lay.strides(dq), *strides_tail,
+        lay.h, lay.h // lay.hk, lay.nq, lay.nk, lay.d, lay.dv, *_scalars(spec),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _as(dq, q.dtype), _as(dk, k.dtype), _as(dvv, v.dtype), None

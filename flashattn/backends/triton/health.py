@@ -31,6 +31,7 @@ TARGETS = (80, 90)
 POINTERS = {
     "Q": "in", "K": "in", "V": "in", "Out": "in", "DOut": "in", "DQ": "in", "DK": "in", "DV_": "in",
     "Probs": "in", "Mask": "in", "Lse": "fp32", "Delta": "fp32", "DLse": "fp32", "Alibi": "fp32", "Seed": "i64",
+    "CuQ": "i32", "CuK": "i32",
 }
 FLOATS = {"scale", "softcap", "dropout_p"}
 # Every feature a config of that weight may have to serve, all switched on: the worst case for registers.
@@ -122,7 +123,7 @@ def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: 
     dtype = "fp32" if fp32 else "fp16"
     flags = VARIANT_FLAGS[variant.removeprefix("fp32-")]
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, BLOCK_DV=head_dim,
-                      UPCAST=False, FP32_DOT=fp32, **flags)
+                      UPCAST=False, FP32_DOT=fp32, IS_VARLEN=False, **flags)
     if "WRITE_PROBS" in fn.arg_names:
         constexprs["WRITE_PROBS"] = False
     sig, consts, attrs = _signature(fn, dtype, constexprs)

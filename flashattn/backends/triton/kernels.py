@@ -113,6 +113,17 @@ def _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p):
 
 
 @triton.jit
+def _sequence(b, CuQ, CuK, NQ, NK, IS_VARLEN: tl.constexpr):
+    """(q start, q length, k start, k length) of batch entry ``b``: read from the packed offsets in varlen mode,
+    else (0, NQ, 0, NK)."""
+    if IS_VARLEN:
+        q0 = tl.load(CuQ + b)
+        k0 = tl.load(CuK + b)
+        return q0, tl.load(CuQ + b + 1) - q0, k0, tl.load(CuK + b + 1) - k0
+    return 0, NQ, 0, NK
+
+
+@triton.jit
 def _key_range(start_m, NK, shift, window_left, window_right,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """[lo, hi) of key blocks any row of the query block may see, lo aligned to BLOCK_N; skips hidden blocks."""
@@ -142,33 +153,38 @@ def _query_range(start_n, NQ, shift, window_left, window_right,
 
 @triton.jit
 def attention_forward_kernel(
-    Q, K, V, Out, Lse, Probs, Alibi, Mask, Seed,
+    Q, K, V, Out, Lse, Probs, Alibi, Mask, Seed, CuQ, CuK,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
+    stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    H, G, NQ, NK, D, DV, shift, window_left, window_right,
+    H, G, NQ, NK, D, DV, align_br, window_left, window_right,
     scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_PROBS: tl.constexpr, UPCAST: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // G
+    # NQ, NK lay out the dropout counters and Probs; nq, nk are this sequence's lengths (equal unless varlen).
+    q0, nq, k0, nk = _sequence(b, CuQ, CuK, NQ, NK, IS_VARLEN)
+    shift = (nk - nq) * align_br
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, NQ, D, UPCAST)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    q = _load_tile(Q + b * stride_qb + q0 * stride_qn + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, nq,
+                   D, UPCAST)
+    k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
+    v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
@@ -179,12 +195,13 @@ def attention_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, hi = _key_range(start_m, NK, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, hi = _key_range(start_m, nk, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    hi = tl.where(start_m < nq, hi, 0)  # a varlen program past its sequence's end has nothing to do
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
-        v = _load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, NK, DV, UPCAST)
-        s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+        k = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, nk, D, UPCAST)
+        v = _load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, nk, DV, UPCAST)
+        s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, nq, nk, shift, window_left,
                            window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, FP32_DOT)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -203,9 +220,10 @@ def attention_forward_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < DV))
-    tl.store(Lse + bh * NQ + offs_m, lse, mask=offs_m < NQ)
+    o_ptrs = (Out + b * stride_ob + (q0 + offs_m[:, None]) * stride_on + h * stride_oh
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < nq) & (offs_dv[None, :] < DV))
+    tl.store(Lse + b * stride_lb + h * stride_lh + q0 + offs_m, lse, mask=offs_m < nq)
 
     if WRITE_PROBS:
         # Testing aid (return_attn_probs): P = exp(S - lse) recomputed, dropped entries negated. Probs was
@@ -213,8 +231,8 @@ def attention_forward_kernel(
         lse_safe = tl.where(empty, float("inf"), lse)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            k = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
-            s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+            k = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, nk, D, UPCAST)
+            s, _ = _score_tile(q, k, offs_m, offs_n, start_m, start_n, b, h, nq, nk, shift, window_left,
                                window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq,
                                stride_mk, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                                FP32_DOT)
@@ -223,7 +241,7 @@ def attention_forward_kernel(
                 keep = _dropout_keep(seed, b, h, H, NQ, NK, offs_m, offs_n, dropout_p)
                 p = tl.where(keep, p, -p)
             p_ptrs = Probs + (bh * NQ + offs_m[:, None]).to(tl.int64) * NK + offs_n[None, :]
-            tl.store(p_ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_n[None, :] < NK))
+            tl.store(p_ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < nq) & (offs_n[None, :] < nk))
 
 
 @triton.jit
@@ -251,20 +269,22 @@ def attention_backward_preprocess_kernel(
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV_, Alibi, Mask, Seed,
+    Q, K, V, DOut, Lse, Delta, DK, DV_, Alibi, Mask, Seed, CuQ, CuK,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_db, stride_dn, stride_dh, stride_dd,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    H, HK, G, NQ, NK, D, DV, shift, window_left, window_right,
+    H, HK, G, NQ, NK, D, DV, align_br, window_left, window_right,
     scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """dK_j, dV_j for one key block of one key/value head, summed over the G query heads of its group inside
     the program (no atomics, so the result is deterministic)."""
@@ -272,34 +292,40 @@ def attention_backward_dkdv_kernel(
     bhk = tl.program_id(1)
     b = bhk // HK
     hk = bhk % HK
+    q0, nq, k0, nk = _sequence(b, CuQ, CuK, NQ, NK, IS_VARLEN)
+    shift = (nk - nq) * align_br
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # k^T (D, BLOCK_N) for the score tile, v^T (DV, BLOCK_N) for dP = dO V^T.
-    kt = _load_tile_t(K + b * stride_kb + hk * stride_kh, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
-    vt = _load_tile_t(V + b * stride_vb + hk * stride_vh, offs_n, offs_dv, stride_vn, stride_vd, NK, DV, UPCAST)
+    kt = _load_tile_t(K + b * stride_kb + k0 * stride_kn + hk * stride_kh, offs_n, offs_d, stride_kn, stride_kd,
+                      nk, D, UPCAST)
+    vt = _load_tile_t(V + b * stride_vb + k0 * stride_vn + hk * stride_vh, offs_n, offs_dv, stride_vn, stride_vd,
+                      nk, DV, UPCAST)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(Seed)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo, hi = _query_range(start_n, NQ, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, hi = _query_range(start_n, nq, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    hi = tl.where(start_n < nk, hi, 0)  # a varlen program past its sequence's keys has nothing to do
     for g in range(0, G):
         h = hk * G + g
-        bh = b * H + h
+        row_stats = b * stride_lb + h * stride_lh + q0  # lse and delta of this head's queries
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
-            q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, NQ, D, UPCAST)
-            do = _load_tile(DOut + b * stride_db + h * stride_dh, offs_m, offs_dv, stride_dn, stride_dd, NQ, DV,
-                            UPCAST)
-            lse = tl.load(Lse + bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
+            q = _load_tile(Q + b * stride_qb + q0 * stride_qn + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd,
+                           nq, D, UPCAST)
+            do = _load_tile(DOut + b * stride_db + q0 * stride_dn + h * stride_dh, offs_m, offs_dv, stride_dn,
+                            stride_dd, nq, DV, UPCAST)
+            lse = tl.load(Lse + row_stats + offs_m, mask=offs_m < nq, other=float("inf"))
             lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = 0
-            delta = tl.load(Delta + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-            s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+            delta = tl.load(Delta + row_stats + offs_m, mask=offs_m < nq, other=0.0)
+            s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, nq, nk, shift, window_left,
                                     window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq,
                                     stride_mk, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                     MASK_KIND, FP32_DOT)
@@ -317,27 +343,30 @@ def attention_backward_dkdv_kernel(
             dv += _dot(tl.trans(pd).to(do.dtype), do, FP32_DOT)
             dk += _dot(tl.trans(ds).to(q.dtype), q, FP32_DOT)
     dk = dk * scale
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=(offs_n[:, None] < NK) & (offs_d[None, :] < D))
-    tl.store(DV_ + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
-             dv.to(DV_.dtype.element_ty), mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DV))
+    rows = k0 + offs_n[:, None]
+    tl.store(DK + b * stride_dkb + rows * stride_dkn + hk * stride_dkh + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D))
+    tl.store(DV_ + b * stride_dvb + rows * stride_dvn + hk * stride_dvh + offs_dv[None, :] * stride_dvd,
+             dv.to(DV_.dtype.element_ty), mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV))
 
 
 @triton.jit
 def attention_backward_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Alibi, Mask, Seed,
+    Q, K, V, DOut, Lse, Delta, DQ, Alibi, Mask, Seed, CuQ, CuK,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_db, stride_dn, stride_dh, stride_dd,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    H, G, NQ, NK, D, DV, shift, window_left, window_right,
+    H, G, NQ, NK, D, DV, align_br, window_left, window_right,
     scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """dQ_i for one query block of one head: its own pass over the keys, so dQ needs no atomics."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -345,30 +374,36 @@ def attention_backward_dq_kernel(
     b = bh // H
     h = bh % H
     hk = h // G
+    q0, nq, k0, nk = _sequence(b, CuQ, CuK, NQ, NK, IS_VARLEN)
+    shift = (nk - nq) * align_br
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, NQ, D, UPCAST)
-    do = _load_tile(DOut + b * stride_db + h * stride_dh, offs_m, offs_dv, stride_dn, stride_dd, NQ, DV, UPCAST)
-    lse = tl.load(Lse + bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
+    q = _load_tile(Q + b * stride_qb + q0 * stride_qn + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, nq,
+                   D, UPCAST)
+    do = _load_tile(DOut + b * stride_db + q0 * stride_dn + h * stride_dh, offs_m, offs_dv, stride_dn, stride_dd,
+                    nq, DV, UPCAST)
+    row_stats = b * stride_lb + h * stride_lh + q0
+    lse = tl.load(Lse + row_stats + offs_m, mask=offs_m < nq, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(Delta + bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
+    delta = tl.load(Delta + row_stats + offs_m, mask=offs_m < nq, other=0.0)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(Seed)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
+    v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(start_m, NK, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, hi = _key_range(start_m, nk, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    hi = tl.where(start_m < nq, hi, 0)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        kt = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, NK, D, UPCAST)
-        vt = _load_tile_t(v_base, offs_n, offs_dv, stride_vn, stride_vd, NK, DV, UPCAST)
-        s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, NQ, NK, shift, window_left,
+        kt = _load_tile_t(k_base, offs_n, offs_d, stride_kn, stride_kd, nk, D, UPCAST)
+        vt = _load_tile_t(v_base, offs_n, offs_dv, stride_vn, stride_vd, nk, DV, UPCAST)
+        s, capped = _score_tile(q, kt, offs_m, offs_n, start_m, start_n, b, h, nq, nk, shift, window_left,
                                 window_right, scale, softcap, slope, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, FP32_DOT)
         p = tl.exp(s - lse[:, None])
@@ -382,5 +417,5 @@ def attention_backward_dq_kernel(
             ds = ds * (1.0 - t * t)
         dq += _dot(ds.to(kt.dtype), tl.trans(kt), FP32_DOT)
     dq = dq * scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < D))
+    tl.store(DQ + b * stride_dqb + (q0 + offs_m[:, None]) * stride_dqn + h * stride_dqh + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D))
