@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/triton_vs_sdpa.py --out $OUT          # on a GPU: batch 4, heads 16, N 4096, d 128
     python benchmarks/triton_vs_sdpa.py --smoke                            # CPU, tiny, interpreter: checks the script
 
-TFLOP/s = 4 * B * H * N * N * D per forward (half when causal), 2.5x that for the backward. Times are medians of
-CUDA-event timings after warm-up. Writes triton-vs-sdpa-<device>-<date>.json and .png under --out.
+TFLOP/s = 4 * B * H * N * N * D per forward (half when causal), 2.5x that for the backward; times are medians of
+CUDA-event timings after warm-up with L2 flushed (flashattn.bench.measure). Writes
+triton-vs-sdpa-<device>-<date>.json and .png under --out.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,70 +21,25 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-import torch.nn.functional as F
 
 import flashattn
+from flashattn.bench.measure import Case, run_here
 
 
-def sdpa_flash(q, k, v, causal):
-    """PyTorch SDPA restricted to its flash backend (FlashAttention-2) where available."""
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    if q.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
-    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
-
-
-def ours(q, k, v, causal):
-    with flashattn.use_backend("triton"):
-        return flashattn.flash_attn_func(q, k, v, causal=causal)
-
-
-def timed(fn, warmup: int, reps: int) -> float:
-    """Median seconds of ``fn()``; CUDA events on a GPU, wall clock otherwise."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def time_fwd_and_bwd(impl, q, k, v, causal, warmup, reps) -> tuple[float, float]:
-    """(forward seconds, backward seconds), the backward as (forward + backward) - forward."""
-    g = torch.randn_like(impl(q, k, v, causal))
-
-    def fwd_bwd():
-        torch.autograd.grad(impl(q, k, v, causal), (q, k, v), g)
-
-    fwd = timed(lambda: impl(q, k, v, causal), warmup, reps)
-    return fwd, max(timed(fwd_bwd, warmup, reps) - fwd, 1e-9)
-
-
-def run(b, h, n, d, dtype, device, warmup, reps) -> list[dict]:
+def run(b, h, n, d, dtype: str, device: str, repeats: int) -> list[dict]:
+    """Forward and backward of ours (the Triton backend) and SDPA's flash backend, causal and not, timed by
+    ``flashattn.bench.measure`` (CUDA events, L2 flushed before each run, median)."""
+    baseline = "sdpa-flash" if device == "cuda" else "sdpa"
     rows = []
     for causal in (False, True):
-        q, k, v = (torch.randn(b, n, h, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
-        flops_fwd = 4 * b * h * n * n * d / (2 if causal else 1)
-        for name, impl in (("flashattn-triton", ours), ("sdpa-flash", sdpa_flash)):
-            fwd, bwd = time_fwd_and_bwd(impl, q, k, v, causal, warmup, reps)
-            rows.append({"impl": name, "causal": causal, "batch": b, "heads": h, "seqlen": n, "headdim": d,
-                         "dtype": str(dtype).removeprefix("torch."), "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3,
-                         "fwd_tflops": flops_fwd / fwd / 1e12, "bwd_tflops": 2.5 * flops_fwd / bwd / 1e12})
+        for impl in ("flashattn", baseline):
+            cases = {mode: Case(impl, n, b, h, d, dtype, device, causal, repeats, mode) for mode in ("fwd", "bwd")}
+            with flashattn.use_backend("triton"):
+                fwd, bwd = run_here(cases["fwd"]), run_here(cases["bwd"])
+            rows.append({"impl": "flashattn-triton" if impl == "flashattn" else impl, "causal": causal,
+                         "batch": b, "heads": h, "seqlen": n, "headdim": d, "dtype": dtype,
+                         "fwd_ms": fwd["seconds"] * 1e3, "bwd_ms": bwd["seconds"] * 1e3,
+                         "fwd_tflops": fwd["tflops"], "bwd_tflops": bwd["tflops"]})
     return rows
 
 
@@ -99,7 +54,7 @@ def plot(rows, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{'causal' if c else 'full'} {m}" for c in (False, True) for m in ("fwd", "bwd")]
     width = 0.38
-    for i, impl in enumerate(("flashattn-triton", "sdpa-flash")):
+    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows)):
         vals = [next(r for r in rows if r["impl"] == impl and r["causal"] == c)[f"{m}_tflops"]
                 for c in (False, True) for m in ("fwd", "bwd")]
         ax.bar([x + i * width for x in range(len(labels))], vals, width, label=impl)
@@ -118,14 +73,13 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under the Triton interpreter")
     a = p.parse_args()
     if a.smoke:
-        device, shape, warmup, reps = "cpu", (1, 2, 64, 16), 0, 1
-        dtype = torch.float32
+        device, shape, reps, dtype = "cpu", (1, 2, 64, 16), 1, "float32"
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (or --smoke)")
     else:
-        device, shape, warmup, reps, dtype = "cuda", (4, 16, 4096, 128), 5, 20, torch.bfloat16
+        device, shape, reps, dtype = "cuda", (4, 16, 4096, 128), 30, "bfloat16"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter"
-    rows = run(*shape, dtype, device, warmup, reps)
+    rows = run(*shape, dtype, device, reps)
     date = datetime.date.today().isoformat()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,15 @@ __all__ = [
 FlashResult = Tensor | tuple[Tensor, Tensor, Tensor]
 
 
+_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+            "return_attn_probs")
+
+
+def _options(arguments: dict) -> dict:
+    """The ``flash_attn_func`` options among a public function's arguments (pass ``locals()``)."""
+    return {name: arguments[name] for name in _OPTIONS}
+
+
 def _dropout_seed(dropout_p: float, device: torch.device) -> Tensor | None:
     """A fresh 62-bit key for the counter-based dropout generator, drawn from torch's RNG for ``device``.
 
@@ -93,9 +102,7 @@ def flash_attn_func(
         torch.Size([2, 128, 8, 64])
     """
     call = checks.check_flash(
-        "flash_attn_func", q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-        return_attn_probs=return_attn_probs,
+        "flash_attn_func", q, k, v, **_options(locals()),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -124,9 +131,7 @@ def flash_attn_qkvpacked_func(
     fn = "flash_attn_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3)
     call = checks.check_flash(
-        fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-        return_attn_probs=return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+        fn, q, k, v, **_options(locals()), names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -154,9 +159,7 @@ def flash_attn_kvpacked_func(
     fn = "flash_attn_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2)
     call = checks.check_flash(
-        fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-        return_attn_probs=return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+        fn, q, k, v, **_options(locals()), names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -210,9 +213,7 @@ def flash_attn_varlen_func(
     fn = "flash_attn_varlen_func"
     _refuse_block_table(fn, block_table)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_options(locals()),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -242,9 +243,7 @@ def flash_attn_varlen_qkvpacked_func(
     fn = "flash_attn_varlen_qkvpacked_func"
     q, k, v = checks.unpack_varlen(fn, "qkv", qkv, 3)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+        fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **_options(locals()),
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -278,9 +277,7 @@ def flash_attn_varlen_kvpacked_func(
     fn = "flash_attn_varlen_kvpacked_func"
     k, v = checks.unpack_varlen(fn, "kv", kv, 2)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_options(locals()),
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
