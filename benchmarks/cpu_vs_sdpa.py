@@ -24,12 +24,6 @@ from flashattn.bench.plot import plot_time_memory
 IMPLS = ("flashattn", "sdpa", "plain")
 
 
-def too_big_for_plain(case: Case, limit_gib: float) -> bool:
-    # plain attention holds S and P (and, for the backward, their gradients): about 2-4 N^2 floats per head
-    per = 2 if case.mode == "fwd" else 4
-    return per * case.batch * case.heads * case.seqlen**2 * 4 > limit_gib * 2**30
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results")
@@ -45,7 +39,7 @@ def main() -> None:
     ]
     results = []
     for case in tqdm(cases, unit="case"):
-        if case.impl == "plain" and too_big_for_plain(case, a.plain_limit_gib):
+        if case.impl == "plain" and case.plain_attention_bytes > a.plain_limit_gib * 2**30:
             continue
         results.append(measure(case))
     date = datetime.date.today().isoformat()

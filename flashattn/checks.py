@@ -234,22 +234,15 @@ def check_varlen(fn: str, q: object, k: object, v: object, cu_seqlens_q: object,
     return CheckedCall(q, k, v, spec, alibi_slopes=alibi, varlen=varlen)
 
 
-def unpack(fn: str, name: str, packed: object, count: int) -> tuple[torch.Tensor, ...]:
-    """Split a packed (batch, seqlen, count, nheads, headdim) tensor into ``count`` views."""
-    layout = f"(batch, seqlen, {count}, nheads, headdim)"
-    packed = _validate_tensor(fn, name, packed, 5, layout)
-    if packed.shape[2] != count:
+def unpack(fn: str, name: str, packed: object, count: int, varlen: bool = False) -> tuple[torch.Tensor, ...]:
+    """Split a packed (batch, seqlen, count, nheads, headdim) tensor, or (total, count, nheads, headdim) when
+    ``varlen``, into ``count`` views."""
+    layout = f"({'total' if varlen else 'batch, seqlen'}, {count}, nheads, headdim)"
+    axis = 1 if varlen else 2
+    packed = _validate_tensor(fn, name, packed, axis + 3, layout)
+    if packed.shape[axis] != count:
         raise _fail(fn, f"{name} must have shape {layout}, got {tuple(packed.shape)}")
-    return packed.unbind(2)
-
-
-def unpack_varlen(fn: str, name: str, packed: object, count: int) -> tuple[torch.Tensor, ...]:
-    """Split a packed (total, count, nheads, headdim) tensor into ``count`` views."""
-    layout = f"(total, {count}, nheads, headdim)"
-    packed = _validate_tensor(fn, name, packed, 4, layout)
-    if packed.shape[1] != count:
-        raise _fail(fn, f"{name} must have shape {layout}, got {tuple(packed.shape)}")
-    return packed.unbind(1)
+    return packed.unbind(axis)
 
 
 def _validate_sdpa_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, int, int, int]):

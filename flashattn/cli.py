@@ -97,7 +97,7 @@ def demo(args: argparse.Namespace) -> int:
                   repeats=args.repeats) for s in seqlens for impl in impls]
     results = []
     for case in tqdm(cases, desc="3. timing", unit="case", file=sys.stdout):
-        skip = case.impl == "plain" and 3 * case.heads * case.seqlen**2 * 4 > args.plain_limit_gib * 2**30
+        skip = case.impl == "plain" and case.plain_attention_bytes > args.plain_limit_gib * 2**30
         results.append({**vars(case), "seconds": None, "peak_bytes": None, "error": "skipped: N x N too big"}
                        if skip else measure(case))
     print(f"\n3. Forward time and peak extra memory, batch 1, {args.heads} heads, headdim {args.headdim}, "

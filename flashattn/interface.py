@@ -241,7 +241,7 @@ def flash_attn_varlen_qkvpacked_func(
         torch.Size([9, 2, 16])
     """
     fn = "flash_attn_varlen_qkvpacked_func"
-    q, k, v = checks.unpack_varlen(fn, "qkv", qkv, 3)
+    q, k, v = checks.unpack(fn, "qkv", qkv, 3, varlen=True)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **_options(locals()),
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
@@ -275,7 +275,7 @@ def flash_attn_varlen_kvpacked_func(
         torch.Size([6, 4, 16])
     """
     fn = "flash_attn_varlen_kvpacked_func"
-    k, v = checks.unpack_varlen(fn, "kv", kv, 2)
+    k, v = checks.unpack(fn, "kv", kv, 2, varlen=True)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_options(locals()),
         names=("q", "kv[:, 0]", "kv[:, 1]"),

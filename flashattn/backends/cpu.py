@@ -97,13 +97,14 @@ class _Problem:
             s = torch.mul(tanh, spec.softcap)
         elif spec.softcap > 0:
             s.div_(spec.softcap).tanh_().mul_(spec.softcap)
-        if self.alibi is not None or not self.band.tile_is_full(r0, r1, c0, c1):
+        band_mask = not self.band.tile_is_full(r0, r1, c0, c1)
+        if self.alibi is not None or band_mask:
             rows = torch.arange(r0, r1, device=s.device)
             cols = torch.arange(c0, c1, device=s.device)
             if self.alibi is not None:
                 dist = (rows[:, None] + self.band.shift - cols[None, :]).abs().to(self.acc)
                 s.sub_(self.alibi * dist)
-            if not self.band.tile_is_full(r0, r1, c0, c1):
+            if band_mask:
                 s.masked_fill_(~self.band.visible(rows, cols), -math.inf)
         if self.mask is not None:
             m = self.mask_tile(self.mask, r0, r1, c0, c1)

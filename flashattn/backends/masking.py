@@ -32,10 +32,6 @@ class Band:
     def of(cls, nq: int, nk: int, left: int, right: int, bottom_right: bool) -> Band:
         return cls(left, right, nk - nq if bottom_right else 0)
 
-    @property
-    def unbounded(self) -> bool:
-        return self.left < 0 and self.right < 0
-
     def key_range(self, r0: int, r1: int, nk: int) -> tuple[int, int]:
         """Columns [lo, hi) that any of the query rows [r0, r1) may see (hi <= lo when none)."""
         lo = 0 if self.left < 0 else max(0, r0 + self.shift - self.left)

@@ -86,19 +86,13 @@ def available(impls: list[str], device: str, dtype: str) -> dict[str, str | None
     return reasons
 
 
-def _too_big_for_plain(case: Case, limit_gib: float) -> bool:
-    per_head = {"fwd": 2, "bwd": 4, "fwd+bwd": 4}[case.mode]  # S and P, and their gradients
-    bytes_ = per_head * case.batch * case.heads * case.seqlen**2 * torch.finfo(getattr(torch, case.dtype)).bits / 8
-    return bytes_ > limit_gib * 2**30
-
-
 def run(sweep: Sweep, progress: bool = True) -> list[dict]:
     """Measure every case of the sweep (skipping implementations that cannot run here) and add the ratios."""
     reasons = available(sweep.impls, sweep.device, sweep.dtype)
     rows = [{"impl": impl, "error": f"unavailable: {why}"} for impl, why in reasons.items() if why]
     todo = [c for c in sweep.cases() if reasons[c.impl] is None]
     for case in tqdm(todo, desc="bench", unit="case", disable=not progress, file=sys.stdout):
-        if case.impl == "plain" and _too_big_for_plain(case, sweep.plain_limit_gib):
+        if case.impl == "plain" and case.plain_attention_bytes > sweep.plain_limit_gib * 2**30:
             rows.append({**asdict(case), "seconds": None, "tflops": None, "peak_bytes": None,
                          "error": "skipped: its N x N tensors exceed plain_limit_gib"})
             continue

@@ -107,6 +107,12 @@ class Case:
     mode: str = "fwd"
 
     @property
+    def plain_attention_bytes(self) -> float:
+        """What plain attention's N x N tensors take: S and P, and their gradients when there is a backward."""
+        tensors = 2 if self.mode == "fwd" else 4
+        return tensors * self.batch * self.heads * self.seqlen**2 * torch.finfo(getattr(torch, self.dtype)).bits / 8
+
+    @property
     def flops(self) -> float:
         """4 B H N^2 D per forward (half when causal); the backward is 2.5 forwards."""
         fwd = 4 * self.batch * self.heads * self.seqlen**2 * self.headdim / (2 if self.causal else 1)

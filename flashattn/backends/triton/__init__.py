@@ -51,14 +51,14 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor):
     return mask, strides, MASK_ADD
 
 
-def _flags(spec: AttentionSpec, alibi, mask, q, interp: bool) -> dict:
+def _flags(spec: AttentionSpec, alibi, mask_kind: int, q, interp: bool) -> dict:
     upcast = interp and q.dtype != torch.float32  # the interpreter's tl.dot is wrong on bf16: compute in fp32
     return dict(
         HAS_LEFT=spec.window_left >= 0,
         HAS_RIGHT=spec.window_right >= 0,
         HAS_SOFTCAP=spec.softcap > 0,
         HAS_ALIBI=alibi is not None,
-        MASK_KIND=_mask_args(mask, q)[2],
+        MASK_KIND=mask_kind,
         HAS_DROPOUT=spec.dropout_p > 0,
         UPCAST=upcast,
         FP32_DOT=upcast or q.dtype == torch.float32,
@@ -86,7 +86,7 @@ class _Layout:
         if varlen is None:
             self.b, self.nq, self.nk = q.shape[0], q.shape[1], k.shape[1]
             self.lse_shape = (self.b, self.h, self.nq)
-            self.cu = (_placeholder(q), _placeholder(q))
+            self.cu = (q, q)  # never read: IS_VARLEN is off (an unused pointer argument, not an allocation)
         else:
             self.b, self.nq, self.nk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
             self.lse_shape = (self.h, q.shape[0])
@@ -129,7 +129,7 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         lse.fill_(float("-inf"))
         return _as(out.zero_(), q.dtype), lse, _as(probs, q.dtype)
     cfg = _config(configs.FORWARD, q, lay.d, lay.dv, heavy=spec.dropout_p > 0 or mask is not None or return_probs)
-    mask_t, mask_strides, _ = _mask_args(mask, q)
+    mask_t, mask_strides, mask_kind = _mask_args(mask, q)
     grid = (triton.cdiv(lay.nq, cfg.block_m), lay.b * lay.h)
     attention_forward_kernel[grid](
         q, k, v, out, lse, probs, alibi if alibi is not None else q, mask_t, _seed(spec, q), *lay.cu,
@@ -138,7 +138,7 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         lay.h, lay.h // lay.hk, lay.nq, lay.nk, lay.d, lay.dv, *_scalars(spec),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.padded_head_dim(lay.d),
         BLOCK_DV=configs.padded_head_dim(lay.dv), WRITE_PROBS=return_probs, IS_VARLEN=varlen is not None,
-        **_flags(spec, alibi, mask, q, interpreting()),
+        **_flags(spec, alibi, mask_kind, q, interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _as(out, q.dtype), lse, _as(probs, q.dtype)
@@ -151,12 +151,8 @@ def _alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
 
 
 def _seed(spec: AttentionSpec, q: torch.Tensor) -> torch.Tensor:
-    # Without dropout the kernels never load it; any int64 pointer will do.
-    return spec.seed if spec.seed is not None else _placeholder(q)
-
-
-def _placeholder(q: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int64, device=q.device)
+    # Without dropout the kernels never load it: any pointer will do, so no allocation on the launch path.
+    return spec.seed if spec.seed is not None else q
 
 
 def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False,
@@ -183,9 +179,9 @@ def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, ma
         BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(lay.dv), HAS_DLSE=dlse is not None,
     )
     heavy = spec.dropout_p > 0 or mask is not None
-    mask_t, mask_strides, _ = _mask_args(mask, q)
+    mask_t, mask_strides, mask_kind = _mask_args(mask, q)
     common = dict(BLOCK_D=configs.padded_head_dim(lay.d), BLOCK_DV=configs.padded_head_dim(lay.dv),
-                  IS_VARLEN=varlen is not None, **_flags(spec, alibi, mask, q, interp))
+                  IS_VARLEN=varlen is not None, **_flags(spec, alibi, mask_kind, q, interp))
     tensors = (alibi if alibi is not None else q, mask_t, _seed(spec, q), *lay.cu)
     strides_in = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout))
     strides_tail = (*lay.lse_strides(lse), *_alibi_strides(alibi), *mask_strides)
