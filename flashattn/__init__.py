@@ -9,6 +9,7 @@ from .interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
     scaled_dot_product_attention,
 )
 from .merge import merge_attention_states
@@ -23,6 +24,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "merge_attention_states",
     "scaled_dot_product_attention",
     "use_backend",

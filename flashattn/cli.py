@@ -1,4 +1,4 @@
-"""The ``flashattn`` command line: ``flashattn demo`` (also ``python -m flashattn demo``)."""
+"""The ``flashattn`` command line: ``flashattn demo``, ``flashattn bench [--decode]`` (or ``python -m flashattn``)."""
 
 from __future__ import annotations
 
@@ -127,9 +127,58 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+# Options of each `flashattn bench` sweep (dest names), and their defaults: one given to the other sweep is an error.
+_SWEEP_ONLY = {"seqlens": None, "headdims": None, "causal": "both", "modes": None, "baselines": None, "tokens": None,
+               "hidden": None, "in_process": False}
+_DECODE_ONLY = {"batches": None, "cache_lens": None, "heads_q": None, "heads_kv": None, "headdim": None,
+                "num_splits": None, "cache_seqlens": None}
+
+
+def _misplaced(args: argparse.Namespace, options: dict, where: str) -> None:
+    given = [f"--{k.replace('_', '-')}" for k, default in options.items() if getattr(args, k) != default]
+    if given:
+        raise SystemExit(f"flashattn bench: {', '.join(given)} {where}")
+
+
+def bench_decode(args: argparse.Namespace) -> int:
+    from .bench import decode, harness
+
+    _misplaced(args, _SWEEP_ONLY, "not used with --decode")
+    device = args.device or harness.default_device()
+    sweep = decode.DecodeSweep.for_device(device)
+    for name in ("batches", "cache_lens"):
+        if getattr(args, name):
+            setattr(sweep, name, _ints(getattr(args, name)))
+    for name in ("heads_q", "heads_kv", "headdim", "num_splits", "cache_seqlens", "dtype", "repeats"):
+        if getattr(args, name) is not None:
+            setattr(sweep, name, getattr(args, name))
+    if sweep.heads_q % sweep.heads_kv:
+        raise SystemExit(f"flashattn bench: --heads-q {sweep.heads_q} is not a multiple of --heads-kv "
+                         f"{sweep.heads_kv}")
+    print(f"flashattn bench --decode on {device}: {len(sweep.cases())} cases, heads {sweep.heads_q}:"
+          f"{sweep.heads_kv}, headdim {sweep.headdim}, {sweep.dtype}; ours vs {', '.join(sweep.impls[1:])}")
+    rows, copy = decode.run(sweep, progress=not args.quiet)
+    for r in rows:
+        if "batch" not in r:
+            print(f"  {r['impl']}: {r['error']}")
+    print(decode.table(rows, copy))
+    target = decode.goal(rows)
+    if target:
+        got = "not measured" if target["bw_fraction"] is None else f"{target['bw_fraction']:.1%}"
+        print(f"goal: >= {target['target_bw_fraction']:.0%} of copy bandwidth at batch {target['target_batch']}, "
+              f"cache {target['target_cache_len']}: {got} ({'met' if target['met'] else 'not met'})")
+    stem = args.name or f"decode-{device.split(':')[0]}"
+    for path in decode.write(rows, copy, sweep, Path(args.out), stem):
+        print(f"wrote {path}")
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     from .bench import harness
 
+    if args.decode:
+        return bench_decode(args)
+    _misplaced(args, _DECODE_ONLY, "only go with --decode")
     device = args.device or harness.default_device()
     sweep = harness.Sweep.for_device(device)
     for name in ("seqlens", "headdims"):
@@ -199,6 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true",
                    help="on CPU, measure in this process (faster; memory readings less exact)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = p.add_argument_group("decode", "--decode: one new token per sequence attending a KV cache "
+                             "(flash_attn_with_kvcache vs torch SDPA), as a fraction of the copy bandwidth")
+    d.add_argument("--decode", action="store_true", help="run the decode sweep instead of the attention sweep")
+    d.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,64 on GPU)")
+    d.add_argument("--cache-lens", default=None, help="comma-separated (default 1024,...,131072 on GPU)")
+    d.add_argument("--heads-q", type=int, default=None, help="query heads (default 32 on GPU)")
+    d.add_argument("--heads-kv", type=int, default=None, help="key/value heads (default 4 on GPU)")
+    d.add_argument("--headdim", type=int, default=None, help="default 128 on GPU")
+    d.add_argument("--num-splits", type=int, default=None, help="flash_attn_with_kvcache's num_splits (default 0)")
+    d.add_argument("--cache-seqlens", default=None, choices=("int", "tensor"),
+                   help="pass cache_seqlens as a Python int (default) or an int32 tensor")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import checks
-from .ops import attention
+from . import checks, kvcache
+from .ops import attention, attention_cache
 
 __all__ = [
     "flash_attn_func",
@@ -19,6 +19,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
 ]
 
@@ -54,6 +55,10 @@ def _run(call: checks.CheckedCall, return_probs: bool) -> tuple[Tensor, Tensor, 
 
 
 def _flash_result(call: checks.CheckedCall, return_attn_probs: bool) -> FlashResult:
+    if call.cache is not None:  # a paged K/V: forward only, probabilities refused by the checker
+        out, _ = attention_cache(call.q, call.k, call.v, call.spec, call.cache, alibi_slopes=call.alibi_slopes,
+                                 varlen=call.varlen)
+        return out
     out, lse, probs = _run(call, return_attn_probs)
     return (out, lse, probs) if return_attn_probs else out
 
@@ -164,11 +169,6 @@ def flash_attn_kvpacked_func(
     return _flash_result(call, return_attn_probs)
 
 
-def _refuse_block_table(fn: str, block_table: object) -> None:
-    if block_table is not None:
-        raise ValueError(f"{fn}: block_table (a paged K/V cache) is not supported yet; pass block_table=None")
-
-
 def flash_attn_varlen_func(
     q: Tensor,
     k: Tensor,
@@ -192,12 +192,17 @@ def flash_attn_varlen_func(
 
     Args:
         q: (total_q, nheads, headdim), the batch's queries one sequence after another.
-        k, v: (total_k, nheads_k, headdim).
+        k, v: (total_k, nheads_k, headdim); with ``block_table``, paged caches (num_pages, page_size, nheads_k,
+            headdim) where sequence b's key at position p is row ``p % page_size`` of page
+            ``block_table[b, p // page_size]`` (any page size).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b owns rows
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise for k, v). Empty sequences are allowed.
         max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the kernels' grid).
+        block_table: int32 (batch, max_pages_per_seq) for a paged K/V; then ``cu_seqlens_k`` gives each
+            sequence's key count, and the call is forward only (inference: no dropout, no gradients, no
+            ``return_attn_probs``).
         The other arguments are those of ``flash_attn_func``, applied per sequence (causal aligns each
-        sequence's bottom-right corner); ``block_table`` (paged K/V) is not supported yet.
+        sequence's bottom-right corner).
 
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask (batch, nheads,
@@ -211,9 +216,9 @@ def flash_attn_varlen_func(
         torch.Size([10, 4, 32])
     """
     fn = "flash_attn_varlen_func"
-    _refuse_block_table(fn, block_table)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_options(locals()),
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table,
+        **_options(locals()),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -281,6 +286,88 @@ def flash_attn_varlen_kvpacked_func(
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention for inference against a KV cache, appending the new keys and values in place first; a drop-in
+    for ``flash_attn.flash_attn_with_kvcache``. No gradients (inference only, as in flash_attn).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim): the new tokens' queries (seqlen_q = 1 when decoding).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged with ``block_table``:
+            (num_pages, page_size, nheads_k, headdim), any page size >= 1.
+        k, v: optional (batch, seqlen_new, nheads_k, headdim), written into the caches in place at positions
+            ``cache_seqlens[b] ..`` (after rotary on k) before attending.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); rotate the first rotary_dim dims of q and k.
+            New key t sits at position cache_seqlens - cache_leftpad + t; queries too when causal or local,
+            else every query at cache_seqlens - cache_leftpad.
+        cache_seqlens: int or int32 (batch,): cache lengths before the append (default: the whole cache).
+        cache_batch_idx: int32 (batch,): the cache row of each sequence (default: row b).
+        cache_leftpad: int32 (batch,): the first valid cache position of each sequence (default 0).
+        block_table: int32 (batch, max_pages_per_seq): position p of sequence b is row p % page_size of page
+            block_table[b, p // page_size].
+        causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``, over the keys
+            [cache_leftpad, cache_seqlens + seqlen_new) aligned bottom-right.
+        rotary_interleaved: GPT-J pairs (x[2i], x[2i+1]) if True, GPT-NeoX halves if False.
+        num_splits: split each sequence's keys into this many chunks on the GPU (flash-decoding) and merge by
+            log-sum-exp; 0 chooses from batch, heads, cache length and the number of multiprocessors.
+        return_softmax_lse: also return the log-sum-exp (batch, nheads, seqlen_q), float32.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when ``return_softmax_lse``.
+
+    The lengths and indices are checked on the host (one small device-to-host copy per call).
+
+    Example::
+
+        >>> k_cache, v_cache = torch.zeros(2, 64, 2, 32), torch.zeros(2, 64, 2, 32)
+        >>> lengths = torch.tensor([10, 3], dtype=torch.int32)  # tokens already in each sequence's cache
+        >>> q, k, v = torch.randn(2, 1, 8, 32), torch.randn(2, 1, 2, 32), torch.randn(2, 1, 2, 32)
+        >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+        >>> out.shape, bool(k_cache[0, 10].eq(k[0, 0]).all())
+        (torch.Size([2, 1, 8, 32]), True)
+    """
+    call = checks.check_kvcache(
+        "flash_attn_with_kvcache", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+        rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+    )
+    with torch.no_grad():
+        q, k = call.q, call.k
+        if call.rotary is not None:
+            cos, sin = call.rotary
+            q = kvcache.apply_rotary(q, cos, sin, kvcache.positions(call.rotary_start, q.shape[1],
+                                                                      call.q_positions_advance),
+                                     call.rotary_interleaved)
+            if k is not None:
+                k = kvcache.apply_rotary(k, cos, sin, kvcache.positions(call.rotary_start, k.shape[1]),
+                                         call.rotary_interleaved)
+        if k is not None:
+            kvcache.append(call.k_cache, call.v_cache, k, call.v, call.append_at, call.cache.batch_idx,
+                           call.cache.block_table)
+        out, lse = attention_cache(q, call.k_cache, call.v_cache, call.spec, call.cache,
+                                   alibi_slopes=call.alibi_slopes)
+    return (out, lse) if return_softmax_lse else out
 
 
 def scaled_dot_product_attention(

@@ -10,8 +10,9 @@ Split-KV decoding, ring and context-parallel attention all reduce partial result
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
+
+from .backends.combine import merge_states
 
 
 def _check(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -43,6 +44,7 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
 
     Example::
 
+        >>> import torch
         >>> q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
         >>> from flashattn import flash_attn_func
         >>> oa, la, _ = flash_attn_func(q, k[:, :6], v[:, :6], return_attn_probs=True)
@@ -52,18 +54,4 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
         True
     """
     _check(out_a, lse_a, out_b, lse_b)
-    acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
-    la, lb = lse_a.to(acc), lse_b.to(acc)
-    hi = torch.maximum(la, lb)
-    lo = torch.minimum(la, lb)
-    empty = hi == float("-inf")
-    hi_safe = torch.where(empty, torch.zeros_like(hi), hi)
-    # log(e^hi + e^lo) = hi + log1p(e^{lo - hi}), with lo - hi <= 0: no overflow, and exact when lo = -inf.
-    lse = torch.where(empty, hi, hi_safe + torch.log1p(torch.exp(lo - hi_safe)))
-    # The weights e^{lse_a - lse} and e^{lse_b - lse} are sigmoid(+-(lse_a - lse_b)): from the difference alone,
-    # so they keep full precision even when |lse| is large (e^{x - lse} would lose digits to lse's rounding).
-    diff = torch.where(empty, torch.zeros_like(la), la - lb)
-    wa = torch.where(empty, torch.zeros_like(diff), torch.sigmoid(diff))
-    wb = torch.where(empty, torch.zeros_like(diff), torch.sigmoid(-diff))
-    out = wa.transpose(-1, -2).unsqueeze(-1) * out_a.to(acc) + wb.transpose(-1, -2).unsqueeze(-1) * out_b.to(acc)
-    return out.to(out_a.dtype), lse
+    return merge_states(out_a, lse_a, out_b, lse_b)

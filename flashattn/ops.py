@@ -1,6 +1,7 @@
 """The one autograd op behind every entry point, registered with ``torch.library``.
 
-``flashattn::attention`` computes (out, lse, probs) and ``flashattn::attention_backward`` its gradients. Being
+``flashattn::attention`` computes (out, lse, probs) and ``flashattn::attention_backward`` its gradients;
+``flashattn::attention_cache`` is the forward-only variant whose keys live in a (possibly paged) KV cache. Being
 custom ops with fake (meta) implementations, they are opaque leaves to ``torch.compile(fullgraph=True)``: traced
 without graph breaks, dispatched to a backend at run time. All entry points (``flash_attn_*`` and
 ``scaled_dot_product_attention``) reach them through ``attention`` below, in the flash layout
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .backends.spec import AttentionSpec, Varlen
+from .backends.spec import AttentionSpec, KeyCache, Varlen
 
 
 def _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic) -> AttentionSpec:
@@ -167,4 +168,60 @@ def attention(
     return _attention(
         q, k, v, alibi_slopes, attn_mask, seed, cu_q, cu_k, max_q, max_k, spec.scale, spec.window_left,
         spec.window_right, spec.bottom_right, spec.softcap, spec.dropout_p, spec.deterministic, return_probs,
+    )
+
+
+@torch.library.custom_op("flashattn::attention_cache", mutates_args=())
+def _attention_cache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    alibi_slopes: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    max_seqlen_q: int,
+    k_start: Tensor,
+    k_end: Tensor,
+    max_seqlen_k: int,
+    batch_idx: Tensor | None,
+    block_table: Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    spec = _spec(scale, window_left, window_right, True, softcap, 0.0, None, False)
+    cache = KeyCache(k_start, k_end, max_seqlen_k, batch_idx, block_table, num_splits)
+    # A packed q's offsets; the Varlen's key side is unused (keys come from the cache).
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    return backends.select(q, v_cache).forward_cache(q, k_cache, v_cache, alibi_slopes, spec, cache, varlen)
+
+
+@_attention_cache.register_fake
+def _(q, k_cache, v_cache, alibi_slopes, cu_seqlens_q, max_seqlen_q, k_start, k_end, max_seqlen_k, batch_idx,
+      block_table, scale, window_left, window_right, softcap, num_splits):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1]), q.new_empty(lse_shape, dtype=_lse_dtype(q))
+
+
+def attention_cache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    spec: AttentionSpec,
+    cache: KeyCache,
+    *,
+    alibi_slopes: Tensor | None = None,
+    varlen: Varlen | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Forward-only attention of q against a KV cache (``KeyCache`` says where each sequence's keys are).
+
+    q (B, Nq, H, D) -> out (B, Nq, H, Dv), lse (B, H, Nq); or packed q (total_q, H, D) with ``varlen`` (its
+    query offsets) -> out (total_q, H, Dv), lse (H, total_q). Causal and windows align bottom-right. No autograd.
+    """
+    cu_q, max_q = (None, 0) if varlen is None else (varlen.cu_seqlens_q, varlen.max_seqlen_q)
+    return _attention_cache(
+        q, k_cache, v_cache, alibi_slopes, cu_q, max_q, cache.k_start, cache.k_end, cache.max_seqlen_k,
+        cache.batch_idx, cache.block_table, spec.scale, spec.window_left, spec.window_right, spec.softcap,
+        cache.num_splits,
     )

@@ -35,3 +35,12 @@ def test_measure_reports_time_and_the_n_squared_memory_of_plain_attention(mode):
 def test_module_entry_point():
     done = subprocess.run([sys.executable, "-m", "flashattn", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and "flashattn" in done.stdout
+
+
+@pytest.mark.parametrize("argv,message", [(["--decode", "--seqlens", "64"], "--seqlens not used with --decode"),
+                                          (["--decode", "--causal", "true"], "--causal not used with --decode"),
+                                          (["--batches", "1"], "--batches only go with --decode"),
+                                          (["--decode", "--heads-q", "6", "--heads-kv", "4"], "not a multiple")])
+def test_bench_rejects_options_of_the_other_sweep(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "--device", "cpu", *argv])

@@ -1,5 +1,5 @@
-"""Backends behind the one attention op. Each module offers ``forward`` and ``backward`` with the signatures of
-``flashattn.backends.cpu``; ``select`` picks one for the inputs.
+"""Backends behind the one attention op. Each module offers ``forward``, ``backward`` and ``forward_cache`` (keys
+in a KV cache, inference) with the signatures of ``flashattn.backends.cpu``; ``select`` picks one for the inputs.
 
 Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256) -> ``triton``, anything else -> ``cpu``
 (tiled PyTorch, which runs on every device). Force one with the environment variable

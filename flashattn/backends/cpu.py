@@ -15,8 +15,10 @@ import math
 
 import torch
 
+from .combine import merge_states
+from .masking import Band
 from .philox import dropout_keep
-from .spec import AttentionSpec, Varlen
+from .spec import AttentionSpec, KeyCache, Varlen
 
 # A score tile holds about this many elements across batch and heads (2 MB in float32, about an L2 cache;
 # measured best of 2^17..2^21 x 256..1024 on 2 cores): large enough that
@@ -40,9 +42,11 @@ class _Problem:
     """One attention call cut into tiles: builds the score tile S_ij (scale, softcap, masks, ALiBi) and its
     dropout mask, the pieces shared by the forward, the backward and the probabilities."""
 
-    def __init__(self, q, k, v, alibi, mask, spec: AttentionSpec, dropout_origin: tuple[int, int, int] | None = None):
+    def __init__(self, q, k, v, alibi, mask, spec: AttentionSpec, dropout_origin: tuple[int, int, int] | None = None,
+                 band: Band | None = None):
         """``dropout_origin`` = (first batch index, Nq, Nk) of the counter layout ((b * H + h) * Nq + i) * Nk + j;
-        by default this call's own (0, nq, nk). A varlen sequence b uses (b, max_seqlen_q, max_seqlen_k)."""
+        by default this call's own (0, nq, nk). A varlen sequence b uses (b, max_seqlen_q, max_seqlen_k).
+        ``band`` replaces ``spec.band(nq, nk)`` when k is a slice of a longer key sequence (a split)."""
         b, nq, h, d = q.shape
         nk, hk = k.shape[1], k.shape[2]
         g = h // hk
@@ -52,7 +56,7 @@ class _Problem:
         self.q = q.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)  # (B, Hk, G, Nq, D), a view
         self.k = k.permute(0, 2, 1, 3)  # (B, Hk, Nk, D)
         self.v = v.permute(0, 2, 1, 3)  # (B, Hk, Nk, Dv)
-        self.band = spec.band(nq, nk)
+        self.band = spec.band(nq, nk) if band is None else band
         self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
         self.mask = None if mask is None else self._heads5(mask)
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
@@ -170,6 +174,67 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         _forward_into(p, out[None, sq:eq], lse[None, :, sq:eq],
                       None if probs is None else probs[i : i + 1, :, : eq - sq, : ek - sk])
     return out, lse, q.new_empty(0) if probs is None else probs
+
+
+def forward_cache(q, k_cache, v_cache, alibi, spec: AttentionSpec, cache: KeyCache, varlen: Varlen | None = None):
+    """Attention of q against the keys of a KV cache, forward only: returns (out, lse).
+
+    q is (B, Nq, H, D), or packed (total_q, H, D) with ``varlen`` giving its offsets (its key offsets unused).
+    ``cache`` says where each batch entry's keys are in ``k_cache``/``v_cache``, dense (B_cache, N_cache, Hk, D)
+    or paged (num_pages, page_size, Hk, D). Each entry runs on a view of its cache rows (a gather of its pages
+    when paged). ``cache.num_splits`` > 1 cuts each entry's keys into that many chunks whose results are merged
+    by log-sum-exp, as the GPU's split-KV path does (0 means 1 here: splitting only helps fill a GPU).
+
+    Example::
+
+        >>> q, cache = torch.randn(2, 1, 4, 16), torch.randn(2, 10, 2, 16)
+        >>> lengths = KeyCache(torch.tensor([0, 0]), torch.tensor([3, 10]), max_seqlen_k=10)
+        >>> out, lse = forward_cache(q, cache, cache, None, AttentionSpec(scale=0.25), lengths)
+        >>> out.shape, lse.shape
+        (torch.Size([2, 1, 4, 16]), torch.Size([2, 4, 1]))
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h, dv = q.shape[-2], v_cache.shape[-1]
+    if q.dim() == 3:
+        out = _uninitialized(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
+        lse = _uninitialized(h, q.shape[0], dtype=acc, device=q.device)
+        rows = [(out[None, sq:eq], lse[None, :, sq:eq], q[None, sq:eq]) for sq, eq, _, _ in varlen.bounds()]
+    else:
+        out = _uninitialized(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
+        lse = _uninitialized(q.shape[0], h, q.shape[1], dtype=acc, device=q.device)
+        rows = [(out[i : i + 1], lse[i : i + 1], q[i : i + 1]) for i in range(q.shape[0])]
+    batch_idx = None if cache.batch_idx is None else cache.batch_idx.tolist()
+    for i, ((out_i, lse_i, q_i), (start, end)) in enumerate(zip(rows, cache.bounds(), strict=True)):
+        if cache.block_table is not None:
+            pos = torch.arange(start, end, device=q.device)
+            pages, slots = cache.block_table[i, pos // k_cache.shape[1]].long(), pos % k_cache.shape[1]
+            k_i, v_i = k_cache[pages, slots][None], v_cache[pages, slots][None]
+        else:
+            row = i if batch_idx is None else batch_idx[i]
+            k_i, v_i = k_cache[row : row + 1, start:end], v_cache[row : row + 1, start:end]
+        _split_forward_into(q_i, k_i, v_i, _batch_row(alibi, i), spec, max(1, cache.num_splits), out_i, lse_i)
+    return out, lse
+
+
+def _split_forward_into(q, k, v, alibi, spec: AttentionSpec, splits: int, out, lse) -> None:
+    """``_forward_into`` over the keys cut into ``splits`` chunks, merged by log-sum-exp (split-KV)."""
+    nk = k.shape[1]
+    chunk = -(-nk // splits) if nk else 1
+    if splits == 1 or chunk >= nk:
+        _forward_into(_Problem(q, k, v, alibi, None, spec), out, lse, None)
+        return
+    whole = spec.band(q.shape[1], nk)
+    merged = None
+    for c0 in range(0, nk, chunk):
+        part_out = torch.empty(out.shape, dtype=lse.dtype, device=out.device)
+        part_lse = torch.empty_like(lse)
+        # The chunk's keys are columns c0.. of the whole band: shift the diagonal so masks and ALiBi stay put.
+        band = Band(whole.left, whole.right, whole.shift - c0)
+        part = _Problem(q, k[:, c0 : c0 + chunk], v[:, c0 : c0 + chunk], alibi, None, spec, band=band)
+        _forward_into(part, part_out, part_lse, None)
+        merged = (part_out, part_lse) if merged is None else merge_states(*merged, part_out, part_lse)
+    out.copy_(merged[0])
+    lse.copy_(merged[1])
 
 
 def _batch_row(alibi: torch.Tensor | None, i: int) -> torch.Tensor | None:

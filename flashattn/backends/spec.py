@@ -63,3 +63,30 @@ class Varlen:
         """(q start, q end, k start, k end) per sequence (reads the offsets on the host)."""
         cq, ck = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
         return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(self.batch)]
+
+
+@dataclass(frozen=True)
+class KeyCache:
+    """Where each batch entry's keys and values live in a KV cache (inference; there is no backward).
+
+    Batch entry b attends the ``k_end[b] - k_start[b]`` keys at cache positions ``k_start[b] .. k_end[b] - 1``
+    (logical key j is position ``k_start[b] + j``; masks and ALiBi count j from 0). Position p is row p of cache
+    entry ``batch_idx[b]`` (default b) of a dense cache (B_cache, N_cache, Hk, D), or, with ``block_table``
+    (B, pages per sequence), row ``p % page_size`` of page ``block_table[b, p // page_size]`` of a paged cache
+    (num_pages, page_size, Hk, D).
+
+    ``max_seqlen_k`` bounds every ``k_end[b] - k_start[b]`` (it sizes the split-KV work). ``num_splits``: cut each
+    sequence's keys into that many chunks, attend each separately and merge the partial results by their
+    log-sum-exp (flash-decoding); 0 lets the backend choose.
+    """
+
+    k_start: torch.Tensor
+    k_end: torch.Tensor
+    max_seqlen_k: int
+    batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    num_splits: int = 1
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """(first position, end position) per batch entry (reads the bounds on the host)."""
+        return list(zip(self.k_start.tolist(), self.k_end.tolist(), strict=True))

@@ -183,9 +183,23 @@ def run_here(case: Case) -> dict:
     else:
         high = _proc_status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         peak = high - before
-    times = _time_cuda(step, case.repeats) if cuda else _time_cpu(step, case.repeats)
+    times = time_calls(step, case.repeats, case.device)
     seconds = statistics.median(times)
     return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": max(0, peak)}
+
+
+def time_calls(step: Callable[[], object], repeats: int, device: str, flush_l2: bool = True,
+               queue_ahead: bool = False) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``step``: perf_counter on CPU; on CUDA, events around each call
+    after two warm-up calls, with L2 flushed before each (``flush_l2``) so inputs come from HBM.
+
+    ``queue_ahead`` (CUDA): before each call, keep the GPU busy in a spin kernel long enough for the host to queue
+    the whole call, so the events time the device work alone, not Python and launch overhead. Needed for calls
+    whose kernels run for microseconds (decode), where the overhead would otherwise be most of the reading.
+    """
+    if device.startswith("cuda"):
+        return _time_cuda(step, repeats, flush_l2, queue_ahead)
+    return _time_cpu(step, repeats)
 
 
 def _time_cpu(step, repeats: int) -> list[float]:
@@ -197,13 +211,19 @@ def _time_cpu(step, repeats: int) -> list[float]:
     return times
 
 
-def _time_cuda(step, repeats: int) -> list[float]:
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+QUEUE_AHEAD_CYCLES = 2_000_000  # ~1 ms at H100/H200 clocks: far more than one call's host overhead (~10-100 us)
+
+
+def _time_cuda(step, repeats: int, flush_l2: bool = True, queue_ahead: bool = False) -> list[float]:
+    flush = torch.empty(L2_FLUSH_BYTES if flush_l2 else 0, dtype=torch.uint8, device="cuda")
     for _ in range(2):
         step()
     times = []
     for _ in range(repeats):
-        flush.zero_()  # evict the inputs from L2 so every call reads them from HBM
+        if flush_l2:
+            flush.zero_()  # evict the inputs from L2 so every call reads them from HBM
+        if queue_ahead:
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()

@@ -31,7 +31,7 @@ TARGETS = (80, 90)
 POINTERS = {
     "Q": "in", "K": "in", "V": "in", "Out": "in", "DOut": "in", "DQ": "in", "DK": "in", "DV_": "in",
     "Probs": "in", "Mask": "in", "Lse": "fp32", "Delta": "fp32", "DLse": "fp32", "Alibi": "fp32", "Seed": "i64",
-    "CuQ": "i32", "CuK": "i32",
+    "CuQ": "i32", "CuK": "i32", "KStart": "i32", "KEnd": "i32", "KBatch": "i32", "BlockTable": "i32",
 }
 FLOATS = {"scale", "softcap", "dropout_p"}
 # Every feature a config of that weight may have to serve, all switched on: the worst case for registers.
@@ -41,9 +41,17 @@ VARIANT_FLAGS = {
     "heavy": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, MASK_KIND=kernels.MASK_ADD,
                   HAS_DROPOUT=True),
 }
+# How the forward kernel finds keys, worst case per weight: light calls may read a paged cache for a packed q
+# (paged varlen, flash_attn_with_kvcache); heavy ones (dropout, a mask) only dense or varlen keys.
+FORWARD_KEYS = {
+    "light": dict(Q_PACKED=True, K_RANGE=True, K_BATCH=True, PAGED=True),
+    "heavy": dict(Q_PACKED=True, K_RANGE=True, K_BATCH=False, PAGED=False),
+}
+DECODE = "attention_forward_kernel[decode]"  # the forward with the few-rows table (configs.DECODE)
 # wgmma works on 64-row warpgroup tiles; these head-dim-256 backward configs fit only 32-row tiles without
 # spilling, so they run on mma.sync (HMMA).
 HGMMA_EXEMPT = {
+    *((DECODE, d, w) for d in (16, 32, 64, 128, 256) for w in configs.WEIGHTS),  # 16-row tiles: mma.sync
     ("attention_backward_dkdv_kernel", 256, "heavy"),
     ("attention_backward_dq_kernel", 256, "light"),
     ("attention_backward_dq_kernel", 256, "heavy"),
@@ -108,24 +116,30 @@ def _inspect_cubin(cubin: bytes) -> tuple[int, int, bool]:
 
 
 def _shipped(head_dims):
-    """(kernel, head_dim, weight, config) for every entry of the config tables with a head dim in ``head_dims``."""
-    tables = ((kernels.attention_forward_kernel, configs.FORWARD),
-              (kernels.attention_backward_dkdv_kernel, configs.BACKWARD_DKDV),
-              (kernels.attention_backward_dq_kernel, configs.BACKWARD_DQ))
-    for fn, table in tables:
+    """(kernel, name, head_dim, weight, config) for every entry of the config tables with a head dim in
+    ``head_dims``."""
+    tables = ((kernels.attention_forward_kernel, "attention_forward_kernel", configs.FORWARD),
+              (kernels.attention_forward_kernel, DECODE, configs.DECODE),
+              (kernels.attention_backward_dkdv_kernel, "attention_backward_dkdv_kernel", configs.BACKWARD_DKDV),
+              (kernels.attention_backward_dq_kernel, "attention_backward_dq_kernel", configs.BACKWARD_DQ))
+    for fn, name, table in tables:
         for (d, weight), cfg in sorted(table.items()):
             if d in head_dims:
-                yield fn, d, weight, cfg
+                yield fn, name, d, weight, cfg
 
 
-def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: str) -> Health:
+def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: str, name: str | None = None
+              ) -> Health:
+    name = name or fn.__name__
     fp32 = variant.startswith("fp32-")
     dtype = "fp32" if fp32 else "fp16"
-    flags = VARIANT_FLAGS[variant.removeprefix("fp32-")]
+    weight = variant.removeprefix("fp32-")
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, BLOCK_DV=head_dim,
-                      UPCAST=False, FP32_DOT=fp32, IS_VARLEN=False, **flags)
-    if "WRITE_PROBS" in fn.arg_names:
-        constexprs["WRITE_PROBS"] = False
+                      UPCAST=False, FP32_DOT=fp32, **VARIANT_FLAGS[weight])
+    if "WRITE_PROBS" in fn.arg_names:  # the forward
+        constexprs.update(WRITE_PROBS=False, **FORWARD_KEYS[weight])
+    else:
+        constexprs["IS_VARLEN"] = True
     sig, consts, attrs = _signature(fn, dtype, constexprs)
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -138,14 +152,15 @@ def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: 
     if shared > SHARED_LIMIT[arch]:
         problems.append(f"shared memory {shared} > {SHARED_LIMIT[arch]}")
     # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
-    if arch == 90 and not fp32 and not hgmma and (fn.__name__, head_dim, variant) not in HGMMA_EXEMPT:
+    if arch == 90 and not fp32 and not hgmma and (name, head_dim, variant) not in HGMMA_EXEMPT:
         problems.append("no HGMMA (wgmma) instructions on sm_90")
-    return Health(fn.__name__, arch, head_dim, variant, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+    return Health(name, arch, head_dim, variant, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                   regs, spills, shared, hgmma, problems)
 
 
 def report(head_dims=(16, 32, 64, 128, 256)) -> list[Health]:
-    return [check_one(fn, d, cfg, arch, variant) for fn, d, variant, cfg in _shipped(head_dims) for arch in TARGETS]
+    return [check_one(fn, d, cfg, arch, variant, name) for fn, name, d, variant, cfg in _shipped(head_dims)
+            for arch in TARGETS]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,27 @@
+"""The numerics of merging partial attention results by their log-sum-exp, shared by the backends' split-KV
+paths and the public ``flashattn.merge_attention_states`` (which adds argument checks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """out (..., seqlen, nheads, headdim) and lse (..., nheads, seqlen) of the union of two disjoint key sets;
+    see ``flashattn.merge_attention_states``."""
+    acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
+    la, lb = lse_a.to(acc), lse_b.to(acc)
+    hi = torch.maximum(la, lb)
+    lo = torch.minimum(la, lb)
+    empty = hi == float("-inf")
+    hi_safe = torch.where(empty, torch.zeros_like(hi), hi)
+    # log(e^hi + e^lo) = hi + log1p(e^{lo - hi}), with lo - hi <= 0: no overflow, and exact when lo = -inf.
+    lse = torch.where(empty, hi, hi_safe + torch.log1p(torch.exp(lo - hi_safe)))
+    # The weights e^{lse_a - lse} and e^{lse_b - lse} are sigmoid(+-(lse_a - lse_b)): from the difference alone,
+    # so they keep full precision even when |lse| is large (e^{x - lse} would lose digits to lse's rounding).
+    diff = torch.where(empty, torch.zeros_like(la), la - lb)
+    wa = torch.where(empty, torch.zeros_like(diff), torch.sigmoid(diff))
+    wb = torch.where(empty, torch.zeros_like(diff), torch.sigmoid(-diff))
+    out = wa.transpose(-1, -2).unsqueeze(-1) * out_a.to(acc) + wb.transpose(-1, -2).unsqueeze(-1) * out_b.to(acc)
+    return out.to(out_a.dtype), lse

@@ -1,0 +1,351 @@
+"""``flashattn bench --decode``: one new token attending a KV cache, as a fraction of the device's copy bandwidth.
+
+Decode attention does almost no arithmetic per byte (each cached key and value is read once for a handful of
+query heads), so its ceiling is memory bandwidth. Each case times ``flashattn.flash_attn_with_kvcache`` on a cache
+of ``cache_len`` positions and counts the bytes it must move: every K and V row it attends, plus q and the output.
+Achieved GB/s is that count over the time; the fraction divides it by the device's copy bandwidth measured in the
+same run (``dst.copy_(src)`` of 1 GiB, read + write bytes), a ceiling that a memory-bound kernel can reach, unlike
+the datasheet figure. The baseline, also timed in the same run on the same cache, is torch SDPA (default backend
+choice, ``enable_gqa=True``) on q (B, Hq, 1, D) and transposed views k, v (B, Hk, L, D) of the cache.
+
+GPU timing: CUDA events, L2 flushed before each call, the launch queued ahead behind a spin kernel so that the
+events time the device work, not Python overhead (``measure.time_calls``); ``host_seconds`` is the synchronised
+wall time per call, overhead included. The issue's goal: >= 80% of copy bandwidth at batch 1, 64k cache.
+
+Example::
+
+    >>> sweep = DecodeSweep.for_device("cpu")
+    >>> rows, copy = run(sweep, progress=False)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import flashattn
+
+from .measure import L2_FLUSH_BYTES, time_calls
+
+OURS = "flashattn"
+BASELINE = "sdpa"  # torch.nn.functional.scaled_dot_product_attention, default backend choice, enable_gqa=True
+GOAL = {"batch": 1, "cache_len": 65536, "bw_fraction": 0.8}
+
+
+@dataclass
+class DecodeCase:
+    """One decode step: ``batch`` sequences, each with ``seqlen_q`` new query tokens over ``cache_len`` cached
+    positions (the cache is allocated with exactly that many rows and all of them are attended)."""
+
+    batch: int
+    cache_len: int
+    heads_q: int = 32
+    heads_kv: int = 4
+    headdim: int = 128
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    seqlen_q: int = 1
+    num_splits: int = 0  # 0: the implementation chooses how many pieces to split each cache into
+    cache_seqlens: str = "int"  # how cache_seqlens is passed: a Python "int" or an int32 (batch,) "tensor"
+    repeats: int = 30
+
+    @property
+    def element_size(self) -> int:
+        return torch.finfo(getattr(torch, self.dtype)).bits // 8
+
+    @property
+    def cache_bytes(self) -> int:
+        """The K and V rows attended: each is read once, whatever the number of query heads sharing it."""
+        return 2 * self.batch * self.cache_len * self.heads_kv * self.headdim * self.element_size
+
+    @property
+    def q_bytes(self) -> int:
+        """q, and equally the output."""
+        return self.batch * self.seqlen_q * self.heads_q * self.headdim * self.element_size
+
+    @property
+    def bytes_moved(self) -> int:
+        """The least any implementation must move: the cache rows read, q read and the output written."""
+        return self.cache_bytes + 2 * self.q_bytes
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the case allocates: the cache, q, and an output per implementation (ours and the baseline)."""
+        return self.cache_bytes + 3 * self.q_bytes
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | torch.Tensor]:
+        dtype = getattr(torch, self.dtype)
+        q = torch.randn(self.batch, self.seqlen_q, self.heads_q, self.headdim, dtype=dtype, device=self.device)
+        shape = (self.batch, self.cache_len, self.heads_kv, self.headdim)
+        k, v = (torch.randn(shape, dtype=dtype, device=self.device) for _ in range(2))
+        seqlens: int | torch.Tensor = self.cache_len
+        if self.cache_seqlens == "tensor":
+            seqlens = torch.full((self.batch,), self.cache_len, dtype=torch.int32, device=self.device)
+        return q, k, v, seqlens
+
+
+def _ours(case: DecodeCase, q, k, v, seqlens) -> Callable[[], torch.Tensor]:
+    fn = flashattn.flash_attn_with_kvcache  # looked up per case: an AttributeError says it is not there (yet)
+    return lambda: fn(q, k, v, cache_seqlens=seqlens, num_splits=case.num_splits)
+
+
+def _sdpa(case: DecodeCase, q, k, v, seqlens) -> Callable[[], torch.Tensor]:
+    # Views, not copies: (B, L, Hk, D) transposed is the layout SDPA's flash and efficient kernels read natively.
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+
+
+def sdpa_backend(q, k, v) -> str | None:
+    """Which SDPA kernel the baseline's call dispatches to (FLASH_ATTENTION, MATH, ...), to read its numbers by;
+    None if this torch cannot say (the query is a private function)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return SDPBackend(torch._fused_sdp_choice(qt, kt, vt, enable_gqa=True)).name
+    except Exception:  # informative only: never let it cost a measurement
+        return None
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {OURS: _ours, BASELINE: _sdpa}
+
+
+@dataclass
+class DecodeSweep:
+    """What to measure. GPU defaults are the issue's: batch 1..64, cache 1k..128k, GQA 32:4 (8:1), headdim 128,
+    bf16. ``for_device("cpu")`` gives a tiny fp32 sweep that only checks the machinery."""
+
+    batches: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    cache_lens: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 65536, 131072])
+    heads_q: int = 32
+    heads_kv: int = 4
+    headdim: int = 128
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    num_splits: int = 0
+    cache_seqlens: str = "int"
+    repeats: int = 30
+    copy_gib: float = 1.0  # per buffer; far larger than L2, so the copy runs at HBM speed
+    copy_repeats: int = 10
+    headroom_gib: float = 2.0  # left free for workspaces, split-KV partials, the allocator and the L2 flush
+    impls: list[str] = field(default_factory=lambda: [OURS, BASELINE])
+
+    @classmethod
+    def for_device(cls, device: str) -> DecodeSweep:
+        if device.startswith("cuda"):
+            return cls(device=device)
+        return cls(batches=[1, 2], cache_lens=[256, 1024], heads_q=8, heads_kv=1, headdim=64, dtype="float32",
+                   device=device, repeats=3, copy_gib=1 / 16, copy_repeats=3, headroom_gib=0.25)
+
+    def cases(self) -> list[DecodeCase]:
+        return [DecodeCase(b, n, self.heads_q, self.heads_kv, self.headdim, self.dtype, self.device,
+                           num_splits=self.num_splits, cache_seqlens=self.cache_seqlens, repeats=self.repeats)
+                for b in self.batches for n in self.cache_lens]
+
+
+def copy_bandwidth(device: str, buffer_bytes: int, repeats: int) -> dict:
+    """The device's achievable memory bandwidth: median time of ``dst.copy_(src)`` of ``buffer_bytes``, counting
+    the bytes read and the bytes written."""
+    src = torch.zeros(buffer_bytes, dtype=torch.uint8, device=device)  # zeros, not empty: touch every CPU page
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of dst outside the measurement
+    times = time_calls(lambda: dst.copy_(src), repeats, device, flush_l2=False)
+    seconds = statistics.median(times)
+    moved = 2 * buffer_bytes
+    return {"buffer_bytes": buffer_bytes, "bytes_moved": moved, "seconds": seconds, "gbps": moved / seconds / 1e9}
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def available(sweep: DecodeSweep) -> dict[str, str | None]:
+    """Each implementation -> None if it runs here on a tiny cache of the sweep's shape, else the reason."""
+    tiny = DecodeCase(1, 16, sweep.heads_q, sweep.heads_kv, sweep.headdim, sweep.dtype, sweep.device,
+                      num_splits=sweep.num_splits, cache_seqlens=sweep.cache_seqlens)
+    inputs = tiny.inputs()
+    reasons: dict[str, str | None] = {}
+    for impl in sweep.impls:
+        if impl not in IMPLEMENTATIONS:
+            reasons[impl] = f"unknown implementation; choose from {', '.join(IMPLEMENTATIONS)}"
+            continue
+        try:
+            with torch.inference_mode():
+                IMPLEMENTATIONS[impl](tiny, *inputs)()
+            reasons[impl] = None
+        except Exception as e:  # a missing or failing implementation is a row of the report, not a crash
+            reasons[impl] = _error(e)
+    return reasons
+
+
+def _free_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # hand cached blocks back so the driver's count is what a new case can get
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise KeyError("MemAvailable")
+
+
+def _row(case: DecodeCase, impl: str, **values) -> dict:
+    return {**asdict(case), "impl": impl, "bytes_moved": case.bytes_moved, **values}
+
+
+def _timed(case: DecodeCase, impl: str, step: Callable[[], torch.Tensor], copy_gbps: float) -> dict:
+    cuda = case.device.startswith("cuda")
+    seconds = statistics.median(time_calls(step, case.repeats, case.device, queue_ahead=True))
+
+    def synced():
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    host = statistics.median(time_calls(synced, case.repeats, "cpu"))
+    gbps = case.bytes_moved / seconds / 1e9
+    return _row(case, impl, seconds=seconds, host_seconds=host, gbps=gbps, bw_fraction=gbps / copy_gbps)
+
+
+def measure_case(case: DecodeCase, impls: list[str], copy_gbps: float, headroom_gib: float) -> list[dict]:
+    """One row per implementation: seconds, GB/s, fraction of ``copy_gbps``; ours also gets ``speedup`` over the
+    baseline and the largest difference from its output. A case that does not fit in memory gives rows with
+    ``error`` = "skipped: needs X GiB" without allocating anything."""
+    need = case.memory_bytes + headroom_gib * 2**30 + (L2_FLUSH_BYTES if case.device.startswith("cuda") else 0)
+    free = _free_bytes(case.device)
+    if need > free:
+        why = f"skipped: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        return [_row(case, impl, seconds=None, gbps=None, bw_fraction=None, error=why) for impl in impls]
+    try:
+        inputs = case.inputs()
+    except RuntimeError as e:  # out of memory after all: the estimate was short (fragmentation, another process)
+        return [_row(case, impl, seconds=None, gbps=None, bw_fraction=None, error=f"skipped: {_error(e)}")
+                for impl in impls]
+    rows, outs = {}, {}
+    for impl in impls:
+        try:
+            step = IMPLEMENTATIONS[impl](case, *inputs)
+            with torch.inference_mode():
+                outs[impl] = step()  # warm-up (compilation, autotuning), and the output for the cross-check
+                rows[impl] = _timed(case, impl, step, copy_gbps)
+        except Exception as e:  # e.g. a baseline that runs out of memory at this size: a row, not a crash
+            rows[impl] = _row(case, impl, seconds=None, gbps=None, bw_fraction=None, error=_error(e))
+    ours, base = rows.get(OURS), rows.get(BASELINE)
+    if base:
+        base["sdpa_backend"] = sdpa_backend(*inputs[:3])
+    if ours and base and ours.get("seconds") and base.get("seconds"):
+        diff = (outs[OURS].float() - outs[BASELINE].float()).abs().max().item()
+        ours.update(baseline=BASELINE, speedup=base["seconds"] / ours["seconds"], max_abs_diff=diff)
+    return list(rows.values())
+
+
+def run(sweep: DecodeSweep, progress: bool = True) -> tuple[list[dict], dict]:
+    """The copy bandwidth, then every case of the sweep; returns the rows and the copy measurement."""
+    copy = copy_bandwidth(sweep.device, int(sweep.copy_gib * 2**30), sweep.copy_repeats)
+    reasons = available(sweep)
+    rows = [{"impl": impl, "error": f"unavailable: {why}"} for impl, why in reasons.items() if why]
+    impls = [impl for impl, why in reasons.items() if why is None]
+    for case in tqdm(sweep.cases(), desc="decode", unit="case", disable=not progress, file=sys.stdout):
+        rows += measure_case(case, impls, copy["gbps"], sweep.headroom_gib)
+    return rows, copy
+
+
+def goal(rows: list[dict]) -> dict | None:
+    """The issue's target point (batch 1, 64k cache) if the sweep measured it: our fraction and whether it is met."""
+    row = next((r for r in rows if r["impl"] == OURS and r.get("batch") == GOAL["batch"]
+                and r.get("cache_len") == GOAL["cache_len"]), None)
+    if row is None:
+        return None
+    got = row.get("bw_fraction")
+    return {**{f"target_{k}": v for k, v in GOAL.items()}, "bw_fraction": got,
+            "met": got is not None and got >= GOAL["bw_fraction"]}
+
+
+def table(rows: list[dict], copy: dict) -> str:
+    """One line per (batch, cache_len): each implementation's time, GB/s and fraction of copy bandwidth."""
+    cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows if "batch" in r))
+    impls = list(dict.fromkeys(r["impl"] for r in rows if "batch" in r))
+    lines = [f"\ndecode attention (copy bandwidth {copy['gbps']:.0f} GB/s; 'of copy' = achieved / copy)"]
+    head = f"{'batch':>5} {'cache':>7} " + " ".join(f"{i + ' us':>14} {'GB/s':>7} {'of copy':>7}" for i in impls)
+    lines.append(head + f" {'speedup':>7} {'max|diff|':>9}")
+    for b, n in cases:
+        point = {r["impl"]: r for r in rows if (r.get("batch"), r.get("cache_len")) == (b, n)}
+        skipped = next((r["error"] for r in point.values() if r.get("error", "").startswith("skipped")), None)
+        if skipped:
+            lines.append(f"{b:5d} {n:7d} {skipped}")
+            continue
+        cells = []
+        for impl in impls:
+            r = point.get(impl, {})
+            if r.get("seconds"):
+                cells.append(f"{r['seconds'] * 1e6:14.1f} {r['gbps']:7.0f} {r['bw_fraction']:7.1%}")
+            else:
+                cells.append(f"{'-':>14} {'-':>7} {'-':>7}")
+        ours = point.get(OURS, {})
+        extra = f" {ours['speedup']:7.2f} {ours['max_abs_diff']:9.1e}" if "speedup" in ours else ""
+        lines.append(f"{b:5d} {n:7d} " + " ".join(cells) + extra)
+    backends = sorted({r["sdpa_backend"] for r in rows if r.get("sdpa_backend")})
+    if backends:
+        lines.append(f"  {BASELINE} ran on SDPA's {', '.join(backends)} backend")
+    errors = sorted({f"{r['impl']}: {r['error']}" for r in rows if "batch" in r and r.get("error")
+                     and not r["error"].startswith("skipped")})
+    lines += [f"  {e}" for e in errors]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """One panel per implementation: fraction of copy bandwidth vs cache length, a line per batch size, the goal
+    (0.8) dashed. Returns False when matplotlib is missing or nothing was measured."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    measured = [r for r in rows if r.get("bw_fraction") is not None]
+    if not measured:
+        return False
+    impls = list(dict.fromkeys(r["impl"] for r in measured))
+    fig, axes = plt.subplots(1, len(impls), figsize=(5.5 * len(impls), 4), squeeze=False, sharey=True)
+    for ax, impl in zip(axes[0], impls, strict=True):
+        for b in sorted({r["batch"] for r in measured}):
+            pts = sorted((r["cache_len"], r["bw_fraction"]) for r in measured if r["impl"] == impl and r["batch"] == b)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {b}")
+        ax.axhline(GOAL["bw_fraction"], color="k", linestyle="--", linewidth=1, label="goal (0.8)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(impl, fontsize=10)
+        ax.set_xlabel("cache length")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("fraction of copy bandwidth")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(rows: list[dict], copy: dict, sweep: DecodeSweep, out_dir: Path, stem: str) -> list[Path]:
+    """JSON (the sweep, the device, its copy bandwidth, the goal check, the rows) and the plot; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name(sweep.device) if sweep.device.startswith("cuda") else "cpu"
+    meta = {"device": device_name, "torch": torch.__version__, "sweep": asdict(sweep), "copy_bandwidth": copy,
+            "goal": goal(rows)}
+    paths = [out_dir / f"{stem}.json"]
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    title = (f"decode on {device_name}, {sweep.dtype}, heads {sweep.heads_q}:{sweep.heads_kv}, headdim "
+             f"{sweep.headdim}; copy {copy['gbps']:.0f} GB/s")
+    if plot(rows, out_dir / f"{stem}.png", title):
+        paths.append(out_dir / f"{stem}.png")
+    return paths

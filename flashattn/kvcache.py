@@ -1,0 +1,64 @@
+"""The inference pieces around attention on a KV cache: rotary embeddings and the in-place append.
+
+Both are plain torch ops on small tensors (the new tokens), on any device; the attention itself is
+``flashattn.ops.attention_cache``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotate the first ``rotary_dim = 2 * cos.shape[1]`` dims of x (B, N, H, D) by the angles of ``positions``
+    (B, N); computed in float32 (float64 stays float64), returned in x's dtype.
+
+    Interleaved (GPT-J) rotates the pairs (x[2i], x[2i + 1]); otherwise (GPT-NeoX) the pairs (x[i], x[i + r/2]).
+    Each pair (a, b) becomes (a cos - b sin, a sin + b cos) with the angle of pair i at that position.
+
+    Example::
+
+        >>> x = torch.tensor([[[[1.0, 0.0, 5.0]]]])  # one token, one head, rotary_dim 2 of headdim 3
+        >>> cos, sin = torch.tensor([[1.0], [0.0]]), torch.tensor([[0.0], [1.0]])  # 0 deg at pos 0, 90 at pos 1
+        >>> apply_rotary(x, cos, sin, torch.tensor([[1]]), interleaved=True)
+        tensor([[[[0., 1., 5.]]]])
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    half = cos.shape[1]
+    c = cos.to(acc)[positions][:, :, None, :]  # (B, N, 1, rotary_dim / 2): the same angle for every head
+    s = sin.to(acc)[positions][:, :, None, :]
+    rot = x[..., : 2 * half].to(acc)
+    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
+    ra, rb = a * c - b * s, a * s + b * c
+    rot = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+def positions(start: Tensor, count: int, advance: bool = True) -> Tensor:
+    """(B, count) positions start_b + t, or start_b for every t when not ``advance``."""
+    steps = torch.arange(count, device=start.device) if advance else torch.zeros(count, device=start.device)
+    return start.long()[:, None] + steps.long()[None, :]
+
+
+def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, at: Tensor, batch_idx: Tensor | None,
+           block_table: Tensor | None) -> None:
+    """Write the new k, v (B, N, Hk, D) into the caches in place at positions at_b .. at_b + N - 1 of sequence b:
+    row ``batch_idx[b]`` (default b) of a dense cache, or the pages ``block_table[b]`` of a paged one.
+
+    Example::
+
+        >>> cache = torch.zeros(2, 4, 1, 1)
+        >>> append(cache, cache, torch.ones(2, 1, 1, 1), torch.ones(2, 1, 1, 1), torch.tensor([0, 2]), None, None)
+        >>> cache.flatten(1).tolist()
+        [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
+    """
+    pos = positions(at, k.shape[1])
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        index = (block_table.long().gather(1, pos // page_size), pos % page_size)
+    else:
+        rows = torch.arange(k.shape[0], device=k.device) if batch_idx is None else batch_idx.long()
+        index = (rows[:, None].expand_as(pos), pos)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
