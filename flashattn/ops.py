@@ -17,12 +17,14 @@ from . import backends
 from .backends.spec import AttentionSpec, KeyCache, Varlen
 
 
-def _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic) -> AttentionSpec:
+def _spec(scale, window_left, window_right, bottom_right, diag_offset, softcap, dropout_p, seed,
+          deterministic) -> AttentionSpec:
     return AttentionSpec(
         scale=scale,
         window_left=window_left,
         window_right=window_right,
         bottom_right=bottom_right,
+        offset=diag_offset,
         softcap=softcap,
         dropout_p=dropout_p,
         seed=seed,
@@ -54,19 +56,21 @@ def _attention(
     window_left: int,
     window_right: int,
     bottom_right: bool,
+    diag_offset: int,
     softcap: float,
     dropout_p: float,
     deterministic: bool,
     return_probs: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    spec = _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic)
+    spec = _spec(scale, window_left, window_right, bottom_right, diag_offset, softcap, dropout_p, seed,
+                 deterministic)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return backends.select(q, v).forward(q, k, v, alibi_slopes, attn_mask, spec, return_probs, varlen)
 
 
 @_attention.register_fake
 def _(q, k, v, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-      window_left, window_right, bottom_right, softcap, dropout_p, deterministic, return_probs):
+      window_left, window_right, bottom_right, diag_offset, softcap, dropout_p, deterministic, return_probs):
     if cu_seqlens_q is None:
         b, nq, h, _ = q.shape
         nk, lse_shape = k.shape[1], (b, h, nq)
@@ -99,12 +103,14 @@ def _attention_backward(
     window_left: int,
     window_right: int,
     bottom_right: bool,
+    diag_offset: int,
     softcap: float,
     dropout_p: float,
     deterministic: bool,
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    spec = _spec(scale, window_left, window_right, bottom_right, softcap, dropout_p, seed, deterministic)
+    spec = _spec(scale, window_left, window_right, bottom_right, diag_offset, softcap, dropout_p, seed,
+                 deterministic)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dmask = backends.select(q, v).backward(
         dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, spec, mask_grad, varlen
@@ -114,12 +120,14 @@ def _attention_backward(
 
 @_attention_backward.register_fake
 def _(dout, dlse, q, k, v, out, lse, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, scale, window_left, window_right, bottom_right, softcap, dropout_p, deterministic, mask_grad):
+      max_seqlen_k, scale, window_left, window_right, bottom_right, diag_offset, softcap, dropout_p, deterministic,
+      mask_grad):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
-_SCALARS = ("max_seqlen_q", "max_seqlen_k", "scale", "window_left", "window_right", "bottom_right", "softcap",
+_SCALARS = ("max_seqlen_q", "max_seqlen_k", "scale", "window_left", "window_right", "bottom_right", "diag_offset",
+            "softcap",
             "dropout_p", "deterministic")
 
 
@@ -167,7 +175,8 @@ def attention(
         varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k)
     return _attention(
         q, k, v, alibi_slopes, attn_mask, seed, cu_q, cu_k, max_q, max_k, spec.scale, spec.window_left,
-        spec.window_right, spec.bottom_right, spec.softcap, spec.dropout_p, spec.deterministic, return_probs,
+        spec.window_right, spec.bottom_right, spec.offset, spec.softcap, spec.dropout_p, spec.deterministic,
+        return_probs,
     )
 
 
@@ -190,7 +199,7 @@ def _attention_cache(
     softcap: float,
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
-    spec = _spec(scale, window_left, window_right, True, softcap, 0.0, None, False)
+    spec = _spec(scale, window_left, window_right, True, 0, softcap, 0.0, None, False)
     cache = KeyCache(k_start, k_end, max_seqlen_k, batch_idx, block_table, num_splits)
     # A packed q's offsets; the Varlen's key side is unused (keys come from the cache).
     varlen = _varlen(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -225,3 +234,25 @@ def attention_cache(
         cache.batch_idx, cache.block_table, spec.scale, spec.window_left, spec.window_right, spec.softcap,
         cache.num_splits,
     )
+
+
+def forward_block(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec,
+                  alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one block of a larger attention, without autograd: the building block of the distributed
+    layouts, which drive forward and backward themselves (their backward communicates)."""
+    out, lse, _ = torch.ops.flashattn.attention(
+        q, k, v, alibi_slopes, None, None, None, None, 0, 0, spec.scale, spec.window_left, spec.window_right,
+        spec.bottom_right, spec.offset, spec.softcap, 0.0, spec.deterministic, False,
+    )
+    return out, lse
+
+
+def backward_block(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   spec: AttentionSpec, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block given the whole attention's ``out`` and ``lse`` (and their gradients): with the
+    final statistics, P = exp(S - lse) of the block is exact, so the block's gradients are its exact share."""
+    dq, dk, dv, _ = torch.ops.flashattn.attention_backward(
+        dout, dlse, q, k, v, out, lse, alibi_slopes, None, None, None, None, 0, 0, spec.scale, spec.window_left,
+        spec.window_right, spec.bottom_right, spec.offset, spec.softcap, 0.0, spec.deterministic, False,
+    )
+    return dq, dk, dv

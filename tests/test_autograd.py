@@ -74,5 +74,5 @@ def test_custom_op_passes_torch_library_opcheck():
     q = torch.randn(1, 5, 2, 8, requires_grad=True)
     k = torch.randn(1, 6, 1, 8, requires_grad=True)
     v = torch.randn(1, 6, 1, 8, requires_grad=True)
-    args = (q, k, v, None, None, None, None, None, 0, 0, 0.3, -1, 0, True, 0.0, 0.0, False, False)
+    args = (q, k, v, None, None, None, None, None, 0, 0, 0.3, -1, 0, True, 2, 0.0, 0.0, False, False)
     torch.library.opcheck(torch.ops.flashattn.attention.default, args)

@@ -29,8 +29,8 @@ class Band:
     shift: int = 0
 
     @classmethod
-    def of(cls, nq: int, nk: int, left: int, right: int, bottom_right: bool) -> Band:
-        return cls(left, right, nk - nq if bottom_right else 0)
+    def of(cls, nq: int, nk: int, left: int, right: int, bottom_right: bool, offset: int = 0) -> Band:
+        return cls(left, right, (nk - nq if bottom_right else 0) + offset)
 
     def key_range(self, r0: int, r1: int, nk: int) -> tuple[int, int]:
         """Columns [lo, hi) that any of the query rows [r0, r1) may see (hi <= lo when none)."""

@@ -21,6 +21,9 @@ class AttentionSpec:
         window_left, window_right: the visible band ``-left <= j - i - shift <= right``; -1 is unbounded;
             causal is (-1, 0).
         bottom_right: align the band's diagonal to the bottom-right corner (flash_attn) or top-left (SDPA).
+        offset: moves the diagonal by this many columns on top of the alignment: query i of this call is query
+            i + offset of a longer sequence whose keys start at this call's key 0 (context parallelism attends
+            one chunk of queries to another chunk of keys).
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masks).
         dropout_p: probability of dropping an attention weight; kept weights are scaled by 1 / (1 - p).
         seed: one-element int64 tensor on the inputs' device, the key of the counter-based dropout generator
@@ -32,13 +35,14 @@ class AttentionSpec:
     window_left: int = -1
     window_right: int = -1
     bottom_right: bool = True
+    offset: int = 0
     softcap: float = 0.0
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None
     deterministic: bool = False
 
     def band(self, nq: int, nk: int) -> Band:
-        return Band.of(nq, nk, self.window_left, self.window_right, self.bottom_right)
+        return Band.of(nq, nk, self.window_left, self.window_right, self.bottom_right, self.offset)
 
 
 @dataclass(frozen=True)

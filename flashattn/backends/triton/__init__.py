@@ -70,10 +70,11 @@ def _flags(spec: AttentionSpec, alibi, mask_kind: int, q, interp: bool) -> dict:
 
 
 def _scalars(spec: AttentionSpec) -> tuple:
-    # The band's diagonal shift is per sequence (Nk - Nq for the bottom-right corner): the kernels compute it.
+    # The band's diagonal shift is per sequence (Nk - Nq for the bottom-right corner, plus the offset): the
+    # kernels compute it.
     left = max(spec.window_left, 0)
     right = max(spec.window_right, 0)
-    return (int(spec.bottom_right), left, right, spec.scale, spec.softcap or 1.0, spec.dropout_p)
+    return (int(spec.bottom_right), spec.offset, left, right, spec.scale, spec.softcap or 1.0, spec.dropout_p)
 
 
 class _Layout:
@@ -176,7 +177,7 @@ class _QueryRows:
         g = lay.h // lay.hk
         self.spec = spec
         self.swapped = (plain and not lay.q_packed and lay.nq == 1 and g > 1 and spec.window_left < 0
-                        and (spec.bottom_right or spec.window_right < 0))
+                        and spec.offset == 0 and (spec.bottom_right or spec.window_right < 0))
         if not self.swapped:
             self.h, self.g, self.nq = lay.h, g, lay.nq
             self.q, self.out = lay.strides(q), lay.strides(out)

@@ -202,7 +202,7 @@ def attention_forward_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bt, page_size, split_keys,
-    H, G, NQ, NK, D, DV, align_br, window_left, window_right,
+    H, G, NQ, NK, D, DV, align_br, diag_offset, window_left, window_right,
     scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -228,7 +228,7 @@ def attention_forward_kernel(
     kb = b
     if K_BATCH:
         kb = tl.load(KBatch + b).to(tl.int64)
-    shift = (nk - nq) * align_br
+    shift = (nk - nq) * align_br + diag_offset
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -382,7 +382,7 @@ def attention_backward_dkdv_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    H, HK, G, NQ, NK, D, DV, align_br, window_left, window_right,
+    H, HK, G, NQ, NK, D, DV, align_br, diag_offset, window_left, window_right,
     scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -396,7 +396,7 @@ def attention_backward_dkdv_kernel(
     b = bhk // HK
     hk = bhk % HK
     q0, nq, k0, nk = _sequence(b, CuQ, CuK, CuK + 1, NQ, NK, IS_VARLEN, IS_VARLEN)
-    shift = (nk - nq) * align_br
+    shift = (nk - nq) * align_br + diag_offset
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -464,7 +464,7 @@ def attention_backward_dq_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    H, G, NQ, NK, D, DV, align_br, window_left, window_right,
+    H, G, NQ, NK, D, DV, align_br, diag_offset, window_left, window_right,
     scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -478,7 +478,7 @@ def attention_backward_dq_kernel(
     h = bh % H
     hk = h // G
     q0, nq, k0, nk = _sequence(b, CuQ, CuK, CuK + 1, NQ, NK, IS_VARLEN, IS_VARLEN)
-    shift = (nk - nq) * align_br
+    shift = (nk - nq) * align_br + diag_offset
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)

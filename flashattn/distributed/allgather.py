@@ -1,0 +1,89 @@
+"""All-gather context parallelism: each rank gathers the whole K/V, a few heads at a time, and attends its own
+queries to it; in the backward the K/V gradients of the whole sequence are reduce-scattered back to their owners.
+
+Simpler than the ring (two collectives per head group instead of world - 1 exchanges) and the better choice when
+the layout is irregular; the price is a full-sequence K/V buffer for ``kv_heads_per_step`` heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..backends.spec import AttentionSpec
+from ..ops import backward_block, forward_block
+from .common import block_spec, check, visible
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, 1)
+
+
+def _head_groups(hk: int, step: int):
+    for h0 in range(0, hk, step):
+        yield h0, min(h0 + step, hk)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, alibi, spec: AttentionSpec, heads_per_step: int, group):
+        rank, n = dist.get_rank(group), q.shape[1]
+        g = q.shape[2] // k.shape[2]
+        bspec = block_spec(spec, rank * n, 0)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        lse = torch.full((q.shape[0], q.shape[2], n), float("-inf"), dtype=acc, device=q.device)
+        for h0, h1 in _head_groups(k.shape[2], heads_per_step):
+            kf, vf = _gather(k[:, :, h0:h1], group), _gather(v[:, :, h0:h1], group)
+            if visible(bspec, n, kf.shape[1]):
+                heads = slice(h0 * g, h1 * g)
+                o, lse[:, heads] = forward_block(q[:, :, heads], kf, vf, bspec, _heads(alibi, heads))
+                out[:, :, heads] = o
+        ctx.save_for_backward(q, k, v, out, lse, alibi)
+        ctx.spec, ctx.heads_per_step, ctx.group = bspec, heads_per_step, group
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, alibi = ctx.saved_tensors
+        bspec, group = ctx.spec, ctx.group
+        world, n = dist.get_world_size(group), q.shape[1]
+        g = q.shape[2] // k.shape[2]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for h0, h1 in _head_groups(k.shape[2], ctx.heads_per_step):
+            kf, vf = _gather(k[:, :, h0:h1], group), _gather(v[:, :, h0:h1], group)
+            heads = slice(h0 * g, h1 * g)
+            dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
+            if visible(bspec, n, kf.shape[1]):
+                dq[:, :, heads], dkf, dvf = backward_block(
+                    dout[:, :, heads].contiguous(), None if dlse is None else dlse[:, heads].contiguous(),
+                    q[:, :, heads], kf, vf, out[:, :, heads], lse[:, heads].contiguous(), bspec,
+                    _heads(alibi, heads))
+            # Every rank holds a gradient for the whole sequence: sum them, each rank keeping its own chunk.
+            for full, mine in ((dkf, dk), (dvf, dv)):
+                part = torch.empty_like(mine[:, :, h0:h1])
+                dist.reduce_scatter(part, [c.contiguous() for c in full.chunk(world, 1)], group=group)
+                mine[:, :, h0:h1] = part
+        return dq, dk, dv, None, None, None, None
+
+
+def _heads(alibi, heads: slice):
+    return None if alibi is None else alibi[:, heads].contiguous()
+
+
+def allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              group=None, kv_heads_per_step=None):
+    """``flash_attn_func`` over a contiguously sharded sequence by gathering K/V (``kv_heads_per_step`` key/value
+    heads at a time; default all) instead of passing it around a ring. Same arguments and returns as
+    ``ring_flash_attn_func``."""
+    fn = "allgather_flash_attn_func"
+    call = check(fn, q, k, v, group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    step = k.shape[2] if kv_heads_per_step is None else kv_heads_per_step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{fn}: kv_heads_per_step must be a positive int or None, got {kv_heads_per_step!r}")
+    out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.alibi_slopes, call.spec, step, group)
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,148 @@
+"""Context parallelism on CPU: 2 and 4 gloo ranks on localhost, every layout, against a single-process float64
+reference: output, log-sum-exp and the three gradients, causal and not, with window, softcap, ALiBi and GQA."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FUNCS = {
+    "ring": ("ring_flash_attn_func", "contiguous"),
+    "zigzag": ("zigzag_ring_flash_attn_func", "zigzag"),
+    "allgather": ("allgather_flash_attn_func", "contiguous"),
+    "ulysses": ("ulysses_flash_attn_func", "contiguous"),
+}
+CASES = [
+    {"causal": False},
+    {"causal": True},
+    {"causal": True, "window_size": (5, 0), "softcap": 2.0, "alibi": True},
+    {"window_size": (3, 4)},
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(q, k, v, kwargs):
+    from oracle import attention_ref
+
+    window = kwargs.get("window_size", (-1, -1))
+    return attention_ref(q, k, v, causal=kwargs.get("causal", False), window=window,
+                         softcap=kwargs.get("softcap", 0.0), alibi=kwargs.get("alibi_slopes"))
+
+
+def _worker(rank, world, port, out_path, dtype_name):
+    sys.path.insert(0, os.path.dirname(__file__))
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import flashattn.distributed as fd
+
+    failures = []
+    dtype = getattr(torch, dtype_name)
+    try:
+        for name, (fn_name, layout) in FUNCS.items():
+            for i, case in enumerate(CASES):
+                torch.manual_seed(1000 + i)  # the same global inputs on every rank
+                b, n, h, hk, d = 2, 8 * world, 4, 4 if name == "ulysses" and world == 4 else 2, 16
+                q, k, v = (torch.randn(b, n, heads, d, dtype=torch.float64) for heads in (h, hk, hk))
+                dout = torch.randn(b, n, h, d, dtype=torch.float64)
+                dlse = torch.randn(b, h, n, dtype=torch.float64)
+                kwargs = {key: val for key, val in case.items() if key != "alibi"}
+                if case.get("alibi"):
+                    kwargs["alibi_slopes"] = (torch.rand(h) * 0.5).double()  # values exact in float32 too
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref_out, ref_lse = _reference(*leaves, kwargs)
+                ref_grads = torch.autograd.grad((ref_out, ref_lse), leaves, (dout, dlse))
+
+                local = [fd.shard(t.to(dtype), layout).requires_grad_() for t in (q, k, v)]
+                if "alibi_slopes" in kwargs:
+                    kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(torch.float32)
+                out, lse, _ = getattr(fd, fn_name)(*local, return_attn_probs=True, **kwargs)
+                grads = torch.autograd.grad((out, lse), local, (fd.shard(dout.to(dtype), layout),
+                                                                 fd.shard(dlse, layout, dim=2).to(lse.dtype)))
+                got = {"out": fd.unshard(out.detach(), layout), "lse": fd.unshard(lse.detach(), layout, dim=2)}
+                got.update({g: fd.unshard(x, layout) for g, x in zip(("dq", "dk", "dv"), grads, strict=True)})
+                want = {"out": ref_out, "lse": ref_lse, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
+                tol = 1e-9 if dtype == torch.float64 else 2e-5
+                for key, x in got.items():
+                    w = want[key]
+                    finite = torch.isfinite(w)
+                    same_inf = (torch.equal(torch.isfinite(x), finite)
+                                and torch.equal(x[~finite], w[~finite].to(x.dtype)))
+                    err = (x.double()[finite] - w[finite]).abs().max().item() if finite.any() else 0.0
+                    scale = 1 + w[finite].abs().max().item() if finite.any() else 1
+                    if not same_inf or err > tol * scale:
+                        failures.append(f"{name} case {i} {case} {key}: max error {err:.3g} (infinities match: "
+                                        f"{same_inf})")
+    except Exception:
+        failures.append(traceback.format_exc())
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(failures, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "float64"), (4, "float64"), (2, "float32")])
+def test_every_layout_matches_one_device(world, dtype, tmp_path):
+    out_path = tmp_path / "failures.json"
+    mp.spawn(_worker, args=(world, _free_port(), str(out_path), dtype), nprocs=world, join=True)
+    failures = json.loads(out_path.read_text())
+    assert not failures, "\n".join(failures)
+
+
+def _errors_worker(rank, world, port, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import flashattn.distributed as fd
+
+    messages = []
+    q = torch.randn(1, 4 + rank, 2, 8)  # uneven shards: rank 1 holds one more token
+    for call in (
+        lambda: fd.ring_flash_attn_func(q, q, q),
+        lambda: fd.ring_flash_attn_func(q[:, :4], q[:, :4], q[:, :4], dropout_p=0.1),
+        lambda: fd.ulysses_flash_attn_func(*(torch.randn(1, 4, 3, 8) for _ in range(3))),
+        lambda: fd.zigzag_ring_flash_attn_func(*(torch.randn(1, 3, 2, 8) for _ in range(3))),
+        lambda: fd.shard(torch.randn(1, 5, 2, 8), "zigzag"),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(messages, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_refused_combinations_get_clear_errors(tmp_path):
+    out_path = tmp_path / "messages.json"
+    mp.spawn(_errors_worker, args=(2, _free_port(), str(out_path)), nprocs=2, join=True)
+    messages = json.loads(out_path.read_text())
+    expected = ["same number of tokens, got [4, 5]", "dropout_p must be 0", "must be multiples of the world size",
+                "length must be even", "does not split into 4 equal chunks"]
+    for got, want in zip(messages, expected, strict=True):
+        assert want in got, got
+
+
+def test_segments_and_shard_round_trip_without_a_group():
+    from flashattn.distributed import segments
+
+    # Every token of an 8-token sequence is held exactly once in each layout, for 2 ranks.
+    for layout in ("contiguous", "zigzag"):
+        held = sorted(g + t for r in range(2) for g, _, n in segments(layout, r, 2, 4) for t in range(n))
+        assert held == list(range(8))
