@@ -188,3 +188,25 @@ def test_cuda_tensors_run_triton_and_large_head_dims_fall_back():
     big = torch.randn(1, 8, 2, 320, device="cuda", dtype=torch.float16)
     assert select(big, big).__name__.endswith(".cpu")
     assert select(q.double(), q.double()).__name__.endswith(".cpu")
+
+
+@pytest.mark.parametrize("offset", [-20, 7, 40])
+def test_diagonal_offset_matches_the_cpu_path(offset):
+    """A block of a longer sequence (context parallelism): the causal/window diagonal moved by ``offset``, forward
+    and backward, equal on both backends (the CPU path is checked against float64 in test_distributed)."""
+    import dataclasses
+
+    from flashattn.backends.spec import AttentionSpec
+    from flashattn.ops import backward_block, forward_block
+
+    spec = dataclasses.replace(AttentionSpec(scale=0.25, window_left=30, window_right=0, bottom_right=False),
+                               offset=offset)
+    q, k, v = (torch.randn(1, n, 2, 16, device=DEVICE) for n in (33, 40, 40))
+    dout = torch.randn_like(q)
+    results = {}
+    for backend in ("cpu", "triton"):
+        with flashattn.use_backend(backend):
+            out, lse = forward_block(q, k, v, spec)
+            results[backend] = (out, lse, *backward_block(dout, None, q, k, v, out, lse, spec))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["cpu"], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=name)
