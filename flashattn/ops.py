@@ -236,17 +236,6 @@ def attention_cache(
     )
 
 
-def forward_block(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec,
-                  alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out, lse) of one block of a larger attention, without autograd: the building block of the distributed
-    layouts, which drive forward and backward themselves (their backward communicates)."""
-    out, lse, _ = torch.ops.flashattn.attention(
-        q, k, v, alibi_slopes, None, None, None, None, 0, 0, spec.scale, spec.window_left, spec.window_right,
-        spec.bottom_right, spec.offset, spec.softcap, 0.0, spec.deterministic, False,
-    )
-    return out, lse
-
-
 def backward_block(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    spec: AttentionSpec, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block given the whole attention's ``out`` and ``lse`` (and their gradients): with the

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.spec import AttentionSpec
-from ..ops import backward_block, forward_block
+from ..ops import attention, backward_block
 from .common import block_spec, check, visible
 
 
@@ -39,7 +39,7 @@ class _AllGatherAttention(torch.autograd.Function):
             kf, vf = _gather(k[:, :, h0:h1], group), _gather(v[:, :, h0:h1], group)
             if visible(bspec, n, kf.shape[1]):
                 heads = slice(h0 * g, h1 * g)
-                o, lse[:, heads] = forward_block(q[:, :, heads], kf, vf, bspec, _heads(alibi, heads))
+                o, lse[:, heads], _ = attention(q[:, :, heads], kf, vf, bspec, alibi_slopes=_heads(alibi, heads))
                 out[:, :, heads] = o
         ctx.save_for_backward(q, k, v, out, lse, alibi)
         ctx.spec, ctx.heads_per_step, ctx.group = bspec, heads_per_step, group
@@ -58,8 +58,8 @@ class _AllGatherAttention(torch.autograd.Function):
             dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
             if visible(bspec, n, kf.shape[1]):
                 dq[:, :, heads], dkf, dvf = backward_block(
-                    dout[:, :, heads].contiguous(), None if dlse is None else dlse[:, heads].contiguous(),
-                    q[:, :, heads], kf, vf, out[:, :, heads], lse[:, heads].contiguous(), bspec,
+                    dout[:, :, heads], None if dlse is None else dlse[:, heads], q[:, :, heads], kf, vf,
+                    out[:, :, heads], lse[:, heads], bspec,
                     _heads(alibi, heads))
             # Every rank holds a gradient for the whole sequence: sum them, each rank keeping its own chunk.
             for full, mine in ((dkf, dk), (dvf, dv)):

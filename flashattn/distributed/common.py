@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .. import checks
 from ..backends.combine import merge_states
 from ..backends.spec import AttentionSpec
-from ..ops import forward_block
+from ..ops import attention
 
 
 def check(fn: str, q, k, v, group, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -56,7 +56,7 @@ class Partial:
         self.out = self.lse = None
 
     def add(self, q, k, v, spec, alibi) -> None:
-        out, lse = forward_block(q, k, v, spec, alibi)
+        out, lse, _ = attention(q, k, v, spec, alibi_slopes=alibi)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = out.to(acc), lse.to(acc)
         if self.out is None:

@@ -55,11 +55,10 @@ def shard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1)
 def unshard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1) -> torch.Tensor:
     """The full sequence from every rank's part ``x`` (an all-gather; the inverse of ``shard``)."""
     world, _ = _world(group)
-    _pieces(layout, world)
+    full = [None] * _pieces(layout, world)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
     local = x.shape[dim]
-    full = [None] * _pieces(layout, world)
     for r, part in enumerate(parts):
         for g, start, length in segments(layout, r, world, local):
             full[g // length] = part.narrow(dim, start, length)

@@ -59,12 +59,11 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         held = [k, v, torch.zeros(k.shape, dtype=acc, device=k.device),
                 torch.zeros(v.shape, dtype=acc, device=v.device)]
-        dout = dout.contiguous()
         for step in range(world):
             kc, vc, dk, dv = held
             for qs, ks, bspec in _pairs(layout, rank, (rank - step) % world, world, n, spec):
-                g = backward_block(dout[:, qs], None if dlse is None else dlse[:, :, qs].contiguous(), q[:, qs],
-                                   kc[:, ks], vc[:, ks], out[:, qs], lse[:, :, qs].contiguous(), bspec, alibi)
+                g = backward_block(dout[:, qs], None if dlse is None else dlse[:, :, qs], q[:, qs], kc[:, ks],
+                                   vc[:, ks], out[:, qs], lse[:, :, qs], bspec, alibi)
                 dq[:, qs] += g[0]
                 dk[:, ks] += g[1]
                 dv[:, ks] += g[2]

@@ -30,7 +30,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
-        return _AllToAll.apply(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+        return _AllToAll.apply(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

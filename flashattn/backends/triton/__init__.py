@@ -87,7 +87,7 @@ class _Layout:
     """
 
     def __init__(self, q, k, v, varlen: Varlen | None, cache: KeyCache | None = None):
-        self.varlen, self.cache = varlen, cache
+        self.cache = cache
         self.h, self.d = q.shape[-2], q.shape[-1]
         self.hk, self.dv = k.shape[-2], v.shape[-1]
         self.q_packed = q.dim() == 3
