@@ -1,0 +1,1 @@
+"""Adapters that plug flashattn into other libraries (``flashattn.integrations.transformers``)."""

@@ -1,0 +1,75 @@
+"""Padding <-> packed conversion for the varlen functions; a drop-in for ``flash_attn.bert_padding``.
+
+A padded batch (batch, seqlen, ...) with a (batch, seqlen) mask of real tokens becomes one packed tensor
+(total, ...) plus the int32 offsets ``cu_seqlens`` that ``flash_attn_varlen_func`` takes, and back.
+
+Example::
+
+    >>> hidden = torch.randn(2, 4, 8)
+    >>> mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    >>> packed, indices, cu_seqlens, max_seqlen, used = unpad_input(hidden, mask)
+    >>> packed.shape, cu_seqlens.tolist(), max_seqlen
+    (torch.Size([5, 8]), [0, 3, 5], 3)
+    >>> torch.equal(pad_input(packed, indices, 2, 4)[mask.bool()], hidden[mask.bool()])
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["pad_input", "unpad_input"]
+
+
+def _check_mask(name: str, hidden_states: Tensor, mask: Tensor) -> None:
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError(f"unpad_input: {name} must be a (batch, seqlen) tensor, got "
+                         f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
+    if tuple(hidden_states.shape[:2]) != tuple(mask.shape):
+        raise ValueError(f"unpad_input: hidden_states starts with {tuple(hidden_states.shape[:2])} but {name} is "
+                         f"{tuple(mask.shape)}; they must agree on (batch, seqlen)")
+
+
+def unpad_input(
+    hidden_states: Tensor, attention_mask: Tensor, unused_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+    """Keep the tokens where ``attention_mask`` is nonzero, packed batch by batch.
+
+    Args:
+        hidden_states: (batch, seqlen, ...).
+        attention_mask: (batch, seqlen), nonzero (or True) for tokens that are used.
+        unused_mask: optional (batch, seqlen) mask of tokens that are kept in the packed tensor but not counted as
+            used (``flash_attn``'s "allocated but unused" tokens); they follow the used ones of their sequence.
+
+    Returns:
+        ``(packed, indices, cu_seqlens, max_seqlen, seqused)``: packed (total, ...); indices (total,) int64 flat
+        positions in (batch * seqlen); cu_seqlens (batch + 1,) int32 offsets of each sequence in ``packed``;
+        max_seqlen a Python int; seqused (batch,) int32 number of used tokens per sequence.
+    """
+    _check_mask("attention_mask", hidden_states, attention_mask)
+    kept = attention_mask.bool()
+    if unused_mask is not None:
+        _check_mask("unused_mask", hidden_states, unused_mask)
+        kept = kept | unused_mask.bool()
+    seqused = attention_mask.bool().sum(dim=-1, dtype=torch.int32)
+    seqlens = kept.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    return packed, indices, cu_seqlens, max_seqlen, seqused
+
+
+def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
+    """Scatter packed tokens back to a zero-padded (batch, seqlen, ...) tensor; the inverse of ``unpad_input``.
+
+    Differentiable: the gradient of a padded position is dropped, the others flow back to ``hidden_states``.
+    """
+    if hidden_states.shape[0] != indices.shape[0]:
+        raise ValueError(f"pad_input: hidden_states has {hidden_states.shape[0]} tokens but indices has "
+                         f"{indices.shape[0]}; pass the indices unpad_input returned with it")
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    out = out.index_put((indices,), hidden_states)
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])
