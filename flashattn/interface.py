@@ -406,3 +406,35 @@ def scaled_dot_product_attention(
     )
     out, _, _ = _run(call, return_probs=False)
     return out.transpose(1, 2)
+
+
+def attention_with_weights(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``scaled_dot_product_attention`` that also returns the weights it applied, (batch, heads, L, S), after
+    dropout (zero where dropped, scaled by 1 / (1 - dropout_p) elsewhere), as ``torch.nn.MultiheadAttention``
+    returns them. It materialises the weights: for ``need_weights=True`` only. The weights carry no gradient.
+
+    Example::
+
+        >>> q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+        >>> out, weights = attention_with_weights(q, k, v, is_causal=True)
+        >>> out.shape, weights.shape, bool(weights[0, 0, 0, 1] == 0)
+        (torch.Size([1, 2, 5, 8]), torch.Size([1, 2, 5, 5]), True)
+    """
+    call = checks.check_sdpa(
+        "attention_with_weights", query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+    )
+    out, _, probs = _run(call, return_probs=True)
+    probs = probs.detach()
+    weights = torch.where(torch.signbit(probs), torch.zeros_like(probs), probs / (1.0 - call.spec.dropout_p))
+    return out.transpose(1, 2), weights
+

@@ -1,0 +1,322 @@
+"""Attention modules: ``MultiheadAttention`` (a drop-in for ``torch.nn.MultiheadAttention``) and ``SelfAttention``
+(a compact transformer block's attention with rotary embeddings, GQA and a KV cache for generation).
+
+Example::
+
+    >>> attn = SelfAttention(dim=64, num_heads=8, num_kv_heads=2)
+    >>> x = torch.randn(2, 10, 64)
+    >>> attn(x).shape
+    torch.Size([2, 10, 64])
+    >>> cache = attn.new_cache(batch_size=2, max_seqlen=32)
+    >>> with torch.no_grad():
+    ...     prompt = attn(x, cache=cache)           # prefill: 10 tokens into the cache
+    ...     step = attn(x[:, :1], cache=cache)      # one decode step
+    >>> cache.seqlens.tolist(), torch.allclose(prompt, attn(x), atol=1e-5)
+    ([11, 11], True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .interface import attention_with_weights, flash_attn_func, flash_attn_with_kvcache, scaled_dot_product_attention
+from .kvcache import apply_rotary
+
+__all__ = ["KVCache", "MultiheadAttention", "SelfAttention"]
+
+
+class MultiheadAttention(nn.Module):
+    """``torch.nn.MultiheadAttention`` computed by flashattn: same constructor, parameters (state dicts load both
+    ways), forward arguments, mask conventions and return values.
+
+    Args:
+        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype:
+            as in torch; ``embed_dim`` must divide by ``num_heads``.
+
+    Forward:
+        query (L, N, E) or (N, L, E) with ``batch_first``, or unbatched (L, E); key/value (S, N, kdim/vdim) likewise.
+        key_padding_mask: (N, S), True (or -inf) = ignore that key. attn_mask: (L, S) or (N * num_heads, L, S),
+        True = may NOT attend (torch's MHA convention), or an additive float mask. is_causal: with no attn_mask,
+        apply the causal mask (query i sees keys j <= i); with one, attn_mask is used as given.
+        need_weights: also return the attention weights (materialised; False is the fast path), averaged over
+        heads unless ``average_attn_weights=False``.
+
+    Returns:
+        ``(attn_output, attn_weights)``: attn_output like query; attn_weights (N, L, S) or (N, num_heads, L, S),
+        or None when ``need_weights=False``.
+
+    Differences from torch: a query that may attend to no key outputs 0 (torch: NaN); ``is_causal`` works
+    without an ``attn_mask``; the returned weights carry no gradient.
+
+    Example::
+
+        >>> mha = MultiheadAttention(32, 4, batch_first=True)
+        >>> x = torch.randn(2, 7, 32)
+        >>> out, _ = mha(x, x, x, need_weights=False, is_causal=True)
+        >>> out.shape
+        torch.Size([2, 7, 32])
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+                 vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"MultiheadAttention: embed_dim and num_heads must be positive ints, got {embed_dim!r} "
+                             f"and {num_heads!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"MultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
+                             f"({num_heads})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"MultiheadAttention: dropout must be in [0, 1), got {dropout!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.dropout, self.batch_first = embed_dim, num_heads, dropout, batch_first
+        self.head_dim = embed_dim // num_heads
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:  # torch's initialisation, so that training recipes carry over
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        e = self.embed_dim
+        b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(e)
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight.split(e)
+            if query is key and key is value:  # self-attention: one matmul
+                return F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        else:
+            w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        return tuple(F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), w, b, strict=True))
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        unbatched = query.dim() == 2
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"MultiheadAttention: query, key and value must all be 3-D (batched) or 2-D "
+                             f"(unbatched), got {query.dim()}, {key.dim()} and {value.dim()} dims")
+        if unbatched:
+            query, key, value = (x.unsqueeze(0) for x in (query, key, value))
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:  # work batch-first: (N, L, E)
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        n, length, h, d = query.shape[0], query.shape[1], self.num_heads, self.head_dim
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(f"MultiheadAttention: query has embedding size {query.shape[-1]}, expected embed_dim "
+                             f"= {self.embed_dim}")
+        q, k, v = self._project(query, key, value)
+        if self.bias_k is not None:  # one learned key/value appended to every sequence
+            k = torch.cat([k, self.bias_k.expand(n, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(n, 1, -1)], dim=1)
+            attn_mask, key_padding_mask = _pad_key_dim(attn_mask), _pad_key_dim(key_padding_mask)
+        if self.add_zero_attn:  # one all-zero key/value appended after the projections
+            k = torch.cat([k, k.new_zeros(n, 1, self.embed_dim)], dim=1)
+            v = torch.cat([v, v.new_zeros(n, 1, self.embed_dim)], dim=1)
+            attn_mask, key_padding_mask = _pad_key_dim(attn_mask), _pad_key_dim(key_padding_mask)
+        s = k.shape[1]
+        q, k, v = (x.reshape(n, -1, h, d).transpose(1, 2) for x in (q, k, v))  # (N, H, L or S, d) views
+        mask = _torch_mha_mask(attn_mask, key_padding_mask, n, h, length, s, q.dtype)
+        causal = is_causal and mask is None
+        dropout = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = attention_with_weights(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+            weights = None
+        out = self.out_proj(out.transpose(1, 2).reshape(n, length, self.embed_dim))
+        if unbatched:
+            return out.squeeze(0), None if weights is None else weights.squeeze(0)
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+
+def _pad_key_dim(mask: Tensor | None) -> Tensor | None:
+    """One more key column that everyone may attend (False / 0), for add_bias_kv and add_zero_attn."""
+    return None if mask is None else F.pad(mask, (0, 1))
+
+
+def _torch_mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n: int, h: int, length: int,
+                    s: int, dtype: torch.dtype) -> Tensor | None:
+    """torch MHA's masks (True = blocked, or additive) merged into one SDPA mask (True = allowed, or additive)
+    broadcastable to (N, H, L, S)."""
+    masks = []
+    if attn_mask is not None:
+        if attn_mask.dim() == 3:
+            if attn_mask.shape != (n * h, length, s):
+                raise ValueError(f"MultiheadAttention: a 3-D attn_mask must be (N * num_heads, L, S) = "
+                                 f"{(n * h, length, s)}, got {tuple(attn_mask.shape)}")
+            attn_mask = attn_mask.reshape(n, h, length, s)
+        elif attn_mask.shape != (length, s):
+            raise ValueError(f"MultiheadAttention: a 2-D attn_mask must be (L, S) = {(length, s)}, got "
+                             f"{tuple(attn_mask.shape)}")
+        masks.append(attn_mask)
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (n, s):
+            raise ValueError(f"MultiheadAttention: key_padding_mask must be (N, S) = {(n, s)}, got "
+                             f"{tuple(key_padding_mask.shape)}")
+        masks.append(key_padding_mask.reshape(n, 1, 1, s))
+    if not masks:
+        return None
+    if all(m.dtype == torch.bool for m in masks):
+        blocked = masks[0] if len(masks) == 1 else masks[0] | masks[1]
+        return ~blocked
+    total = None
+    for m in masks:
+        m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, -math.inf) if m.dtype == torch.bool \
+            else m.to(dtype)
+        total = m if total is None else total + m
+    return total
+
+
+def _table_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class KVCache:
+    """One layer's key/value cache for generation: ``k``, ``v`` (batch, max_seqlen, kv_heads, head_dim) and the
+    number of tokens stored per sequence, ``seqlens`` (batch,) int32. ``SelfAttention`` appends in place."""
+
+    k: Tensor
+    v: Tensor
+    seqlens: Tensor
+
+    def reset(self) -> None:
+        """Forget the stored tokens (the memory is reused)."""
+        self.seqlens.zero_()
+
+
+class SelfAttention(nn.Module):
+    """The attention of a decoder block: x (batch, seqlen, dim) -> (batch, seqlen, dim), with rotary position
+    embeddings (GPT-NeoX halves, or GPT-J pairs with ``rotary_interleaved``), grouped-query attention
+    (``num_kv_heads`` < ``num_heads``), an optional sliding window and logit softcap, and a KV cache for
+    generation (``new_cache``; inference only).
+
+    Args:
+        dim: model width. num_heads: query heads. num_kv_heads: key/value heads (default num_heads; must divide
+            it). head_dim: default dim // num_heads.
+        causal: decoder attention (default True). window_size, softcap: as in ``flash_attn_func``.
+        rotary: rotate q and k by position (default True); rotary_dim (default head_dim, even), rotary_base.
+        dropout: attention dropout while training. bias: biases in the projections.
+        max_seqlen: positions the rotary table starts with (it grows on demand).
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None, *,
+                 causal: bool = True, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 rotary: bool = True, rotary_dim: int | None = None, rotary_base: float = 10000.0,
+                 rotary_interleaved: bool = False, dropout: float = 0.0, bias: bool = False,
+                 max_seqlen: int = 2048, device=None, dtype=None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"SelfAttention: num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"SelfAttention: dim ({dim}) must be divisible by num_heads ({num_heads}), or "
+                                 "pass head_dim")
+            head_dim = dim // num_heads
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary and (rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim):
+            raise ValueError(f"SelfAttention: rotary_dim must be even and in [2, head_dim={head_dim}], got "
+                             f"{rotary_dim}")
+        factory = {"device": device, "dtype": dtype}
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal, self.window_size, self.softcap, self.dropout = causal, tuple(window_size), softcap, dropout
+        self.rotary, self.rotary_dim, self.rotary_base = rotary, rotary_dim, rotary_base
+        self.rotary_interleaved = rotary_interleaved
+        self.qkv = nn.Linear(dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
+        self.out = nn.Linear(num_heads * head_dim, dim, bias=bias, **factory)
+        self._cos = self._sin = None
+        self._rotary_table(max_seqlen, device)
+
+    def _rotary_table(self, length: int, device, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """cos, sin (length, rotary_dim / 2): the angle of pair i at position p is p * base^(-2i/r), computed in
+        float64 (float32 angles are off by ~p * 1e-7 rad) and kept in float32, or float64 for a float64 model."""
+        device = torch.device("cpu" if device is None else device)
+        table = self._cos
+        if table is None or table.shape[0] < length or table.device != device or table.dtype != dtype:
+            length = max(length, 0 if table is None else table.shape[0])
+            inv_freq = self.rotary_base ** (-torch.arange(0, self.rotary_dim, 2, device=device,
+                                                          dtype=torch.float64) / self.rotary_dim)
+            angles = torch.outer(torch.arange(length, device=device, dtype=torch.float64), inv_freq)
+            self._cos, self._sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return self._cos, self._sin
+
+    def new_cache(self, batch_size: int, max_seqlen: int, *, device=None, dtype=None) -> KVCache:
+        """An empty cache for ``batch_size`` sequences of up to ``max_seqlen`` tokens (prompt + generated), on the
+        device and in the dtype of the weights unless given."""
+        if not self.causal:
+            raise ValueError("SelfAttention.new_cache: a KV cache needs causal=True (generation attends to the past)")
+        weight = self.qkv.weight
+        device, dtype = device or weight.device, dtype or weight.dtype
+        shape = (batch_size, max_seqlen, self.num_kv_heads, self.head_dim)
+        return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(batch_size, device=device, dtype=torch.int32))
+
+    def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
+        """x (batch, seqlen, dim). With ``cache``, the seqlen new tokens follow the ones already stored: their
+        keys/values are appended in place and ``cache.seqlens`` advances by seqlen."""
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        options = {"causal": self.causal, "window_size": self.window_size, "softcap": self.softcap}
+        if cache is None:
+            if self.rotary:
+                cos, sin = self._rotary_table(n, x.device, _table_dtype(x))
+                pos = torch.arange(n, device=x.device).expand(b, n)
+                q = apply_rotary(q, cos, sin, pos, self.rotary_interleaved)
+                k = apply_rotary(k, cos, sin, pos, self.rotary_interleaved)
+            out = flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0, **options)
+        else:
+            if qkv.requires_grad:  # the weights or x want gradients that the cache path cannot give
+                raise RuntimeError("SelfAttention: the KV-cache path is inference only (no gradients); run "
+                                   "generation under torch.no_grad() or torch.inference_mode()")
+            rotary = {}
+            if self.rotary:
+                cos, sin = self._rotary_table(cache.k.shape[1], x.device, _table_dtype(x))
+                # float32 tables, as in the training path, so both rotate identically in low precision.
+                rotary = {"rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": self.rotary_interleaved}
+            out = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=cache.seqlens, **rotary, **options)
+            cache.seqlens += n
+        return self.out(out.reshape(b, n, self.num_heads * self.head_dim))

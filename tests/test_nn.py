@@ -1,0 +1,243 @@
+"""flashattn.nn: MultiheadAttention against torch.nn.MultiheadAttention with the same weights (float64, so any
+difference is a bug, not rounding), and SelfAttention against a plain rotary + GQA + causal formula, with the KV
+cache equal to recomputing the whole sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashattn.nn import MultiheadAttention, SelfAttention
+
+F64 = torch.float64
+
+
+def _pair(**kwargs):
+    ours = MultiheadAttention(dtype=F64, **kwargs)
+    theirs = torch.nn.MultiheadAttention(dtype=F64, **kwargs)
+    theirs.load_state_dict(ours.state_dict())  # the parameter names and shapes are torch's
+    return ours, theirs
+
+
+def _inputs(kwargs, n=3, length=6, s=9):
+    e = kwargs["embed_dim"]
+    kdim, vdim = kwargs.get("kdim") or e, kwargs.get("vdim") or e
+
+    def make(size, width):
+        shape = (n, size, width) if kwargs.get("batch_first") else (size, n, width)
+        return torch.randn(shape, dtype=F64, requires_grad=True)
+
+    return make(length, e), make(s, kdim), make(s, vdim)
+
+
+MODULES = [
+    {"embed_dim": 16, "num_heads": 4},
+    {"embed_dim": 16, "num_heads": 2, "batch_first": True},
+    {"embed_dim": 16, "num_heads": 4, "bias": False, "batch_first": True},
+    {"embed_dim": 16, "num_heads": 4, "add_bias_kv": True, "add_zero_attn": True},
+    {"embed_dim": 12, "num_heads": 3, "kdim": 7, "vdim": 5, "batch_first": True},
+]
+
+
+def _masks(kind, n=3, h=4, length=6, s=9):
+    torch.manual_seed(3)
+    if kind == "none":
+        return {}
+    if kind == "key_padding":
+        kpm = torch.zeros(n, s, dtype=torch.bool)
+        kpm[0, -3:] = True
+        kpm[2, :2] = True
+        return {"key_padding_mask": kpm}
+    if kind == "bool_2d":
+        return {"attn_mask": torch.rand(length, s) < 0.3}
+    if kind == "float_3d":
+        return {"attn_mask": torch.randn(n * h, length, s, dtype=F64)}
+    if kind == "both":
+        kpm = torch.rand(n, s) < 0.2
+        return {"attn_mask": torch.rand(length, s) < 0.3, "key_padding_mask": kpm}
+    if kind == "both_float":
+        kpm = torch.zeros(n, s, dtype=F64).masked_fill(torch.rand(n, s) < 0.2, -math.inf)
+        return {"attn_mask": torch.randn(length, s, dtype=F64), "key_padding_mask": kpm}
+    raise AssertionError(kind)
+
+
+def _grads(outputs, tensors):
+    return torch.autograd.grad(outputs, tensors, [torch.ones_like(o) for o in outputs], allow_unused=True)
+
+
+@pytest.mark.parametrize("module_kwargs", MODULES, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_mha_matches_torch(module_kwargs, need_weights, average):
+    ours, theirs = _pair(**module_kwargs)
+    q, k, v = _inputs(module_kwargs)
+    kw = {"need_weights": need_weights, "average_attn_weights": average}
+    out, w = ours(q, k, v, **kw)
+    ref, ref_w = theirs(q, k, v, **kw)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert (w is None) == (ref_w is None)
+    if w is not None:
+        torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-12)
+    params = [q, k, v, *ours.parameters()]
+    mine = _grads([out], params)
+    want = _grads([ref], [q, k, v, *theirs.parameters()])
+    for a, b in zip(mine, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mask", ["key_padding", "bool_2d", "float_3d", "both", "both_float"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_masks_match_torch(mask, need_weights):
+    kwargs = {"embed_dim": 16, "num_heads": 4}
+    ours, theirs = _pair(**kwargs)
+    q, k, v = _inputs(kwargs)
+    masks = _masks(mask)
+    out, w = ours(q, k, v, need_weights=need_weights, **masks)
+    ref, ref_w = theirs(q, k, v, need_weights=need_weights, **masks)
+    rows = ~torch.isnan(ref).any(-1)  # torch gives NaN where a query may attend nothing; we give 0 (next test)
+    torch.testing.assert_close(out[rows], ref[rows], rtol=0, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(w.transpose(0, 1)[rows], ref_w.transpose(0, 1)[rows], rtol=0, atol=1e-12)
+    for a, b in zip(_grads([out[rows]], [q, k, v]), _grads([ref[rows]], [q, k, v]), strict=True):
+        if not torch.isnan(b).any():
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_mha_causal_and_unbatched():
+    kwargs = {"embed_dim": 16, "num_heads": 4, "batch_first": True}
+    ours, theirs = _pair(**kwargs)
+    x = torch.randn(2, 7, 16, dtype=F64)
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    ref, _ = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
+    out, _ = ours(x, x, x, is_causal=True, need_weights=False)  # no attn_mask needed
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    out1, w1 = ours(x[0], x[0], x[0])
+    ref1, rw1 = theirs(x[0], x[0], x[0])
+    torch.testing.assert_close(out1, ref1, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w1, rw1, rtol=0, atol=1e-12)
+
+
+def test_mha_fully_masked_query_outputs_bias_not_nan():
+    ours = MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 4, 8)
+    blocked = torch.zeros(4, 4, dtype=torch.bool)
+    blocked[2] = True  # query 2 may attend nothing
+    out, w = ours(x, x, x, attn_mask=blocked)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out[0, 2], ours.out_proj.bias)  # attention output 0, then the projection
+    assert torch.equal(w[0, 2], torch.zeros(4))
+
+
+def test_mha_dropout_weights_are_the_applied_ones():
+    torch.manual_seed(0)
+    ours = MultiheadAttention(16, 4, dropout=0.5, batch_first=True, dtype=F64)
+    x = torch.randn(2, 12, 16, dtype=F64)
+    clean = ours.eval()(x, x, x, average_attn_weights=False)[1]
+    out, w = ours.train()(x, x, x, average_attn_weights=False)
+    dropped = w == 0
+    assert 0.3 < dropped.double().mean() < 0.7
+    torch.testing.assert_close(w[~dropped], clean[~dropped] / 0.5)
+    # the output is those weights applied to the projected values
+    v = torch.nn.functional.linear(x, *[t.split(16)[2] for t in (ours.in_proj_weight, ours.in_proj_bias)])
+    v = v.view(2, 12, 4, 4).transpose(1, 2)
+    manual = ours.out_proj((w @ v).transpose(1, 2).reshape(2, 12, 16))
+    torch.testing.assert_close(out, manual)
+
+
+def test_mha_errors():
+    with pytest.raises(ValueError, match="divisible"):
+        MultiheadAttention(10, 3)
+    mha = MultiheadAttention(8, 2)
+    x = torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match="attn_mask"):
+        mha(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mha(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+
+
+def _rotate(x, base, rotary_dim, interleaved):
+    """Rotary by complex multiplication: pair i at position p turns by p * base^(-2i/r)."""
+    n = x.shape[1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    angle = torch.arange(n, dtype=F64)[:, None] * base ** (-torch.arange(0, rotary_dim, 2, dtype=F64) / rotary_dim)
+    turn = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
+    if interleaved:
+        pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], -1, 2).contiguous())
+        rot = torch.view_as_real(pairs * turn).flatten(-2)
+    else:
+        half = rotary_dim // 2
+        pairs = torch.complex(rot[..., :half], rot[..., half:]) * turn
+        rot = torch.cat([pairs.real, pairs.imag], dim=-1)
+    return torch.cat([rot, rest], dim=-1)
+
+
+def _self_attention_ref(m: SelfAttention, x):
+    b, n, _ = x.shape
+    qkv = m.qkv(x).view(b, n, m.num_heads + 2 * m.num_kv_heads, m.head_dim)
+    q, k, v = qkv.split([m.num_heads, m.num_kv_heads, m.num_kv_heads], dim=2)
+    if m.rotary:
+        q, k = (_rotate(t, m.rotary_base, m.rotary_dim, m.rotary_interleaved) for t in (q, k))
+    g = m.num_heads // m.num_kv_heads
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1), v.transpose(1, 2).repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(m.head_dim)
+    if m.softcap:
+        s = m.softcap * torch.tanh(s / m.softcap)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = j <= i if m.causal else torch.ones(n, n, dtype=torch.bool)
+    if m.window_size[0] >= 0:
+        visible &= j >= i - m.window_size[0]
+    out = torch.softmax(s.masked_fill(~visible, -math.inf), dim=-1) @ v
+    return m.out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+BLOCKS = [
+    {"num_heads": 4},
+    {"num_heads": 4, "num_kv_heads": 2, "rotary_interleaved": True},
+    {"num_heads": 6, "num_kv_heads": 1, "head_dim": 10, "rotary_dim": 6, "bias": True},
+    {"num_heads": 4, "num_kv_heads": 2, "window_size": (3, 0), "softcap": 5.0},
+    {"num_heads": 4, "causal": False, "rotary": False},
+]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_self_attention_matches_formula(block):
+    torch.manual_seed(0)
+    m = SelfAttention(24, dtype=F64, **block)
+    x = torch.randn(2, 13, 24, dtype=F64, requires_grad=True)
+    out, ref = m(x), _self_attention_ref(m, x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    mine = _grads([out], [x, *m.parameters()])
+    want = _grads([ref], [x, *m.parameters()])
+    for a, b in zip(mine, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("block", BLOCKS[:4], ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_kv_cache_equals_recomputing(block, dtype):
+    """Prefill 9 tokens, then decode 1, 1 and 3: every output equals the no-cache forward of the whole prefix."""
+    torch.manual_seed(1)
+    m = SelfAttention(24, dtype=dtype, **block).eval()
+    x = torch.randn(2, 14, 24, dtype=dtype)
+    cache = m.new_cache(2, 20)
+    with torch.no_grad():
+        full = m(x)
+        pieces = [m(x[:, a:b], cache=cache) for a, b in ((0, 9), (9, 10), (10, 11), (11, 14))]
+    assert cache.seqlens.tolist() == [14, 14]
+    tol = 1e-12 if dtype == F64 else 2e-5
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=tol)
+    cache.reset()
+    assert cache.seqlens.tolist() == [0, 0]
+
+
+def test_self_attention_errors():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        SelfAttention(24, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        SelfAttention(24, 4, rotary_dim=5)
+    with pytest.raises(ValueError, match="causal"):
+        SelfAttention(24, 4, causal=False).new_cache(1, 8)
+    m = SelfAttention(24, 4)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        m(torch.randn(1, 2, 24), cache=m.new_cache(1, 8))
