@@ -290,8 +290,8 @@ class KVCacheCall:
     ``cache`` describes the keys to attend after the append: positions [leftpad_b, cache_seqlens_b + seqlen_new).
     ``append_at`` (int32 (batch,)) is where the new ``k``/``v`` go (None when there are none). ``rotary`` is
     (cos, sin) or None; ``rotary_start`` (int32 (batch,)) the rotary position of each sequence's first new
-    token, cache_seqlens - leftpad; ``q_positions_advance``: query t sits at rotary_start + t (causal or local),
-    else every query sits at rotary_start.
+    token, cache_seqlens (a cache position, as in flash_attn, even with leftpad); ``q_positions_advance``:
+    query t sits at rotary_start + t (causal or local), else every query sits at rotary_start.
     """
 
     q: torch.Tensor
@@ -408,9 +408,10 @@ def check_kvcache(fn: str, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
         if k is not None and len(set(rows)) != len(rows):
             raise _fail(fn, f"cache_batch_idx has repeated entries {rows}: two sequences would append to one cache "
                             "row")
-    elif not paged and k_cache.shape[0] != batch:
-        raise _fail(fn, f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass cache_batch_idx "
-                        "to choose rows")
+    elif not paged and k_cache.shape[0] < batch:
+        # More rows than sequences is fine (a preallocated cache; sequence b uses row b, as in flash_attn).
+        raise _fail(fn, f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass a cache with at "
+                        "least batch rows, or cache_batch_idx to choose rows")
     ends = [n + new for n in lengths]
     table = _validate_block_table(fn, block_table, k_cache, batch, ends) if paged else None
 
@@ -420,10 +421,11 @@ def check_kvcache(fn: str, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                  deterministic=False, return_attn_probs=False)
     local = spec.window_left >= 0 or spec.window_right >= 0
-    # Rotary positions run from cache_seqlens - leftpad over the new keys (and the queries when they advance).
+    # Rotary positions are cache positions, as in flash_attn: from cache_seqlens over the new keys (and the
+    # queries when they advance), whatever the left padding.
     reach = max(new, q.shape[1] if local else 1)
     rotary = _validate_rotary(fn, rotary_cos, rotary_sin, q, rotary_interleaved,
-                              max((n - p + reach for n, p in zip(lengths, pads, strict=True)), default=0))
+                              max((n + reach for n in lengths), default=0))
     cache = KeyCache(
         k_start=torch.zeros_like(seqlens) if leftpad is None else leftpad,
         k_end=seqlens + new if new else seqlens,
@@ -436,7 +438,7 @@ def check_kvcache(fn: str, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
         q, k_cache, v_cache, k, v, spec, cache, alibi,
         append_at=seqlens if k is not None else None,
         rotary=rotary, rotary_interleaved=rotary_interleaved,
-        rotary_start=None if rotary is None else (seqlens if leftpad is None else seqlens - leftpad),
+        rotary_start=None if rotary is None else seqlens,
         q_positions_advance=local,
     )
 

@@ -319,10 +319,11 @@ def flash_attn_with_kvcache(
         k, v: optional (batch, seqlen_new, nheads_k, headdim), written into the caches in place at positions
             ``cache_seqlens[b] ..`` (after rotary on k) before attending.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); rotate the first rotary_dim dims of q and k.
-            New key t sits at position cache_seqlens - cache_leftpad + t; queries too when causal or local,
-            else every query at cache_seqlens - cache_leftpad.
+            New key t sits at position cache_seqlens + t (a position in the cache row, counting left padding, as
+            in flash_attn); queries too when causal or local, else every query at cache_seqlens.
         cache_seqlens: int or int32 (batch,): cache lengths before the append (default: the whole cache).
-        cache_batch_idx: int32 (batch,): the cache row of each sequence (default: row b).
+        cache_batch_idx: int32 (batch,): the cache row of each sequence (default: row b; the cache may have more
+            rows than the batch).
         cache_leftpad: int32 (batch,): the first valid cache position of each sequence (default 0).
         block_table: int32 (batch, max_pages_per_seq): position p of sequence b is row p % page_size of page
             block_table[b, p // page_size].
@@ -331,7 +332,8 @@ def flash_attn_with_kvcache(
         rotary_interleaved: GPT-J pairs (x[2i], x[2i+1]) if True, GPT-NeoX halves if False.
         num_splits: split each sequence's keys into this many chunks on the GPU (flash-decoding) and merge by
             log-sum-exp; 0 chooses from batch, heads, cache length and the number of multiprocessors.
-        return_softmax_lse: also return the log-sum-exp (batch, nheads, seqlen_q), float32.
+        return_softmax_lse: also return the log-sum-exp (batch, nheads, seqlen_q), float32 (float64 for
+            float64 inputs).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when ``return_softmax_lse``.

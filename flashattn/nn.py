@@ -294,6 +294,13 @@ class SelfAttention(nn.Module):
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(batch_size, device=device, dtype=torch.int32))
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention of the cache-free path: q (batch, seqlen, num_heads, head_dim) and k, v (batch, seqlen,
+        num_kv_heads, head_dim), already rotated, -> (batch, seqlen, num_heads, head_dim). A subclass may override
+        it to swap the kernel, e.g. for a baseline run with torch's SDPA (examples/train_gpt.py)."""
+        return flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal,
+                               window_size=self.window_size, softcap=self.softcap)
+
     def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
         """x (batch, seqlen, dim). With ``cache``, the seqlen new tokens follow the ones already stored: their
         keys/values are appended in place and ``cache.seqlens`` advances by seqlen."""
@@ -307,7 +314,7 @@ class SelfAttention(nn.Module):
                 pos = torch.arange(n, device=x.device).expand(b, n)
                 q = apply_rotary(q, cos, sin, pos, self.rotary_interleaved)
                 k = apply_rotary(k, cos, sin, pos, self.rotary_interleaved)
-            out = flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0, **options)
+            out = self.attend(q, k, v)
         else:
             if qkv.requires_grad:  # the weights or x want gradients that the cache path cannot give
                 raise RuntimeError("SelfAttention: the KV-cache path is inference only (no gradients); run "

@@ -83,12 +83,13 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, upcast=True, rotary_cos=
         cs, lp = seqlens[b], leftpad[b]
         qb = q[b].to(dtype)
         if rotary_cos is not None:
-            pos = torch.arange(sq, device=q.device) * per_token + (cs - lp)
+            # Rotary positions are cache positions (flash_attn's kernel and its test): cache_seqlens + t.
+            pos = torch.arange(sq, device=q.device) * per_token + cs
             qb = rotate(qb, rotary_cos, rotary_sin, pos, rotary_interleaved)
         if k is not None:
             kb, vb = k[b].to(dtype), v[b].to(dtype)
             if rotary_cos is not None:
-                pos = torch.arange(new, device=q.device) + (cs - lp)
+                pos = torch.arange(new, device=q.device) + cs
                 kb = rotate(kb, rotary_cos, rotary_sin, pos, rotary_interleaved)
             for t in range(new):
                 row, idx = slot(b, cs + t, block_table, cache_batch_idx, k_cache.shape[1])
@@ -441,6 +442,8 @@ def bad_args():
                                         "k_cache": torch.randn(4, 5, 2, 16), "v_cache": torch.randn(4, 5, 2, 16),
                                         "cache_batch_idx": torch.tensor([0, 1], dtype=torch.int32)},
          "cache_batch_idx|block_table"),
+        ("cache_fewer_rows_than_batch", {**base, "k_cache": torch.randn(1, 10, 2, 16),
+                                         "v_cache": torch.randn(1, 10, 2, 16)}, "at least batch rows"),
         ("int64_block_table", {**base, "block_table": torch.zeros(2, 2, dtype=torch.int64),
                                "k_cache": torch.randn(4, 5, 2, 16), "v_cache": torch.randn(4, 5, 2, 16)},
          "block_table"),
@@ -452,6 +455,24 @@ def test_bad_arguments_get_clear_errors(index):
     _, args, message = bad_args()[index]
     with pytest.raises((ValueError, TypeError), match=message):
         flashattn.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_with_more_rows_than_batch_uses_the_first_rows(backend):
+    """A preallocated cache for 5 sequences serving 3: sequence b uses row b, as in flash_attn."""
+    device = DEVICE[backend]
+    q = randn(3, 1, 4, 16, dtype=torch.float32, device=device)
+    k, v = (randn(3, 1, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
+    k_cache, v_cache = (randn(5, 12, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
+    seqlens = torch.tensor([4, 0, 11], dtype=torch.int32, device=device)
+    k_rows, v_rows = k_cache[:3].clone(), v_cache[:3].clone()
+    spare_k, spare_v = k_cache[3:].clone(), v_cache[3:].clone()
+    with flashattn.use_backend(backend):
+        out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+        want = flashattn.flash_attn_with_kvcache(q, k_rows, v_rows, k, v, cache_seqlens=seqlens, causal=True)
+    assert torch.equal(out, want)
+    assert torch.equal(k_cache[:3], k_rows) and torch.equal(v_cache[:3], v_rows)
+    assert torch.equal(k_cache[3:], spare_k) and torch.equal(v_cache[3:], spare_v)
 
 
 # ---------------------------------------------------------------------------------------------------------------
