@@ -2,7 +2,7 @@
 and read registers, spills and shared memory from the cubin, and whether Hopper's tensor-core instructions
 (HGMMA, from wgmma) are used.
 
-    python -m flashattn.backends.triton.health [--json out.json] [--quick]
+    python -m flashattn.backends.triton.health [--json out.json] [--head-dims 64,128]
 
 Exit status 1 when a configuration spills, exceeds the target's shared memory, or (sm_90) has no HGMMA.
 """
