@@ -125,3 +125,15 @@ def test_decode_goal_is_our_fraction_at_batch_1_and_64k():
     assert decode.goal(rows) == {"target_batch": 1, "target_cache_len": 65536, "target_bw_fraction": 0.8,
                                  "bw_fraction": 0.82, "met": True}
     assert decode.goal(rows[:1]) is None
+
+
+def test_cuda_kernel_is_timed_forward_only_and_is_not_a_baseline():
+    sweep = harness.Sweep(seqlens=[128], headdims=[64], causals=[False], modes=["fwd", "bwd"],
+                          impls=[harness.OURS, harness.OURS_CUDA, "sdpa"], device="cpu")
+    cases = {(c.impl, c.mode) for c in sweep.cases()}
+    assert (harness.OURS_CUDA, "fwd") in cases and (harness.OURS_CUDA, "bwd") not in cases
+    point = {"seqlen": 128, "headdim": 64, "causal": False, "mode": "fwd"}
+    rows = [{"impl": harness.OURS, "tflops": 1.0, **point}, {"impl": harness.OURS_CUDA, "tflops": 4.0, **point},
+            {"impl": "sdpa", "tflops": 2.0, **point}]
+    harness.add_ratios(rows)
+    assert rows[0]["best_baseline"] == "sdpa" and rows[0]["speedup"] == 0.5

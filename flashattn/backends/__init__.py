@@ -3,7 +3,9 @@ in a KV cache, inference) with the signatures of ``flashattn.backends.cpu``; ``s
 
 Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256) -> ``triton``, anything else -> ``cpu``
 (tiled PyTorch, which runs on every device). Force one with the environment variable
-``FLASHATTN_BACKEND=cpu|triton|auto`` or, taking precedence, the context manager ``flashattn.use_backend("cpu")``.
+``FLASHATTN_BACKEND=cpu|triton|cuda|auto`` or, taking precedence, the context manager
+``flashattn.use_backend("cpu")``. ``cuda`` (a fused CUDA C++ forward kernel, inference only, fp16/bf16, head dim 64
+or 128, causal or not) is never chosen automatically.
 Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
 checks the kernels without a GPU.
 """
@@ -23,7 +25,7 @@ from . import cpu
 
 __all__ = ["BACKENDS", "select", "use_backend"]
 
-BACKENDS = ("auto", "cpu", "triton")
+BACKENDS = ("auto", "cpu", "triton", "cuda")
 _forced: ContextVar[str | None] = ContextVar("flashattn_backend", default=None)
 
 
@@ -59,12 +61,16 @@ def select(q: torch.Tensor, v: torch.Tensor) -> ModuleType:
         from . import triton as triton_backend  # imported on first use: CPU-only installs need no triton
 
         return triton_backend
+    if name == "cuda":  # only on request: it covers a subset and has not been measured faster than triton
+        from . import cuda as cuda_backend
+
+        return cuda_backend
     return cpu
 
 
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Force a backend inside a ``with`` block: ``"cpu"``, ``"triton"`` or ``"auto"``.
+    """Force a backend inside a ``with`` block: ``"cpu"``, ``"triton"``, ``"cuda"`` or ``"auto"``.
 
     Example::
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .measure import IMPLEMENTATIONS, Case, measure, run_here
+from .measure import FORWARD_ONLY, IMPLEMENTATIONS, Case, measure, run_here
 
 OURS = "flashattn"
+OURS_CUDA = "flashattn-cuda"  # our CUDA C++ kernel: timed beside the others, not a baseline for the ratio
 CUDA_BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex", "plain")
 CPU_BASELINES = ("sdpa", "sdpa-math", "plain")
 
@@ -45,7 +46,7 @@ class Sweep:
     device: str = "cuda"
     tokens: int = 16384
     hidden: int = 2048
-    impls: list[str] = field(default_factory=lambda: [OURS, *CUDA_BASELINES])
+    impls: list[str] = field(default_factory=lambda: [OURS, OURS_CUDA, *CUDA_BASELINES])
     repeats: int = 30
     isolate: bool = True
     plain_limit_gib: float = 16.0
@@ -64,6 +65,8 @@ class Sweep:
                 for causal in self.causals:
                     for n in self.seqlens:
                         for impl in self.impls:
+                            if mode != "fwd" and impl in FORWARD_ONLY:
+                                continue
                             out.append(Case(impl, n, batch=max(1, self.tokens // n), heads=max(1, self.hidden // d),
                                             headdim=d, dtype=self.dtype, device=self.device, causal=causal,
                                             repeats=self.repeats, mode=mode))
@@ -79,7 +82,7 @@ def available(impls: list[str], device: str, dtype: str) -> dict[str, str | None
             continue
         try:
             run_here(Case(impl, 32, batch=1, heads=2, headdim=64, dtype=dtype, device=device, repeats=1,
-                          mode="fwd+bwd"))
+                          mode="fwd" if impl in FORWARD_ONLY else "fwd+bwd"))
             reasons[impl] = None
         except Exception as e:  # the point of probing: a backend missing here is reported, not fatal
             reasons[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -109,7 +112,7 @@ def add_ratios(rows: list[dict]) -> None:
     """On each of our rows: ``best_baseline``, its TFLOP/s, and ``speedup`` = ours / best (> 1: we are faster)."""
     measured = [r for r in rows if r.get("tflops")]
     for ours in (r for r in measured if r["impl"] == OURS):
-        rivals = [r for r in measured if r["impl"] != OURS and _point(r) == _point(ours)]
+        rivals = [r for r in measured if r["impl"] not in (OURS, OURS_CUDA) and _point(r) == _point(ours)]
         if rivals:
             best = max(rivals, key=lambda r: r["tflops"])
             ours.update(best_baseline=best["impl"], best_baseline_tflops=best["tflops"],

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..backends import use_backend
 from ..interface import flash_attn_func
 
 L2_FLUSH_BYTES = 256 * 2**20  # larger than any current GPU's L2 (H100: 50 MB)
@@ -80,8 +81,15 @@ def ours(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal)
 
 
+def ours_cuda(q, k, v, causal):
+    """The CUDA C++ kernel (flashattn/csrc), forward only: chosen explicitly, as it never is automatically."""
+    with use_backend("cuda"):
+        return flash_attn_func(q, k, v, causal=causal)
+
+
 IMPLEMENTATIONS: dict[str, Callable] = {
     "flashattn": ours,
+    "flashattn-cuda": ours_cuda,
     "sdpa": _sdpa(None),
     "sdpa-math": _sdpa("MATH"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),
@@ -91,6 +99,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "plain": plain_attention,
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
+FORWARD_ONLY = ("flashattn-cuda",)  # measured in "fwd" cases only
 
 
 @dataclass

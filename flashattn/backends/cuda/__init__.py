@@ -1,0 +1,105 @@
+"""The CUDA C++ backend: one fused FlashAttention-2 forward kernel (``flashattn/csrc/flash_fwd.cu``), compiled
+at first use with NVRTC (``runtime.py`` says why NVRTC).
+
+It covers the core of the operator and nothing else: fp16/bf16, head dim 64 or 128, causal or not (diagonal
+bottom-right or top-left), GQA/MQA, any sequence lengths, out and the log-sum-exp. Forward only. It is chosen
+only when asked for (``use_backend("cuda")`` or ``FLASHATTN_BACKEND=cuda``), never automatically; a call it
+cannot serve raises ``NotImplementedError`` naming what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from ..spec import AttentionSpec, Varlen
+
+BLOCK_M = 64
+BLOCK_N = 64
+WARPS = 4
+HEAD_DIMS = (64, 128)
+DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def kernel_name(dtype: torch.dtype, head_dim: int, causal: bool) -> str:
+    return f"flash_fwd_{DTYPES[dtype]}_d{head_dim}" + ("_causal" if causal else "")
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Q tile plus double-buffered K and V tiles, 2 bytes an element."""
+    return 2 * head_dim * (BLOCK_M + 4 * BLOCK_N)
+
+
+def unsupported(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool, varlen: Varlen | None) -> str | None:
+    """Why this backend cannot compute the call, or None if it can."""
+    if q.dtype not in DTYPES:
+        return f"it takes float16 or bfloat16, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return f"it takes head dim 64 or 128 (the same for q, k and v), got {q.shape[-1]} and {v.shape[-1]}"
+    features = {
+        "varlen (packed sequences)": varlen is not None,
+        "ALiBi": alibi is not None,
+        "attn_mask": mask is not None,
+        "dropout": spec.dropout_p > 0,
+        "softcap": spec.softcap > 0,
+        "a sliding window": spec.window_left >= 0 or spec.window_right > 0,
+        "return_attn_probs": return_probs,
+    }
+    missing = [name for name, asked in features.items() if asked]
+    if missing:
+        return f"it does not implement {', '.join(missing)}"
+    if q.device.type != "cuda":
+        return f"it runs on CUDA tensors, got {q.device.type} tensors"
+    return None
+
+
+def _refuse(reason: str) -> NotImplementedError:
+    return NotImplementedError(f"flashattn's cuda backend cannot run this call: {reason}. Use the triton or cpu "
+                               "backend (flashattn.use_backend('auto') picks one).")
+
+
+def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
+    """The kernel reads 16-byte chunks of each row: rows contiguous, strides in whole chunks, base aligned."""
+    ok = x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+    return x if ok else x.clone(memory_format=torch.contiguous_format)
+
+
+def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False, varlen: Varlen | None = None):
+    """out (B, Nq, H, D) and lse (B, H, Nq) float32, as ``flashattn.backends.cpu.forward`` returns them."""
+    reason = unsupported(q, k, v, alibi, mask, spec, return_probs, varlen)
+    if reason is not None:
+        raise _refuse(reason)
+    from . import runtime  # ctypes and NVRTC only when the backend is used
+
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    out = torch.empty(b, nq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse, q.new_empty(0)
+    q, k, v = (_kernel_ready(t) for t in (q, k, v))
+    causal = spec.window_right == 0
+    shift = (nk - nq if spec.bottom_right else 0) + spec.offset
+    module = runtime.module("flash_fwd.cu", q.device)
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    args = [ptr(q.data_ptr()), ptr(k.data_ptr()), ptr(v.data_ptr()), ptr(out.data_ptr()), ptr(lse.data_ptr()),
+            i32(h), i32(hk), i32(nq), i32(nk), i32(shift),
+            *(i64(s) for t in (q, k, v, out) for s in (t.stride(0), t.stride(1), t.stride(2))),
+            ctypes.c_float(spec.scale * math.log2(math.e))]
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        module.launch(kernel_name(q.dtype, d, causal), (math.ceil(nq / BLOCK_M), b * h, 1), (WARPS * 32, 1, 1),
+                      shared_bytes(d), stream, args)
+    return out, lse, q.new_empty(0)
+
+
+def backward(*args, **kwargs):
+    raise NotImplementedError("flashattn's cuda backend is forward-only: it has no backward yet. Train with the "
+                              "triton backend (flashattn.use_backend('auto') or 'triton'); use 'cuda' for inference.")
+
+
+def forward_cache(*args, **kwargs):
+    raise NotImplementedError("flashattn's cuda backend has no KV-cache kernel; flash_attn_with_kvcache and paged "
+                              "varlen run on the triton or cpu backend (flashattn.use_backend('auto')).")

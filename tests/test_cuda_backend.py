@@ -1,0 +1,216 @@
+"""The CUDA C++ backend (flashattn/csrc/flash_fwd.cu).
+
+Without a GPU: nvcc compiles the source for sm_80 and sm_90 and the resource report shows no spills, with the
+tensor-core (HMMA), cp.async (LDGSTS) and ldmatrix (LDSM) instructions in the SASS; NVRTC, the runtime's
+compiler, does the same when it is installed; the backend refuses what it does not implement with clear errors.
+With a GPU: every kernel against the float64 reference under the tolerance rule."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import assert_close, attention_ref
+
+import flashattn
+from flashattn.backends import cuda as cuda_backend
+from flashattn.backends.spec import AttentionSpec
+
+SOURCE = Path(flashattn.__file__).parent / "csrc" / "flash_fwd.cu"
+KERNELS = sorted(cuda_backend.kernel_name(dt, d, c) for dt in cuda_backend.DTYPES for d in cuda_backend.HEAD_DIMS
+                 for c in (False, True))
+HAS_GPU = torch.cuda.is_available()
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    return shutil.which("nvcc") or next((p for p in [f"{home}/bin/nvcc"] if os.path.exists(p)), None)
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def resources(cubin: Path) -> dict[str, dict[str, int]]:
+    """Kernel name -> {"REG": .., "STACK": .., "LOCAL": .., "SHARED": ..} from cuobjdump's resource report."""
+    report = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                            check=True).stdout
+    usage, name = {}, None
+    for line in report.splitlines():
+        if m := re.search(r"Function (\w+):", line):
+            name = m.group(1)
+        elif name and "REG:" in line:
+            usage[name] = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", line)}
+            name = None
+    return usage
+
+
+def check_cubin(cubin: Path, arch: int) -> None:
+    usage = resources(cubin)
+    assert sorted(usage) == KERNELS
+    for name, res in usage.items():
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, f"sm_{arch} {name} spills: {res}"
+        assert res["REG"] <= 255, f"sm_{arch} {name}: {res}"
+    sass = subprocess.run([_cuobjdump(), "--dump-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    for instruction in ("HMMA.16816.F32", "LDGSTS", "LDSM.16.M88.4", "LDSM.16.MT88.4"):
+        assert instruction in sass, f"sm_{arch}: no {instruction} in the SASS"
+
+
+needs_tools = pytest.mark.skipif(_nvcc() is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+
+
+@needs_tools
+@pytest.mark.parametrize("arch", [80, 90])
+def test_nvcc_compiles_without_spills(arch, tmp_path):
+    cubin = tmp_path / f"flash_fwd_sm{arch}.cubin"
+    subprocess.run([_nvcc(), "-cubin", f"-arch=sm_{arch}", "-O3", "-std=c++17", "-o", str(cubin), str(SOURCE)],
+                   check=True, capture_output=True, text=True)
+    check_cubin(cubin, arch)
+
+
+def _nvrtc_available() -> bool:
+    from flashattn.backends.cuda import runtime
+
+    try:
+        runtime.nvrtc()
+        return True
+    except runtime.CompileError:
+        return False
+
+
+@pytest.mark.skipif(_cuobjdump() is None or not _nvrtc_available(), reason="needs NVRTC and cuobjdump")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_nvrtc_compiles_what_the_runtime_loads(arch, tmp_path):
+    """The runtime's own compile path (headerless source, its options), without a GPU."""
+    from flashattn.backends.cuda import runtime
+
+    cubin = tmp_path / f"nvrtc_sm{arch}.cubin"
+    cubin.write_bytes(runtime.compile_source(SOURCE.read_text(), SOURCE.name, f"sm_{arch}"))
+    check_cubin(cubin, arch)
+
+
+def _spec(**kwargs):
+    return AttentionSpec(scale=0.125, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"dtype": torch.float32}, "float16 or bfloat16"),
+        ({"d": 96}, "head dim 64 or 128"),
+        ({"spec": _spec(softcap=5.0)}, "softcap"),
+        ({"spec": _spec(dropout_p=0.1)}, "dropout"),
+        ({"spec": _spec(window_left=8, window_right=0)}, "sliding window"),
+        ({"alibi": torch.ones(1, 2)}, "ALiBi"),
+        ({"return_probs": True}, "return_attn_probs"),
+        ({}, "CUDA tensors"),  # everything supported but the device
+    ],
+)
+def test_unsupported_calls_are_named(change, message):
+    dtype, d = change.get("dtype", torch.float16), change.get("d", 64)
+    q = torch.zeros(1, 4, 2, d, dtype=dtype)
+    reason = cuda_backend.unsupported(q, q, q, change.get("alibi"), None, change.get("spec", _spec()),
+                                      change.get("return_probs", False), None)
+    assert reason is not None and message in reason
+
+
+def test_backend_is_opt_in_and_refusals_are_clear():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    assert flashattn.backends.select(q, q).__name__ != "flashattn.backends.cuda"  # auto never picks it
+    with flashattn.use_backend("cuda"):
+        assert flashattn.backends.select(q, q) is cuda_backend
+        with pytest.raises(NotImplementedError, match="CUDA tensors"):
+            flashattn.flash_attn_func(q, q, q)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        cuda_backend.backward()
+    with pytest.raises(NotImplementedError, match="KV-cache"):
+        cuda_backend.forward_cache()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On a GPU: the kernels against the float64 reference.
+
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, kv_heads)
+    (1, 1, 1, 1, 1),
+    (2, 113, 113, 4, 2),
+    (1, 1025, 1025, 2, 1),
+    (2, 64, 200, 4, 4),
+    (2, 300, 70, 6, 2),  # causal: the first 230 queries see no key
+    (3, 17, 1, 2, 2),
+]
+
+
+def _poison_allocator(device) -> None:
+    """Fill the memory torch's caching allocator will hand out next with NaN, so unwritten outputs show."""
+    torch.full((64 << 20,), float("nan"), dtype=torch.float32, device=device)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_float64(shape, causal, d, dtype):
+    b, nq, nk, h, hk = shape
+    q = torch.randn(b, nq, h, d, dtype=dtype, device="cuda")
+    k = torch.randn(b, nk, hk, d, dtype=dtype, device="cuda")
+    v = torch.randn(b, nk, hk, d, dtype=dtype, device="cuda")
+    _poison_allocator("cuda")
+    with flashattn.use_backend("cuda"):
+        out = flashattn.flash_attn_func(q, k, v, causal=causal)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    base, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close("out", out, ref, base)
+    _, lse, _ = cuda_backend.forward(q, k, v, None, None, AttentionSpec(scale=d**-0.5,
+                                                                        window_right=0 if causal else -1))
+    finite = torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[~finite]).all() and not torch.isnan(lse).any()
+    torch.testing.assert_close(lse[finite], ref_lse[finite].float(), rtol=0, atol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_and_rows_without_keys(causal):
+    q = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 70, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    _poison_allocator("cuda")
+    spec = AttentionSpec(scale=128**-0.5, window_right=0 if causal else -1)
+    out, lse, _ = cuda_backend.forward(q, k, v, None, None, spec)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    finite = torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[~finite]).all() and not torch.isnan(lse).any()
+    torch.testing.assert_close(lse[finite], ref_lse[finite].float(), rtol=0, atol=2e-2)
+    if causal:
+        assert torch.equal(out[:, :230], torch.zeros_like(out[:, :230]))
+
+
+@gpu
+def test_strided_inputs_and_sdpa_top_left_causal():
+    qkv = torch.randn(2, 150, 3, 8, 64, dtype=torch.float16, device="cuda")
+    q, k, v = qkv.unbind(2)  # strided views into one packed tensor
+    with flashattn.use_backend("cuda"):
+        out = flashattn.flash_attn_func(q, k, v, causal=True)
+        top_left = flashattn.scaled_dot_product_attention(q[:, :40].transpose(1, 2), k.transpose(1, 2),
+                                                          v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    assert_close("out", out, attention_ref(q, k, v, causal=True)[0],
+                 attention_ref(q, k, v, causal=True, upcast=False)[0])
+    ref = attention_ref(q[:, :40], k, v, causal=True, bottom_right=False)[0]
+    base = attention_ref(q[:, :40], k, v, causal=True, bottom_right=False, upcast=False)[0]
+    assert_close("top-left", top_left, ref, base)
