@@ -103,6 +103,23 @@ def test_nvrtc_compiles_what_the_runtime_loads(arch, tmp_path):
     check_cubin(cubin, arch)
 
 
+def test_launch_arguments_match_the_kernel_signature():
+    """A mismatch would only show on a GPU, as garbage or a crash: compare with the C parameter list."""
+    import ctypes
+
+    text = SOURCE.read_text()
+    params = re.search(r"NAME\((.*?)\)\s*\{", text, re.S).group(1)
+    c_types = [" ".join(p.split()[:-1]) for p in re.sub(r"\\\s*\n", " ", params).split(",")]
+    expected = {"const u16*": ctypes.c_void_p, "u16*": ctypes.c_void_p, "float*": ctypes.c_void_p,
+                "int": ctypes.c_int, "i64": ctypes.c_longlong, "float": ctypes.c_float}
+    q = torch.zeros(2, 5, 4, 64, dtype=torch.float16)
+    k = torch.zeros(2, 7, 2, 64, dtype=torch.float16)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 5)
+    args = cuda_backend.launch_args(q, k, k, out, lse, shift=2, scale=0.125)
+    assert [type(a) for a in args] == [expected[t] for t in c_types], c_types
+    assert [a.value for a in args[5:10]] == [4, 2, 5, 7, 2]
+
+
 def _spec(**kwargs):
     return AttentionSpec(scale=0.125, **kwargs)
 

@@ -1,6 +1,6 @@
 // FlashAttention-2 forward as one fused CUDA kernel, for the flashattn "cuda" backend.
 //
-// Grid (ceil(Nq / 64), B * H); 4 warps, each owning 16 query rows of a 64-row tile. Per K/V tile of 64 keys:
+// Grid (B * H, ceil(Nq / 64)); 4 warps, each owning 16 query rows of a 64-row tile. Per K/V tile of 64 keys:
 //   S = Q K^T        mma.sync m16n8k16 (fp16 or bf16 in, fp32 accumulate), Q fragments kept in registers
 //   online softmax   row max / row sum over the 4 lanes that share a row (two xor shuffles), base-2 exponentials
 //   O += P V         P re-packed from the S accumulators straight into mma A fragments (no shared memory trip)
@@ -114,7 +114,7 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
     u16* sk = sq + BLOCK_M * D;              // 2 x BLOCK_N x D
     u16* sv = sk + 2 * BLOCK_N * D;          // 2 x BLOCK_N x D
 
-    const int m_block = blockIdx.x, bh = blockIdx.y;
+    const int m_block = blockIdx.y, bh = blockIdx.x;  // batch x heads on x: y would cap it at 65535
     const int b = bh / nheads, h = bh % nheads, hk = h / (nheads / nheads_k);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;  // mma fragment coordinates: row group, column pair

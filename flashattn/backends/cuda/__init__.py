@@ -66,6 +66,17 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
+def launch_args(q, k, v, out, lse, shift: int, scale: float) -> list:
+    """The kernel's arguments in the order and C types of ``FLASH_FWD_KERNEL`` in flash_fwd.cu: pointers, then
+    nheads, nheads_k, seqlen_q, seqlen_k, shift (int), then (batch, seq, head) strides of q, k, v, out (int64),
+    then the scale in log2 units (float)."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    return [ptr(q.data_ptr()), ptr(k.data_ptr()), ptr(v.data_ptr()), ptr(out.data_ptr()), ptr(lse.data_ptr()),
+            i32(q.shape[2]), i32(k.shape[2]), i32(q.shape[1]), i32(k.shape[1]), i32(shift),
+            *(i64(s) for t in (q, k, v, out) for s in (t.stride(0), t.stride(1), t.stride(2))),
+            ctypes.c_float(scale * math.log2(math.e))]
+
+
 def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False, varlen: Varlen | None = None):
     """out (B, Nq, H, D) and lse (B, H, Nq) float32, as ``flashattn.backends.cpu.forward`` returns them."""
     reason = unsupported(q, k, v, alibi, mask, spec, return_probs, varlen)
@@ -83,14 +94,10 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     causal = spec.window_right == 0
     shift = (nk - nq if spec.bottom_right else 0) + spec.offset
     module = runtime.module("flash_fwd.cu", q.device)
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    args = [ptr(q.data_ptr()), ptr(k.data_ptr()), ptr(v.data_ptr()), ptr(out.data_ptr()), ptr(lse.data_ptr()),
-            i32(h), i32(hk), i32(nq), i32(nk), i32(shift),
-            *(i64(s) for t in (q, k, v, out) for s in (t.stride(0), t.stride(1), t.stride(2))),
-            ctypes.c_float(spec.scale * math.log2(math.e))]
+    args = launch_args(q, k, v, out, lse, shift, spec.scale)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        module.launch(kernel_name(q.dtype, d, causal), (math.ceil(nq / BLOCK_M), b * h, 1), (WARPS * 32, 1, 1),
+        module.launch(kernel_name(q.dtype, d, causal), (b * h, math.ceil(nq / BLOCK_M), 1), (WARPS * 32, 1, 1),
                       shared_bytes(d), stream, args)
     return out, lse, q.new_empty(0)
 
