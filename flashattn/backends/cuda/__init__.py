@@ -85,7 +85,7 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     from . import runtime  # ctypes and NVRTC only when the backend is used
 
     b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
+    nk = k.shape[1]
     out = torch.empty(b, nq, h, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
