@@ -231,3 +231,16 @@ def test_strided_inputs_and_sdpa_top_left_causal():
     ref = attention_ref(q[:, :40], k, v, causal=True, bottom_right=False)[0]
     base = attention_ref(q[:, :40], k, v, causal=True, bottom_right=False, upcast=False)[0]
     assert_close("top-left", top_left, ref, base)
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
+def test_gpu_script_smoke(tmp_path):
+    """benchmarks/cuda_kernel.py, the one command a GPU session runs, at least starts and compiles."""
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "cuda_kernel.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.glob("cuda-kernel-smoke-*.json"))
