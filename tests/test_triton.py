@@ -149,7 +149,9 @@ def test_backend_choice_and_override(monkeypatch):
     with flashattn.use_backend("cpu"):  # the context manager wins over the environment
         assert select(cpu_q, cpu_q).__name__.endswith(".cpu")
     monkeypatch.setenv("FLASHATTN_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="FLASHATTN_BACKEND must be one of auto, cpu, triton; got 'cuda'"):
+    assert select(cpu_q, cpu_q).__name__.endswith(".cuda")  # forced: it then refuses CPU tensors itself
+    monkeypatch.setenv("FLASHATTN_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FLASHATTN_BACKEND must be one of auto, cpu, triton, cuda; got 'fast'"):
         select(cpu_q, cpu_q)
     with pytest.raises(ValueError, match="use_backend"):
         flashattn.use_backend("fast").__enter__()
