@@ -4,7 +4,8 @@
     PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/context_parallel.py --seqlen 16384   # proves the NCCL path
 
 Each rank holds seqlen / world tokens; the script times forward and forward+backward of each layout with CUDA
-events (median of --repeats) and prints the bytes each rank sends per step, computed from the shapes:
+events (the slowest rank's median of --repeats, ranks started together) and prints the bytes each rank sends
+per step, computed from the shapes:
 
     ring / zigzag   forward (w - 1) x 2 local K/V blocks; backward (w - 1) x (K, V, dK, dV) + the last (dK, dV),
                     gradients in float32
@@ -45,16 +46,23 @@ def sent_bytes(name: str, world: int, batch: int, local: int, heads: int, heads_
 
 
 def _time(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after two warm-ups, started together on every rank (a barrier before
+    each), and the slowest rank's median: a step ends when the last rank is done."""
+    fn()
     fn()
     times = []
     for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    slowest = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
 
 
 def main() -> None:
@@ -67,9 +75,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL starts, so it binds this GPU
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dtype = torch.bfloat16
     rows = []
     for name, (fn, layout) in LAYOUTS.items():
@@ -80,7 +88,8 @@ def main() -> None:
                 for h in (a.heads, a.heads_kv, a.heads_kv)]
         q, k, v = (fd.shard(t, layout).requires_grad_() for t in full)
         fwd = _time(lambda: fn(q, k, v, causal=True), a.repeats)  # noqa: B023
-        step = _time(lambda: fn(q, k, v, causal=True).sum().backward(), a.repeats)  # noqa: B023
+        ones = torch.ones_like(q)  # d(out.sum())/d(out); autograd.grad, so no .grad accumulation is timed
+        step = _time(lambda: torch.autograd.grad(fn(q, k, v, causal=True), (q, k, v), ones), a.repeats)  # noqa: B023
         flops = 4 * a.batch * a.heads * a.seqlen**2 * a.headdim / 2 / world
         row = {"layout": name, "world": world, "seqlen": a.seqlen, "fwd_s": fwd, "fwd_bwd_s": step,
                "fwd_tflops_per_gpu": flops / fwd / 1e12,

@@ -56,7 +56,10 @@ def main() -> None:
         for n in map(int, a.seqlens.split(",")):
             by = {r["impl"]: r for r in results if r["seqlen"] == n and r["mode"] == mode}
             ours, sdpa, plain = by["flashattn"], by["sdpa"], by.get("plain")
-            plain_mib = f"{plain['peak_bytes'] / 2**20:9.1f}" if plain else f"{'-':>9}"
+            if not (ours.get("seconds") and sdpa.get("seconds")):  # a failed case: its error is in the JSON
+                print(f"{mode:8} {n:6d} error: {ours.get('error') or sdpa.get('error')}")
+                continue
+            plain_mib = f"{plain['peak_bytes'] / 2**20:9.1f}" if plain and plain.get("peak_bytes") else f"{'-':>9}"
             print(f"{mode:8} {n:6d} {ours['seconds'] * 1e3:9.1f} {sdpa['seconds'] * 1e3:9.1f} "
                   f"{ours['seconds'] / sdpa['seconds']:6.2f} {ours['peak_bytes'] / 2**20:9.1f} "
                   f"{sdpa['peak_bytes'] / 2**20:9.1f} {plain_mib}")

@@ -182,7 +182,7 @@ def plot(rows: list[dict], path: Path, title: str, value: str = "tflops") -> boo
 def write(rows: list[dict], sweep: Sweep, out_dir: Path, stem: str) -> list[Path]:
     """JSON with the sweep and the device, and the two plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    device_name = torch.cuda.get_device_name() if sweep.device.startswith("cuda") else "cpu"
+    device_name = torch.cuda.get_device_name(sweep.device) if sweep.device.startswith("cuda") else "cpu"
     meta = {"device": device_name, "torch": torch.__version__, "sweep": asdict(sweep)}
     paths = [out_dir / f"{stem}.json"]
     paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
