@@ -59,8 +59,11 @@ def _flash_result(call: checks.CheckedCall, return_attn_probs: bool) -> FlashRes
         out, _ = attention_cache(call.q, call.k, call.v, call.spec, call.cache, alibi_slopes=call.alibi_slopes,
                                  varlen=call.varlen)
         return out
-    out, lse, probs = _run(call, return_attn_probs)
-    return (out, lse, probs) if return_attn_probs else out
+    # As in flash_attn, S_dmask exists only with dropout (the mask is what it is for); without dropout the
+    # probabilities are never built, so return_attn_probs=True for the log-sum-exp costs no N x N tensor.
+    with_mask = return_attn_probs and call.spec.dropout_p > 0
+    out, lse, probs = _run(call, with_mask)
+    return (out, lse, probs if with_mask else None) if return_attn_probs else out
 
 
 def flash_attn_func(
@@ -91,14 +94,16 @@ def flash_attn_func(
         softcap: if > 0, scores are ``softcap * tanh(scores / softcap)``.
         alibi_slopes: (nheads,) or (batch, nheads); adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
         deterministic: bitwise-reproducible backward (always true of the CPU path).
-        return_attn_probs: also return ``softmax_lse`` and the attention probabilities (testing only: this
-            materialises a (batch, nheads, seqlen_q, seqlen_k) tensor).
+        return_attn_probs: also return ``softmax_lse`` and, with dropout, ``S_dmask`` (testing only: it
+            materialises a (batch, nheads, seqlen_q, seqlen_k) tensor; without dropout it is None and costs
+            nothing).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) when ``return_attn_probs``:
         softmax_lse (batch, nheads, seqlen_q) is the natural-log log-sum-exp of the scaled scores (float32;
         float64 for float64 inputs; -inf for a query that sees no key); S_dmask holds the probabilities, negated
-        where dropout dropped them. A query that sees no key outputs 0.
+        where dropout dropped them, or is None when ``dropout_p == 0`` (as in flash_attn). A query that sees no
+        key outputs 0.
 
     Example::
 
@@ -206,7 +211,7 @@ def flash_attn_varlen_func(
 
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask (batch, nheads,
-        max_seqlen_q, max_seqlen_k)) when ``return_attn_probs``.
+        max_seqlen_q, max_seqlen_k), None without dropout) when ``return_attn_probs``.
 
     Example::
 

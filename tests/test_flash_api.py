@@ -50,8 +50,10 @@ def test_fully_masked_rows_are_zero_with_minus_inf_lse():
     # Nq > Nk with bottom-right causal: the first Nq - Nk queries see no key at all.
     q, k, v = make_inputs(1, 9, 4, 2, 2, 8, torch.float32)
     out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert probs is None  # no dropout: no S_dmask, as in flash_attn
     assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5]))
     assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    _, _, probs = flash_attn_func(q, k, v, causal=True, dropout_p=0.3, return_attn_probs=True)
     assert torch.equal(probs[:, :, :5], torch.zeros_like(probs[:, :, :5]))
     out.sum().backward()
     for t in (q, k, v):
@@ -69,14 +71,16 @@ def test_empty_key_sequence_gives_zero_output():
 def test_softmax_lse_and_probabilities(dtype):
     b, nq, nk, h, d = 2, 37, 70, 3, 24
     q, k, v = make_inputs(b, nq, nk, h, h, d, dtype, requires_grad=False)
-    out, lse, probs = flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, softcap=3.0, dropout_p=0.25, return_attn_probs=True)
     _, ref_lse = attention_ref(q, k, v, causal=True, softcap=3.0)
     assert lse.shape == (b, h, nq)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert_close("lse", lse.to(dtype), ref_lse, ref_lse)
+    assert_close("lse", lse.to(dtype), ref_lse, ref_lse)  # dropout does not touch the log-sum-exp
     assert probs.shape == (b, h, nq, nk)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(probs.double().sum(-1), torch.ones(b, h, nq, dtype=torch.float64), rtol=0, atol=tol)
+    # |S_dmask| is the softmax itself (dropped entries are negated, not rescaled): rows sum to one.
+    torch.testing.assert_close(probs.double().abs().sum(-1), torch.ones(b, h, nq, dtype=torch.float64), rtol=0,
+                               atol=tol)
 
 
 def test_softmax_scale_and_packed_variants_agree():
