@@ -147,8 +147,12 @@ class Module:
 
     def __init__(self, image: bytes, device: int) -> None:
         cu = driver()
+        handle = ctypes.c_int()
+        _check_cu(cu.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+        # torch's runtime API works in the device's primary context: load the module there so its kernels run
+        # on torch's streams and memory.
         self.context = ctypes.c_void_p()
-        _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), device), "cuDevicePrimaryCtxRetain")
+        _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), handle), "cuDevicePrimaryCtxRetain")
         _check_cu(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self.handle = ctypes.c_void_p()
         _check_cu(cu.cuModuleLoadData(ctypes.byref(self.handle), image), "cuModuleLoadData")
