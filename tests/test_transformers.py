@@ -130,6 +130,16 @@ def test_packed_position_ids_isolate_sequences():
     torch.testing.assert_close(packed, base(ids, position_ids=pos, use_cache=False).logits, rtol=0, atol=1e-10)
 
 
+def test_packing_is_found_once_per_position_ids_and_redone_after_an_in_place_write():
+    from flashattn.integrations import transformers as integration
+
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    first = integration._packed_offsets(pos, 1)
+    assert first[0].tolist() == [0, 3, 5] and integration._packed_offsets(pos, 1) is first
+    pos[0, 3:] = torch.tensor([3, 4])  # now one sequence: the kept answer must not be reused
+    assert integration._packed_offsets(pos, 1) is None
+
+
 def test_packed_cu_seqlens_kwargs():
     """DataCollatorWithFlattening's arguments (cu_seq_lens_q/k, max_length_q/k) reach the varlen path."""
     models = _models("llama", dtypes=(torch.float64,))

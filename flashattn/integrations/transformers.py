@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -140,9 +141,27 @@ def _same_head_dim(q: Tensor, k: Tensor, v: Tensor, scaling: float | None):
     return q, k, F.pad(v, (0, width - dv)), scaling
 
 
+# (weakref to position_ids, its version counter, batch, offsets): one host sync per step, not one per layer.
+_last_packing: tuple = (None, None, None, None)
+
+
 def _packed_offsets(position_ids: Tensor, batch: int) -> tuple[Tensor, int] | None:
     """Sequence offsets of packed rows: a sequence starts at each row start and wherever the position does not
-    advance by one. None when every row holds one sequence."""
+    advance by one. None when every row holds one sequence.
+
+    Finding out reads the device, so the answer is kept for the position_ids tensor it was computed from: every
+    layer of a model receives the same tensor, and only the first pays for the check. An in-place write to the
+    tensor bumps its version counter, which invalidates the answer."""
+    global _last_packing
+    ref, version, seen_batch, offsets = _last_packing
+    if ref is not None and ref() is position_ids and version == position_ids._version and seen_batch == batch:
+        return offsets
+    offsets = _find_packing(position_ids, batch)
+    _last_packing = (weakref.ref(position_ids), position_ids._version, batch, offsets)
+    return offsets
+
+
+def _find_packing(position_ids: Tensor, batch: int) -> tuple[Tensor, int] | None:
     pos = position_ids.expand(batch, -1)
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
