@@ -91,8 +91,8 @@ def _entry(module: str, name: str, obj) -> str:
     head = f"### `{module}.{name}`\n\n"
     if sig is not None:
         head += f"```text\n{kind} {name}{sig}\n```\n\n"
-    doc = inspect.getdoc(obj) if kind != "constant" or inspect.getdoc(obj) != inspect.getdoc(type(obj)) else None
-    body = doc if doc else f"`{name} = {obj!r}`"
+    # A constant's getdoc is its type's docstring: show its value instead.
+    body = inspect.getdoc(obj) if kind != "constant" else f"{name} = {obj!r}"
     # Docstrings are plain text with doctest examples: fence them so Markdown keeps the layout.
     text = head + "```text\n" + body + "\n```\n"
     if inspect.isclass(obj):

@@ -12,7 +12,7 @@ from torch import Tensor
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
     """Rotate the first ``rotary_dim = 2 * cos.shape[1]`` dims of x (B, N, H, D) by the angles of ``positions``
-    (B, N); computed in float32 (float64 stays float64), returned in x's dtype.
+    (B, N), or (1, N) for every sequence alike; computed in float32 (float64 stays float64), returned in x's dtype.
 
     Interleaved (GPT-J) rotates the pairs (x[2i], x[2i + 1]); otherwise (GPT-NeoX) the pairs (x[i], x[i + r/2]).
     Each pair (a, b) becomes (a cos - b sin, a sin + b cos) with the angle of pair i at that position.

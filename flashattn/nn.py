@@ -311,7 +311,7 @@ class SelfAttention(nn.Module):
         if cache is None:
             if self.rotary:
                 cos, sin = self._rotary_table(n, x.device, _table_dtype(x))
-                pos = torch.arange(n, device=x.device).expand(b, n)
+                pos = torch.arange(n, device=x.device)[None]  # (1, n): the gathered angles broadcast over batch
                 q = apply_rotary(q, cos, sin, pos, self.rotary_interleaved)
                 k = apply_rotary(k, cos, sin, pos, self.rotary_interleaved)
             out = self.attend(q, k, v)

@@ -49,17 +49,24 @@ def unpad_input(
         max_seqlen a Python int; seqused (batch,) int32 number of used tokens per sequence.
     """
     _check_mask("attention_mask", hidden_states, attention_mask)
-    kept = attention_mask.bool()
     if unused_mask is not None:
         _check_mask("unused_mask", hidden_states, unused_mask)
-        kept = kept | unused_mask.bool()
+    indices, cu_seqlens, max_seqlen, seqused = plan_unpad(attention_mask, unused_mask)
+    packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    return packed, indices, cu_seqlens, max_seqlen, seqused
+
+
+def plan_unpad(attention_mask: Tensor, unused_mask: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
+    """What ``unpad_input`` returns besides the packed tensor, from the (batch, seqlen) masks alone:
+    ``(indices, cu_seqlens, max_seqlen, seqused)``. Computing it reads the device (max_seqlen, the indices), so
+    callers that unpad several tensors with one mask compute it once."""
+    kept = attention_mask.bool() if unused_mask is None else attention_mask.bool() | unused_mask.bool()
     seqused = attention_mask.bool().sum(dim=-1, dtype=torch.int32)
     seqlens = kept.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
     max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
-    return packed, indices, cu_seqlens, max_seqlen, seqused
+    return indices, cu_seqlens, max_seqlen, seqused
 
 
 def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:

@@ -138,6 +138,10 @@ def test_packing_is_found_once_per_position_ids_and_redone_after_an_in_place_wri
     assert first[0].tolist() == [0, 3, 5] and integration._packed_offsets(pos, 1) is first
     pos[0, 3:] = torch.tensor([3, 4])  # now one sequence: the kept answer must not be reused
     assert integration._packed_offsets(pos, 1) is None
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    plan = integration._PLANS.get(mask, "x", lambda: object())
+    assert integration._PLANS.get(mask, "x", lambda: object()) is plan  # kept for the same mask
+    assert integration._PLANS.get(mask.clone(), "x", lambda: object()) is not plan
 
 
 def test_packed_cu_seqlens_kwargs():

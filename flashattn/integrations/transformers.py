@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, scaled_dot_product_attention
-from ..padding import pad_input, unpad_input
+from ..padding import pad_input, plan_unpad, unpad_input
 
 __all__ = ["NAME", "attention_forward", "padding_mask", "register"]
 
@@ -141,24 +141,30 @@ def _same_head_dim(q: Tensor, k: Tensor, v: Tensor, scaling: float | None):
     return q, k, F.pad(v, (0, width - dv)), scaling
 
 
-# (weakref to position_ids, its version counter, batch, offsets): one host sync per step, not one per layer.
-_last_packing: tuple = (None, None, None, None)
+class _PerTensor:
+    """Answers kept for the few tensors seen last. Every layer of a model receives the same position_ids and the
+    same padding mask, so the device reads that plan a varlen call happen once per forward, not once per layer.
+    An in-place write bumps a tensor's version counter, which invalidates its answer."""
+
+    def __init__(self, slots: int = 4) -> None:
+        self.slots, self.entries = slots, []  # (weakref, version, extra, value), newest first
+
+    def get(self, tensor: Tensor, extra, compute):
+        for ref, version, seen, value in self.entries:
+            if ref() is tensor and version == tensor._version and seen == extra:
+                return value
+        value = compute()
+        self.entries = [(weakref.ref(tensor), tensor._version, extra, value), *self.entries[: self.slots - 1]]
+        return value
+
+
+_PLANS = _PerTensor()  # a few slots: models alternate full and sliding-window masks between layers
 
 
 def _packed_offsets(position_ids: Tensor, batch: int) -> tuple[Tensor, int] | None:
     """Sequence offsets of packed rows: a sequence starts at each row start and wherever the position does not
-    advance by one. None when every row holds one sequence.
-
-    Finding out reads the device, so the answer is kept for the position_ids tensor it was computed from: every
-    layer of a model receives the same tensor, and only the first pays for the check. An in-place write to the
-    tensor bumps its version counter, which invalidates the answer."""
-    global _last_packing
-    ref, version, seen_batch, offsets = _last_packing
-    if ref is not None and ref() is position_ids and version == position_ids._version and seen_batch == batch:
-        return offsets
-    offsets = _find_packing(position_ids, batch)
-    _last_packing = (weakref.ref(position_ids), position_ids._version, batch, offsets)
-    return offsets
+    advance by one. None when every row holds one sequence. Kept per position_ids tensor (``_PerTensor``)."""
+    return _PLANS.get(position_ids, ("packing", batch), lambda: _find_packing(position_ids, batch))
 
 
 def _find_packing(position_ids: Tensor, batch: int) -> tuple[Tensor, int] | None:
@@ -191,9 +197,10 @@ def _unpadded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options) -> Tensor:
                                         "every query and at most the keys")
     # A static cache holds more slots than the mask covers: the ones past the mask are unused.
     k, v = k[:, :nk], v[:, :nk]
-    k_packed, k_index, cu_k, max_k, _ = unpad_input(k, mask)
-    v_packed = v.reshape(-1, *v.shape[2:])[k_index]
-    q_packed, q_index, cu_q, max_q, _ = unpad_input(q, mask[:, -nq:])
+    (k_index, cu_k, max_k, _), (q_index, cu_q, max_q, _) = _PLANS.get(
+        mask, ("unpad", nq), lambda: (plan_unpad(mask), plan_unpad(mask[:, -nq:])))
+    k_packed, v_packed, q_packed = (t.reshape(-1, *t.shape[2:])[index]
+                                    for t, index in ((k, k_index), (v, k_index), (q, q_index)))
     out = flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, **options)
     return pad_input(out, q_index, b, nq)
 
