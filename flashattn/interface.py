@@ -6,11 +6,14 @@ Every function checks its arguments (``flashattn.checks``), then runs the one au
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
 from . import checks, kvcache
-from .ops import attention, attention_cache
+from .ops import attention
+from .rotary import apply_rotary, positions
 
 __all__ = [
     "flash_attn_func",
@@ -47,18 +50,15 @@ def _dropout_seed(dropout_p: float, device: torch.device) -> Tensor | None:
 
 
 def _run(call: checks.CheckedCall, return_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
-    seed = _dropout_seed(call.spec.dropout_p, call.q.device)
-    return attention(
-        call.q, call.k, call.v, call.spec, alibi_slopes=call.alibi_slopes, attn_mask=call.attn_mask, seed=seed,
-        varlen=call.varlen, return_probs=return_probs,
-    )
+    spec = call.spec
+    if spec.dropout_p > 0:
+        spec = dataclasses.replace(spec, seed=_dropout_seed(spec.dropout_p, call.q.device))
+    return attention(call.q, call.k, call.v, spec, return_probs=return_probs)
 
 
 def _flash_result(call: checks.CheckedCall, return_attn_probs: bool) -> FlashResult:
-    if call.cache is not None:  # a paged K/V: forward only, probabilities refused by the checker
-        out, _ = attention_cache(call.q, call.k, call.v, call.spec, call.cache, alibi_slopes=call.alibi_slopes,
-                                 varlen=call.varlen)
-        return out
+    if call.spec.cache is not None:  # a paged K/V: forward only, probabilities refused by the checker
+        return _run(call, False)[0]
     # As in flash_attn, S_dmask exists only with dropout (the mask is what it is for); without dropout the
     # probabilities are never built, so return_attn_probs=True for the log-sum-exp costs no N x N tensor.
     with_mask = return_attn_probs and call.spec.dropout_p > 0
@@ -222,8 +222,8 @@ def flash_attn_varlen_func(
     """
     fn = "flash_attn_varlen_func"
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table,
-        **_options(locals()),
+        fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_table=block_table, **_options(locals()),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -253,8 +253,8 @@ def flash_attn_varlen_qkvpacked_func(
     fn = "flash_attn_varlen_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3, varlen=True)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **_options(locals()),
-        names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+        fn, q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, **_options(locals()), names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -287,8 +287,8 @@ def flash_attn_varlen_kvpacked_func(
     fn = "flash_attn_varlen_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2, varlen=True)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_options(locals()),
-        names=("q", "kv[:, 0]", "kv[:, 1]"),
+        fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, **_options(locals()), names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -354,26 +354,21 @@ def flash_attn_with_kvcache(
         >>> out.shape, bool(k_cache[0, 10].eq(k[0, 0]).all())
         (torch.Size([2, 1, 8, 32]), True)
     """
-    call = checks.check_kvcache(
-        "flash_attn_with_kvcache", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-        rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-    )
+    call = checks.check_kvcache("flash_attn_with_kvcache", **locals())
     with torch.no_grad():
         q, k = call.q, call.k
         if call.rotary is not None:
             cos, sin = call.rotary
-            q = kvcache.apply_rotary(q, cos, sin, kvcache.positions(call.rotary_start, q.shape[1],
-                                                                      call.q_positions_advance),
-                                     call.rotary_interleaved)
+            at = positions(call.rotary_start, q.shape[1], advance=call.q_positions_advance)
+            q = apply_rotary(q, cos, sin, at, interleaved=call.rotary_interleaved)
             if k is not None:
-                k = kvcache.apply_rotary(k, cos, sin, kvcache.positions(call.rotary_start, k.shape[1]),
-                                         call.rotary_interleaved)
+                at = positions(call.rotary_start, k.shape[1])
+                k = apply_rotary(k, cos, sin, at, interleaved=call.rotary_interleaved)
+        cache = call.spec.cache
         if k is not None:
-            kvcache.append(call.k_cache, call.v_cache, k, call.v, call.append_at, call.cache.batch_idx,
-                           call.cache.block_table)
-        out, lse = attention_cache(q, call.k_cache, call.v_cache, call.spec, call.cache,
-                                   alibi_slopes=call.alibi_slopes)
+            kvcache.append(call.k_cache, call.v_cache, k, call.v, at=call.append_at, batch_idx=cache.batch_idx,
+                           block_table=cache.block_table)
+        out, lse, _ = attention(q, call.k_cache, call.v_cache, call.spec)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -1,7 +1,7 @@
-"""The inference pieces around attention on a KV cache: rotary embeddings and the in-place append.
+"""The in-place append of new keys and values to a KV cache (dense or paged), before attending it.
 
-Both are plain torch ops on small tensors (the new tokens), on any device; the attention itself is
-``flashattn.ops.attention_cache``.
+Plain torch ops on the new tokens, on any device; the attention itself is ``flashattn.ops.attention`` with
+``AttentionSpec.cache`` set, and rotary embeddings are in ``flashattn.rotary``.
 """
 
 from __future__ import annotations
@@ -9,47 +9,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
-    """Rotate the first ``rotary_dim = 2 * cos.shape[1]`` dims of x (B, N, H, D) by the angles of ``positions``
-    (B, N), or (1, N) for every sequence alike; computed in float32 (float64 stays float64), returned in x's dtype.
-
-    Interleaved (GPT-J) rotates the pairs (x[2i], x[2i + 1]); otherwise (GPT-NeoX) the pairs (x[i], x[i + r/2]).
-    Each pair (a, b) becomes (a cos - b sin, a sin + b cos) with the angle of pair i at that position.
-
-    Example::
-
-        >>> x = torch.tensor([[[[1.0, 0.0, 5.0]]]])  # one token, one head, rotary_dim 2 of headdim 3
-        >>> cos, sin = torch.tensor([[1.0], [0.0]]), torch.tensor([[0.0], [1.0]])  # 0 deg at pos 0, 90 at pos 1
-        >>> apply_rotary(x, cos, sin, torch.tensor([[1]]), interleaved=True)
-        tensor([[[[0., 1., 5.]]]])
-    """
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    half = cos.shape[1]
-    c = cos.to(acc)[positions][:, :, None, :]  # (B, N, 1, rotary_dim / 2): the same angle for every head
-    s = sin.to(acc)[positions][:, :, None, :]
-    rot = x[..., : 2 * half].to(acc)
-    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
-    ra, rb = a * c - b * s, a * s + b * c
-    rot = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., 2 * half :]), dim=-1)
+from .rotary import positions
 
 
-def positions(start: Tensor, count: int, advance: bool = True) -> Tensor:
-    """(B, count) positions start_b + t, or start_b for every t when not ``advance``."""
-    steps = torch.arange(count, device=start.device) if advance else torch.zeros(count, device=start.device)
-    return start.long()[:, None] + steps.long()[None, :]
-
-
-def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, at: Tensor, batch_idx: Tensor | None,
-           block_table: Tensor | None) -> None:
+def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor, batch_idx: Tensor | None = None,
+           block_table: Tensor | None = None) -> None:
     """Write the new k, v (B, N, Hk, D) into the caches in place at positions at_b .. at_b + N - 1 of sequence b:
     row ``batch_idx[b]`` (default b) of a dense cache, or the pages ``block_table[b]`` of a paged one.
 
     Example::
 
         >>> cache = torch.zeros(2, 4, 1, 1)
-        >>> append(cache, cache, torch.ones(2, 1, 1, 1), torch.ones(2, 1, 1, 1), torch.tensor([0, 2]), None, None)
+        >>> append(cache, cache, torch.ones(2, 1, 1, 1), torch.ones(2, 1, 1, 1), at=torch.tensor([0, 2]))
         >>> cache.flatten(1).tolist()
         [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
     """

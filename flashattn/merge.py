@@ -12,23 +12,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .backends.combine import merge_states
-
-
-def _check(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    fn = "merge_attention_states"
-    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{fn}: {name} must be floating point, got {t.dtype}")
-    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
-        raise ValueError(f"{fn}: out_a/out_b shapes {tuple(out_a.shape)}/{tuple(out_b.shape)} and lse_a/lse_b "
-                         f"shapes {tuple(lse_a.shape)}/{tuple(lse_b.shape)} must match pairwise")
-    expected = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3]) if out_a.dim() >= 3 else None
-    if expected is None or tuple(lse_a.shape) != expected:
-        raise ValueError(f"{fn}: out (..., seqlen, nheads, headdim) = {tuple(out_a.shape)} needs lse of shape "
-                         f"(..., nheads, seqlen) = {expected}, got {tuple(lse_a.shape)}")
+from . import checks
+from .backends.merge import merge_states
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -53,5 +38,5 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
         >>> torch.allclose(out, flash_attn_func(q, k, v), atol=1e-6)
         True
     """
-    _check(out_a, lse_a, out_b, lse_b)
+    checks.check_merge("merge_attention_states", out_a, lse_a, out_b, lse_b)
     return merge_states(out_a, lse_a, out_b, lse_b)

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import checks
+from .backends.spec import accumulation_dtype
 from .interface import attention_with_weights, flash_attn_func, flash_attn_with_kvcache, scaled_dot_product_attention
-from .kvcache import apply_rotary
+from .rotary import apply_rotary
 
 __all__ = ["KVCache", "MultiheadAttention", "SelfAttention"]
 
@@ -66,14 +68,7 @@ class MultiheadAttention(nn.Module):
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
         super().__init__()
-        if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"MultiheadAttention: embed_dim and num_heads must be positive ints, got {embed_dim!r} "
-                             f"and {num_heads!r}")
-        if embed_dim % num_heads:
-            raise ValueError(f"MultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
-                             f"({num_heads})")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"MultiheadAttention: dropout must be in [0, 1), got {dropout!r}")
+        checks.check_multihead_config("MultiheadAttention", embed_dim=embed_dim, num_heads=num_heads, dropout=dropout)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.dropout, self.batch_first = embed_dim, num_heads, dropout, batch_first
         self.head_dim = embed_dim // num_heads
@@ -130,19 +125,14 @@ class MultiheadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        checks.check_multihead_inputs("MultiheadAttention", query, key, value, embed_dim=self.embed_dim)
         unbatched = query.dim() == 2
-        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(f"MultiheadAttention: query, key and value must all be 3-D (batched) or 2-D "
-                             f"(unbatched), got {query.dim()}, {key.dim()} and {value.dim()} dims")
         if unbatched:
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
         elif not self.batch_first:  # work batch-first: (N, L, E)
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         n, length, h, d = query.shape[0], query.shape[1], self.num_heads, self.head_dim
-        if query.shape[-1] != self.embed_dim:
-            raise ValueError(f"MultiheadAttention: query has embedding size {query.shape[-1]}, expected embed_dim "
-                             f"= {self.embed_dim}")
         q, k, v = self._project(query, key, value)
         if self.bias_k is not None:  # one learned key/value appended to every sequence
             k = torch.cat([k, self.bias_k.expand(n, 1, -1)], dim=1)
@@ -154,7 +144,7 @@ class MultiheadAttention(nn.Module):
             attn_mask, key_padding_mask = _pad_key_dim(attn_mask), _pad_key_dim(key_padding_mask)
         s = k.shape[1]
         q, k, v = (x.reshape(n, -1, h, d).transpose(1, 2) for x in (q, k, v))  # (N, H, L or S, d) views
-        mask = _torch_mha_mask(attn_mask, key_padding_mask, n, h, length, s, q.dtype)
+        mask = _torch_mha_mask(attn_mask, key_padding_mask, (n, h, length, s), q.dtype)
         causal = is_causal and mask is None
         dropout = self.dropout if self.training else 0.0
         if need_weights:
@@ -175,25 +165,16 @@ def _pad_key_dim(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else F.pad(mask, (0, 1))
 
 
-def _torch_mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n: int, h: int, length: int,
-                    s: int, dtype: torch.dtype) -> Tensor | None:
-    """torch MHA's masks (True = blocked, or additive) merged into one SDPA mask (True = allowed, or additive)
-    broadcastable to (N, H, L, S)."""
+def _torch_mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, shape: tuple[int, int, int, int],
+                    dtype: torch.dtype) -> Tensor | None:
+    """torch MHA's masks (True = blocked, or additive) for (N, H, L, S) = ``shape`` merged into one SDPA mask
+    (True = allowed, or additive) broadcastable to (N, H, L, S)."""
+    checks.check_multihead_masks("MultiheadAttention", attn_mask, key_padding_mask, shape=shape)
+    n, h, length, s = shape
     masks = []
     if attn_mask is not None:
-        if attn_mask.dim() == 3:
-            if attn_mask.shape != (n * h, length, s):
-                raise ValueError(f"MultiheadAttention: a 3-D attn_mask must be (N * num_heads, L, S) = "
-                                 f"{(n * h, length, s)}, got {tuple(attn_mask.shape)}")
-            attn_mask = attn_mask.reshape(n, h, length, s)
-        elif attn_mask.shape != (length, s):
-            raise ValueError(f"MultiheadAttention: a 2-D attn_mask must be (L, S) = {(length, s)}, got "
-                             f"{tuple(attn_mask.shape)}")
-        masks.append(attn_mask)
+        masks.append(attn_mask.reshape(n, h, length, s) if attn_mask.dim() == 3 else attn_mask)
     if key_padding_mask is not None:
-        if key_padding_mask.shape != (n, s):
-            raise ValueError(f"MultiheadAttention: key_padding_mask must be (N, S) = {(n, s)}, got "
-                             f"{tuple(key_padding_mask.shape)}")
         masks.append(key_padding_mask.reshape(n, 1, 1, s))
     if not masks:
         return None
@@ -206,10 +187,6 @@ def _torch_mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n
             else m.to(dtype)
         total = m if total is None else total + m
     return total
-
-
-def _table_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -248,18 +225,11 @@ class SelfAttention(nn.Module):
                  max_seqlen: int = 2048, device=None, dtype=None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"SelfAttention: num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"SelfAttention: dim ({dim}) must be divisible by num_heads ({num_heads}), or "
-                                 "pass head_dim")
-            head_dim = dim // num_heads
+        head_dim = checks.check_self_attention_config("SelfAttention", dim=dim, heads=(num_heads, num_kv_heads),
+                                                      head_dim=head_dim)
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if rotary and (rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim):
-            raise ValueError(f"SelfAttention: rotary_dim must be even and in [2, head_dim={head_dim}], got "
-                             f"{rotary_dim}")
+        if rotary:
+            checks.check_rotary_dim("SelfAttention", rotary_dim, head_dim)
         factory = {"device": device, "dtype": dtype}
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.window_size, self.softcap, self.dropout = causal, tuple(window_size), softcap, dropout
@@ -286,8 +256,7 @@ class SelfAttention(nn.Module):
     def new_cache(self, batch_size: int, max_seqlen: int, *, device=None, dtype=None) -> KVCache:
         """An empty cache for ``batch_size`` sequences of up to ``max_seqlen`` tokens (prompt + generated), on the
         device and in the dtype of the weights unless given."""
-        if not self.causal:
-            raise ValueError("SelfAttention.new_cache: a KV cache needs causal=True (generation attends to the past)")
+        checks.check_generation("SelfAttention.new_cache", causal=self.causal)
         weight = self.qkv.weight
         device, dtype = device or weight.device, dtype or weight.dtype
         shape = (batch_size, max_seqlen, self.num_kv_heads, self.head_dim)
@@ -310,18 +279,17 @@ class SelfAttention(nn.Module):
         options = {"causal": self.causal, "window_size": self.window_size, "softcap": self.softcap}
         if cache is None:
             if self.rotary:
-                cos, sin = self._rotary_table(n, x.device, _table_dtype(x))
+                cos, sin = self._rotary_table(n, x.device, accumulation_dtype(x.dtype))
                 pos = torch.arange(n, device=x.device)[None]  # (1, n): the gathered angles broadcast over batch
-                q = apply_rotary(q, cos, sin, pos, self.rotary_interleaved)
-                k = apply_rotary(k, cos, sin, pos, self.rotary_interleaved)
+                q = apply_rotary(q, cos, sin, pos, interleaved=self.rotary_interleaved)
+                k = apply_rotary(k, cos, sin, pos, interleaved=self.rotary_interleaved)
             out = self.attend(q, k, v)
         else:
-            if qkv.requires_grad:  # the weights or x want gradients that the cache path cannot give
-                raise RuntimeError("SelfAttention: the KV-cache path is inference only (no gradients); run "
-                                   "generation under torch.no_grad() or torch.inference_mode()")
+            # The weights or x may want gradients that the cache path cannot give.
+            checks.check_generation("SelfAttention", wants_grad=qkv.requires_grad)
             rotary = {}
             if self.rotary:
-                cos, sin = self._rotary_table(cache.k.shape[1], x.device, _table_dtype(x))
+                cos, sin = self._rotary_table(cache.k.shape[1], x.device, accumulation_dtype(x.dtype))
                 # float32 tables, as in the training path, so both rotate identically in low precision.
                 rotary = {"rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": self.rotary_interleaved}
             out = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=cache.seqlens, **rotary, **options)

@@ -20,16 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import checks
+
 __all__ = ["pad_input", "unpad_input"]
-
-
-def _check_mask(name: str, hidden_states: Tensor, mask: Tensor) -> None:
-    if not isinstance(mask, Tensor) or mask.dim() != 2:
-        raise ValueError(f"unpad_input: {name} must be a (batch, seqlen) tensor, got "
-                         f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
-    if tuple(hidden_states.shape[:2]) != tuple(mask.shape):
-        raise ValueError(f"unpad_input: hidden_states starts with {tuple(hidden_states.shape[:2])} but {name} is "
-                         f"{tuple(mask.shape)}; they must agree on (batch, seqlen)")
 
 
 def unpad_input(
@@ -48,9 +41,9 @@ def unpad_input(
         positions in (batch * seqlen); cu_seqlens (batch + 1,) int32 offsets of each sequence in ``packed``;
         max_seqlen a Python int; seqused (batch,) int32 number of used tokens per sequence.
     """
-    _check_mask("attention_mask", hidden_states, attention_mask)
+    checks.check_padding_mask("unpad_input", "attention_mask", hidden_states, attention_mask)
     if unused_mask is not None:
-        _check_mask("unused_mask", hidden_states, unused_mask)
+        checks.check_padding_mask("unpad_input", "unused_mask", hidden_states, unused_mask)
     indices, cu_seqlens, max_seqlen, seqused = plan_unpad(attention_mask, unused_mask)
     packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
     return packed, indices, cu_seqlens, max_seqlen, seqused
@@ -74,9 +67,7 @@ def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -
 
     Differentiable: the gradient of a padded position is dropped, the others flow back to ``hidden_states``.
     """
-    if hidden_states.shape[0] != indices.shape[0]:
-        raise ValueError(f"pad_input: hidden_states has {hidden_states.shape[0]} tokens but indices has "
-                         f"{indices.shape[0]}; pass the indices unpad_input returned with it")
+    checks.check_pad("pad_input", hidden_states, indices)
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

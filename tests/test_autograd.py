@@ -74,5 +74,8 @@ def test_custom_op_passes_torch_library_opcheck():
     q = torch.randn(1, 5, 2, 8, requires_grad=True)
     k = torch.randn(1, 6, 1, 8, requires_grad=True)
     v = torch.randn(1, 6, 1, 8, requires_grad=True)
-    args = (q, k, v, None, None, None, None, None, 0, 0, 0.3, -1, 0, True, 2, 0.0, 0.0, False, False)
+    from flashattn.backends.spec import AttentionSpec
+
+    spec = AttentionSpec(scale=0.3, window_left=-1, window_right=0, bottom_right=True, diagonal_offset=2)
+    args = (q, k, v, *spec.as_args(), "cpu", False)
     torch.library.opcheck(torch.ops.flashattn.attention.default, args)

@@ -558,8 +558,8 @@ def test_every_output_element_is_written(backend, num_splits, monkeypatch):
     if backend == "triton":
         from flashattn.backends import triton as triton_backend
 
-        monkeypatch.setattr(triton_backend, "_empty", lambda shape, dtype, device: poisoned(shape, dtype=dtype,
-                                                                                           device=device))
+        monkeypatch.setattr(triton_backend, "empty", lambda shape, dtype, device: poisoned(shape, dtype=dtype,
+                                                                                          device=device))
     device = DEVICE[backend]
     q = torch.randn(3, 1, 4, 16, device=device)
     k_cache, v_cache = (torch.randn(3, 40, 2, 16, device=device) for _ in range(2))

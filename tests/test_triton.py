@@ -200,17 +200,18 @@ def test_diagonal_offset_matches_the_cpu_path(offset):
     and backward, equal on both backends (the CPU path is checked against float64 in test_distributed)."""
     import dataclasses
 
-    from flashattn.backends.spec import AttentionSpec
-    from flashattn.ops import attention, backward_block
+    from flashattn.backends.spec import AttentionSpec, Saved
+    from flashattn.ops import attention, attention_backward
 
     spec = dataclasses.replace(AttentionSpec(scale=0.25, window_left=30, window_right=0, bottom_right=False),
-                               offset=offset)
+                               diagonal_offset=offset)
     q, k, v = (torch.randn(1, n, 2, 16, device=DEVICE) for n in (33, 40, 40))
     dout = torch.randn_like(q)
     results = {}
     for backend in ("cpu", "triton"):
         with flashattn.use_backend(backend):
             out, lse, _ = attention(q, k, v, spec)
-            results[backend] = (out, lse, *backward_block(dout, None, q, k, v, out, lse, spec))
+            saved = Saved(q, k, v, out, lse)
+            results[backend] = (out, lse, *attention_backward(dout, None, saved, spec, backend=backend))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["cpu"], strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=name)

@@ -1,5 +1,4 @@
-"""Backends behind the one attention op. Each module offers ``forward``, ``backward`` and ``forward_cache`` (keys
-in a KV cache, inference) with the signatures of ``flashattn.backends.cpu``; ``select`` picks one for the inputs.
+"""Backends behind the one attention op, each a module satisfying ``Backend``; ``choose`` picks one by name.
 
 Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256) -> ``triton``, anything else -> ``cpu``
 (tiled PyTorch, which runs on every device). Force one with the environment variable
@@ -8,25 +7,56 @@ Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256) -> ``triton
 or 128, causal or not) is never chosen automatically.
 Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
 checks the kernels without a GPU.
+
+The choice is made when a call starts (under ``torch.compile``: when the graph is traced) and travels with the
+call into the op, so a backward always runs on the backend of its forward.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
-from . import cpu
+from .spec import AttentionSpec, Saved
 
-__all__ = ["BACKENDS", "select", "use_backend"]
+__all__ = ["BACKENDS", "Backend", "choose", "get", "select", "use_backend"]
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
+TRITON_MAX_HEAD_DIM = 256
 _forced: ContextVar[str | None] = ContextVar("flashattn_backend", default=None)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend module provides (``flashattn.backends.cpu`` is the reference implementation).
+
+    Layouts: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv) with H % Hk == 0; when ``spec.packed``, q is
+    (total_q, H, D) and k, v (total_k, Hk, D) (or a KV cache when ``spec.cache`` is set: dense (B_cache, N_cache,
+    Hk, D) or paged (num_pages, page_size, Hk, D)). lse is (B, H, Nq), or (H, total_q) when packed, in
+    ``accumulation_dtype(q.dtype)``.
+    """
+
+    NAME: str
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot run the call (None when it can)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,
+                return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """(out, lse, probs): probs (B, H, Nq, Nk) with dropped entries negated if ``return_probs``, else empty."""
+
+    def backward(self, dout: Tensor, dlse: Tensor | None, saved: Saved, spec: AttentionSpec, *,
+                 mask_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(dq, dk, dv, dmask): gradients of q, k, v, and of the additive ``spec.attn_mask`` if ``mask_grad``."""
 
 
 def _validate(name: object, source: str) -> str:
@@ -35,37 +65,47 @@ def _validate(name: object, source: str) -> str:
     return name
 
 
+@torch.compiler.assume_constant_result
 def requested() -> str:
-    """The backend asked for by ``use_backend`` or ``FLASHATTN_BACKEND`` ("auto" when neither is set)."""
+    """The backend asked for by ``use_backend`` or ``FLASHATTN_BACKEND`` ("auto" when neither is set).
+
+    Under ``torch.compile`` it is read when the graph is traced: a graph keeps the backend it was traced with.
+    """
     forced = _forced.get()
     if forced is not None:
         return forced
     return _validate(os.environ.get("FLASHATTN_BACKEND", "auto"), "FLASHATTN_BACKEND")
 
 
-TRITON_MAX_HEAD_DIM = 256
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
-def select(q: torch.Tensor, v: torch.Tensor) -> ModuleType:
-    """The backend module for a call with query ``q`` and value ``v``."""
+@torch.compiler.assume_constant_result
+def _automatic(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    triton_ok = (device_type == "cuda" and dtype != torch.float64 and head_dim <= TRITON_MAX_HEAD_DIM
+                 and _triton_installed())
+    return "triton" if triton_ok else "cpu"
+
+
+def choose(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    """The name of the backend for a call on ``device_type`` tensors of ``dtype`` whose largest head dim (of q/k
+    and of v) is ``head_dim``: the forced one, else the automatic choice."""
     name = requested()
-    if name == "auto":
-        triton_ok = (
-            q.device.type == "cuda"
-            and q.dtype != torch.float64
-            and max(q.shape[-1], v.shape[-1]) <= TRITON_MAX_HEAD_DIM
-            and importlib.util.find_spec("triton") is not None
-        )
-        name = "triton" if triton_ok else "cpu"
-    if name == "triton":
-        from . import triton as triton_backend  # imported on first use: CPU-only installs need no triton
+    return _automatic(device_type, dtype, head_dim) if name == "auto" else name
 
-        return triton_backend
-    if name == "cuda":  # only on request: it covers a subset and has not been measured faster than triton
-        from . import cuda as cuda_backend
 
-        return cuda_backend
-    return cpu
+def select(q: Tensor, v: Tensor) -> Backend:
+    """The backend module a call with query ``q`` and value ``v`` runs on: ``get(choose(...))``."""
+    return get(choose(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1])))
+
+
+def get(name: str) -> Backend:
+    """The backend module called ``name`` (imported on first use: CPU-only installs need no triton)."""
+    if name not in BACKENDS[1:]:
+        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS[1:])}")
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 @contextmanager

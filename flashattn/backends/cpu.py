@@ -11,14 +11,17 @@ viewed as (Hk, G) with G = H // Hk query heads per key/value head, so K and V ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from .combine import merge_states
 from .masking import Band
+from .merge import merge_states
 from .philox import dropout_keep
-from .spec import AttentionSpec, KeyCache, Varlen
+from .spec import AttentionSpec, Saved, accumulation_dtype
+
+NAME = "cpu"
 
 # A score tile holds about this many elements across batch and heads (2 MB in float32, about an L2 cache;
 # measured best of 2^17..2^21 x 256..1024 on 2 cores): large enough that
@@ -38,11 +41,16 @@ def _blocks(n: int, size: int) -> range:
     return range(0, n, size)
 
 
-class _Problem:
-    """One attention call cut into tiles: builds the score tile S_ij (scale, softcap, masks, ALiBi) and its
+def unsupported(q, k, v, spec: AttentionSpec) -> str | None:
+    """The tiled path runs every feature on every device torch runs on."""
+    return None
+
+
+class _TiledCall:
+    """One dense attention call cut into tiles: builds the score tile S_ij (scale, softcap, masks, ALiBi) and its
     dropout mask, the pieces shared by the forward, the backward and the probabilities."""
 
-    def __init__(self, q, k, v, alibi, mask, spec: AttentionSpec, dropout_origin: tuple[int, int, int] | None = None,
+    def __init__(self, q, k, v, spec: AttentionSpec, *, dropout_origin: tuple[int, int, int] | None = None,
                  band: Band | None = None):
         """``dropout_origin`` = (first batch index, Nq, Nk) of the counter layout ((b * H + h) * Nq + i) * Nk + j;
         by default this call's own (0, nq, nk). A varlen sequence b uses (b, max_seqlen_q, max_seqlen_k).
@@ -52,11 +60,12 @@ class _Problem:
         g = h // hk
         self.shape = (b, nq, nk, h, hk, g)
         self.spec = spec
-        self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.acc = accumulation_dtype(q.dtype)
         self.q = q.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)  # (B, Hk, G, Nq, D), a view
         self.k = k.permute(0, 2, 1, 3)  # (B, Hk, Nk, D)
         self.v = v.permute(0, 2, 1, 3)  # (B, Hk, Nk, Dv)
         self.band = spec.band(nq, nk) if band is None else band
+        alibi, mask = spec.alibi_slopes, spec.attn_mask
         self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
         self.mask = None if mask is None else self._heads5(mask)
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
@@ -106,7 +115,7 @@ class _Problem:
             rows = torch.arange(r0, r1, device=s.device)
             cols = torch.arange(c0, c1, device=s.device)
             if self.alibi is not None:
-                dist = (rows[:, None] + self.band.shift - cols[None, :]).abs().to(self.acc)
+                dist = (rows[:, None] + self.band.diagonal - cols[None, :]).abs().to(self.acc)
                 s.sub_(self.alibi * dist)
             if band_mask:
                 s.masked_fill_(~self.band.visible(rows, cols), -math.inf)
@@ -139,29 +148,33 @@ def _nonzero_or(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(x == 0, torch.full_like(x, fill), x)
 
 
-def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False, varlen: Varlen | None = None):
+def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """Returns out (B, Nq, H, Dv) in q's dtype, lse (B, H, Nq) (float32, or float64 for float64 inputs) and,
     if ``return_probs``, the probabilities (B, H, Nq, Nk) with dropped entries negated (else an empty tensor).
 
-    With ``varlen``, q is (total_q, H, D) and k/v (total_k, Hk, D), packed as ``varlen.cu_seqlens_*`` say: out is
+    When ``spec.packed``, q is (total_q, H, D) and k/v (total_k, Hk, D), packed as ``spec.varlen`` says: out is
     (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k). Each sequence runs on views.
+    With ``spec.cache``, keys come from a KV cache (``_forward_cache``).
 
     Example::
 
         >>> q = k = v = torch.randn(1, 5, 2, 8)
-        >>> out, lse, _ = forward(q, k, v, None, None, AttentionSpec(scale=8 ** -0.5))
+        >>> out, lse, _ = forward(q, k, v, AttentionSpec(scale=8 ** -0.5))
         >>> out.shape, lse.shape
         (torch.Size([1, 5, 2, 8]), torch.Size([1, 2, 5]))
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if spec.cache is not None:
+        return (*_forward_cache(q, k, v, spec), q.new_empty(0))
+    acc = accumulation_dtype(q.dtype)
     h, dv = q.shape[-2], v.shape[-1]
-    if varlen is None:
+    if not spec.packed:
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
         lse = _uninitialized(b, h, nq, dtype=acc, device=q.device)
         probs = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device) if return_probs else None
-        _forward_into(_Problem(q, k, v, alibi, mask, spec), out, lse, probs)
+        _forward_into(_TiledCall(q, k, v, spec), out, lse, probs)
         return out, lse, q.new_empty(0) if probs is None else probs
+    varlen = spec.varlen
     out = _uninitialized(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
     lse = _uninitialized(h, q.shape[0], dtype=acc, device=q.device)
     probs = None
@@ -169,36 +182,46 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         probs = torch.zeros(varlen.batch, h, varlen.max_seqlen_q, varlen.max_seqlen_k, dtype=q.dtype,
                             device=q.device)
     for i, (sq, eq, sk, ek) in enumerate(varlen.bounds()):
-        p = _Problem(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _batch_row(alibi, i), None, spec,
-                     dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
+        p = _TiledCall(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _sequence_spec(spec, i),
+                       dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
         _forward_into(p, out[None, sq:eq], lse[None, :, sq:eq],
                       None if probs is None else probs[i : i + 1, :, : eq - sq, : ek - sk])
     return out, lse, q.new_empty(0) if probs is None else probs
 
 
-def forward_cache(q, k_cache, v_cache, alibi, spec: AttentionSpec, cache: KeyCache, varlen: Varlen | None = None):
+def _sequence_spec(spec: AttentionSpec, i: int) -> AttentionSpec:
+    """The options of batch entry i run on its own (a varlen sequence or a cache row): a dense call with that
+    entry's ALiBi slopes (user masks do not go with packed or cached keys)."""
+    alibi = spec.alibi_slopes
+    row = alibi if alibi is None or alibi.shape[0] == 1 else alibi[i : i + 1]
+    return dataclasses.replace(spec, alibi_slopes=row, varlen=None, cache=None)
+
+
+def _forward_cache(q, k_cache, v_cache, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against the keys of a KV cache, forward only: returns (out, lse).
 
-    q is (B, Nq, H, D), or packed (total_q, H, D) with ``varlen`` giving its offsets (its key offsets unused).
-    ``cache`` says where each batch entry's keys are in ``k_cache``/``v_cache``, dense (B_cache, N_cache, Hk, D)
-    or paged (num_pages, page_size, Hk, D). Each entry runs on a view of its cache rows (a gather of its pages
-    when paged). ``cache.num_splits`` > 1 cuts each entry's keys into that many chunks whose results are merged
-    by log-sum-exp, as the GPU's split-KV path does (0 means 1 here: splitting only helps fill a GPU).
+    q is (B, Nq, H, D), or packed (total_q, H, D) when ``spec.packed`` (its key offsets unused). ``spec.cache``
+    says where each batch entry's keys are in ``k_cache``/``v_cache``, dense (B_cache, N_cache, Hk, D) or paged
+    (num_pages, page_size, Hk, D). Each entry runs on a view of its cache rows (a gather of its pages when paged).
+    ``cache.num_splits`` > 1 cuts each entry's keys into that many chunks whose results are merged by
+    log-sum-exp, as the GPU's split-KV path does (0 means 1 here: splitting only helps fill a GPU).
 
     Example::
 
+        >>> from flashattn.backends.spec import KeyCache
         >>> q, cache = torch.randn(2, 1, 4, 16), torch.randn(2, 10, 2, 16)
         >>> lengths = KeyCache(torch.tensor([0, 0]), torch.tensor([3, 10]), max_seqlen_k=10)
-        >>> out, lse = forward_cache(q, cache, cache, None, AttentionSpec(scale=0.25), lengths)
+        >>> out, lse = _forward_cache(q, cache, cache, AttentionSpec(scale=0.25, cache=lengths))
         >>> out.shape, lse.shape
         (torch.Size([2, 1, 4, 16]), torch.Size([2, 4, 1]))
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cache = spec.cache
+    acc = accumulation_dtype(q.dtype)
     h, dv = q.shape[-2], v_cache.shape[-1]
-    if q.dim() == 3:
+    if spec.packed:
         out = _uninitialized(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
         lse = _uninitialized(h, q.shape[0], dtype=acc, device=q.device)
-        rows = [(out[None, sq:eq], lse[None, :, sq:eq], q[None, sq:eq]) for sq, eq, _, _ in varlen.bounds()]
+        rows = [(out[None, sq:eq], lse[None, :, sq:eq], q[None, sq:eq]) for sq, eq, _, _ in spec.varlen.bounds()]
     else:
         out = _uninitialized(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
         lse = _uninitialized(q.shape[0], h, q.shape[1], dtype=acc, device=q.device)
@@ -212,37 +235,29 @@ def forward_cache(q, k_cache, v_cache, alibi, spec: AttentionSpec, cache: KeyCac
         else:
             row = i if batch_idx is None else batch_idx[i]
             k_i, v_i = k_cache[row : row + 1, start:end], v_cache[row : row + 1, start:end]
-        _split_forward_into(q_i, k_i, v_i, _batch_row(alibi, i), spec, max(1, cache.num_splits), out_i, lse_i)
+        parts = _split_forward(q_i, k_i, v_i, _sequence_spec(spec, i), splits=max(1, cache.num_splits))
+        out_i.copy_(parts[0])
+        lse_i.copy_(parts[1])
     return out, lse
 
 
-def _split_forward_into(q, k, v, alibi, spec: AttentionSpec, splits: int, out, lse) -> None:
-    """``_forward_into`` over the keys cut into ``splits`` chunks, merged by log-sum-exp (split-KV)."""
+def _split_forward(q, k, v, spec: AttentionSpec, *, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a dense call over the keys cut into ``splits`` chunks, merged by log-sum-exp (split-KV)."""
     nk = k.shape[1]
-    chunk = -(-nk // splits) if nk else 1
-    if splits == 1 or chunk >= nk:
-        _forward_into(_Problem(q, k, v, alibi, None, spec), out, lse, None)
-        return
-    whole = spec.band(q.shape[1], nk)
+    chunk = max(1, -(-nk // splits))
     merged = None
-    for c0 in range(0, nk, chunk):
-        part_out = torch.empty(out.shape, dtype=lse.dtype, device=out.device)
-        part_lse = torch.empty_like(lse)
-        # The chunk's keys are columns c0.. of the whole band: shift the diagonal so masks and ALiBi stay put.
-        band = Band(whole.left, whole.right, whole.shift - c0)
-        part = _Problem(q, k[:, c0 : c0 + chunk], v[:, c0 : c0 + chunk], alibi, None, spec, band=band)
-        _forward_into(part, part_out, part_lse, None)
+    whole = spec.band(q.shape[1], nk)
+    for c0, c1 in [(c0, min(c0 + chunk, nk)) for c0 in range(0, nk, chunk)] or [(0, 0)]:
+        part_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=accumulation_dtype(q.dtype), device=q.device)
+        part_lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=part_out.dtype, device=q.device)
+        # The chunk's keys are columns c0.. of the whole band: move the diagonal so masks and ALiBi stay put.
+        band = Band(whole.left, whole.right, whole.diagonal - c0)
+        _forward_into(_TiledCall(q, k[:, c0:c1], v[:, c0:c1], spec, band=band), part_out, part_lse, None)
         merged = (part_out, part_lse) if merged is None else merge_states(*merged, part_out, part_lse)
-    out.copy_(merged[0])
-    lse.copy_(merged[1])
+    return merged
 
 
-def _batch_row(alibi: torch.Tensor | None, i: int) -> torch.Tensor | None:
-    """ALiBi slopes of batch entry i: (1, H) whether the slopes are per batch entry or shared."""
-    return alibi if alibi is None or alibi.shape[0] == 1 else alibi[i : i + 1]
-
-
-def _forward_into(p: _Problem, out: torch.Tensor, lse: torch.Tensor, probs: torch.Tensor | None) -> None:
+def _forward_into(p: _TiledCall, out: torch.Tensor, lse: torch.Tensor, probs: torch.Tensor | None) -> None:
     """Write out (B, Nq, H, Dv), lse (B, H, Nq) and, if given, probs (B, H, Nq, Nk) of problem ``p``."""
     b, nq, nk, h, hk, g = p.shape
     dv = out.shape[-1]
@@ -276,7 +291,7 @@ def _forward_into(p: _Problem, out: torch.Tensor, lse: torch.Tensor, probs: torc
         _probabilities_into(p, lse, probs)
 
 
-def _probabilities_into(p: _Problem, lse: torch.Tensor, probs: torch.Tensor) -> None:
+def _probabilities_into(p: _TiledCall, lse: torch.Tensor, probs: torch.Tensor) -> None:
     """softmax(S) recomputed from lse, dropped entries negated: the S_dmask of ``return_attn_probs``.
     ``probs`` (B, H, Nq, Nk) is zero-filled; tiles hidden by the mask are not visited."""
     b, nq, nk, h, hk, g = p.shape
@@ -306,30 +321,38 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dim=dims, keepdim=True) if dims else x
 
 
-def backward(dout, dlse, q, k, v, out, lse, alibi, mask, spec: AttentionSpec, mask_grad: bool = False,
-             varlen: Varlen | None = None):
+def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """Gradients (dq, dk, dv, dmask) by recomputation from the saved lse (FlashAttention-2 backward).
 
     ``dlse`` (or None) is the gradient flowing into the returned log-sum-exp: d lse_i / d S_ij = P_ij, so it
-    folds into the preprocessing term, delta_i = rowsum(dO_i * O_i) - dlse_i. ``dmask`` is the gradient of an
-    additive mask (its own shape) when ``mask_grad``, else None. ``varlen``: the packed layout of ``forward``.
+    folds into the preprocessing term, delta_i = rowsum(dO_i * O_i) - dlse_i. ``dmask`` is the gradient of the
+    additive ``spec.attn_mask`` (its own shape) when ``mask_grad``, else None. Packed input as in ``forward``.
     """
-    dq, dk, dv = (_uninitialized(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if varlen is None:
-        p = _Problem(q, k, v, alibi, mask, spec)
+    q, k, v, out, lse = saved
+    if spec.cache is not None:
+        raise NotImplementedError("the cpu backend has no backward through keys in a KV cache")
+    grads = tuple(_uninitialized(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if not spec.packed:
+        p = _TiledCall(q, k, v, spec)
+        mask = spec.attn_mask
         dmask = torch.zeros(p.mask.shape, dtype=p.acc, device=q.device) if mask_grad else None
-        _backward_into(p, dout, dlse, out, lse, dq, dk, dv, dmask)
-        return dq, dk, dv, None if dmask is None else dmask.reshape(mask.shape).to(mask.dtype)
+        _backward_into(p, dout=dout, dlse=dlse, out=out, lse=lse, grads=grads, dmask=dmask)
+        return *grads, None if dmask is None else dmask.reshape(mask.shape).to(mask.dtype)
+    dq, dk, dv = grads
+    varlen = spec.varlen
     for i, (sq, eq, sk, ek) in enumerate(varlen.bounds()):
-        p = _Problem(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _batch_row(alibi, i), None, spec,
-                     dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
-        _backward_into(p, dout[None, sq:eq], None if dlse is None else dlse[None, :, sq:eq], out[None, sq:eq],
-                       lse[None, :, sq:eq], dq[None, sq:eq], dk[None, sk:ek], dv[None, sk:ek], None)
+        p = _TiledCall(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _sequence_spec(spec, i),
+                       dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
+        _backward_into(p, dout=dout[None, sq:eq], dlse=None if dlse is None else dlse[None, :, sq:eq],
+                       out=out[None, sq:eq], lse=lse[None, :, sq:eq],
+                       grads=(dq[None, sq:eq], dk[None, sk:ek], dv[None, sk:ek]), dmask=None)
     return dq, dk, dv, None
 
 
-def _backward_into(p: _Problem, dout, dlse, out, lse, dq, dk, dv, dmask) -> None:
-    """Write dq (B, Nq, H, D), dk and dv (B, Nk, Hk, D) and, if given, accumulate the mask gradient in dmask."""
+def _backward_into(p: _TiledCall, *, dout, dlse, out, lse, grads, dmask) -> None:
+    """Write grads = (dq (B, Nq, H, D), dk, dv (B, Nk, Hk, D)) and, if given, accumulate the mask gradient in
+    dmask."""
+    dq, dk, dv = grads
     b, nq, nk, h, hk, g = p.shape
     acc_t = p.acc
     dk_acc = torch.zeros(b, hk, nk, dk.shape[-1], dtype=acc_t, device=dq.device)

@@ -2,10 +2,11 @@
 
 Causal and sliding-window attention are the same thing: query row i sees key column j iff
 
-    -left <= j - i - shift <= right        (a bound of -1 means unbounded on that side)
+    -left <= j - i - diagonal <= right        (a bound of -1 means unbounded on that side)
 
-where ``shift`` aligns the diagonal: ``Nk - Nq`` for the bottom-right corner (the ``flash_attn`` convention, so
-the last query sees the last key) or 0 for the top-left corner (PyTorch's ``is_causal``). Causal is
+where ``diagonal`` is the key column on query 0's diagonal: ``Nk - Nq`` for the bottom-right corner (the
+``flash_attn`` convention, so the last query sees the last key) or 0 for the top-left corner (PyTorch's
+``is_causal``), plus a ``diagonal_offset`` when the call is one block of a longer sequence. Causal is
 ``(left, right) = (-1, 0)``.
 
 Tiled code asks two questions per (query block, key block) tile: can anything in it be visible (else skip the
@@ -22,31 +23,31 @@ import torch
 
 @dataclass(frozen=True)
 class Band:
-    """The visible band of the score matrix: ``-left <= j - i - shift <= right``; -1 means unbounded."""
+    """The visible band of the score matrix: ``-left <= j - i - diagonal <= right``; -1 means unbounded."""
 
     left: int = -1
     right: int = -1
-    shift: int = 0
+    diagonal: int = 0
 
     @classmethod
-    def of(cls, nq: int, nk: int, left: int, right: int, bottom_right: bool, offset: int = 0) -> Band:
-        return cls(left, right, (nk - nq if bottom_right else 0) + offset)
+    def of(cls, nq: int, nk: int, left: int, right: int, bottom_right: bool, diagonal_offset: int = 0) -> Band:
+        return cls(left, right, (nk - nq if bottom_right else 0) + diagonal_offset)
 
     def key_range(self, r0: int, r1: int, nk: int) -> tuple[int, int]:
         """Columns [lo, hi) that any of the query rows [r0, r1) may see (hi <= lo when none)."""
-        lo = 0 if self.left < 0 else max(0, r0 + self.shift - self.left)
-        hi = nk if self.right < 0 else min(nk, r1 - 1 + self.shift + self.right + 1)
+        lo = 0 if self.left < 0 else max(0, r0 + self.diagonal - self.left)
+        hi = nk if self.right < 0 else min(nk, r1 - 1 + self.diagonal + self.right + 1)
         return lo, hi
 
     def tile_is_full(self, r0: int, r1: int, c0: int, c1: int) -> bool:
         """True when every (i, j) in rows [r0, r1) x columns [c0, c1) is visible: no element mask needed."""
-        dmin = c0 - (r1 - 1) - self.shift
-        dmax = (c1 - 1) - r0 - self.shift
+        dmin = c0 - (r1 - 1) - self.diagonal
+        dmax = (c1 - 1) - r0 - self.diagonal
         return (self.right < 0 or dmax <= self.right) and (self.left < 0 or dmin >= -self.left)
 
     def visible(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Boolean (len(rows), len(cols)) mask of visible elements for integer index vectors."""
-        d = cols[None, :] - rows[:, None] - self.shift
+        d = cols[None, :] - rows[:, None] - self.diagonal
         keep = torch.ones_like(d, dtype=torch.bool)
         if self.right >= 0:
             keep &= d <= self.right

@@ -1,48 +1,37 @@
-"""What a backend is asked to compute: the validated, normalised scalar options of one attention call.
+"""What a backend is asked to compute: one attention call's options as one type, ``AttentionSpec``.
 
-Tensors (q, k, v, ALiBi slopes, an additive or boolean mask) travel beside it; see ``flashattn.backends``.
+Everything besides q, k and v travels in it: the scalar options, the optional tensors (ALiBi slopes, a user mask,
+the dropout seed) and the layout of packed (``Varlen``) or cached (``KeyCache``) keys. The custom op's schema is
+derived from its fields, and ``as_args``/``from_args`` convert it to and from the op's flat argument list in one
+place (as FlexAttention's ``BlockMask.as_tuple()`` does): adding an option means adding a field here, checking it
+in ``flashattn.checks`` and implementing it in the backends, and nothing else.
+
+Example::
+
+    >>> spec = AttentionSpec(scale=0.125, window_right=0)
+    >>> AttentionSpec.from_args(spec.as_args()) == spec
+    True
+    >>> AttentionSpec.op_schema().split(", ")[:3]
+    ['float scale', 'SymInt window_left', 'SymInt window_right']
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from .masking import Band
 
 
-@dataclass(frozen=True)
-class AttentionSpec:
-    """Options of one attention call, already checked by ``flashattn.checks``.
-
-    Attributes:
-        scale: multiplies q.k before anything else (default headdim ** -0.5 is filled in by the checker).
-        window_left, window_right: the visible band ``-left <= j - i - shift <= right``; -1 is unbounded;
-            causal is (-1, 0).
-        bottom_right: align the band's diagonal to the bottom-right corner (flash_attn) or top-left (SDPA).
-        offset: moves the diagonal by this many columns on top of the alignment: query i of this call is query
-            i + offset of a longer sequence whose keys start at this call's key 0 (context parallelism attends
-            one chunk of queries to another chunk of keys).
-        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masks).
-        dropout_p: probability of dropping an attention weight; kept weights are scaled by 1 / (1 - p).
-        seed: one-element int64 tensor on the inputs' device, the key of the counter-based dropout generator
-            (``flashattn.backends.philox``); None without dropout. A tensor, so GPU kernels read it without a sync.
-        deterministic: ask for bitwise-reproducible gradients (backends that could use atomics honour it).
-    """
-
-    scale: float
-    window_left: int = -1
-    window_right: int = -1
-    bottom_right: bool = True
-    offset: int = 0
-    softcap: float = 0.0
-    dropout_p: float = 0.0
-    seed: torch.Tensor | None = None
-    deterministic: bool = False
-
-    def band(self, nq: int, nk: int) -> Band:
-        return Band.of(nq, nk, self.window_left, self.window_right, self.bottom_right, self.offset)
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and statistics are kept in: float64 for float64 inputs, float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -54,8 +43,8 @@ class Varlen:
     ((b * H + h) * max_seqlen_q + i) * max_seqlen_k + j, shared by every backend.
     """
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -84,13 +73,161 @@ class KeyCache:
     log-sum-exp (flash-decoding); 0 lets the backend choose.
     """
 
-    k_start: torch.Tensor
-    k_end: torch.Tensor
+    k_start: Tensor
+    k_end: Tensor
     max_seqlen_k: int
-    batch_idx: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
+    batch_idx: Tensor | None = None
+    block_table: Tensor | None = None
     num_splits: int = 1
 
     def bounds(self) -> list[tuple[int, int]]:
         """(first position, end position) per batch entry (reads the bounds on the host)."""
         return list(zip(self.k_start.tolist(), self.k_end.tolist(), strict=True))
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Options of one attention call, already checked by ``flashattn.checks``.
+
+    Attributes:
+        scale: multiplies q.k before anything else (default headdim ** -0.5 is filled in by the checker).
+        window_left, window_right: the visible band ``-left <= j - i - diagonal <= right``; -1 is unbounded;
+            causal is (-1, 0).
+        bottom_right: align the band's diagonal to the bottom-right corner (flash_attn) or top-left (SDPA).
+        diagonal_offset: moves the diagonal by this many columns on top of the alignment: query i of this call is
+            query i + diagonal_offset of a longer sequence whose keys start at this call's key 0 (context
+            parallelism attends one chunk of queries to another chunk of keys).
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling, before masks).
+        dropout_p: probability of dropping an attention weight; kept weights are scaled by 1 / (1 - p).
+        deterministic: ask for bitwise-reproducible gradients (backends that could use atomics honour it).
+        seed: one-element int64 tensor on the inputs' device, the key of the counter-based dropout generator
+            (``flashattn.backends.philox``); None without dropout. A tensor, so GPU kernels read it without a sync.
+        alibi_slopes: (1 or B, H) in the accumulation dtype; adds ``-slope * |i + diagonal - j|``.
+        attn_mask: (B or 1, H or 1, Nq or 1, Nk or 1), boolean (True = may attend) or additive in q's dtype.
+        varlen: q (and k, v unless ``cache``) are packed sequences: q (total_q, H, D), lse (H, total_q).
+        cache: keys and values live in a KV cache (dense or paged): forward only.
+    """
+
+    scale: float
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = True
+    diagonal_offset: int = 0
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    seed: Tensor | None = None
+    alibi_slopes: Tensor | None = None
+    attn_mask: Tensor | None = None
+    varlen: Varlen | None = None
+    cache: KeyCache | None = None
+
+    def band(self, nq: int, nk: int) -> Band:
+        return Band.of(nq, nk, self.window_left, self.window_right, self.bottom_right, self.diagonal_offset)
+
+    @property
+    def packed(self) -> bool:
+        """q is packed (total_q, H, D), and lse (H, total_q): the one test of packed input for every backend."""
+        return self.varlen is not None
+
+    def as_args(self) -> tuple:
+        """The flat argument list of the custom op, in ``op_schema`` order."""
+        return tuple(_flatten(self, type(self)))
+
+    @classmethod
+    def from_args(cls, args: Sequence) -> AttentionSpec:
+        """The inverse of ``as_args``."""
+        values = iter(args)
+        spec = _unflatten(cls, values)
+        if next(values, _END) is not _END:
+            raise ValueError(f"AttentionSpec.from_args: more than the {len(_leaves(cls))} arguments of the schema")
+        return spec
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """The fields as ``torch.library`` schema arguments: ``"float scale, SymInt window_left, ..."``."""
+        return ", ".join(f"{leaf.schema_type} {leaf.name}" for leaf in _leaves(cls))
+
+    @classmethod
+    def arg_index(cls, name: str) -> int:
+        """Position of the (flattened) field ``name`` in ``as_args()``, e.g. to place a gradient."""
+        return [leaf.name for leaf in _leaves(cls)].index(name)
+
+
+class Saved(NamedTuple):
+    """What the forward saves for the backward: its inputs and its results."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+
+# --- the flattening behind as_args / from_args / op_schema -------------------------------------------------------
+# A field is a scalar (float, int, bool), a tensor (optional or not) or a nested layout dataclass (always optional).
+# A nested one is flattened into its own fields, prefixed with its name; absent, it contributes None for tensors
+# and 0 for scalars, and it is present exactly when its first field (a required tensor) is not None. The plan is
+# computed once at import: ``as_args`` runs under torch.compile, which cannot trace ``typing.get_type_hints``.
+
+_SCALAR_SCHEMA = {float: "float", int: "SymInt", bool: "bool"}
+_END = object()
+
+
+class _Leaf(NamedTuple):
+    name: str
+    schema_type: str
+    path: tuple[str, ...]  # attribute names from the spec down to the value
+    kind: type  # Tensor, float, int or bool
+
+
+def _field_types(cls: type) -> Iterator[tuple[str, type, bool]]:
+    """(name, type, optional) of each field of dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        args = typing.get_args(hints[field.name])
+        optional = type(None) in args
+        kind = next(a for a in args if a is not type(None)) if optional else hints[field.name]
+        yield field.name, kind, optional
+
+
+def _plan(cls: type, path: tuple[str, ...] = ()) -> list[_Leaf]:
+    leaves = []
+    for name, kind, optional in _field_types(cls):
+        if dataclasses.is_dataclass(kind):
+            leaves += _plan(kind, (*path, name))
+        elif kind is Tensor:
+            leaves.append(_Leaf("_".join((*path, name)), "Tensor?" if optional or path else "Tensor", (*path, name),
+                                kind))
+        else:
+            leaves.append(_Leaf("_".join((*path, name)), _SCALAR_SCHEMA[kind], (*path, name), kind))
+    return leaves
+
+
+def _leaves(cls: type) -> list[_Leaf]:
+    return _PLANS[cls]
+
+
+def _flatten(obj: object, cls: type) -> Iterator[object]:
+    for leaf in _PLANS[cls]:
+        value = obj
+        for name in leaf.path:
+            value = None if value is None else getattr(value, name)
+        yield leaf.kind(0) if value is None and leaf.kind is not Tensor else value
+
+
+def _unflatten(cls: type, values: Iterator) -> object:
+    fields = {}
+    for name, kind, _ in _FIELDS[cls]:
+        fields[name] = _unflatten_nested(kind, values) if dataclasses.is_dataclass(kind) else next(values)
+    return cls(**fields)
+
+
+def _unflatten_nested(cls: type, values: Iterator) -> object | None:
+    nested = _unflatten(cls, values)
+    first = dataclasses.fields(cls)[0].name
+    return None if getattr(nested, first) is None else nested
+
+
+_FIELDS = {cls: tuple(_field_types(cls)) for cls in (AttentionSpec, Varlen, KeyCache)}
+_PLANS = {AttentionSpec: _plan(AttentionSpec)}

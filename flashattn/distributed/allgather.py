@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..backends.spec import AttentionSpec
-from ..ops import attention, backward_block
-from .common import block_spec, check, visible
+from .. import checks
+from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
+from ..ops import attention, attention_backward, choose_backend
+from .common import block_spec, check, head_spec, visible
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -28,26 +29,27 @@ def _head_groups(hk: int, step: int):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alibi, spec: AttentionSpec, heads_per_step: int, group):
+    def forward(ctx, q, k, v, spec: AttentionSpec, heads_per_step: int, group):
         rank, n = dist.get_rank(group), q.shape[1]
         g = q.shape[2] // k.shape[2]
         bspec = block_spec(spec, rank * n, 0)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        backend = choose_backend(q, v)  # one backend for every head group, forward and backward
+        acc = accumulation_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full((q.shape[0], q.shape[2], n), float("-inf"), dtype=acc, device=q.device)
         for h0, h1 in _head_groups(k.shape[2], heads_per_step):
             kf, vf = _gather(k[:, :, h0:h1], group), _gather(v[:, :, h0:h1], group)
             if visible(bspec, n, kf.shape[1]):
                 heads = slice(h0 * g, h1 * g)
-                o, lse[:, heads], _ = attention(q[:, :, heads], kf, vf, bspec, alibi_slopes=_heads(alibi, heads))
+                o, lse[:, heads], _ = attention(q[:, :, heads], kf, vf, head_spec(bspec, heads), backend=backend)
                 out[:, :, heads] = o
-        ctx.save_for_backward(q, k, v, out, lse, alibi)
-        ctx.spec, ctx.heads_per_step, ctx.group = bspec, heads_per_step, group
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.heads_per_step, ctx.group, ctx.backend = bspec, heads_per_step, group, backend
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         bspec, group = ctx.spec, ctx.group
         world, n = dist.get_world_size(group), q.shape[1]
         g = q.shape[2] // k.shape[2]
@@ -57,33 +59,27 @@ class _AllGatherAttention(torch.autograd.Function):
             heads = slice(h0 * g, h1 * g)
             dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
             if visible(bspec, n, kf.shape[1]):
-                dq[:, :, heads], dkf, dvf = backward_block(
-                    dout[:, :, heads], None if dlse is None else dlse[:, heads], q[:, :, heads], kf, vf,
-                    out[:, :, heads], lse[:, heads], bspec,
-                    _heads(alibi, heads))
+                saved = Saved(q[:, :, heads], kf, vf, out[:, :, heads], lse[:, heads])
+                dq[:, :, heads], dkf, dvf = attention_backward(
+                    dout[:, :, heads], None if dlse is None else dlse[:, heads], saved, head_spec(bspec, heads),
+                    backend=ctx.backend)
             # Every rank holds a gradient for the whole sequence: sum them, each rank keeping its own chunk.
             for full, mine in ((dkf, dk), (dvf, dv)):
                 part = torch.empty_like(mine[:, :, h0:h1])
                 dist.reduce_scatter(part, [c.contiguous() for c in full.chunk(world, 1)], group=group)
                 mine[:, :, h0:h1] = part
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
-def _heads(alibi, heads: slice):
-    return None if alibi is None else alibi[:, heads].contiguous()
-
-
-def allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                              group=None, kv_heads_per_step=None):
+def allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
+                              causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, group=None, kv_heads_per_step=None):
     """``flash_attn_func`` over a contiguously sharded sequence by gathering K/V (``kv_heads_per_step`` key/value
     heads at a time; default all) instead of passing it around a ring. Same arguments and returns as
     ``ring_flash_attn_func``."""
     fn = "allgather_flash_attn_func"
-    call = check(fn, q, k, v, group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+    call = check(fn, q, k, v, group=group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    step = k.shape[2] if kv_heads_per_step is None else kv_heads_per_step
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"{fn}: kv_heads_per_step must be a positive int or None, got {kv_heads_per_step!r}")
-    out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.alibi_slopes, call.spec, step, group)
+    step = checks.check_heads_per_step(fn, kv_heads_per_step, default=call.k.shape[2])
+    out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.spec, step, group)
     return (out, lse, None) if return_attn_probs else out

@@ -8,40 +8,32 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..backends.combine import merge_states
-from ..backends.spec import AttentionSpec
+from ..backends.merge import merge_states
+from ..backends.spec import AttentionSpec, accumulation_dtype
 from ..ops import attention
 
 
-def check(fn: str, q, k, v, group, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-          deterministic) -> checks.CheckedCall:
-    """The ``flash_attn_func`` checks on the local shards, plus what context parallelism needs: self-attention
-    (q and k/v shards of the same length) of equal length on every rank, and no dropout."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"{fn}: torch.distributed is not initialised; call torch.distributed.init_process_group")
-    call = checks.check_flash(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                              deterministic=deterministic, return_attn_probs=False)
-    if call.spec.dropout_p > 0:
-        raise ValueError(f"{fn}: dropout_p must be 0: a dropout mask drawn per block would not match one device's "
-                         "and could repeat across blocks; apply dropout outside attention or use one device")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"{fn}: context parallelism shards one sequence for q, k and v alike; got local lengths "
-                         f"{q.shape[1]} (q) and {k.shape[1]} (k)")
-    mine = torch.tensor([q.shape[1]], device=q.device)
+def check(fn: str, q, k, v, *, group, layout: str = "contiguous", **options) -> checks.CheckedCall:
+    """``checks.check_context_parallel`` on the local shards, plus the lengths of every rank's shard (one small
+    all-gather)."""
+    call = checks.check_context_parallel(fn, q, k, v, layout=layout, **options)
+    mine = torch.tensor([call.q.shape[1]], device=call.q.device)
     parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
-    lengths = [int(p) for p in parts]
-    if len(set(lengths)) != 1:
-        raise ValueError(f"{fn}: every rank must hold the same number of tokens, got {lengths}; shard with "
-                         "flashattn.distributed.shard (pad the sequence to a multiple)")
+    checks.check_shard_lengths(fn, [int(p) for p in parts])
     return call
 
 
 def block_spec(spec: AttentionSpec, q_start: int, k_start: int) -> AttentionSpec:
     """Options for queries starting at global token ``q_start`` against keys starting at ``k_start``: the
     causal/window diagonal (self-attention: top-left = bottom-right) moved by the distance between the two."""
-    return dataclasses.replace(spec, bottom_right=False, offset=q_start - k_start)
+    return dataclasses.replace(spec, bottom_right=False, diagonal_offset=q_start - k_start)
+
+
+def head_spec(spec: AttentionSpec, heads: slice) -> AttentionSpec:
+    """Options for the query heads ``heads`` alone (their ALiBi slopes)."""
+    alibi = spec.alibi_slopes
+    return spec if alibi is None else dataclasses.replace(spec, alibi_slopes=alibi[:, heads].contiguous())
 
 
 def visible(spec: AttentionSpec, nq: int, nk: int) -> bool:
@@ -52,12 +44,13 @@ def visible(spec: AttentionSpec, nq: int, nk: int) -> bool:
 class Partial:
     """The running (out, lse) of one query run, merged block by block in float32 (float64 stays float64)."""
 
-    def __init__(self):
+    def __init__(self, backend: str):
+        self.backend = backend
         self.out = self.lse = None
 
-    def add(self, q, k, v, spec, alibi) -> None:
-        out, lse, _ = attention(q, k, v, spec, alibi_slopes=alibi)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    def add(self, q, k, v, spec: AttentionSpec) -> None:
+        out, lse, _ = attention(q, k, v, spec, backend=self.backend)
+        acc = accumulation_dtype(q.dtype)
         out, lse = out.to(acc), lse.to(acc)
         if self.out is None:
             self.out, self.lse = out, lse
@@ -67,7 +60,7 @@ class Partial:
     def result(self, q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out is None:  # no key visible at all
             b, n, h, _ = q.shape
-            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            acc = accumulation_dtype(q.dtype)
             return (q.new_zeros(b, n, h, dv, dtype=acc), q.new_full((b, h, n), float("-inf"), dtype=acc))
         return self.out, self.lse
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..backends.spec import AttentionSpec
-from ..ops import backward_block
+from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
+from ..ops import attention_backward, choose_backend
 from .common import Partial, block_spec, check, exchange, visible
 from .layout import segments
 
@@ -29,41 +29,43 @@ def _pairs(layout, rank, src, world, n, spec):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alibi, spec: AttentionSpec, layout: str, group):
+    def forward(ctx, q, k, v, spec: AttentionSpec, layout: str, group):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         n = q.shape[1]
-        runs = {sq: Partial() for _, sq, _ in segments(layout, rank, world, n)}
+        backend = choose_backend(q, v)  # one backend for every block, forward and backward
+        runs = {sq: Partial(backend) for _, sq, _ in segments(layout, rank, world, n)}
         kv = [k, v]
         for step in range(world):
             pending = exchange(kv, group) if step < world - 1 else None
             for qs, ks, bspec in _pairs(layout, rank, (rank - step) % world, world, n, spec):
-                runs[qs.start].add(q[:, qs], kv[0][:, ks], kv[1][:, ks], bspec, alibi)
+                runs[qs.start].add(q[:, qs], kv[0][:, ks], kv[1][:, ks], bspec)
             if pending is not None:
                 kv, requests = pending
                 for r in requests:
                     r.wait()
         parts = [runs[sq].result(q[:, sq : sq + lq], v.shape[-1]) for _, sq, lq in segments(layout, rank, world, n)]
         out = torch.cat([o for o, _ in parts], 1).to(q.dtype)
-        lse = torch.cat([lse for _, lse in parts], 2).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse, alibi)
-        ctx.spec, ctx.layout, ctx.group = spec, layout, group
+        lse = torch.cat([lse for _, lse in parts], 2).to(accumulation_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.layout, ctx.group, ctx.backend = spec, layout, group, backend
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         spec, layout, group = ctx.spec, ctx.layout, ctx.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         n = q.shape[1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         held = [k, v, torch.zeros(k.shape, dtype=acc, device=k.device),
                 torch.zeros(v.shape, dtype=acc, device=v.device)]
         for step in range(world):
             kc, vc, dk, dv = held
             for qs, ks, bspec in _pairs(layout, rank, (rank - step) % world, world, n, spec):
-                g = backward_block(dout[:, qs], None if dlse is None else dlse[:, :, qs], q[:, qs], kc[:, ks],
-                                   vc[:, ks], out[:, qs], lse[:, :, qs], bspec, alibi)
+                saved = Saved(q[:, qs], kc[:, ks], vc[:, ks], out[:, qs], lse[:, :, qs])
+                g = attention_backward(dout[:, qs], None if dlse is None else dlse[:, :, qs], saved, bspec,
+                                       backend=ctx.backend)
                 dq[:, qs] += g[0]
                 dk[:, ks] += g[1]
                 dv[:, ks] += g[2]
@@ -73,21 +75,18 @@ class _RingAttention(torch.autograd.Function):
             for r in requests:
                 r.wait()
             held = received if step < world - 1 else [None, None, *received]
-        return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype), None, None, None
 
 
-def _ring(fn, layout, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-          return_attn_probs, group, dropout_p):
-    call = check(fn, q, k, v, group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"{fn}: a zigzag shard holds two equal chunks, so its length must be even; got {q.shape[1]}")
-    out, lse = _RingAttention.apply(call.q, call.k, call.v, call.alibi_slopes, call.spec, layout, group)
+def _ring(fn: str, layout: str, q, k, v, *, group, return_attn_probs, **options):
+    call = check(fn, q, k, v, group=group, layout=layout, **options)
+    out, lse = _RingAttention.apply(call.q, call.k, call.v, call.spec, layout, group)
     return (out, lse, None) if return_attn_probs else out
 
 
-def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                         softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,  # noqa: PLR0913 (flash_attn's)
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                         return_attn_probs=False, group=None):
     """``flash_attn_func`` over a sequence sharded contiguously across ``group`` (rank r holds tokens
     [r N/w, (r + 1) N/w) of q, k and v; ``flashattn.distributed.shard``), by ring attention.
 
@@ -95,14 +94,16 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     Returns this rank's rows of the output, or (out, softmax_lse (batch, nheads, local_len), None) with
     ``return_attn_probs``: exactly what one device computes for these rows. Differentiable.
     """
-    return _ring("ring_flash_attn_func", "contiguous", q, k, v, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs, group, dropout_p)
+    return _ring("ring_flash_attn_func", "contiguous", q, k, v, group=group, return_attn_probs=return_attn_probs,
+                 dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
-def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                group=None):
+def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
+                                causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                deterministic=False, return_attn_probs=False, group=None):
     """``ring_flash_attn_func`` on the zigzag layout (``shard(x, "zigzag")``: rank r holds chunks r and
     2w - 1 - r of 2w), which gives every rank the same causal work."""
-    return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs, group, dropout_p)
+    return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, group=group, return_attn_probs=return_attn_probs,
+                 dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import checks
 from ..ops import attention
-from .common import check
+from .common import check, head_spec
 
 
 class _AllToAll(torch.autograd.Function):
@@ -33,24 +34,19 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
-def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                            group=None):
+def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
+                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            deterministic=False, return_attn_probs=False, group=None):
     """``flash_attn_func`` over a contiguously sharded sequence by head parallelism (all-to-all). Same arguments
     and returns as ``ring_flash_attn_func``; nheads and nheads_k must be multiples of the world size."""
     fn = "ulysses_flash_attn_func"
-    call = check(fn, q, k, v, group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+    call = check(fn, q, k, v, group=group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if q.shape[2] % world or k.shape[2] % world:
-        raise ValueError(f"{fn}: nheads ({q.shape[2]}) and nheads_k ({k.shape[2]}) must be multiples of the world "
-                         f"size {world}; use ring_flash_attn_func or allgather_flash_attn_func")
+    checks.check_head_parallel(fn, nheads=call.q.shape[2], nheads_k=call.k.shape[2], world=world)
     qh, kh, vh = (_AllToAll.apply(t, 2, 1, group) for t in (call.q, call.k, call.v))
-    alibi = call.alibi_slopes
-    if alibi is not None:
-        per = q.shape[2] // world
-        alibi = alibi[:, rank * per : (rank + 1) * per].contiguous()
-    out, lse, _ = attention(qh, kh, vh, call.spec, alibi_slopes=alibi)
+    per = call.q.shape[2] // world
+    out, lse, _ = attention(qh, kh, vh, head_spec(call.spec, slice(rank * per, (rank + 1) * per)))
     out = _AllToAll.apply(out, 1, 2, group)
     lse = _AllToAll.apply(lse, 2, 1, group)
     return (out, lse, None) if return_attn_probs else out

@@ -1,15 +1,19 @@
-"""Kernel health report: compile every shipped kernel configuration offline for sm_80 and sm_90 (no GPU needed)
-and read registers, spills and shared memory from the cubin, and whether Hopper's tensor-core instructions
-(HGMMA, from wgmma) are used.
+"""Kernel health report: compile every shipped kernel configuration offline for sm_80 and sm_90 (no GPU needed),
+through the real launcher, and read registers, spills and shared memory from the cubin, and whether Hopper's
+tensor-core instructions (HGMMA, from wgmma) are used.
 
     python -m flashattn.backends.triton.health [--json out.json] [--head-dims 64,128]
 
-Exit status 1 when a configuration spills, exceeds the target's shared memory, or (sm_90) has no HGMMA.
+The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
+so the runtime's specialization of aligned pointers, unit strides and divisible sizes), for a representative call
+per table entry with every feature its weight may serve switched on: the worst case for registers. Exit status 1
+when a configuration spills, exceeds the target's shared memory, or (sm_90) has no HGMMA.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -18,44 +22,49 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
 
-from . import configs, kernels
+from .. import triton as backend
+from ..spec import AttentionSpec, KeyCache, Saved, Varlen
+from . import configs
+from .launch import compile_only
 
 # Opt-in shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 166912, 90: 232448}
 TARGETS = (80, 90)
-
-POINTERS = {
-    "Q": "in", "K": "in", "V": "in", "Out": "in", "DOut": "in", "DQ": "in", "DK": "in", "DV_": "in",
-    "Probs": "in", "Mask": "in", "Lse": "fp32", "Delta": "fp32", "DLse": "fp32", "Alibi": "fp32", "Seed": "i64",
-    "CuQ": "i32", "CuK": "i32", "KStart": "i32", "KEnd": "i32", "KBatch": "i32", "BlockTable": "i32",
-}
-FLOATS = {"scale", "softcap", "dropout_p"}
-# Every feature a config of that weight may have to serve, all switched on: the worst case for registers.
-VARIANT_FLAGS = {
-    "light": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, MASK_KIND=kernels.MASK_NONE,
-                  HAS_DROPOUT=False),
-    "heavy": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, MASK_KIND=kernels.MASK_ADD,
-                  HAS_DROPOUT=True),
-}
-# How the forward kernel finds keys, worst case per weight: light calls may read a paged cache for a packed q
-# (paged varlen, flash_attn_with_kvcache); heavy ones (dropout, a mask) only dense or varlen keys.
-FORWARD_KEYS = {
-    "light": dict(Q_PACKED=True, K_RANGE=True, K_BATCH=True, PAGED=True),
-    "heavy": dict(Q_PACKED=True, K_RANGE=True, K_BATCH=False, PAGED=False),
-}
-DECODE = "attention_forward_kernel[decode]"  # the forward with the few-rows table (configs.DECODE)
-# wgmma works on 64-row warpgroup tiles; these head-dim-256 backward configs fit only 32-row tiles without
-# spilling, so they run on mma.sync (HMMA).
+TABLES = ("forward", "decode", "dkdv", "dq")
+KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",
+             "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel"}
+# wgmma works on 64-row warpgroup tiles; these configs fit only smaller tiles without spilling, so they run on
+# mma.sync (HMMA): decode's 16-row tiles, and three head-dim-256 backward configs.
 HGMMA_EXEMPT = {
-    *((DECODE, d, w) for d in (16, 32, 64, 128, 256) for w in configs.WEIGHTS),  # 16-row tiles: mma.sync
-    ("attention_backward_dkdv_kernel", 256, "heavy"),
-    ("attention_backward_dq_kernel", 256, "light"),
-    ("attention_backward_dq_kernel", 256, "heavy"),
+    *(("decode", d, w) for d in (16, 32, 64, 128, 256) for w in configs.WEIGHTS),
+    ("dkdv", 256, "heavy"),
+    ("dq", 256, "light"),
+    ("dq", 256, "heavy"),
 }
+
+
+class _OfflineDriver(CudaDriver):
+    """A CUDA driver that answers Triton's questions for a chosen architecture without a GPU; kernels are only
+    compiled (warmed up), never launched. Its device number is the architecture, so compilations for different
+    targets do not share Triton's per-device caches."""
+
+    def __init__(self, arch: int):  # no super().__init__(): it would load libcuda
+        self.arch = arch
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_current_device(self) -> int:
+        return self.arch
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
 
 
 @dataclass
@@ -75,27 +84,55 @@ class Health:
     problems: list[str]
 
 
-def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict, dict]:
-    """Types of every argument as the runtime would specialise them: unit strides (``*_d``) become the
-    constant 1, other integers are i32 with 16-divisibility hints like Triton gives aligned shapes."""
-    sig, consts, attrs = {}, dict(constexprs), {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in POINTERS:
-            kind = POINTERS[name]
-            sig[name] = "*" + (dtype if kind == "in" else kind)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in FLOATS:
-            sig[name] = "fp32"
-        elif name.startswith("stride_") and name[-1] == "d":
-            sig[name] = "constexpr"
-            consts[name] = 1
+def _spec(table: str, weight: str, tensors: dict) -> AttentionSpec:
+    """Every feature a call of this weight may use: light calls the band both sides, softcap and ALiBi (and, for
+    the forward, keys in a paged KV cache or packed); heavy ones dropout and an additive mask too."""
+    spec = AttentionSpec(scale=0.125, window_left=64, window_right=0, softcap=30.0,
+                         alibi_slopes=tensors["alibi"])
+    if weight.endswith("heavy"):
+        return dataclasses.replace(spec, dropout_p=0.1, seed=tensors["seed"], attn_mask=tensors["mask"])
+    if table in ("forward", "decode"):
+        return dataclasses.replace(spec, varlen=tensors["varlen"], cache=tensors["cache"])
+    return spec
+
+
+def _inputs(table: str, weight: str, head_dim: int):
+    """(q, k, v, spec) of a representative call: 2 sequences of 256 tokens (1 query for decode), 4:2 heads."""
+    dtype = torch.float32 if weight.startswith("fp32") else torch.float16
+    b, h, hk, n = 2, 4, 2, 256
+    nq = 1 if table == "decode" else n
+    cu_q = torch.arange(0, (b + 1) * nq, nq, dtype=torch.int32)
+    page = 16
+    tensors = {
+        "alibi": torch.rand(1, h),
+        "seed": torch.zeros(1, dtype=torch.int64),
+        "mask": torch.zeros(b, h, nq, n, dtype=dtype),
+        "varlen": Varlen(cu_q, cu_q, nq, n),
+        "cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n,
+                          block_table=torch.arange(b * n // page, dtype=torch.int32).view(b, -1)),
+    }
+    spec = _spec(table, weight, tensors)
+    if spec.varlen is not None:  # packed q; a paged cache of (pages, page size, heads, dim)
+        q = torch.empty(b * nq, h, head_dim, dtype=dtype)
+        k, v = (torch.empty(b * n // page, page, hk, head_dim, dtype=dtype) for _ in range(2))
+    else:
+        q = torch.empty(b, nq, h, head_dim, dtype=dtype)
+        k, v = (torch.empty(b, n, hk, head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v, spec
+
+
+def _compile(table: str, weight: str, head_dim: int) -> object:
+    """The compiled kernel that serves (table, head dim, weight), through the backend's own launch path."""
+    q, k, v, spec = _inputs(table, weight, head_dim)
+    with compile_only() as launches:
+        if table in ("forward", "decode"):
+            backend.forward(q, k, v, spec)
         else:
-            sig[name] = "i32"
-            if name.startswith("stride_"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, consts, attrs
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+            backend.backward(torch.empty_like(out), None, Saved(q, k, v, out, lse), spec)
+    name = KERNEL_OF[table].removesuffix("[decode]")
+    return next(c for c in launches if c.name == name).kernel
 
 
 def _cuobjdump() -> str:
@@ -115,35 +152,20 @@ def _inspect_cubin(cubin: bytes) -> tuple[int, int, bool]:
     return regs, spills, "HGMMA" in sass
 
 
-def _shipped(head_dims):
-    """(kernel, name, head_dim, weight, config) for every entry of the config tables with a head dim in
-    ``head_dims``."""
-    tables = ((kernels.attention_forward_kernel, "attention_forward_kernel", configs.FORWARD),
-              (kernels.attention_forward_kernel, DECODE, configs.DECODE),
-              (kernels.attention_backward_dkdv_kernel, "attention_backward_dkdv_kernel", configs.BACKWARD_DKDV),
-              (kernels.attention_backward_dq_kernel, "attention_backward_dq_kernel", configs.BACKWARD_DQ))
-    for fn, name, table in tables:
-        for (d, weight), cfg in sorted(table.items()):
-            if d in head_dims:
-                yield fn, name, d, weight, cfg
+def _table(table: str) -> dict:
+    return {"forward": configs.FORWARD, "decode": configs.DECODE, "dkdv": configs.BACKWARD_DKDV,
+            "dq": configs.BACKWARD_DQ}[table]
 
 
-def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: str, name: str | None = None
-              ) -> Health:
-    name = name or fn.__name__
-    fp32 = variant.startswith("fp32-")
-    dtype = "fp32" if fp32 else "fp16"
-    weight = variant.removeprefix("fp32-")
-    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, BLOCK_DV=head_dim,
-                      UPCAST=False, FP32_DOT=fp32, **VARIANT_FLAGS[weight])
-    if "WRITE_PROBS" in fn.arg_names:  # the forward
-        constexprs.update(WRITE_PROBS=False, **FORWARD_KEYS[weight])
-    else:
-        constexprs["IS_VARLEN"] = True
-    sig, consts, attrs = _signature(fn, dtype, constexprs)
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+def check_one(table: str, head_dim: int, variant: str, arch: int) -> Health:
+    """Compile (table, head dim, variant) for ``arch`` and judge it."""
+    cfg = _table(table)[(head_dim, variant)]
+    previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
+    driver.set_active(_OfflineDriver(arch))
+    try:
+        compiled = _compile(table, variant, head_dim)
+    finally:
+        driver._active = previous
     regs, spills, hgmma = _inspect_cubin(compiled.asm["cubin"])
     shared = compiled.metadata.shared
     problems = []
@@ -152,14 +174,14 @@ def check_one(fn, head_dim: int, cfg: configs.KernelConfig, arch: int, variant: 
     if shared > SHARED_LIMIT[arch]:
         problems.append(f"shared memory {shared} > {SHARED_LIMIT[arch]}")
     # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
-    if arch == 90 and not fp32 and not hgmma and (name, head_dim, variant) not in HGMMA_EXEMPT:
+    if arch == 90 and not variant.startswith("fp32") and not hgmma and (table, head_dim, variant) not in HGMMA_EXEMPT:
         problems.append("no HGMMA (wgmma) instructions on sm_90")
-    return Health(name, arch, head_dim, variant, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+    return Health(KERNEL_OF[table], arch, head_dim, variant, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                   regs, spills, shared, hgmma, problems)
 
 
 def report(head_dims=(16, 32, 64, 128, 256)) -> list[Health]:
-    return [check_one(fn, d, cfg, arch, variant, name) for fn, name, d, variant, cfg in _shipped(head_dims)
+    return [check_one(table, d, variant, arch) for table in TABLES for d in head_dims for variant in configs.WEIGHTS
             for arch in TARGETS]
 
 

@@ -1,16 +1,18 @@
 """The numerics of merging partial attention results by their log-sum-exp, shared by the backends' split-KV
-paths and the public ``flashattn.merge_attention_states`` (which adds argument checks)."""
+paths, context parallelism and the public ``flashattn.merge_attention_states`` (which adds argument checks)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .spec import accumulation_dtype
+
 
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """out (..., seqlen, nheads, headdim) and lse (..., nheads, seqlen) of the union of two disjoint key sets;
     see ``flashattn.merge_attention_states``."""
-    acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
+    acc = accumulation_dtype(torch.promote_types(out_a.dtype, lse_a.dtype))
     la, lb = lse_a.to(acc), lse_b.to(acc)
     hi = torch.maximum(la, lb)
     lo = torch.minimum(la, lb)

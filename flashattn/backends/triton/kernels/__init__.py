@@ -1,0 +1,21 @@
+"""FlashAttention-2 forward and backward as Triton kernels.
+
+One program owns one (query block, batch x head) pair in the forward and the dQ pass, one (key block, batch x
+key/value head) pair in the dK/dV pass. Every kernel builds its score tiles with ``tiles.score_tile``, the single
+place where scale, softcap, the causal/window band, ALiBi and a user mask are applied; a feature whose argument
+is None is compiled out, and the band is applied only on tiles that straddle it.
+
+Dropout draws ``tl.rand(seed, ((b * H + h) * Nq + i) * Nk + j)``: the same numbers as
+``flashattn.backends.philox``, so this backend and the CPU path drop exactly the same weights.
+"""
+
+from .backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, attention_backward_preprocess_kernel
+from .forward import attention_forward_kernel, merge_splits_kernel
+
+__all__ = [
+    "attention_backward_dkdv_kernel",
+    "attention_backward_dq_kernel",
+    "attention_backward_preprocess_kernel",
+    "attention_forward_kernel",
+    "merge_splits_kernel",
+]

@@ -1,0 +1,125 @@
+"""The building blocks of every check: the error, tensors, dtypes and devices, head counts, and scalar options.
+
+Each ``validate_*`` raises a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, bad value) whose
+message starts with the function the user called, then names the argument, the value received and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from ..backends.spec import accumulation_dtype
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+
+def fail(fn: str, message: str, kind: type[Exception] = ValueError) -> Exception:
+    """The error to raise: ``kind(f"{fn}: {message}")``."""
+    return kind(f"{fn}: {message}")
+
+
+def validate_tensor(fn: str, name: str, t: object, ndim: int, layout: str) -> torch.Tensor:
+    """A floating-point tensor with ``ndim`` dimensions, described as ``layout`` in the error."""
+    if not isinstance(t, torch.Tensor):
+        raise fail(fn, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}", TypeError)
+    if t.dim() != ndim:
+        raise fail(fn, f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise fail(fn, f"{name} has dtype {t.dtype}; supported dtypes are {_DTYPE_NAMES}", TypeError)
+    return t
+
+
+def validate_same(fn: str, named: dict[str, torch.Tensor]) -> None:
+    """All tensors share the first one's dtype and device."""
+    (first, t0), *rest = named.items()
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise fail(fn, f"{name} has dtype {t.dtype} but {first} has {t0.dtype}; all must match", TypeError)
+        if t.device != t0.device:
+            raise fail(fn, f"{name} is on {t.device} but {first} is on {t0.device}; all must be on one device")
+
+
+def validate_heads(fn: str, nheads: int, nheads_k: int, names: tuple[str, str]) -> None:
+    """Grouped-query attention: the query heads are a multiple of the key/value heads."""
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise fail(fn, f"the number of heads in {names[0]} ({nheads}) must be a multiple of the number of heads in "
+                       f"{names[1]} ({nheads_k}) for grouped-query attention")
+
+
+def validate_real(fn: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise fail(fn, f"{name} must be a real number, got {value!r}", TypeError)
+    if not math.isfinite(value):
+        raise fail(fn, f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def validate_dropout(fn: str, dropout_p: object) -> float:
+    p = validate_real(fn, "dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise fail(fn, f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def validate_scale(fn: str, name: str, scale: object, headdim: int) -> float:
+    if scale is None:
+        return headdim**-0.5 if headdim > 0 else 1.0
+    return validate_real(fn, name, scale)
+
+
+def validate_window(fn: str, window_size: object, causal: bool) -> tuple[int, int]:
+    ok = isinstance(window_size, Sequence) and len(window_size) == 2
+    if not ok or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+        raise fail(fn, f"window_size must be a pair of ints (left, right), got {window_size!r}", TypeError)
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise fail(fn, f"window_size values must be >= -1 (-1 means unbounded), got {tuple(window_size)}")
+    # flash_attn: causal is the window's right edge at the diagonal.
+    return (left, 0) if causal else (left, right)
+
+
+def validate_softcap(fn: str, softcap: object) -> float:
+    c = validate_real(fn, "softcap", softcap)
+    if c < 0:
+        raise fail(fn, f"softcap must be >= 0 (0 disables it), got {softcap!r}")
+    return c
+
+
+def validate_bool(fn: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise fail(fn, f"{name} must be a bool, got {value!r}", TypeError)
+    return value
+
+
+def validate_count(fn: str, name: str, value: object, minimum: int = 0, meaning: str = "0 chooses automatically"
+                   ) -> int:
+    """An int >= ``minimum``; ``meaning`` explains the smallest value in the error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise fail(fn, f"{name} must be an int, got {value!r}", TypeError)
+    if value < minimum:
+        raise fail(fn, f"{name} must be >= {minimum} ({meaning}), got {value}")
+    return value
+
+
+def validate_alibi(fn: str, slopes: object, *, batch: int, nheads: int, ref: torch.Tensor) -> torch.Tensor | None:
+    """ALiBi slopes (nheads,) or (batch, nheads) -> (1 or batch, nheads) in the accumulation dtype."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise fail(fn, f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}", TypeError)
+    if not slopes.is_floating_point():
+        raise fail(fn, f"alibi_slopes must be a floating-point tensor, got dtype {slopes.dtype}", TypeError)
+    if slopes.device != ref.device:
+        raise fail(fn, f"alibi_slopes is on {slopes.device} but q is on {ref.device}")
+    if slopes.requires_grad and torch.is_grad_enabled():
+        raise fail(fn, "alibi_slopes receives no gradient (as in flash_attn); pass alibi_slopes.detach()")
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise fail(fn, f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, "
+                       f"{nheads}), got {tuple(slopes.shape)}")
+    return slopes.reshape(-1, nheads).to(accumulation_dtype(ref.dtype))

@@ -1,0 +1,147 @@
+"""Checks of the library's other public pieces: merging partial results, padding, context parallelism, and the
+``flashattn.nn`` modules' configuration and inputs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import torch.distributed as dist
+
+from ._base import fail, validate_real
+from .flash import CheckedCall, check_flash
+
+
+def check_merge(fn: str, out_a: object, lse_a: object, out_b: object, lse_b: object) -> None:
+    """Two partial results of ``flash_attn_func``'s layouts: out (..., seqlen, nheads, headdim), lse (..., nheads,
+    seqlen), floating point, shapes matching pairwise."""
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, Tensor):
+            raise fail(fn, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if not t.is_floating_point():
+            raise fail(fn, f"{name} must be floating point, got {t.dtype}", TypeError)
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise fail(fn, f"out_a/out_b shapes {tuple(out_a.shape)}/{tuple(out_b.shape)} and lse_a/lse_b shapes "
+                       f"{tuple(lse_a.shape)}/{tuple(lse_b.shape)} must match pairwise")
+    expected = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3]) if out_a.dim() >= 3 else None
+    if expected is None or tuple(lse_a.shape) != expected:
+        raise fail(fn, f"out (..., seqlen, nheads, headdim) = {tuple(out_a.shape)} needs lse of shape (..., nheads, "
+                       f"seqlen) = {expected}, got {tuple(lse_a.shape)}")
+
+
+def check_padding_mask(fn: str, name: str, hidden_states: Tensor, mask: object) -> None:
+    """A (batch, seqlen) mask of the tokens of ``hidden_states`` (batch, seqlen, ...)."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise fail(fn, f"{name} must be a (batch, seqlen) tensor, got "
+                       f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
+    if tuple(hidden_states.shape[:2]) != tuple(mask.shape):
+        raise fail(fn, f"hidden_states starts with {tuple(hidden_states.shape[:2])} but {name} is "
+                       f"{tuple(mask.shape)}; they must agree on (batch, seqlen)")
+
+
+def check_pad(fn: str, hidden_states: Tensor, indices: Tensor) -> None:
+    if hidden_states.shape[0] != indices.shape[0]:
+        raise fail(fn, f"hidden_states has {hidden_states.shape[0]} tokens but indices has {indices.shape[0]}; pass "
+                       "the indices unpad_input returned with it")
+
+
+def check_context_parallel(fn: str, q: object, k: object, v: object, *, layout: str = "contiguous",
+                           **options) -> CheckedCall:
+    """``flash_attn_func``'s checks on the local shards (``options``: its keyword arguments), plus what context
+    parallelism needs: self-attention (q and k/v shards of the same length), no dropout, even zigzag shards. The
+    lengths across ranks are checked by ``check_shard_lengths``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise fail(fn, "torch.distributed is not initialised; call torch.distributed.init_process_group")
+    call = check_flash(fn, q, k, v, return_attn_probs=False, **options)
+    if call.spec.dropout_p > 0:
+        raise fail(fn, "dropout_p must be 0: a dropout mask drawn per block would not match one device's and could "
+                       "repeat across blocks; apply dropout outside attention or use one device")
+    if call.q.shape[1] != call.k.shape[1]:
+        raise fail(fn, f"context parallelism shards one sequence for q, k and v alike; got local lengths "
+                       f"{call.q.shape[1]} (q) and {call.k.shape[1]} (k)")
+    if layout == "zigzag" and call.q.shape[1] % 2:
+        raise fail(fn, f"a zigzag shard holds two equal chunks, so its length must be even; got {call.q.shape[1]}")
+    return call
+
+
+def check_shard_lengths(fn: str, lengths: list[int]) -> None:
+    """Every rank holds the same number of tokens."""
+    if len(set(lengths)) != 1:
+        raise fail(fn, f"every rank must hold the same number of tokens, got {lengths}; shard with "
+                       "flashattn.distributed.shard (pad the sequence to a multiple)")
+
+
+def check_head_parallel(fn: str, *, nheads: int, nheads_k: int, world: int) -> None:
+    """Ulysses: heads and key/value heads split evenly over the ranks."""
+    if nheads % world or nheads_k % world:
+        raise fail(fn, f"nheads ({nheads}) and nheads_k ({nheads_k}) must be multiples of the world size {world}; "
+                       "use ring_flash_attn_func or allgather_flash_attn_func")
+
+
+def check_heads_per_step(fn: str, value: object, default: int) -> int:
+    """All-gather: how many key/value heads to gather at a time (None: all)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise fail(fn, f"kv_heads_per_step must be a positive int or None, got {value!r}")
+    return value
+
+
+def check_multihead_config(fn: str, *, embed_dim: object, num_heads: object, dropout: object) -> None:
+    """``MultiheadAttention``'s constructor arguments, as torch's module requires them."""
+    if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or embed_dim <= 0 or num_heads <= 0:
+        raise fail(fn, f"embed_dim and num_heads must be positive ints, got {embed_dim!r} and {num_heads!r}")
+    if embed_dim % num_heads:
+        raise fail(fn, f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+    if not 0.0 <= validate_real(fn, "dropout", dropout) < 1.0:
+        raise fail(fn, f"dropout must be in [0, 1), got {dropout!r}")
+
+
+def check_multihead_inputs(fn: str, query: Tensor, key: Tensor, value: Tensor, *, embed_dim: int) -> None:
+    if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise fail(fn, f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got {query.dim()}, "
+                       f"{key.dim()} and {value.dim()} dims")
+    if query.shape[-1] != embed_dim:
+        raise fail(fn, f"query has embedding size {query.shape[-1]}, expected embed_dim = {embed_dim}")
+
+
+def check_multihead_masks(fn: str, attn_mask: Tensor | None, key_padding_mask: Tensor | None, *,
+                          shape: tuple[int, int, int, int]) -> None:
+    """torch MHA's masks for (N, num_heads, L, S) = ``shape``: attn_mask (L, S) or (N * num_heads, L, S),
+    key_padding_mask (N, S)."""
+    n, h, length, s = shape
+    if attn_mask is not None:
+        if attn_mask.dim() == 3 and attn_mask.shape != (n * h, length, s):
+            raise fail(fn, f"a 3-D attn_mask must be (N * num_heads, L, S) = {(n * h, length, s)}, got "
+                           f"{tuple(attn_mask.shape)}")
+        if attn_mask.dim() != 3 and attn_mask.shape != (length, s):
+            raise fail(fn, f"a 2-D attn_mask must be (L, S) = {(length, s)}, got {tuple(attn_mask.shape)}")
+    if key_padding_mask is not None and key_padding_mask.shape != (n, s):
+        raise fail(fn, f"key_padding_mask must be (N, S) = {(n, s)}, got {tuple(key_padding_mask.shape)}")
+
+
+def check_self_attention_config(fn: str, *, dim: int, heads: tuple[int, int], head_dim: int | None) -> int:
+    """``SelfAttention``'s sizes: heads = (num_heads, num_kv_heads). Returns head_dim (default dim // num_heads)."""
+    num_heads, num_kv_heads = heads
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise fail(fn, f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim is None:
+        if dim % num_heads:
+            raise fail(fn, f"dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim")
+        head_dim = dim // num_heads
+    return head_dim
+
+
+def check_rotary_dim(fn: str, rotary_dim: int, head_dim: int) -> int:
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise fail(fn, f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+    return rotary_dim
+
+
+def check_generation(fn: str, *, causal: bool = True, wants_grad: bool = False) -> None:
+    """A KV cache: causal attention (generation attends to the past), and no gradients (inference only)."""
+    if not causal:
+        raise fail(fn, "a KV cache needs causal=True (generation attends to the past)")
+    if wants_grad:
+        raise fail(fn, "the KV-cache path is inference only (no gradients); run generation under torch.no_grad() "
+                       "or torch.inference_mode()", RuntimeError)
