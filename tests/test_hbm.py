@@ -57,7 +57,7 @@ FLASH = ("flash1", "flash2_fwd", "flash2_bwd")
 
 @cache
 def traffic(algorithm: str, N: int, d: int, M: int, causal: bool = False) -> int:
-    return measure_traffic(algorithm, N, d, M, causal=causal)["elements"]
+    return measure_traffic(algorithm, N, d, M=M, causal=causal)["elements"]
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_null_counter_counts_nothing_and_results_are_identical(rng):
 def test_fa2_forward_reads_q_once_and_writes_o_and_l_once(rng):
     N_q, N_k, d, d_v, M = 100, 70, 16, 8, 1024
     Q, K, V = _qkv(rng, N_q, N_k, d, d_v)
-    B_r, _ = fa2_block_sizes(M, d)
+    B_r, _ = fa2_block_sizes(d, M=M)
     T_r = ceil(N_q / B_r)
     counters = {}
     for causal in (False, True):
@@ -136,7 +136,7 @@ def test_fa2_forward_reads_q_once_and_writes_o_and_l_once(rng):
 def test_fa1_reads_kv_once_and_rewrites_o_l_m_every_step(rng):
     N_q, N_k, d, d_v, M = 50, 90, 8, 8, 512
     Q, K, V = _qkv(rng, N_q, N_k, d, d_v)
-    _, B_c = fa1_block_sizes(M, d)
+    _, B_c = fa1_block_sizes(d, M=M)
     T_c = ceil(N_k / B_c)
     hbm = HBMCounter()
     flash_attention_v1(Q, K, V, M=M, hbm=hbm)
@@ -157,7 +157,7 @@ def test_standard_attention_materialises_s_and_p(rng, M):
     assert (hbm.writes_of("S"), hbm.reads_of("S")) == (N_q * N_k, S_reads)
     assert (hbm.writes_of("P"), hbm.reads_of("P")) == (N_q * N_k, N_q * N_k)
     assert (hbm.reads_of("Q"), hbm.writes_of("O")) == (N_q * d, N_q * d_v)
-    assert hbm.reads_of("K") == ceil(N_q / standard_block_size(M, d)) * N_k * d
+    assert hbm.reads_of("K") == ceil(N_q / standard_block_size(d, M=M)) * N_k * d
     assert hbm.writes == 2 * N_q * N_k + N_q * d_v
 
 
@@ -167,7 +167,7 @@ def test_fa2_backward_counts(rng):
     O, L = flash_attention_v2_forward(Q, K, V, M=M)
     hbm = HBMCounter()
     flash_attention_v2_backward(Q, K, V, O, rng.standard_normal(O.shape), L, M=M, hbm=hbm)
-    _, B_c = fa1_block_sizes(M, d)
+    _, B_c = fa1_block_sizes(d, M=M)
     T_c = ceil(N_k / B_c)
     assert (hbm.reads_of("O"), hbm.writes_of("D")) == (N_q * d_v, N_q)  # D = rowsum(dO o O), once
     assert hbm.reads_of("dO") == (1 + T_c) * N_q * d_v
@@ -191,11 +191,11 @@ def test_causal_skips_masked_blocks(algorithm):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_traffic_stays_in_theta_band(algorithm):
     lo, hi = BANDS[algorithm]
-    ratios = {p: traffic(algorithm, *p) / asymptotic_scale(algorithm, *p) for p in SWEEP}
+    ratios = {(N, d, M): traffic(algorithm, N, d, M) / asymptotic_scale(algorithm, N, d, M=M) for N, d, M in SWEEP}
     outside = {p: round(r, 3) for p, r in ratios.items() if not lo <= r <= hi}
     assert not outside, f"{algorithm}: (N, d, M) -> ratio outside [{lo}, {hi}]: {outside}"
     # Normalised by the wrong Theta the ratio spreads wider than any band of this width.
-    wrong = [traffic(algorithm, *p) / asymptotic_scale(WRONG_SCALE[algorithm], *p) for p in SWEEP]
+    wrong = [traffic(algorithm, N, d, M) / asymptotic_scale(WRONG_SCALE[algorithm], N, d, M=M) for N, d, M in SWEEP]
     assert max(wrong) / min(wrong) > 3 * hi / lo
 
 
@@ -233,7 +233,7 @@ def test_crossover_is_near_d_squared():
 
 
 def test_measure_traffic_and_table_shapes():
-    t = measure_traffic("flash2_fwd", 64, 8, 512, itemsize=2)
+    t = measure_traffic("flash2_fwd", 64, 8, M=512, itemsize=2)
     assert set(t) == {"elements", "bytes", "reads", "writes"}
     assert t["bytes"] == 2 * t["elements"] and t["elements"] == t["reads"] + t["writes"]
     rows = traffic_table([64], [8], [256, 512], algorithms=("standard", "flash2_bwd"))
@@ -245,4 +245,4 @@ def test_measure_traffic_and_table_shapes():
     ]
     assert all(r["ratio"] == r["elements"] / r["scale"] for r in rows)
     with pytest.raises(ValueError):
-        measure_traffic("flash3", 64, 8, 512)
+        measure_traffic("flash3", 64, 8, M=512)

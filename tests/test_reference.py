@@ -8,8 +8,11 @@ with ``torch.tril``, not with the code under test.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,10 +279,10 @@ def test_scale_argument_and_float32(rng):
 @pytest.mark.parametrize("d", [1, 8, 40, 64, 128])
 @pytest.mark.parametrize("M", [1, 100, 4096, 16384, 100_000])
 def test_block_size_rules(M, d):
-    B_r, B_c = fa1_block_sizes(M, d)
+    B_r, B_c = fa1_block_sizes(d, M=M)
     assert B_c == -(-M // (4 * d)) and B_r == min(B_c, d)
-    assert fa2_block_sizes(M, d) == (B_c, B_r)  # the outer-loop block gets the ceil(M / 4d)
-    b = standard_block_size(M, d)
+    assert fa2_block_sizes(d, M=M) == (B_c, B_r)  # the outer-loop block gets the ceil(M / 4d)
+    b = standard_block_size(d, M=M)
     assert b >= 1
     assert b == 1 or 2 * b * d + b * b <= M < 2 * (b + 1) * d + (b + 1) ** 2
 
@@ -291,6 +294,55 @@ def test_invalid_arguments():
     with pytest.raises(ValueError):
         flash_attention_v2_forward(Q, Q, Q, block_sizes=(0, 2))
     with pytest.raises(ValueError):
-        fa1_block_sizes(0, 4)
+        fa1_block_sizes(4, M=0)
     with pytest.raises(ValueError):
         online_softmax(np.ones((2, 2, 2)))
+
+
+def test_options_are_keyword_only():
+    """Only the data (Q, K, V, and O, dO, L) is positional: no call can pass M where scale was meant."""
+    import flashattn.reference as ref
+
+    options = {"M", "hbm", "scale", "causal", "return_lse", "block_sizes", "block_size", "itemsize", "algorithms"}
+    checked = 0
+    for name in ref.__all__:
+        obj = getattr(ref, name)
+        if not inspect.isfunction(obj):
+            continue
+        for param in inspect.signature(obj).parameters.values():
+            if param.name in options:
+                assert param.kind is inspect.Parameter.KEYWORD_ONLY, f"{name}({param.name})"
+                checked += 1
+    assert checked >= 25
+    Q = np.ones((4, 2))
+    with pytest.raises(TypeError):
+        flash_attention_v1(Q, Q, Q, 1024)
+    with pytest.raises(TypeError):
+        standard_attention(Q, Q, Q, 0.5)
+
+
+# Who may import whom inside flashattn/reference: hbm knows no algorithm, every rung gets its
+# plumbing from blocks, and only the attention rungs reach back to the online softmax they extend.
+LAYERS = {
+    "hbm": set(),
+    "blocks": {"hbm"},
+    "softmax": {"blocks"},
+    "attention": {"blocks", "hbm", "softmax"},
+    "flash": {"blocks", "hbm"},
+    "traffic": {"attention", "flash", "hbm"},
+}
+
+
+def test_module_layout_has_no_import_circle():
+    package = Path(inspect.getfile(causal_mask)).parent
+    assert {p.stem for p in package.glob("*.py")} - {"__init__"} == set(LAYERS)
+    for name, allowed in LAYERS.items():
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = {
+            node.module.rsplit(".", 1)[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flashattn.reference.")
+        }
+        assert imported == allowed, name
+        nested = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and n not in tree.body]
+        assert not nested, f"{name}.py imports inside a function"

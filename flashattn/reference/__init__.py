@@ -11,16 +11,26 @@ Each rung is a small function whose docstring states the recurrence it implement
 * HBM traffic: :class:`HBMCounter` / :class:`HBMArray` count what the tiled algorithms move,
   :func:`measure_traffic`, :func:`traffic_table`, :func:`crossover_sram` report it.
 
+The modules, each importing only those above it:
+
+* ``hbm``: the counting machinery (:class:`HBMArray`, :class:`HBMCounter`, :data:`DEFAULT_SRAM`);
+* ``blocks``: what every rung shares (input checks, block ranges, the masked score block,
+  the ``-inf``-safe statistics);
+* ``softmax``, ``attention``, ``flash``: the rungs; each builds on ``blocks`` and ``hbm``, and
+  the attention rungs on the online softmax they are derived from;
+* ``traffic``: runs the rungs and reports the traffic they were counted to move.
+
+Data arrays are positional; every option (``M``, ``scale``, ``causal``, ``hbm``, ...) is a keyword.
 NumPy only; no torch.
 """
 
 from flashattn.reference.attention import (
-    causal_mask,
     one_pass_attention,
     standard_attention,
     standard_block_size,
     two_pass_attention,
 )
+from flashattn.reference.blocks import causal_mask
 from flashattn.reference.flash import (
     fa1_block_sizes,
     fa2_block_sizes,
@@ -28,17 +38,7 @@ from flashattn.reference.flash import (
     flash_attention_v2_backward,
     flash_attention_v2_forward,
 )
-from flashattn.reference.hbm import (
-    ALGORITHMS,
-    DEFAULT_SRAM,
-    HBMArray,
-    HBMCounter,
-    NullCounter,
-    asymptotic_scale,
-    crossover_sram,
-    measure_traffic,
-    traffic_table,
-)
+from flashattn.reference.hbm import DEFAULT_SRAM, HBMArray, HBMCounter, NullCounter
 from flashattn.reference.softmax import (
     logsumexp,
     naive_softmax,
@@ -46,6 +46,7 @@ from flashattn.reference.softmax import (
     safe_softmax,
     three_pass_softmax,
 )
+from flashattn.reference.traffic import ALGORITHMS, asymptotic_scale, crossover_sram, measure_traffic, traffic_table
 
 __all__ = [
     "ALGORITHMS",

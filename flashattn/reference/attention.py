@@ -13,6 +13,10 @@ Conventions shared by every attention function in :mod:`flashattn.reference`:
 three passes that materialise ``S`` and ``P`` in HBM, with every HBM access going through
 :class:`~flashattn.reference.hbm.HBMArray`.  There is no second "simple" implementation: with
 ``hbm=None`` the same tiled code runs and nothing is tallied.
+
+The 2-pass and 1-pass rungs are the online softmax of :mod:`~flashattn.reference.softmax`
+applied to a row of scores, so they take its two passes from there; the score blocks, masks
+and ``-inf``-safe arithmetic come from :mod:`~flashattn.reference.blocks`, as for every rung.
 """
 
 from __future__ import annotations
@@ -22,18 +26,11 @@ from math import isqrt
 
 import numpy as np
 
+from flashattn.reference.blocks import Scores, finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
 from flashattn.reference.hbm import ALL, DEFAULT_SRAM, HBMArray, HBMCounter, as_counter
-from flashattn.reference.softmax import (
-    finite_shift,
-    lse_from_stats,
-    online_softmax_stats,
-    safe_divide,
-    softmax_from_stats,
-    split_range,
-)
+from flashattn.reference.softmax import online_softmax_stats, softmax_from_stats
 
 __all__ = [
-    "causal_mask",
     "standard_attention",
     "standard_block_size",
     "two_pass_attention",
@@ -41,53 +38,7 @@ __all__ = [
 ]
 
 
-def causal_mask(N_q: int, N_k: int, rows: slice = ALL, cols: slice = ALL) -> np.ndarray:
-    """Boolean ``visible[i, j] = j <= i + N_k - N_q`` (bottom-right aligned), restricted to a block.
-
-    Shape ``(len(rows), len(cols))``.
-
-    >>> causal_mask(2, 3).astype(int)
-    array([[1, 1, 0],
-           [1, 1, 1]])
-    """
-    i = np.arange(N_q)[rows][:, None]
-    j = np.arange(N_k)[cols][None, :]
-    return j <= i + (N_k - N_q)
-
-
-def block_is_visible(rows: slice, cols: slice, N_q: int, N_k: int) -> bool:
-    """Whether any query in ``rows`` sees any key in ``cols`` under the causal mask.
-
-    The last row of the block sees the most keys, up to ``rows.stop - 1 + N_k - N_q``.
-    """
-    return cols.start <= rows.stop - 1 + N_k - N_q
-
-
-def score_block(
-    Q_i: np.ndarray, K_j: np.ndarray, scale: float, causal: bool, rows: slice, cols: slice, N_q: int, N_k: int
-) -> np.ndarray:
-    """``S_ij = scale * Q_i K_j^T`` for the block ``(rows, cols)``, ``-inf`` where causally masked."""
-    S = scale * (Q_i @ K_j.T)
-    if causal:
-        S[~causal_mask(N_q, N_k, rows, cols)] = -np.inf
-    return S
-
-
-def prepare_inputs(
-    Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Check shapes, promote to a common float dtype (at least float32), resolve ``scale``."""
-    Q, K, V = (np.asarray(a) for a in (Q, K, V))
-    if Q.ndim != 2 or K.ndim != 2 or V.ndim != 2:
-        raise ValueError(f"expected 2-D Q, K, V; got shapes {Q.shape}, {K.shape}, {V.shape}")
-    if Q.shape[1] != K.shape[1] or K.shape[0] != V.shape[0]:
-        raise ValueError(f"incompatible shapes Q {Q.shape}, K {K.shape}, V {V.shape}")
-    dtype = np.result_type(Q.dtype, K.dtype, V.dtype, np.float32)
-    scale = Q.shape[1] ** -0.5 if scale is None else float(scale)
-    return Q.astype(dtype, copy=False), K.astype(dtype, copy=False), V.astype(dtype, copy=False), scale
-
-
-def standard_block_size(M: int, d: int) -> int:
+def standard_block_size(d: int, *, M: int) -> int:
     """Largest square tile ``b`` with ``2 b d + b^2 <= M`` (at least 1).
 
     In Algorithm 0's line 1 a ``b x d`` block of ``Q``, a ``b x d`` block of ``K`` and the
@@ -104,10 +55,10 @@ def standard_attention(
     Q: np.ndarray,
     K: np.ndarray,
     V: np.ndarray,
+    *,
     scale: float | None = None,
     causal: bool = False,
     return_lse: bool = False,
-    *,
     M: int = DEFAULT_SRAM,
     hbm: HBMCounter | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
@@ -117,9 +68,9 @@ def standard_attention(
     2. Read ``S`` from HBM, compute ``P = softmax(S)``, write ``P`` to HBM.
     3. Load ``P`` and ``V`` by blocks from HBM, compute ``O = P V``, write ``O`` to HBM.
 
-    Tiles are :func:`standard_block_size` ``(M, d)``.  In step 2 a row of ``S`` is read once
+    Tiles are :func:`standard_block_size` ``(d, M=M)``.  In step 2 a row of ``S`` is read once
     when it fits in ``M``; a longer row needs the two passes of the online softmax, so it is
-    read twice.  HBM traffic is ``Theta(N d + N^2)`` (for ``M >= d^2``; see :mod:`.hbm`).
+    read twice.  HBM traffic is ``Theta(N d + N^2)`` (for ``M >= d^2``; see :mod:`.traffic`).
 
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)`` -> ``O (N_q, d_v)``, and with
     ``return_lse`` also ``L (N_q,)``, ``L_i = log sum_j e^{S_ij}`` (``-inf`` for a fully masked row).
@@ -129,7 +80,7 @@ def standard_attention(
     array([[1.5],
            [2.5]])
     """
-    Q, K, V, scale = prepare_inputs(Q, K, V, scale)
+    Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
     counter = as_counter(hbm)
     N_q, N_k, d_v = Q.shape[0], K.shape[0], V.shape[1]
     S = HBMArray(np.empty((N_q, N_k), Q.dtype), counter, "S")
@@ -137,23 +88,23 @@ def standard_attention(
     O = HBMArray(np.empty((N_q, d_v), Q.dtype), counter, "O")
     L = HBMArray(np.empty(N_q, Q.dtype), counter, "L") if return_lse else None
 
-    _scores_to_hbm(HBMArray(Q, counter, "Q"), HBMArray(K, counter, "K"), S, scale, causal, M)
-    _softmax_in_hbm(S, P, L, M)
-    _matmul_to_hbm(P, HBMArray(V, counter, "V"), O, M)
+    _scores_to_hbm(HBMArray(Q, counter, "Q"), HBMArray(K, counter, "K"), S, scores, M=M)
+    _softmax_in_hbm(S, P, L, M=M)
+    _matmul_to_hbm(P, HBMArray(V, counter, "V"), O, M=M)
     return (O.data, L.data) if L is not None else O.data
 
 
-def _scores_to_hbm(Q: HBMArray, K: HBMArray, S: HBMArray, scale: float, causal: bool, M: int) -> None:
+def _scores_to_hbm(Q: HBMArray, K: HBMArray, S: HBMArray, scores: Scores, *, M: int) -> None:
     """Algorithm 0, line 1: S = scale Q K^T, one b x b tile at a time; each Q tile is loaded once."""
     (N_q, d), N_k = Q.shape, K.shape[0]
-    b = standard_block_size(M, d)
+    b = standard_block_size(d, M=M)
     for rows in split_range(N_q, b):
         Q_i = Q.load(rows)
         for cols in split_range(N_k, b):
-            S.store(rows, cols, score_block(Q_i, K.load(cols), scale, causal, rows, cols, N_q, N_k))
+            S.store(rows, cols, scores.block(Q_i, K.load(cols), rows, cols))
 
 
-def _softmax_in_hbm(S: HBMArray, P: HBMArray, L: HBMArray | None, M: int) -> None:
+def _softmax_in_hbm(S: HBMArray, P: HBMArray, L: HBMArray | None, *, M: int) -> None:
     """Algorithm 0, line 2: P = softmax(S) row block by row block (and L = logsumexp(S))."""
     N_q, N_k = S.shape
     chunks = split_range(N_k, min(N_k, M))
@@ -174,10 +125,10 @@ def _row_reader(S: HBMArray, rows: slice, chunks: list[slice]) -> Callable[[slic
     return lambda cols: resident
 
 
-def _matmul_to_hbm(P: HBMArray, V: HBMArray, O: HBMArray, M: int) -> None:
+def _matmul_to_hbm(P: HBMArray, V: HBMArray, O: HBMArray, *, M: int) -> None:
     """Algorithm 0, line 3: O = P V with a b x d_v accumulator on chip; each O tile is written once."""
     (N_q, N_k), d_v = P.shape, V.shape[1]
-    b = standard_block_size(M, d_v)
+    b = standard_block_size(d_v, M=M)
     for rows in split_range(N_q, b):
         acc = np.zeros((rows.stop - rows.start, d_v), O.data.dtype)
         for cols in split_range(N_k, b):
@@ -185,13 +136,13 @@ def _matmul_to_hbm(P: HBMArray, V: HBMArray, O: HBMArray, M: int) -> None:
         O.store(rows, ALL, acc)
 
 
-def _key_scores(Q: np.ndarray, K: np.ndarray, j: int, scale: float, causal: bool) -> np.ndarray:
+def _key_scores(Q: np.ndarray, K: np.ndarray, j: int, scores: Scores) -> np.ndarray:
     """``x_j = scale Q[k, :] K^T[:, j]`` for every query row ``k`` at once: shape ``(N_q,)``."""
-    return score_block(Q, K[j : j + 1], scale, causal, ALL, slice(j, j + 1), Q.shape[0], K.shape[0])[:, 0]
+    return scores.block(Q, K[j : j + 1], ALL, slice(j, j + 1))[:, 0]
 
 
 def two_pass_attention(
-    Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float | None = None, causal: bool = False
+    Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, scale: float | None = None, causal: bool = False
 ) -> np.ndarray:
     """2-pass attention: the online softmax's statistics, then softmax and ``P V`` fused.
 
@@ -212,18 +163,18 @@ def two_pass_attention(
     array([[1.5],
            [2.5]])
     """
-    Q, K, V, scale = prepare_inputs(Q, K, V, scale)
+    Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
     N_k = K.shape[0]
-    m, d = online_softmax_stats(_key_scores(Q, K, i, scale, causal)[:, None] for i in range(N_k))
+    m, d = online_softmax_stats(_key_scores(Q, K, i, scores)[:, None] for i in range(N_k))
     o = np.zeros((Q.shape[0], V.shape[1]), Q.dtype)
     for i in range(N_k):
-        a = softmax_from_stats(_key_scores(Q, K, i, scale, causal)[:, None], m, d)
+        a = softmax_from_stats(_key_scores(Q, K, i, scores)[:, None], m, d)
         o += a * V[i]
     return o
 
 
 def one_pass_attention(
-    Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float | None = None, causal: bool = False
+    Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, scale: float | None = None, causal: bool = False
 ) -> np.ndarray:
     """1-pass attention: the output is rescaled as the max and denominator move.
 
@@ -243,12 +194,12 @@ def one_pass_attention(
     array([[1.5],
            [2.5]])
     """
-    Q, K, V, scale = prepare_inputs(Q, K, V, scale)
+    Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
     N_q = Q.shape[0]
     m, d = np.full(N_q, -np.inf), np.zeros(N_q)
     o = np.zeros((N_q, V.shape[1]), Q.dtype)
     for i in range(K.shape[0]):
-        x = _key_scores(Q, K, i, scale, causal)
+        x = _key_scores(Q, K, i, scores)
         m_new = np.maximum(m, x)
         shift = finite_shift(m_new)
         kept = d * np.exp(m - shift)  # d'_{i-1} e^{m_{i-1} - m_i}: old mass on the new base

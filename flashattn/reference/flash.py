@@ -4,7 +4,9 @@ All three tile ``Q`` into row blocks of ``B_r`` rows and ``K, V`` into blocks of
 and touch HBM only through :class:`~flashattn.reference.hbm.HBMArray`, so an
 :class:`~flashattn.reference.hbm.HBMCounter` passed as ``hbm`` sees exactly what they move.
 ``block_sizes=(B_r, B_c)`` overrides the sizes derived from the SRAM size ``M`` (in elements).
-Shapes and masking follow :mod:`~flashattn.reference.attention`.
+Shapes and masking follow :mod:`~flashattn.reference.attention`; the score blocks and the
+``-inf``-safe statistics come from :mod:`~flashattn.reference.blocks`.  Everything but the data
+(``Q, K, V``, and ``O, dO, L`` for the backward) is passed by keyword.
 
 Under ``causal=True`` a ``(Q_i, K_j)`` block pair in which no query sees any key is skipped:
 nothing is loaded for it and nothing is computed.
@@ -17,9 +19,8 @@ from math import ceil
 
 import numpy as np
 
-from flashattn.reference.attention import block_is_visible, prepare_inputs, score_block
+from flashattn.reference.blocks import finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
 from flashattn.reference.hbm import ALL, DEFAULT_SRAM, HBMArray, HBMCounter, as_counter
-from flashattn.reference.softmax import finite_shift, lse_from_stats, safe_divide, split_range
 
 __all__ = [
     "fa1_block_sizes",
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-def fa1_block_sizes(M: int, d: int) -> tuple[int, int]:
+def fa1_block_sizes(d: int, *, M: int) -> tuple[int, int]:
     """Algorithm 1, line 1: ``B_c = ceil(M / 4d)``, ``B_r = min(ceil(M / 4d), d)``.
 
     ``K_j, V_j`` (``2 B_c d``), ``Q_i, O_i`` (``2 B_r d``) and ``S_ij`` (``B_r B_c <= M / 4``)
@@ -43,11 +44,11 @@ def fa1_block_sizes(M: int, d: int) -> tuple[int, int]:
     >>> fa1_block_sizes(M=16384, d=16)
     (16, 256)
     """
-    B = _quarter_block(M, d)
+    B = _quarter_block(d, M=M)
     return min(B, d), B
 
 
-def fa2_block_sizes(M: int, d: int) -> tuple[int, int]:
+def fa2_block_sizes(d: int, *, M: int) -> tuple[int, int]:
     """FlashAttention-2 block sizes: ``B_r = ceil(M / 4d)``, ``B_c = min(ceil(M / 4d), d)``.
 
     FA-2 swaps the loops, ``Q`` outer and ``K, V`` inner, so the roles swap too.  The
@@ -61,7 +62,7 @@ def fa2_block_sizes(M: int, d: int) -> tuple[int, int]:
     >>> fa2_block_sizes(M=16384, d=16)
     (256, 16)
     """
-    B = _quarter_block(M, d)
+    B = _quarter_block(d, M=M)
     return B, min(B, d)
 
 
@@ -69,6 +70,7 @@ def flash_attention_v1(
     Q: np.ndarray,
     K: np.ndarray,
     V: np.ndarray,
+    *,
     M: int = DEFAULT_SRAM,
     scale: float | None = None,
     causal: bool = False,
@@ -87,7 +89,7 @@ def flash_attention_v1(
         l_i   <- l_new,  m_i <- m_new                                                 (line 13)
 
     Line 12 renormalises ``O_i`` on every step: ``O_i`` is always the exact attention output
-    over the keys seen so far.  Block sizes default to :func:`fa1_block_sizes` ``(M, d)``.
+    over the keys seen so far.  Block sizes default to :func:`fa1_block_sizes` ``(d, M=M)``.
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)`` -> ``O (N_q, d_v)``.
 
     >>> Q = K = np.eye(2); V = np.array([[1.0], [3.0]])
@@ -95,9 +97,9 @@ def flash_attention_v1(
     array([[1.5],
            [2.5]])
     """
-    Q, K, V, scale = prepare_inputs(Q, K, V, scale)
+    Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
     (N_q, d), (N_k, d_v) = Q.shape, V.shape
-    B_r, B_c = _resolve_block_sizes(block_sizes, fa1_block_sizes, M, d)
+    B_r, B_c = _resolve_block_sizes(block_sizes, fa1_block_sizes, d, M=M)
     counter = as_counter(hbm)
     Qh, Kh, Vh = (HBMArray(a, counter, name) for a, name in ((Q, "Q"), (K, "K"), (V, "V")))
     Oh = HBMArray(np.empty((N_q, d_v), Q.dtype), counter, "O")
@@ -110,10 +112,10 @@ def flash_attention_v1(
     for cols in split_range(N_k, B_c):  # line 5
         K_j, V_j = Kh.load(cols), Vh.load(cols)  # line 6
         for rows in split_range(N_q, B_r):  # line 7
-            if causal and not block_is_visible(rows, cols, N_q, N_k):
+            if not scores.visible(rows, cols):  # causal: no query in Q_i sees a key in K_j
                 continue
             Q_i, O_i, l_i, m_i = Qh.load(rows), Oh.load(rows), lh.load(rows), mh.load(rows)  # line 8
-            S_ij = score_block(Q_i, K_j, scale, causal, rows, cols, N_q, N_k)  # line 9
+            S_ij = scores.block(Q_i, K_j, rows, cols)  # line 9
             m_tilde = S_ij.max(axis=1)  # line 10
             P_tilde = np.exp(S_ij - finite_shift(m_tilde)[:, None])
             l_tilde = P_tilde.sum(axis=1)
@@ -133,6 +135,7 @@ def flash_attention_v2_forward(
     Q: np.ndarray,
     K: np.ndarray,
     V: np.ndarray,
+    *,
     M: int = DEFAULT_SRAM,
     scale: float | None = None,
     causal: bool = False,
@@ -152,7 +155,7 @@ def flash_attention_v2_forward(
         O_i = diag(l_i)^-1 O~_i,   L_i = m_i + log(l_i)                    (one division)
 
     ``O`` and ``L`` are each written once; fully masked rows give ``O = 0``, ``L = -inf``.
-    Block sizes default to :func:`fa2_block_sizes` ``(M, d)``.
+    Block sizes default to :func:`fa2_block_sizes` ``(d, M=M)``.
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)`` -> ``O (N_q, d_v)``, ``L (N_q,)``.
 
     >>> Q = K = np.eye(2); V = np.array([[1.0], [3.0]])
@@ -161,9 +164,9 @@ def flash_attention_v2_forward(
     (array([[1.5],
            [2.5]]), array([1.38629436, 1.38629436]))
     """
-    Q, K, V, scale = prepare_inputs(Q, K, V, scale)
+    Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
     (N_q, d), (N_k, d_v) = Q.shape, V.shape
-    B_r, B_c = _resolve_block_sizes(block_sizes, fa2_block_sizes, M, d)
+    B_r, B_c = _resolve_block_sizes(block_sizes, fa2_block_sizes, d, M=M)
     counter = as_counter(hbm)
     Qh, Kh, Vh = (HBMArray(a, counter, name) for a, name in ((Q, "Q"), (K, "K"), (V, "V")))
     Oh = HBMArray(np.empty((N_q, d_v), Q.dtype), counter, "O")
@@ -174,9 +177,9 @@ def flash_attention_v2_forward(
         acc = np.zeros((Q_i.shape[0], d_v), Q.dtype)
         m, l = np.full(Q_i.shape[0], -np.inf), np.zeros(Q_i.shape[0])
         for cols in split_range(N_k, B_c):
-            if causal and not block_is_visible(rows, cols, N_q, N_k):
+            if not scores.visible(rows, cols):  # causal: no query in Q_i sees a key in K_j
                 continue
-            S_ij = score_block(Q_i, Kh.load(cols), scale, causal, rows, cols, N_q, N_k)
+            S_ij = scores.block(Q_i, Kh.load(cols), rows, cols)
             m_new = np.maximum(m, S_ij.max(axis=1))
             shift = finite_shift(m_new)
             P_tilde = np.exp(S_ij - shift[:, None])
@@ -189,13 +192,16 @@ def flash_attention_v2_forward(
     return Oh.data, Lh.data
 
 
-def flash_attention_v2_backward(
+# Eleven parameters: the six arrays of the FA-2 paper's Algorithm 2 (Q, K, V, O, dO, L) and the
+# forward's five keyword options; bundling the options would make the two calls read differently.
+def flash_attention_v2_backward(  # noqa: PLR0913
     Q: np.ndarray,
     K: np.ndarray,
     V: np.ndarray,
     O: np.ndarray,
     dO: np.ndarray,
     L: np.ndarray,
+    *,
     M: int = DEFAULT_SRAM,
     scale: float | None = None,
     causal: bool = False,
@@ -216,7 +222,7 @@ def flash_attention_v2_backward(
         dK_j += scale dS_ij^T Q_i
 
     The loop order is FA-1's (``K, V`` outer), so block sizes default to
-    :func:`fa1_block_sizes` ``(M, d)``: the resident ``K_j, V_j, dK_j, dV_j`` block is the large one.
+    :func:`fa1_block_sizes` ``(d, M=M)``: the resident ``K_j, V_j, dK_j, dV_j`` block is the large one.
     Rows with ``L = -inf`` (fully masked) get zero gradient.
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)``, ``O, dO (N_q, d_v)``, ``L (N_q,)``
     -> ``dQ (N_q, d)``, ``dK (N_k, d)``, ``dV (N_k, d_v)``.
@@ -227,9 +233,9 @@ def flash_attention_v2_backward(
     >>> dV.ravel()  # column sums of P, which are 1 by symmetry
     array([1., 1.])
     """
-    Q, K, V, scale = prepare_inputs(Q, K, V, scale)
+    Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
     (N_q, d), (N_k, d_v) = Q.shape, V.shape
-    B_r, B_c = _resolve_block_sizes(block_sizes, fa1_block_sizes, M, d)
+    B_r, B_c = _resolve_block_sizes(block_sizes, fa1_block_sizes, d, M=M)
     counter = as_counter(hbm)
     inputs = {"Q": Q, "K": K, "V": V, "O": O, "dO": dO, "L": L}
     Qh, Kh, Vh, Oh, dOh, Lh = (HBMArray(np.asarray(a), counter, name) for name, a in inputs.items())
@@ -246,22 +252,22 @@ def flash_attention_v2_backward(
         K_j, V_j = Kh.load(cols), Vh.load(cols)
         dK_j, dV_j = np.zeros_like(K_j), np.zeros_like(V_j)
         for rows in split_range(N_q, B_r):
-            if causal and not block_is_visible(rows, cols, N_q, N_k):
+            if not scores.visible(rows, cols):  # causal: no query in Q_i sees a key in K_j
                 continue
             Q_i, dO_i, dQ_i, L_i, D_i = (a.load(rows) for a in (Qh, dOh, dQh, Lh, Dh))
-            S_ij = score_block(Q_i, K_j, scale, causal, rows, cols, N_q, N_k)
+            S_ij = scores.block(Q_i, K_j, rows, cols)
             P_ij = np.exp(S_ij - finite_shift(L_i)[:, None])  # L_i = -inf: S_ij is all -inf, P_ij = 0
             dV_j += P_ij.T @ dO_i
             dP_ij = dO_i @ V_j.T
             dS_ij = P_ij * (dP_ij - D_i[:, None])
-            dQh.store(rows, ALL, dQ_i + scale * (dS_ij @ K_j))
-            dK_j += scale * (dS_ij.T @ Q_i)
+            dQh.store(rows, ALL, dQ_i + scores.scale * (dS_ij @ K_j))
+            dK_j += scores.scale * (dS_ij.T @ Q_i)
         dKh.store(cols, ALL, dK_j)
         dVh.store(cols, ALL, dV_j)
     return dQh.data, dKh.data, dVh.data
 
 
-def _quarter_block(M: int, d: int) -> int:
+def _quarter_block(d: int, *, M: int) -> int:
     """``ceil(M / 4d)``: the rows of a ``d``-wide block that use a quarter of the SRAM."""
     if M < 1 or d < 1:
         raise ValueError(f"SRAM size M and head dim d must be >= 1, got M={M}, d={d}")
@@ -269,9 +275,9 @@ def _quarter_block(M: int, d: int) -> int:
 
 
 def _resolve_block_sizes(
-    block_sizes: tuple[int, int] | None, rule: Callable[[int, int], tuple[int, int]], M: int, d: int
+    block_sizes: tuple[int, int] | None, rule: Callable[..., tuple[int, int]], d: int, *, M: int
 ) -> tuple[int, int]:
-    B_r, B_c = rule(M, d) if block_sizes is None else block_sizes
+    B_r, B_c = rule(d, M=M) if block_sizes is None else block_sizes
     if B_r < 1 or B_c < 1:
         raise ValueError(f"block sizes must be >= 1, got B_r={B_r}, B_c={B_c}")
     return int(B_r), int(B_c)

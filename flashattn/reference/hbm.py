@@ -1,4 +1,4 @@
-"""Counting HBM traffic by running the algorithms, not by typing in formulas.
+"""The HBM model: arrays in slow memory whose every block load and store is counted.
 
 The model is the one of the FlashAttention paper: a slow, large memory (HBM) and a fast
 on-chip memory (SRAM) that holds ``M`` elements.  Every matrix an algorithm keeps "in HBM" is
@@ -10,43 +10,34 @@ The algorithms in :mod:`~flashattn.reference.attention` and :mod:`~flashattn.ref
 always run this way.  With ``hbm=None`` they get a :class:`NullCounter`, whose tally methods
 do nothing: one code path, whether or not anybody is counting.
 
-:func:`measure_traffic`, :func:`traffic_table` and :func:`crossover_sram` drive the algorithms on
-random inputs and report what was counted; :func:`asymptotic_scale` gives the paper's
-Theta-expressions, used only to normalise those counts (never as the count).
+This module is only the counting machinery and knows no algorithm; running the algorithms and
+reporting what they moved is :mod:`~flashattn.reference.traffic`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 __all__ = [
     "DEFAULT_SRAM",
-    "ALGORITHMS",
+    "ALL",
     "HBMCounter",
     "NullCounter",
     "HBMArray",
     "as_counter",
-    "measure_traffic",
-    "traffic_table",
-    "crossover_sram",
-    "asymptotic_scale",
 ]
 
 #: Default on-chip SRAM size ``M`` in elements (64 KiB of float32; an A100 SM has 192 KiB of
 #: shared memory + L1).  With ``d = 64`` it gives the 64 x 64 tiles of the FlashAttention-1 paper.
 DEFAULT_SRAM = 16 * 1024
 
-#: Algorithms understood by :func:`measure_traffic`.
-ALGORITHMS = ("standard", "flash1", "flash2_fwd", "flash2_bwd")
-
+#: The whole of an axis, as a block: ``A.load(rows, ALL)`` loads whole rows.
 ALL = slice(None)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HBMCounter:
     """Running tally of HBM reads and writes, in elements and in bytes.
 
@@ -100,7 +91,8 @@ class HBMCounter:
         return self.per_array.get(name, [0, 0])[1]
 
     def as_dict(self) -> dict[str, int]:
-        """``{"elements", "bytes", "reads", "writes"}``, the form :func:`measure_traffic` returns."""
+        """``{"elements", "bytes", "reads", "writes"}``, the form
+        :func:`~flashattn.reference.traffic.measure_traffic` returns."""
         return {"elements": self.total, "bytes": self.total_bytes, "reads": self.reads, "writes": self.writes}
 
 
@@ -136,7 +128,7 @@ class HBMArray:
            [0., 0.]]), 2, 16)
     """
 
-    def __init__(self, data: np.ndarray, counter: HBMCounter, name: str, itemsize: int | None = None):
+    def __init__(self, data: np.ndarray, counter: HBMCounter, name: str, *, itemsize: int | None = None):
         if data.ndim not in (1, 2):
             raise ValueError(f"HBMArray {name!r} must be 1-D or 2-D, got shape {data.shape}")
         self._data = data
@@ -170,123 +162,3 @@ class HBMArray:
         if cols != ALL:
             raise IndexError(f"HBMArray {self.name!r} is 1-D: cols must be the full slice")
         return (rows,)
-
-
-def measure_traffic(
-    algorithm: str, N: int, d: int, M: int, itemsize: int = 2, causal: bool = False, seed: int = 0
-) -> dict[str, int]:
-    """Run ``algorithm`` once on random ``(N, d)`` inputs with SRAM size ``M`` and count HBM traffic.
-
-    ``algorithm`` is one of :data:`ALGORITHMS`: ``"standard"`` (Algorithm 0, tiled),
-    ``"flash1"`` (Algorithm 1), ``"flash2_fwd"`` and ``"flash2_bwd"`` (the backward alone: its
-    inputs ``O``, ``L`` come from an uncounted forward).  Returns
-    ``{"elements", "bytes", "reads", "writes"}``; bytes use ``itemsize`` per element.
-
-    >>> t = measure_traffic("flash2_fwd", N=64, d=16, M=1024)
-    >>> t["bytes"] == 2 * t["elements"]
-    True
-    """
-    counter = HBMCounter(itemsize=itemsize)
-    _runner(algorithm)(*_random_inputs(N, d, seed), M=M, causal=causal, hbm=counter)
-    return counter.as_dict()
-
-
-def traffic_table(
-    Ns: Iterable[int],
-    ds: Iterable[int],
-    Ms: Iterable[int],
-    algorithms: Sequence[str] = ALGORITHMS,
-    itemsize: int = 2,
-    causal: bool = False,
-) -> list[dict[str, Any]]:
-    """One row per ``(N, d, M, algorithm)``: the counted traffic plus the Theta-scale it is compared to.
-
-    Row keys: ``algorithm, N, d, M, elements, bytes, reads, writes, scale, ratio`` where
-    ``scale = asymptotic_scale(...)`` and ``ratio = elements / scale``.
-
-    >>> [row["algorithm"] for row in traffic_table([32], [8], [256], ("standard", "flash1"))]
-    ['standard', 'flash1']
-    """
-    rows = []
-    for N in Ns:
-        for d in ds:
-            for M in Ms:
-                for algorithm in algorithms:
-                    counts = measure_traffic(algorithm, N, d, M, itemsize=itemsize, causal=causal)
-                    scale = asymptotic_scale(algorithm, N, d, M)
-                    row = {"algorithm": algorithm, "N": N, "d": d, "M": M, **counts}
-                    rows.append({**row, "scale": scale, "ratio": counts["elements"] / scale})
-    return rows
-
-
-def crossover_sram(
-    N: int,
-    d: int,
-    Ms: Iterable[int],
-    algorithms: Sequence[str] = ("flash1", "flash2_fwd"),
-    itemsize: int = 2,
-    causal: bool = False,
-) -> int | None:
-    """Smallest ``M`` in ``Ms`` at which every flash forward in ``algorithms`` moves fewer elements than
-    standard attention does with the same ``M``; ``None`` if there is none.
-
-    Theory puts it near ``M ~ d^2``: flash costs ``Theta(N^2 d^2 / M)``, standard ``Theta(N^2)``.
-
-    >>> crossover_sram(64, 8, [16, 64, 256, 1024]) in (64, 256)
-    True
-    """
-    for M in sorted(Ms):
-        standard = measure_traffic("standard", N, d, M, itemsize, causal)["elements"]
-        flash = [measure_traffic(a, N, d, M, itemsize, causal)["elements"] for a in algorithms]
-        if all(f < standard for f in flash):
-            return M
-    return None
-
-
-def asymptotic_scale(algorithm: str, N: int, d: int, M: int) -> float:
-    """The paper's Theta-expression for ``algorithm``, up to its constant.
-
-    ``N d + N^2`` for standard attention; ``N^2 d^2 / M + N d`` for the FlashAttention passes
-    (the ``N d`` term is the unavoidable read of the inputs, which dominates once
-    ``M >= N d``).  Used to normalise counts, never as a count.
-
-    Standard attention's bound assumes ``M >~ d^2``: below that its matmul tiles
-    (:func:`~flashattn.reference.attention.standard_block_size`, ``b ~ M / 2d < d``) re-read
-    ``K`` and ``V`` ``N / b`` times, and the count grows like ``N^2 d^2 / M`` as well.
-
-    >>> asymptotic_scale("flash1", N=1024, d=64, M=65536)
-    131072.0
-    """
-    _runner(algorithm)  # validates the name
-    if algorithm == "standard":
-        return float(N * d + N * N)
-    return N * N * d * d / M + N * d
-
-
-def _random_inputs(N: int, d: int, seed: int) -> tuple[np.ndarray, ...]:
-    rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((N, d)) for _ in range(4))  # Q, K, V, dO
-
-
-def _runner(algorithm: str) -> Callable[..., Any]:
-    # Imported here: attention.py and flash.py import this module for HBMArray.
-    from flashattn.reference.attention import standard_attention
-    from flashattn.reference.flash import (
-        flash_attention_v1,
-        flash_attention_v2_backward,
-        flash_attention_v2_forward,
-    )
-
-    def flash2_bwd(Q, K, V, dO, *, M, causal, hbm):
-        O, L = flash_attention_v2_forward(Q, K, V, M=M, causal=causal)
-        return flash_attention_v2_backward(Q, K, V, O, dO, L, M=M, causal=causal, hbm=hbm)
-
-    runners = {
-        "standard": lambda Q, K, V, dO, **kw: standard_attention(Q, K, V, **kw),
-        "flash1": lambda Q, K, V, dO, **kw: flash_attention_v1(Q, K, V, **kw),
-        "flash2_fwd": lambda Q, K, V, dO, **kw: flash_attention_v2_forward(Q, K, V, **kw),
-        "flash2_bwd": flash2_bwd,
-    }
-    if algorithm not in runners:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
-    return runners[algorithm]

@@ -5,9 +5,12 @@ of a 2-D array of shape ``(R, N)``, and returns an array of the same shape.  A r
 entirely ``-inf`` (a fully masked attention row) has no probability distribution; by the
 convention used throughout :mod:`flashattn.reference` its output is all zeros, never NaN.
 
-The small helpers at the bottom (:func:`online_softmax_stats`, :func:`softmax_from_stats`,
-:func:`lse_from_stats`) are the pieces the attention rungs reuse, so that "running max and
-rescaled denominator" is written down once.
+The two halves of the online softmax, :func:`online_softmax_stats` (the running max and
+rescaled denominator) and :func:`softmax_from_stats` (the normalising pass), are functions of
+their own because the attention rungs are built on them: 2-pass attention *is* the online
+softmax with the normalising pass fused into ``P V``.  The ``-inf``-safe arithmetic they share
+with every other rung (:func:`~flashattn.reference.blocks.finite_shift` and friends) lives in
+:mod:`~flashattn.reference.blocks`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+
+from flashattn.reference.blocks import finite_shift, lse_from_stats, safe_divide, split_range
 
 __all__ = [
     "naive_softmax",
@@ -24,7 +29,6 @@ __all__ = [
     "logsumexp",
     "online_softmax_stats",
     "softmax_from_stats",
-    "lse_from_stats",
 ]
 
 
@@ -59,7 +63,7 @@ def safe_softmax(x: np.ndarray) -> np.ndarray:
     return safe_divide(e, e.sum(axis=-1, keepdims=True))
 
 
-def three_pass_softmax(x: np.ndarray, block_size: int = 1) -> np.ndarray:
+def three_pass_softmax(x: np.ndarray, *, block_size: int = 1) -> np.ndarray:
     """Safe softmax as three explicit passes over the elements (seed "V1" iterative softmax).
 
     Pass 1: ``m_i = max(m_{i-1}, x_i)``, ``m_0 = -inf``.
@@ -87,7 +91,7 @@ def three_pass_softmax(x: np.ndarray, block_size: int = 1) -> np.ndarray:
     return out[0] if was_1d else out
 
 
-def online_softmax(x: np.ndarray, block_size: int = 1) -> np.ndarray:
+def online_softmax(x: np.ndarray, *, block_size: int = 1) -> np.ndarray:
     """Online softmax: two passes, the max and the denominator found together.
 
     Pass 1: ``m_i = max(m_{i-1}, x_i)`` and ``d'_i = d'_{i-1} e^{m_{i-1} - m_i} + e^{x_i - m_i}``
@@ -159,38 +163,6 @@ def softmax_from_stats(x: np.ndarray, m: np.ndarray, d: np.ndarray) -> np.ndarra
     array([[0.5, 0.5]])
     """
     return safe_divide(np.exp(x - finite_shift(m)[:, None]), d[:, None])
-
-
-def lse_from_stats(m: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """``L = m + log d``; ``-inf`` where ``d = 0`` (a row with nothing to attend to).
-
-    >>> lse_from_stats(np.array([1.0, -np.inf]), np.array([1.0, 0.0]))
-    array([  1., -inf])
-    """
-    log_d = np.log(d, out=np.full(d.shape, -np.inf), where=d > 0)
-    return finite_shift(m) + log_d
-
-
-def finite_shift(m: np.ndarray) -> np.ndarray:
-    """Row maxima with ``-inf`` replaced by 0, for use as the shift in ``e^{x - m}``.
-
-    A max of ``-inf`` means every entry of the row is ``-inf``; shifting by 0 then gives
-    ``e^{-inf} = 0`` instead of ``e^{-inf - (-inf)} = NaN``.
-    """
-    return np.where(np.isneginf(m), 0.0, m)
-
-
-def safe_divide(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """``num / den`` with 0 wherever ``den == 0`` (then ``num`` is 0 too: an empty sum)."""
-    num, den = np.broadcast_arrays(num, den)
-    return np.divide(num, den, out=np.zeros(num.shape, dtype=np.result_type(num, den)), where=den != 0)
-
-
-def split_range(n: int, block_size: int) -> list[slice]:
-    """``[0, n)`` cut into consecutive slices of ``block_size`` (the last one may be shorter)."""
-    if block_size < 1:
-        raise ValueError(f"block size must be >= 1, got {block_size}")
-    return [slice(start, min(start + block_size, n)) for start in range(0, n, block_size)]
 
 
 def _as_float(x: np.ndarray) -> np.ndarray:
