@@ -1,9 +1,10 @@
 """The CUDA C++ backend (flashattn/csrc/flash_fwd.cu).
 
-Without a GPU: nvcc compiles the source for sm_80 and sm_90 and the resource report shows no spills, with the
-tensor-core (HMMA), cp.async (LDGSTS) and ldmatrix (LDSM) instructions in the SASS; NVRTC, the runtime's
-compiler, does the same when it is installed; the backend refuses what it does not implement with clear errors.
-With a GPU: every kernel against the float64 reference under the tolerance rule."""
+Without a GPU: nvcc compiles every variant, with the defines the runtime passes, for sm_80 and sm_90 and the
+resource report shows no spills, with the tensor-core (HMMA), cp.async (LDGSTS) and ldmatrix (LDSM) instructions
+in the SASS; NVRTC, the runtime's compiler, does the same when it is installed; the source refuses to compile
+without the defines; the kernel store keeps one image per variant; the backend refuses what it does not implement
+with clear errors. With a GPU: every variant against the float64 reference under the tolerance rule."""
 
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ from oracle import assert_close, attention_ref
 
 import flashattn
 from flashattn.backends import cuda as cuda_backend
+from flashattn.backends.cuda import kernel
 from flashattn.backends.spec import AttentionSpec
 
-SOURCE = Path(flashattn.__file__).parent / "csrc" / "flash_fwd.cu"
-KERNELS = sorted(cuda_backend.kernel_name(dt, d, c) for dt in cuda_backend.DTYPES for d in cuda_backend.HEAD_DIMS
-                 for c in (False, True))
+SOURCE = Path(flashattn.__file__).parent / "csrc" / kernel.SOURCE
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -58,28 +58,30 @@ def resources(cubin: Path) -> dict[str, dict[str, int]]:
     return usage
 
 
-def check_cubin(cubin: Path, arch: int) -> None:
+def check_cubin(cubin: Path, arch: int, variant: kernel.Variant) -> None:
     usage = resources(cubin)
-    assert sorted(usage) == KERNELS
-    for name, res in usage.items():
-        assert res["STACK"] == 0 and res["LOCAL"] == 0, f"sm_{arch} {name} spills: {res}"
-        assert res["REG"] <= 255, f"sm_{arch} {name}: {res}"
+    assert list(usage) == [kernel.ENTRY]
+    res = usage[kernel.ENTRY]
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, f"sm_{arch} {variant} spills: {res}"
+    assert res["REG"] <= 255, f"sm_{arch} {variant}: {res}"
     sass = subprocess.run([_cuobjdump(), "--dump-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     for instruction in ("HMMA.16816.F32", "LDGSTS", "LDSM.16.M88.4", "LDSM.16.MT88.4"):
-        assert instruction in sass, f"sm_{arch}: no {instruction} in the SASS"
+        assert instruction in sass, f"sm_{arch} {variant}: no {instruction} in the SASS"
 
 
 needs_tools = pytest.mark.skipif(_nvcc() is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+every_variant = pytest.mark.parametrize("variant", kernel.VARIANTS, ids=str)
 
 
 @needs_tools
 @pytest.mark.parametrize("arch", [80, 90])
-def test_nvcc_compiles_without_spills(arch, tmp_path):
-    cubin = tmp_path / f"flash_fwd_sm{arch}.cubin"
-    subprocess.run([_nvcc(), "-cubin", f"-arch=sm_{arch}", "-O3", "-std=c++17", "-o", str(cubin), str(SOURCE)],
-                   check=True, capture_output=True, text=True)
-    check_cubin(cubin, arch)
+@every_variant
+def test_nvcc_compiles_without_spills(variant, arch, tmp_path):
+    cubin = tmp_path / f"flash_fwd_{variant}_sm{arch}.cubin"
+    subprocess.run([_nvcc(), "-cubin", f"-arch=sm_{arch}", "-O3", *kernel.compile_options(variant), "-o",
+                    str(cubin), str(SOURCE)], check=True, capture_output=True, text=True)
+    check_cubin(cubin, arch, variant)
 
 
 def _nvrtc_available() -> bool:
@@ -92,15 +94,59 @@ def _nvrtc_available() -> bool:
         return False
 
 
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
+
+
 @pytest.mark.skipif(_cuobjdump() is None or not _nvrtc_available(), reason="needs NVRTC and cuobjdump")
 @pytest.mark.parametrize("arch", [80, 90])
-def test_nvrtc_compiles_what_the_runtime_loads(arch, tmp_path):
-    """The runtime's own compile path (headerless source, its options), without a GPU."""
+@every_variant
+def test_nvrtc_compiles_what_the_runtime_loads(variant, arch, tmp_path):
+    """The runtime's own compile path (headerless source, its options and defines), without a GPU."""
     from flashattn.backends.cuda import runtime
 
-    cubin = tmp_path / f"nvrtc_sm{arch}.cubin"
-    cubin.write_bytes(runtime.compile_source(SOURCE.read_text(), SOURCE.name, f"sm_{arch}"))
-    check_cubin(cubin, arch)
+    cubin = tmp_path / f"nvrtc_{variant}_sm{arch}.cubin"
+    cubin.write_bytes(runtime.compile_variant(f"sm_{arch}", variant))
+    check_cubin(cubin, arch, variant)
+
+
+@needs_nvrtc
+def test_source_needs_every_define_from_python():
+    """No value Python launches with has a default in the source: leave any define out and it does not compile."""
+    from flashattn.backends.cuda import runtime
+
+    options = kernel.compile_options(kernel.Variant("f16", 64, False))
+    defines = [o for o in options if o.startswith("-D")]
+    assert {d[2:].split("=")[0] for d in defines} >= {"BLOCK_M", "BLOCK_N", "WARPS", "HEAD_DIM", "IS_BF16",
+                                                       "IS_CAUSAL", "SHARED_BYTES"}
+    for left_out in defines:
+        name = left_out[2:].split("=")[0]
+        rest = [o for o in options if o != left_out]
+        with pytest.raises(runtime.CompileError, match=f"{name} undefined"):
+            runtime.compile_source(SOURCE.read_text(), SOURCE.name, "sm_80", rest)
+    with pytest.raises(runtime.CompileError, match="kernel.shared_bytes"):  # the launch's shared memory, checked
+        runtime.compile_source(SOURCE.read_text(), SOURCE.name, "sm_80",
+                               [o for o in options if not o.startswith("-DSHARED_BYTES")] + ["-DSHARED_BYTES=4096"])
+
+
+@needs_nvrtc
+def test_kernel_store_keeps_one_image_per_variant(tmp_path, monkeypatch):
+    """FLASHATTN_CACHE places the store; the defines are part of the key; a stored image is not compiled again."""
+    from flashattn.backends.cuda import runtime
+
+    monkeypatch.setenv("FLASHATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(runtime, "compile_variant", lambda arch, variant: f"{arch} {variant}".encode())
+    images = {v: runtime.compiled("sm_80", v) for v in kernel.VARIANTS}
+    assert images == {v: f"sm_80 {v}".encode() for v in kernel.VARIANTS}
+    paths = {runtime.store_path("sm_80", v) for v in kernel.VARIANTS}
+    assert len(paths) == len(kernel.VARIANTS) and set((tmp_path / "cuda").iterdir()) == paths
+
+    def compile_again(arch, variant):
+        raise AssertionError(f"{variant} compiled again")
+
+    monkeypatch.setattr(runtime, "compile_variant", compile_again)
+    assert {v: runtime.compiled("sm_80", v) for v in kernel.VARIANTS} == images
+    monkeypatch.setattr(kernel, "BLOCK_N", 32)  # another define, another image
+    assert runtime.store_path("sm_80", kernel.VARIANTS[0]) not in paths
 
 
 def test_launch_arguments_match_the_kernel_signature():
@@ -108,8 +154,8 @@ def test_launch_arguments_match_the_kernel_signature():
     import ctypes
 
     text = SOURCE.read_text()
-    params = re.search(r"NAME\((.*?)\)\s*\{", text, re.S).group(1)
-    c_types = [" ".join(p.split()[:-1]) for p in re.sub(r"\\\s*\n", " ", params).split(",")]
+    params = re.search(rf"{kernel.ENTRY}\((.*?)\)\s*\{{", text, re.S).group(1)
+    c_types = [" ".join(p.split()[:-1]) for p in params.split(",")]
     expected = {"const u16*": ctypes.c_void_p, "u16*": ctypes.c_void_p, "float*": ctypes.c_void_p,
                 "int": ctypes.c_int, "i64": ctypes.c_longlong, "float": ctypes.c_float}
     q = torch.zeros(2, 5, 4, 64, dtype=torch.float16)
@@ -233,7 +279,7 @@ def test_strided_inputs_and_sdpa_top_left_causal():
     assert_close("top-left", top_left, ref, base)
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
+@needs_nvrtc
 def test_gpu_script_smoke(tmp_path):
     """benchmarks/cuda_kernel.py, the one command a GPU session runs, at least starts and compiles."""
     import sys

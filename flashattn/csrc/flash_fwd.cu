@@ -1,6 +1,7 @@
 // FlashAttention-2 forward as one fused CUDA kernel, for the flashattn "cuda" backend.
 //
-// Grid (B * H, ceil(Nq / 64)); 4 warps, each owning 16 query rows of a 64-row tile. Per K/V tile of 64 keys:
+// Grid (B * H, ceil(Nq / BLOCK_M)); WARPS warps, each owning 16 query rows of a BLOCK_M-row tile. Per K/V tile
+// of BLOCK_N keys:
 //   S = Q K^T        mma.sync m16n8k16 (fp16 or bf16 in, fp32 accumulate), Q fragments kept in registers
 //   online softmax   row max / row sum over the 4 lanes that share a row (two xor shuffles), base-2 exponentials
 //   O += P V         P re-packed from the S accumulators straight into mma A fragments (no shared memory trip)
@@ -12,6 +13,32 @@
 //
 // Self-contained on purpose (no cuda_fp16.h): NVRTC compiles it at first use with no headers or toolchain, and
 // nvcc compiles the same file in CI for the resource report.
+//
+// Each compile builds one variant (HEAD_DIM, IS_BF16, IS_CAUSAL) into one kernel, flash_fwd_kernel. The tile
+// sizes and the variant come from flashattn/backends/cuda/kernel.py (compile_options) as -D defines and have no
+// defaults here: the launch in Python and the kernel read the same values or the file does not compile.
+
+#ifndef BLOCK_M
+#error "BLOCK_M undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
+#ifndef BLOCK_N
+#error "BLOCK_N undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
+#ifndef WARPS
+#error "WARPS undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
+#ifndef HEAD_DIM
+#error "HEAD_DIM undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
+#ifndef IS_BF16
+#error "IS_BF16 undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
+#ifndef IS_CAUSAL
+#error "IS_CAUSAL undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
+#ifndef SHARED_BYTES
+#error "SHARED_BYTES undefined: compile with flashattn.backends.cuda.kernel.compile_options(variant)"
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -19,9 +46,9 @@ typedef long long i64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))  // no math headers under NVRTC
 
-#define BLOCK_M 64
-#define BLOCK_N 64
-#define WARPS 4
+// What the code below assumes of the values Python chose.
+static_assert(BLOCK_M == 16 * WARPS, "each warp owns 16 query rows of the Q tile");
+static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tiles are whole m16n8k16 steps");
 
 template <int D>
 struct Tile {
@@ -113,6 +140,8 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
     u16* sq = smem;                          // BLOCK_M x D
     u16* sk = sq + BLOCK_M * D;              // 2 x BLOCK_N x D
     u16* sv = sk + 2 * BLOCK_N * D;          // 2 x BLOCK_N x D
+    static_assert(sizeof(u16) * (BLOCK_M + 4 * BLOCK_N) * D == SHARED_BYTES,
+                  "the launch's dynamic shared memory (kernel.shared_bytes in Python) is exactly these tiles");
 
     const int m_block = blockIdx.y, bh = blockIdx.x;  // batch x heads on x: y would cap it at 65535
     const int b = bh / nheads, h = bh % nheads, hk = h / (nheads / nheads_k);
@@ -278,22 +307,13 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
     }
 }
 
-// Launch bounds (128 threads, 2 blocks per SM) allow 255 registers: without the 2, NVRTC's ptxas aims for 3
-// blocks, caps the d = 128 kernels at 168 registers and spills on sm_80.
-#define FLASH_FWD_KERNEL(NAME, D, BF16, CAUSAL)                                                                   \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)                                                    \
-        NAME(const u16* q, const u16* k, const u16* v, u16* out, float* lse, int nheads, int nheads_k,           \
-             int seqlen_q, int seqlen_k, int shift, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb,    \
-             i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {                               \
-        flash_fwd<D, BF16, CAUSAL>(q, k, v, out, lse, nheads, nheads_k, seqlen_q, seqlen_k, shift, q_sb, q_ss, q_sh,     \
-                                   k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh, scale_log2);             \
-    }
-
-FLASH_FWD_KERNEL(flash_fwd_f16_d64, 64, false, false)
-FLASH_FWD_KERNEL(flash_fwd_f16_d64_causal, 64, false, true)
-FLASH_FWD_KERNEL(flash_fwd_f16_d128, 128, false, false)
-FLASH_FWD_KERNEL(flash_fwd_f16_d128_causal, 128, false, true)
-FLASH_FWD_KERNEL(flash_fwd_bf16_d64, 64, true, false)
-FLASH_FWD_KERNEL(flash_fwd_bf16_d64_causal, 64, true, true)
-FLASH_FWD_KERNEL(flash_fwd_bf16_d128, 128, true, false)
-FLASH_FWD_KERNEL(flash_fwd_bf16_d128_causal, 128, true, true)
+// Launch bounds (WARPS * 32 = 128 threads, 2 blocks per SM) allow 255 registers: without the 2, NVRTC's ptxas aims
+// for 3 blocks, caps the d = 128 kernels at 168 registers and spills on sm_80.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
+    flash_fwd_kernel(const u16* q, const u16* k, const u16* v, u16* out, float* lse, int nheads, int nheads_k,
+                     int seqlen_q, int seqlen_k, int shift, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss,
+                     i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
+    flash_fwd<HEAD_DIM, IS_BF16, IS_CAUSAL>(q, k, v, out, lse, nheads, nheads_k, seqlen_q, seqlen_k, shift, q_sb,
+                                            q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
+                                            scale_log2);
+}

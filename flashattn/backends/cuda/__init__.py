@@ -1,5 +1,6 @@
 """The CUDA C++ backend: one fused FlashAttention-2 forward kernel (``flashattn/csrc/flash_fwd.cu``), compiled
-at first use with NVRTC (``runtime.py`` says why NVRTC).
+at first use with NVRTC for the variant a call needs (``runtime.py`` says why NVRTC; ``kernel.py`` holds the tile
+sizes and the defines each variant is compiled with).
 
 It covers the core of the operator and nothing else: fp16/bf16, head dim 64 or 128, causal or not (diagonal
 bottom-right or top-left), GQA/MQA, any sequence lengths, out and the log-sum-exp. Forward only. It is chosen
@@ -15,21 +16,7 @@ import math
 import torch
 
 from ..spec import AttentionSpec, Varlen
-
-BLOCK_M = 64
-BLOCK_N = 64
-WARPS = 4
-HEAD_DIMS = (64, 128)
-DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-
-
-def kernel_name(dtype: torch.dtype, head_dim: int, causal: bool) -> str:
-    return f"flash_fwd_{DTYPES[dtype]}_d{head_dim}" + ("_causal" if causal else "")
-
-
-def shared_bytes(head_dim: int) -> int:
-    """Q tile plus double-buffered K and V tiles, 2 bytes an element."""
-    return 2 * head_dim * (BLOCK_M + 4 * BLOCK_N)
+from .kernel import BLOCK_M, DTYPES, ENTRY, HEAD_DIMS, WARPS, Variant, shared_bytes
 
 
 def unsupported(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool, varlen: Varlen | None) -> str | None:
@@ -67,7 +54,7 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch_args(q, k, v, out, lse, shift: int, scale: float) -> list:
-    """The kernel's arguments in the order and C types of ``FLASH_FWD_KERNEL`` in flash_fwd.cu: pointers, then
+    """The kernel's arguments in the order and C types of ``flash_fwd_kernel`` in flash_fwd.cu: pointers, then
     nheads, nheads_k, seqlen_q, seqlen_k, shift (int), then (batch, seq, head) strides of q, k, v, out (int64),
     then the scale in log2 units (float)."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
@@ -93,12 +80,11 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     q, k, v = (_kernel_ready(t) for t in (q, k, v))
     causal = spec.window_right == 0
     shift = (nk - nq if spec.bottom_right else 0) + spec.offset
-    module = runtime.module("flash_fwd.cu", q.device)
+    module = runtime.module(Variant.of(q.dtype, d, causal), q.device)
     args = launch_args(q, k, v, out, lse, shift, spec.scale)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        module.launch(kernel_name(q.dtype, d, causal), (b * h, math.ceil(nq / BLOCK_M), 1), (WARPS * 32, 1, 1),
-                      shared_bytes(d), stream, args)
+        module.launch(ENTRY, (b * h, math.ceil(nq / BLOCK_M), 1), (WARPS * 32, 1, 1), shared_bytes(d), stream, args)
     return out, lse, q.new_empty(0)
 
 

@@ -1,11 +1,15 @@
-"""Compile ``flashattn/csrc/*.cu`` at first use with NVRTC and launch kernels through the CUDA driver API, both
-through ctypes.
+"""Compile ``flashattn/csrc/flash_fwd.cu`` at first use with NVRTC, one variant at a time (``kernel.py``), and
+launch it through the CUDA driver API, both through ctypes.
 
 Why NVRTC and not ``torch.utils.cpp_extension``: a CUDA build of torch already ships NVRTC (the
 ``nvidia-cuda-nvrtc`` wheel it depends on) and the driver ships ``libcuda``, so this needs no nvcc, no host C++
-compiler, no ninja and no download, and compiles in about a second. The kernel source includes no headers for
-the same reason. Compiled cubins are cached on disk (``$FLASHATTN_CACHE`` or ``~/.cache/flashattn``), keyed by
-the source, the options, the NVRTC version and the GPU architecture.
+compiler, no ninja and no download, and compiles a variant in under a second. The kernel source includes no
+headers for the same reason. Compiled images are kept on disk in the kernel store (``$FLASHATTN_CACHE/cuda``, by
+default ``~/.cache/flashattn/cuda``), keyed by the source, the options with their defines, the NVRTC version and
+the GPU architecture.
+
+    module(Variant.of(q.dtype, 128, causal=True), q.device).launch(ENTRY, grid, block, shared, stream, args)
+    compile_all("sm_90")  # {variant: cubin}, fresh: how long compiling takes, and what the tests inspect
 """
 
 from __future__ import annotations
@@ -21,13 +25,21 @@ from pathlib import Path
 
 import torch
 
+from .kernel import SOURCE, VARIANTS, Variant, compile_options
+
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"
-OPTIONS = ("-std=c++17",)
+
+# Status and enum values of the C APIs, as nvrtc.h (nvrtcResult) and cuda.h (CUresult, CUfunction_attribute) name them.
+NVRTC_SUCCESS = 0
+CUDA_SUCCESS = 0
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# Dynamic shared memory a kernel may use without opting in through the attribute above.
+DEFAULT_MAX_DYNAMIC_SHARED_BYTES = 48 * 1024
 
 _lock = threading.Lock()
 _nvrtc: ctypes.CDLL | None = None
 _cuda: ctypes.CDLL | None = None
-_modules: dict[tuple[str, int], Module] = {}
+_modules: dict[tuple[Variant, int], Module] = {}
 
 
 class CompileError(RuntimeError):
@@ -73,24 +85,25 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def _check_nvrtc(result: int, what: str) -> None:
-    if result != 0:
+    if result != NVRTC_SUCCESS:
         raise CompileError(f"NVRTC {what} failed: {nvrtc().nvrtcGetErrorString(result).decode()}")
 
 
-def compile_source(source: str, name: str, arch: str) -> bytes:
-    """Compile CUDA C++ ``source`` for ``arch`` ("sm_90": a cubin; "compute_90": PTX for the driver to JIT)."""
+def compile_source(source: str, name: str, arch: str, options: list[str] | tuple[str, ...] = ()) -> bytes:
+    """Compile CUDA C++ ``source`` for ``arch`` ("sm_90": a cubin; "compute_90": PTX for the driver to JIT) with
+    NVRTC ``options``. flash_fwd.cu needs its defines: ``compile_variant`` passes them."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
     _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
                  "create")
     try:
-        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in OPTIONS)]
-        result = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        argv = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
+        result = lib.nvrtcCompileProgram(prog, len(argv), (ctypes.c_char_p * len(argv))(*argv))
         log_size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(log_size))
         log = ctypes.create_string_buffer(log_size.value)
         lib.nvrtcGetProgramLog(prog, log)
-        if result != 0:
+        if result != NVRTC_SUCCESS:
             raise CompileError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode(errors='replace')}")
         kind = "CUBIN" if arch.startswith("sm_") else "PTX"
         size = ctypes.c_size_t()
@@ -102,18 +115,35 @@ def compile_source(source: str, name: str, arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def _cache_dir() -> Path:
+def compile_variant(arch: str, variant: Variant) -> bytes:
+    """The image of one variant of flash_fwd.cu for ``arch``, freshly compiled (the kernel store is not read)."""
+    return compile_source((SOURCE_DIR / SOURCE).read_text(), SOURCE, arch, compile_options(variant))
+
+
+def compile_all(arch: str) -> dict[Variant, bytes]:
+    """Every variant's image for ``arch``, freshly compiled: what eight first calls would compile."""
+    return {variant: compile_variant(arch, variant) for variant in VARIANTS}
+
+
+def _store_dir() -> Path:
+    """The kernel store: compiled images on disk. ``FLASHATTN_CACHE`` is the user's name for its parent."""
     return Path(os.environ.get("FLASHATTN_CACHE") or Path.home() / ".cache" / "flashattn") / "cuda"
 
 
-def compiled(filename: str, arch: str) -> bytes:
-    """The image of ``csrc/<filename>`` for ``arch``, from the disk cache or freshly compiled."""
-    source = (SOURCE_DIR / filename).read_text()
-    key = hashlib.sha256("\0".join([source, arch, *OPTIONS, str(nvrtc_version())]).encode()).hexdigest()[:24]
-    path = _cache_dir() / f"{Path(filename).stem}-{arch}-{key}.bin"
+def store_path(arch: str, variant: Variant) -> Path:
+    """Where the kernel store keeps ``variant``'s image for ``arch``: the name changes with anything that changes
+    the image (source, options and defines, NVRTC version)."""
+    source = (SOURCE_DIR / SOURCE).read_text()
+    key = "\0".join([source, arch, *compile_options(variant), str(nvrtc_version())])
+    return _store_dir() / f"{Path(SOURCE).stem}-{variant}-{arch}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.bin"
+
+
+def compiled(arch: str, variant: Variant) -> bytes:
+    """The image of ``variant`` for ``arch``, from the kernel store or freshly compiled (and then stored)."""
+    path = store_path(arch, variant)
     if path.exists():
         return path.read_bytes()
-    image = compile_source(source, filename, arch)
+    image = compile_variant(arch, variant)
     try:  # best effort: a read-only home only costs a recompile next time
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -131,12 +161,12 @@ def driver() -> ctypes.CDLL:
             _cuda = ctypes.CDLL("libcuda.so.1")
         except OSError as err:
             raise CompileError(f"flashattn's cuda backend needs the NVIDIA driver (libcuda.so.1): {err}") from err
-        _check_cu(_cuda.cuInit(0), "cuInit")
+        _check_cu(_cuda.cuInit(0), "cuInit")  # 0: cuInit takes no flags yet
     return _cuda
 
 
 def _check_cu(result: int, what: str) -> None:
-    if result != 0:
+    if result != CUDA_SUCCESS:
         message = ctypes.c_char_p()
         _cuda.cuGetErrorString(result, ctypes.byref(message))
         raise RuntimeError(f"CUDA driver {what} failed ({result}): {(message.value or b'?').decode()}")
@@ -166,8 +196,9 @@ class Module:
             fn = ctypes.c_void_p()
             _check_cu(cu.cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()), f"get {name}")
             self._functions[name] = fn
-        if shared_bytes > self._shared.get(name, 48 * 1024):  # above 48 KiB needs an opt-in per kernel
-            _check_cu(cu.cuFuncSetAttribute(fn, 8, shared_bytes), "cuFuncSetAttribute(max dynamic shared)")
+        if shared_bytes > self._shared.get(name, DEFAULT_MAX_DYNAMIC_SHARED_BYTES):  # opt-in per kernel
+            _check_cu(cu.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+                      "cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
             self._shared[name] = shared_bytes
         return fn
 
@@ -182,17 +213,18 @@ class Module:
                   f"launch {name}")
 
 
-def module(filename: str, device: torch.device) -> Module:
-    """``csrc/<filename>`` compiled for and loaded on ``device`` (once per process and device)."""
+def module(variant: Variant, device: torch.device) -> Module:
+    """``variant`` compiled for and loaded on ``device`` (once per process, variant and device); its kernel is
+    ``kernel.ENTRY``."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (filename, index)
+    key = (variant, index)
     with _lock:
         if key not in _modules:
             major, minor = torch.cuda.get_device_capability(index)
             try:
-                image = compiled(filename, f"sm_{major}{minor}")
+                image = compiled(f"sm_{major}{minor}", variant)
             except CompileError:
                 # An NVRTC older than the GPU: PTX for the newest architecture it knows, JIT-compiled by the driver.
-                image = compiled(filename, f"compute_{min(major * 10 + minor, 90)}")
+                image = compiled(f"compute_{min(major * 10 + minor, 90)}", variant)
             _modules[key] = Module(image, index)
         return _modules[key]
