@@ -65,7 +65,7 @@ def _autograd_grads(q, k, v, do, causal):
 def _traffic_rows(n: int, d: int, sram_sizes: list[int]) -> tuple[list[list[str]], int | None]:
     rows = []
     for m in sram_sizes:
-        counts = {a: reference.measure_traffic(a, n, d, m)["bytes"] for a in
+        counts = {a: reference.measure_traffic(a, n, d, M=m)["bytes"] for a in
                   ("standard", "flash1", "flash2_fwd", "flash2_bwd")}
         winner = "flash" if counts["flash2_fwd"] < counts["standard"] else "standard"
         rows.append([n, d, m, *(f"{counts[a] / 2**20:.1f}" for a in counts), winner])

@@ -21,7 +21,7 @@ from oracle import assert_close, attention_ref
 import flashattn
 from flashattn.backends import cuda as cuda_backend
 from flashattn.backends.cuda import kernel
-from flashattn.backends.spec import AttentionSpec
+from flashattn.backends.spec import AttentionSpec, KeyCache
 
 SOURCE = Path(flashattn.__file__).parent / "csrc" / kernel.SOURCE
 HAS_GPU = torch.cuda.is_available()
@@ -178,7 +178,7 @@ def _spec(**kwargs):
         ({"spec": _spec(softcap=5.0)}, "softcap"),
         ({"spec": _spec(dropout_p=0.1)}, "dropout"),
         ({"spec": _spec(window_left=8, window_right=0)}, "sliding window"),
-        ({"alibi": torch.ones(1, 2)}, "ALiBi"),
+        ({"spec": _spec(alibi_slopes=torch.ones(1, 2))}, "ALiBi"),
         ({"return_probs": True}, "return_attn_probs"),
         ({}, "CUDA tensors"),  # everything supported but the device
     ],
@@ -186,8 +186,8 @@ def _spec(**kwargs):
 def test_unsupported_calls_are_named(change, message):
     dtype, d = change.get("dtype", torch.float16), change.get("d", 64)
     q = torch.zeros(1, 4, 2, d, dtype=dtype)
-    reason = cuda_backend.unsupported(q, q, q, change.get("alibi"), None, change.get("spec", _spec()),
-                                      change.get("return_probs", False), None)
+    reason = cuda_backend.unsupported(q, q, q, change.get("spec", _spec()),
+                                      return_probs=change.get("return_probs", False))
     assert reason is not None and message in reason
 
 
@@ -199,9 +199,9 @@ def test_backend_is_opt_in_and_refusals_are_clear():
         with pytest.raises(NotImplementedError, match="CUDA tensors"):
             flashattn.flash_attn_func(q, q, q)
     with pytest.raises(NotImplementedError, match="forward-only"):
-        cuda_backend.backward()
-    with pytest.raises(NotImplementedError, match="KV-cache"):
-        cuda_backend.forward_cache()
+        cuda_backend.backward(q, None, None, _spec())
+    cache = KeyCache(torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)
+    assert "KV cache" in cuda_backend.unsupported(q, q, q, _spec(cache=cache))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -241,8 +241,7 @@ def test_forward_matches_float64(shape, causal, d, dtype):
     base, _ = attention_ref(q, k, v, causal=causal, upcast=False)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close("out", out, ref, base)
-    _, lse, _ = cuda_backend.forward(q, k, v, None, None, AttentionSpec(scale=d**-0.5,
-                                                                        window_right=0 if causal else -1))
+    _, lse, _ = cuda_backend.forward(q, k, v, AttentionSpec(scale=d**-0.5, window_right=0 if causal else -1))
     finite = torch.isfinite(ref_lse)
     assert torch.isneginf(lse[~finite]).all() and not torch.isnan(lse).any()
     torch.testing.assert_close(lse[finite], ref_lse[finite].float(), rtol=0, atol=1e-2)
@@ -255,7 +254,7 @@ def test_lse_and_rows_without_keys(causal):
     k, v = (torch.randn(2, 70, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     _poison_allocator("cuda")
     spec = AttentionSpec(scale=128**-0.5, window_right=0 if causal else -1)
-    out, lse, _ = cuda_backend.forward(q, k, v, None, None, spec)
+    out, lse, _ = cuda_backend.forward(q, k, v, spec)
     ref, ref_lse = attention_ref(q, k, v, causal=causal)
     finite = torch.isfinite(ref_lse)
     assert torch.isneginf(lse[~finite]).all() and not torch.isnan(lse).any()

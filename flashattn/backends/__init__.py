@@ -47,7 +47,8 @@ class Backend(Protocol):
 
     NAME: str
 
-    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> str | None:
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,
+                    return_probs: bool = False) -> str | None:
         """Why this backend cannot run the call (None when it can)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,

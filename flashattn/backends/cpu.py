@@ -41,7 +41,7 @@ def _blocks(n: int, size: int) -> range:
     return range(0, n, size)
 
 
-def unsupported(q, k, v, spec: AttentionSpec) -> str | None:
+def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
     """The tiled path runs every feature on every device torch runs on."""
     return None
 

@@ -15,20 +15,23 @@ import math
 
 import torch
 
-from ..spec import AttentionSpec, Varlen
+from ..spec import AttentionSpec, Saved
 from .kernel import BLOCK_M, DTYPES, ENTRY, HEAD_DIMS, WARPS, Variant, shared_bytes
 
+NAME = "cuda"
 
-def unsupported(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool, varlen: Varlen | None) -> str | None:
+
+def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
     """Why this backend cannot compute the call, or None if it can."""
     if q.dtype not in DTYPES:
         return f"it takes float16 or bfloat16, got {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
         return f"it takes head dim 64 or 128 (the same for q, k and v), got {q.shape[-1]} and {v.shape[-1]}"
     features = {
-        "varlen (packed sequences)": varlen is not None,
-        "ALiBi": alibi is not None,
-        "attn_mask": mask is not None,
+        "varlen (packed sequences)": spec.varlen is not None,
+        "a KV cache (flash_attn_with_kvcache, paged varlen)": spec.cache is not None,
+        "ALiBi": spec.alibi_slopes is not None,
+        "attn_mask": spec.attn_mask is not None,
         "dropout": spec.dropout_p > 0,
         "softcap": spec.softcap > 0,
         "a sliding window": spec.window_left >= 0 or spec.window_right > 0,
@@ -64,9 +67,9 @@ def launch_args(q, k, v, out, lse, shift: int, scale: float) -> list:
             ctypes.c_float(scale * math.log2(math.e))]
 
 
-def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = False, varlen: Varlen | None = None):
+def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """out (B, Nq, H, D) and lse (B, H, Nq) float32, as ``flashattn.backends.cpu.forward`` returns them."""
-    reason = unsupported(q, k, v, alibi, mask, spec, return_probs, varlen)
+    reason = unsupported(q, k, v, spec, return_probs=return_probs)
     if reason is not None:
         raise _refuse(reason)
     from . import runtime  # ctypes and NVRTC only when the backend is used
@@ -79,7 +82,7 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
         return out, lse, q.new_empty(0)
     q, k, v = (_kernel_ready(t) for t in (q, k, v))
     causal = spec.window_right == 0
-    shift = (nk - nq if spec.bottom_right else 0) + spec.offset
+    shift = (nk - nq if spec.bottom_right else 0) + spec.diagonal_offset
     module = runtime.module(Variant.of(q.dtype, d, causal), q.device)
     args = launch_args(q, k, v, out, lse, shift, spec.scale)
     with torch.cuda.device(q.device):
@@ -88,11 +91,6 @@ def forward(q, k, v, alibi, mask, spec: AttentionSpec, return_probs: bool = Fals
     return out, lse, q.new_empty(0)
 
 
-def backward(*args, **kwargs):
+def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     raise NotImplementedError("flashattn's cuda backend is forward-only: it has no backward yet. Train with the "
                               "triton backend (flashattn.use_backend('auto') or 'triton'); use 'cuda' for inference.")
-
-
-def forward_cache(*args, **kwargs):
-    raise NotImplementedError("flashattn's cuda backend has no KV-cache kernel; flash_attn_with_kvcache and paged "
-                              "varlen run on the triton or cpu backend (flashattn.use_backend('auto')).")

@@ -38,7 +38,7 @@ NAME = "triton"
 __all__ = ["NAME", "backward", "forward", "interpreting", "unsupported"]
 
 
-def unsupported(q, k, v, spec: AttentionSpec) -> str | None:
+def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
     """Why the kernels cannot run the call: not CUDA (and not interpreting), float64, or head dims over 256."""
     if q.device.type != "cuda" and not (interpreting() or compiling_only()):
         return f"it needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}"
