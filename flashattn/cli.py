@@ -1,9 +1,18 @@
-"""The ``flashattn`` command line: ``flashattn demo``, ``flashattn bench [--decode]`` (or ``python -m flashattn``)."""
+"""The ``flashattn`` command line (also ``python -m flashattn``)::
+
+    flashattn demo                        # the ladder, the HBM-traffic table, time and memory vs plain attention
+    flashattn bench sweep                 # our attention against every baseline here (TFLOP/s, time, memory)
+    flashattn bench decode                # decode against a KV cache, as a fraction of copy bandwidth
+    flashattn bench cpu                   # the CPU path against torch's CPU SDPA and plain attention
+    flashattn bench context-parallel      # context-parallel layouts across ranks (starts torchrun)
+    flashattn bench cuda-kernel           # the CUDA C++ kernel: compile, accuracy, forward timing
+
+``flashattn bench <subcommand> --help`` lists each one's options with their defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -12,16 +21,11 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, reference
-from .bench.measure import Case, measure
-from .bench.plot import plot_time_memory
+from .bench import context_parallel, cpu, cuda_kernel, decode, options, report, sweep
+from .bench.measure import OURS, Case, measure
 
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join(f"{{:>{w}}}" for w in widths)
-    out = [line.format(*header), line.format(*("-" * w for w in widths))]
-    out += [line.format(*map(str, r)) for r in rows]
-    return "\n".join(out)
+BENCH_COMMANDS = {"sweep": sweep, "decode": decode, "cpu": cpu, "context-parallel": context_parallel,
+                  "cuda-kernel": cuda_kernel}
 
 
 def _ladder_errors(n: int = 97, d: int = 40, seed: int = 0) -> list[list[str]]:
@@ -74,193 +78,97 @@ def _traffic_rows(n: int, d: int, sram_sizes: list[int]) -> tuple[list[list[str]
 
 def demo(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or options.default_device()
     print(f"flashattn {__version__} demo on {device} (torch {torch.__version__})\n")
 
     print("1. The ladder: every rung computes the same attention (float64, max abs error)")
-    print(_table(_ladder_errors(), ["algorithm", "compared with", "max error"]), "\n")
+    print(report.table(_ladder_errors(), ["algorithm", "compared with", "max error"]), "\n")
 
     n, d = args.traffic_n, args.traffic_d
     sram = [d * d // 2, d * d, 2 * d * d, 4 * d * d, 16 * d * d, 64 * d * d]
     rows, cross = _traffic_rows(n, d, sram)
     print(f"2. HBM traffic counted block by block (MiB at 2 bytes/element), N={n}, d={d}, SRAM M in elements")
-    print(_table(rows, ["N", "d", "M", "standard", "flash1", "flash2_fwd", "flash2_bwd", "fwd winner"]))
+    print(report.table(rows, ["N", "d", "M", "standard", "flash1", "flash2_fwd", "flash2_bwd", "fwd winner"]))
     print(f"   crossover: flash forward moves less data than standard attention from M = {cross} elements "
           f"(theory: M ~ d^2 = {d * d})\n")
 
-    seqlens = [int(s) for s in args.seqlens.split(",")]
-    impls = ["flashattn", "sdpa", "plain"]
+    results, dtype = _demo_timings(args, device)
+    print(f"\n3. Forward time and peak extra memory, batch 1, {args.heads} heads, headdim {args.headdim}, "
+          f"{dtype}, causal={args.causal}")
+    columns = [report.Col("N", "seqlen"), *report.per_impl(DEMO_IMPLS, report.MS, report.TFLOPS, report.MIB)]
+    print(report.table(report.wide(results, ("seqlen",)), columns))
+    title = f"attention forward on {device}: flashattn vs plain attention vs torch SDPA"
+    figure = report.Figure(title, ("ms", "mib"))
+    meta = report.meta(device, args.command_line, {k: getattr(args, k) for k in DEMO_SWEEP})
+    paths = report.write(results, meta, out_dir, "demo", [figure])
+    print(f"\nwrote {' and '.join(map(str, paths))}" + ("" if len(paths) > 1 else " (install matplotlib for the plot)"))
+    return 0
+
+
+DEMO_IMPLS = (OURS, "sdpa", "plain")
+DEMO_SWEEP = ("seqlens", "heads", "headdim", "causal", "repeats", "plain_limit_gib")
+
+
+def _demo_timings(args: argparse.Namespace, device: str) -> tuple[list[dict], str]:
     # bf16 on a GPU (what its kernels are for), fp32 on CPU (where half-precision matmuls are emulated and slow).
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     cases = [Case(impl, s, heads=args.heads, headdim=args.headdim, device=device, causal=args.causal, dtype=dtype,
-                  repeats=args.repeats) for s in seqlens for impl in impls]
+                  repeats=args.repeats) for s in args.seqlens for impl in DEMO_IMPLS]
     results = []
     for case in tqdm(cases, desc="3. timing", unit="case", file=sys.stdout):
         skip = case.impl == "plain" and case.plain_attention_bytes > args.plain_limit_gib * 2**30
         results.append({**vars(case), "seconds": None, "peak_bytes": None, "error": "skipped: N x N too big"}
                        if skip else measure(case))
-    print(f"\n3. Forward time and peak extra memory, batch 1, {args.heads} heads, headdim {args.headdim}, "
-          f"{dtype}, causal={args.causal}")
-    table = []
-    for s in seqlens:
-        by = {r["impl"]: r for r in results if r["seqlen"] == s}
-        row = [s]
-        for impl in impls:
-            r = by[impl]
-            if r["seconds"] is None:
-                row += ["-", "-"]
-            else:
-                row += [f"{r['seconds'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}"]
-        table.append(row)
-    header = ["N"] + [f"{impl} {what}" for impl in impls for what in ("ms", "MiB")]
-    print(_table(table, header))
-    (out_dir / "demo.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
-    title = f"attention forward on {device}: flashattn vs plain attention vs torch SDPA"
-    plotted = plot_time_memory(results, out_dir / "demo.png", title)
-    print(f"\nwrote {out_dir / 'demo.json'}" + (f" and {out_dir / 'demo.png'}" if plotted else
-                                                 " (install matplotlib for the plot)"))
-    return 0
+    return results, dtype
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the ladder, the HBM-traffic table, and time/memory against plain attention",
+                       formatter_class=options.HelpFormatter)
+    p.add_argument("--out", default="demo-output", help="folder for demo.json and demo.png")
+    options.add_device(p)
+    p.add_argument("--seqlens", type=options.int_list, default="512,1024,2048,4096,8192",
+                   help="comma-separated sequence lengths to time")
+    p.add_argument("--heads", type=options.positive_int, default=4, help="attention heads")
+    p.add_argument("--headdim", type=options.positive_int, default=64, help="head dimension")
+    p.add_argument("--causal", action="store_true", help="causal masking")
+    p.add_argument("--repeats", type=options.positive_int, default=3, help="timed runs per case (the median)")
+    p.add_argument("--plain-limit-gib", type=options.positive_float, default=8.0,
+                   help="skip plain attention where its N x N tensors would exceed this")
+    p.add_argument("--traffic-n", type=options.positive_int, default=1024, help="N of the HBM-traffic table")
+    p.add_argument("--traffic-d", type=options.positive_int, default=64, help="head dim of the HBM-traffic table")
+    p.set_defaults(func=demo)
 
 
-# Options of each `flashattn bench` sweep (dest names), and their defaults: one given to the other sweep is an error.
-_SWEEP_ONLY = {"seqlens": None, "headdims": None, "causal": "both", "modes": None, "baselines": None, "tokens": None,
-               "hidden": None, "in_process": False}
-_DECODE_ONLY = {"batches": None, "cache_lens": None, "heads_q": None, "heads_kv": None, "headdim": None,
-                "num_splits": None, "cache_seqlens": None}
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: sweep, decode, cpu, context-parallel, cuda-kernel",
+                           description="Benchmarks. Each subcommand writes <out>/<name>.json (rows, and a meta "
+                                       "block: device, torch, date, command, threads, CPU model) and its plots.")
+    commands = bench.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCH_COMMANDS) + "}",
+                                    help="which benchmark")
+    for name, module in BENCH_COMMANDS.items():
+        p = commands.add_parser(name, help=module.HELP, description=options.plain(module.__doc__),
+                                formatter_class=options.HelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.command, check=getattr(module, "check", None), parser=p)
 
 
-def _misplaced(args: argparse.Namespace, options: dict, where: str) -> None:
-    given = [f"--{k.replace('_', '-')}" for k, default in options.items() if getattr(args, k) != default]
-    if given:
-        raise SystemExit(f"flashattn bench: {', '.join(given)} {where}")
-
-
-def bench_decode(args: argparse.Namespace) -> int:
-    from .bench import decode, harness
-
-    _misplaced(args, _SWEEP_ONLY, "not used with --decode")
-    device = args.device or harness.default_device()
-    sweep = decode.DecodeSweep.for_device(device)
-    for name in ("batches", "cache_lens"):
-        if getattr(args, name):
-            setattr(sweep, name, _ints(getattr(args, name)))
-    for name in ("heads_q", "heads_kv", "headdim", "num_splits", "cache_seqlens", "dtype", "repeats"):
-        if getattr(args, name) is not None:
-            setattr(sweep, name, getattr(args, name))
-    if sweep.heads_q % sweep.heads_kv:
-        raise SystemExit(f"flashattn bench: --heads-q {sweep.heads_q} is not a multiple of --heads-kv "
-                         f"{sweep.heads_kv}")
-    print(f"flashattn bench --decode on {device}: {len(sweep.cases())} cases, heads {sweep.heads_q}:"
-          f"{sweep.heads_kv}, headdim {sweep.headdim}, {sweep.dtype}; ours vs {', '.join(sweep.impls[1:])}")
-    rows, copy = decode.run(sweep, progress=not args.quiet)
-    for r in rows:
-        if "batch" not in r:
-            print(f"  {r['impl']}: {r['error']}")
-    print(decode.table(rows, copy))
-    target = decode.goal(rows)
-    if target:
-        got = "not measured" if target["bw_fraction"] is None else f"{target['bw_fraction']:.1%}"
-        print(f"goal: >= {target['target_bw_fraction']:.0%} of copy bandwidth at batch {target['target_batch']}, "
-              f"cache {target['target_cache_len']}: {got} ({'met' if target['met'] else 'not met'})")
-    stem = args.name or f"decode-{device.split(':')[0]}"
-    for path in decode.write(rows, copy, sweep, Path(args.out), stem):
-        print(f"wrote {path}")
-    return 0
-
-
-def bench(args: argparse.Namespace) -> int:
-    from .bench import harness
-
-    if args.decode:
-        return bench_decode(args)
-    _misplaced(args, _DECODE_ONLY, "only go with --decode")
-    device = args.device or harness.default_device()
-    sweep = harness.Sweep.for_device(device)
-    for name in ("seqlens", "headdims"):
-        if getattr(args, name):
-            setattr(sweep, name, _ints(getattr(args, name)))
-    if args.causal != "both":
-        sweep.causals = [args.causal == "true"]
-    for name in ("modes", "baselines"):
-        value = getattr(args, name)
-        if value:
-            items = [x for x in value.split(",") if x]
-            if name == "modes":
-                sweep.modes = items
-            else:
-                sweep.impls = [harness.OURS, *items]
-    for name in ("dtype", "tokens", "hidden", "repeats"):
-        if getattr(args, name) is not None:
-            setattr(sweep, name, getattr(args, name))
-    sweep.isolate = not args.in_process
-    bad = [m for m in sweep.modes if m not in ("fwd", "bwd", "fwd+bwd")]
-    if bad:
-        raise SystemExit(f"flashattn bench: --modes takes fwd, bwd, fwd+bwd; got {', '.join(bad)}")
-    print(f"flashattn bench on {device}: {len(sweep.cases())} cases, implementations {', '.join(sweep.impls)}")
-    rows = harness.run(sweep, progress=not args.quiet)
-    for r in rows:
-        if "seqlen" not in r:
-            print(f"  {r['impl']}: {r['error']}")
-    print(harness.table(rows))
-    stem = args.name or f"bench-{device.split(':')[0]}"
-    for path in harness.write(rows, sweep, Path(args.out), stem):
-        print(f"wrote {path}")
-    return 0
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
+    parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
+    _add_demo(sub)
+    _add_bench(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
-    parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="the ladder, the HBM-traffic table, and time/memory against plain attention")
-    p.add_argument("--out", default="demo-output", help="folder for demo.json and demo.png")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--seqlens", default="512,1024,2048,4096,8192")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--plain-limit-gib", type=float, default=8.0,
-                   help="skip plain attention where its N x N tensors would exceed this")
-    p.add_argument("--traffic-n", type=int, default=1024)
-    p.add_argument("--traffic-d", type=int, default=64)
-    p.set_defaults(func=demo)
-
-    p = sub.add_parser("bench", help="sweep our attention against every baseline on this machine (TFLOP/s, memory)")
-    p.add_argument("--out", default="bench-output", help="folder for the JSON and the plots")
-    p.add_argument("--name", default=None, help="file stem (default bench-<device>)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--seqlens", default=None, help="comma-separated, e.g. 512,1024,2048")
-    p.add_argument("--headdims", default=None, help="comma-separated, e.g. 64,128")
-    p.add_argument("--causal", default="both", choices=("both", "true", "false"))
-    p.add_argument("--modes", default=None, help="comma-separated from fwd, bwd, fwd+bwd")
-    p.add_argument("--baselines", default=None,
-                   help="comma-separated from sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, flex, plain")
-    p.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per batch; batch = tokens // seqlen")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size; heads = hidden // headdim")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per case (the median is reported)")
-    p.add_argument("--in-process", action="store_true",
-                   help="on CPU, measure in this process (faster; memory readings less exact)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    d = p.add_argument_group("decode", "--decode: one new token per sequence attending a KV cache "
-                             "(flash_attn_with_kvcache vs torch SDPA), as a fraction of the copy bandwidth")
-    d.add_argument("--decode", action="store_true", help="run the decode sweep instead of the attention sweep")
-    d.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,64 on GPU)")
-    d.add_argument("--cache-lens", default=None, help="comma-separated (default 1024,...,131072 on GPU)")
-    d.add_argument("--heads-q", type=int, default=None, help="query heads (default 32 on GPU)")
-    d.add_argument("--heads-kv", type=int, default=None, help="key/value heads (default 4 on GPU)")
-    d.add_argument("--headdim", type=int, default=None, help="default 128 on GPU")
-    d.add_argument("--num-splits", type=int, default=None, help="flash_attn_with_kvcache's num_splits (default 0)")
-    d.add_argument("--cache-seqlens", default=None, choices=("int", "tensor"),
-                   help="pass cache_seqlens as a Python int (default) or an int32 tensor")
-    p.set_defaults(func=bench)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    problem = args.check(args) if getattr(args, "check", None) else None
+    if problem:
+        args.parser.error(problem)  # a usage error (exit 2), like a bad value
+    args.command_line = ["flashattn", *argv]
     return args.func(args)
 
 

@@ -1,21 +1,23 @@
-"""`flashattn bench` on tiny CPU sizes: the sweep, baselines that cannot run, FLOP counts and speed ratios; the
-decode sweep (`--decode`): bytes moved, copy bandwidth, skipped cases, JSON and plot."""
+"""`flashattn bench` on tiny CPU sizes: the sweep (`sweep`), baselines that cannot run, FLOP counts and speed
+ratios; the decode sweep (`decode`): bytes moved, copy bandwidth, skipped cases, JSON and plot; `cpu`,
+`cuda-kernel --smoke` and `context-parallel` (gloo, one rank) end to end; the shared table, plot and writer."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 import flashattn
-from flashattn.bench import decode, harness
-from flashattn.bench.measure import Case
+from flashattn.bench import context_parallel, decode, report, sweep
+from flashattn.bench.measure import OURS, OURS_CUDA, Case
 from flashattn.cli import main
 
 
 def test_bench_cli_writes_rows_ratios_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
-    argv = ["bench", "--device", "cpu", "--seqlens", "32,64", "--headdims", "16", "--modes", "fwd,bwd",
+    argv = ["bench", "sweep", "--device", "cpu", "--seqlens", "32,64", "--headdims", "16", "--modes", "fwd,bwd",
             "--tokens", "128", "--hidden", "32", "--repeats", "1", "--in-process", "--quiet", "--out", str(out),
             "--baselines", "sdpa,plain,no-such-kernel"]
     assert main(argv) == 0
@@ -32,13 +34,14 @@ def test_bench_cli_writes_rows_ratios_and_plots(tmp_path, capsys):
         assert (out / f"bench-cpu-{suffix}.png").stat().st_size > 10_000
 
 
-def test_bench_rejects_unknown_modes():
-    with pytest.raises(SystemExit, match="--modes"):
-        main(["bench", "--device", "cpu", "--modes", "forward"])
+def test_bench_rejects_unknown_modes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "sweep", "--device", "cpu", "--modes", "forward"])
+    assert exit_.value.code == 2 and "--modes" in capsys.readouterr().err
 
 
 def test_cuda_only_baselines_are_reported_unavailable_on_cpu():
-    reasons = harness.available(["sdpa", "sdpa-cudnn"], "cpu", "float32")
+    reasons = sweep.available(["sdpa", "sdpa-cudnn"], "cpu", "float32")
     assert reasons["sdpa"] is None
     assert reasons["sdpa-cudnn"]  # no cuDNN attention on CPU: a reason, not a crash
 
@@ -56,7 +59,7 @@ def test_speedup_is_against_the_best_baseline_of_the_same_point():
             {"impl": "sdpa-cudnn", "tflops": 250.0, **point},
             {"impl": "sdpa-cudnn", "tflops": 999.0, **point, "causal": True},
             {"impl": "plain", "tflops": None, "error": "skipped", **point}]
-    harness.add_ratios(rows)
+    sweep.add_ratios(rows)
     assert rows[0]["best_baseline"] == "sdpa-cudnn" and rows[0]["speedup"] == pytest.approx(1.2)
 
 
@@ -70,7 +73,7 @@ def test_decode_bytes_are_the_cache_rows_read_plus_q_and_out():
 
 def test_decode_cli_writes_rows_goal_and_plot(tmp_path, capsys):
     out = tmp_path / "decode"
-    assert main(["bench", "--decode", "--device", "cpu", "--quiet", "--out", str(out)]) == 0
+    assert main(["bench", "decode", "--device", "cpu", "--quiet", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "of copy" in text and "speedup" in text and "decode-cpu.png" in text
     data = json.loads((out / "decode-cpu.json").read_text())
@@ -89,7 +92,7 @@ def test_decode_cli_writes_rows_goal_and_plot(tmp_path, capsys):
 
 def test_decode_passes_cache_seqlens_as_a_tensor_and_num_splits(tmp_path):
     out = tmp_path / "decode"
-    assert main(["bench", "--decode", "--device", "cpu", "--quiet", "--out", str(out), "--name", "t",
+    assert main(["bench", "decode", "--device", "cpu", "--quiet", "--out", str(out), "--name", "t",
                  "--batches", "3", "--cache-lens", "100", "--cache-seqlens", "tensor", "--num-splits", "2",
                  "--repeats", "1"]) == 0
     rows = json.loads((out / "t.json").read_text())["rows"]
@@ -109,13 +112,13 @@ def test_decode_skips_a_cache_that_does_not_fit_without_allocating_it():
 
 def test_decode_reports_a_missing_implementation_and_still_measures_the_baseline(monkeypatch, tmp_path):
     monkeypatch.delattr(flashattn, "flash_attn_with_kvcache", raising=False)
-    sweep = decode.DecodeSweep.for_device("cpu")
-    sweep.batches, sweep.cache_lens, sweep.repeats = [1], [64], 1
-    rows, copy = decode.run(sweep, progress=False)
+    plan = decode.DecodeSweep.for_device("cpu")
+    plan.batches, plan.cache_lens, plan.repeats = [1], [64], 1
+    rows, copy = decode.run(plan, progress=False)
     assert rows[0]["impl"] == "flashattn" and "unavailable: AttributeError" in rows[0]["error"]
     assert "flash_attn_with_kvcache" in rows[0]["error"]
     assert [r["impl"] for r in rows[1:]] == ["sdpa"] and rows[1]["bw_fraction"] > 0
-    assert decode.write(rows, copy, sweep, tmp_path, "d")[-1].name == "d.png"
+    assert decode.write(rows, copy, plan, tmp_path, "d")[-1].name == "d.png"
 
 
 def test_decode_goal_is_our_fraction_at_batch_1_and_64k():
@@ -128,12 +131,123 @@ def test_decode_goal_is_our_fraction_at_batch_1_and_64k():
 
 
 def test_cuda_kernel_is_timed_forward_only_and_is_not_a_baseline():
-    sweep = harness.Sweep(seqlens=[128], headdims=[64], causals=[False], modes=["fwd", "bwd"],
-                          impls=[harness.OURS, harness.OURS_CUDA, "sdpa"], device="cpu")
-    cases = {(c.impl, c.mode) for c in sweep.cases()}
-    assert (harness.OURS_CUDA, "fwd") in cases and (harness.OURS_CUDA, "bwd") not in cases
+    plan = sweep.Sweep(seqlens=[128], headdims=[64], causals=[False], modes=["fwd", "bwd"],
+                       impls=[OURS, OURS_CUDA, "sdpa"], device="cpu")
+    cases = {(c.impl, c.mode) for c in plan.cases()}
+    assert (OURS_CUDA, "fwd") in cases and (OURS_CUDA, "bwd") not in cases
     point = {"seqlen": 128, "headdim": 64, "causal": False, "mode": "fwd"}
-    rows = [{"impl": harness.OURS, "tflops": 1.0, **point}, {"impl": harness.OURS_CUDA, "tflops": 4.0, **point},
+    rows = [{"impl": OURS, "tflops": 1.0, **point}, {"impl": OURS_CUDA, "tflops": 4.0, **point},
             {"impl": "sdpa", "tflops": 2.0, **point}]
-    harness.add_ratios(rows)
+    sweep.add_ratios(rows)
     assert rows[0]["best_baseline"] == "sdpa" and rows[0]["speedup"] == 0.5
+
+
+def test_cpu_subcommand_measures_fwd_and_fwd_bwd_and_leaves_big_plain_attention_out(tmp_path, capsys):
+    out = tmp_path / "cpu"
+    # 4e-5 GiB admits plain attention's N x N tensors at N = 32 (16 and 32 KiB) but not at N = 64 (64, 128 KiB).
+    assert main(["bench", "cpu", "--seqlens", "32,64", "--heads", "2", "--headdim", "16", "--repeats", "1",
+                 "--plain-limit-gib", "0.00004", "--in-process", "--quiet", "--out", str(out), "--name", "c"]) == 0
+    text = capsys.readouterr().out
+    assert "ours/sdpa time" in text and "TFLOP/s" in text and "MiB" in text
+    data = json.loads((out / "c.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2 + 2  # modes x seqlens x (ours, sdpa), and plain only at N = 32
+    assert {(r["impl"], r["seqlen"]) for r in rows if r["impl"] == "plain"} == {("plain", 32)}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"} and all(r["seconds"] > 0 for r in rows)
+    assert all(r["device"] == "cpu" and r["dtype"] == "float32" and r["batch"] == 1 for r in rows)
+    meta = data["meta"]
+    assert meta["threads"] == torch.get_num_threads() and meta["cpu"] == report.cpu_model() and meta["cpu"]
+    assert meta["command"].startswith("flashattn bench cpu --seqlens 32,64") and meta["torch"] == torch.__version__
+    assert meta["device"] == "cpu" and meta["date"][:4].isdigit() and meta["sweep"]["seqlens"] == [32, 64]
+    assert (out / "c.png").stat().st_size > 10_000
+
+
+def test_cpu_model_falls_back_to_platform_without_proc_cpuinfo(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("/proc/cpuinfo")
+
+    monkeypatch.setattr(report, "open", missing, raising=False)
+    monkeypatch.setattr(report.platform, "processor", lambda: "test-cpu")
+    assert report.cpu_model() == "test-cpu"
+
+
+def _nvrtc_available() -> bool:
+    from flashattn.backends.cuda import runtime
+
+    try:
+        runtime.nvrtc()
+        return True
+    except runtime.CompileError:
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
+def test_cuda_kernel_smoke_compiles_and_writes_the_file(tmp_path, capsys):
+    assert main(["bench", "cuda-kernel", "--smoke", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("cuda-kernel-smoke-*.json")
+    data = json.loads(path.read_text())
+    assert data["meta"]["compile"]["arch"] == "sm_90" and data["meta"]["compile"]["seconds"] > 0
+    assert data["meta"]["device"] == "none (smoke)" and data["rows"] == [] and data["accuracy"] == []
+    assert "compile for sm_90" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_kernel_without_a_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "cuda-kernel", "--out", "unused"])
+    assert exit_.value.code == 2 and "needs a CUDA device (or --smoke)" in capsys.readouterr().err
+
+
+def test_context_parallel_builds_a_standalone_torchrun_command_with_this_interpreter(monkeypatch):
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser()
+    context_parallel.add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--nproc-per-node", "3", "--seqlen", "96", "--out", "x"])
+    assert context_parallel.torchrun_command(args) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+        "-m", "flashattn.bench.context_parallel", "--device", "cpu", "--seqlen", "96", "--batch", "1", "--heads",
+        "32", "--heads-kv", "8", "--headdim", "128", "--repeats", "10", "--out", "x"]
+    args = p.parse_args(["--device", "cpu"])
+    assert context_parallel.torchrun_command(args)[5] == "1"  # one CPU rank unless asked for more
+
+
+def test_context_parallel_runs_every_layout_on_one_gloo_rank(tmp_path, capsys):
+    """The subcommand starts torchrun, whose one rank times every layout on CPU and writes the results."""
+    out = tmp_path / "cp"
+    assert main(["bench", "context-parallel", "--device", "cpu", "--nproc-per-node", "1", "--seqlen", "64",
+                 "--heads", "2", "--heads-kv", "2", "--headdim", "16", "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "context-parallel-w1.json").read_text())
+    assert [r["layout"] for r in data["rows"]] == ["ring", "zigzag", "allgather", "ulysses"]
+    assert all(r["world"] == 1 and r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 for r in data["rows"])
+    assert all(r["sent_bytes"] == {"fwd": 0, "bwd": 0} for r in data["rows"])  # nothing to send with one rank
+    assert data["meta"]["backend"] == "gloo" and data["meta"]["world"] == 1
+
+
+def test_sent_bytes_follow_the_layout_formulas():
+    # 4 ranks, a local block of 1 x 256 x 2 kv heads x 64 bf16 = 64 KiB (q: 8 heads, 256 KiB).
+    ring = context_parallel.sent_bytes("ring", 4, 1, 256, 8, 2, 64, 2)
+    assert ring == {"fwd": 3 * 2 * 65536, "bwd": 3 * 2 * (65536 + 131072) + 2 * 131072}
+    gather = context_parallel.sent_bytes("allgather", 4, 1, 256, 8, 2, 64, 2)
+    assert gather == {"fwd": 0.75 * 2 * 4 * 65536, "bwd": 0.75 * 4 * 4 * 65536}
+    assert context_parallel.sent_bytes("ulysses", 4, 1, 256, 8, 2, 64, 2)["fwd"] == 0.75 * (2 * 262144 + 2 * 65536)
+
+
+def test_table_aligns_dict_and_list_rows_and_prints_missing_cells_as_dashes():
+    rows = [{"impl": "flashattn", "seqlen": 64, "seconds": 0.5, "tflops": None},
+            {"impl": "sdpa", "seqlen": 64, "seconds": 0.25, "tflops": 1e-5}]
+    lines = report.table(report.wide(rows, ("seqlen",)),
+                         ["seqlen", *report.per_impl(["flashattn", "sdpa"], report.MS, report.TFLOPS)]).splitlines()
+    assert lines[0].split() == ["flashattn", "sdpa"]
+    assert lines[1].split() == ["seqlen", "ms", "TFLOP/s", "ms", "TFLOP/s"]
+    assert lines[3].split() == ["64", "500", "-", "250", "1e-05"]
+    assert report.table([["a", 1], ["bb", 22]], ["x", "y"]).splitlines() == [" x   y", "--  --", " a   1", "bb  22"]
+
+
+def test_plot_draws_a_metric_against_cache_length_with_panels(tmp_path):
+    rows = [{"impl": impl, "batch": b, "cache_len": n, "bw_fraction": 0.1 * b + n / 1e4}
+            for impl in ("flashattn", "sdpa") for b in (1, 4) for n in (256, 1024)]
+    figure = report.Figure("t", ("bw_fraction",), x="cache_len", lines=("batch",), cols=("impl",), goal=0.8)
+    assert report.plot(rows, tmp_path / "p.png", figure) and (tmp_path / "p.png").stat().st_size > 10_000
+    assert not report.plot([{"impl": "x", "error": "unavailable"}], tmp_path / "q.png", figure)

@@ -1,7 +1,9 @@
-"""The command line: `flashattn demo` end to end on tiny sizes, and the measurement helper."""
+"""The command line: `flashattn demo` end to end on tiny sizes, the measurement helper, and the `flashattn bench`
+subcommands' parsing: each has only its own options, --help with defaults, usage errors for bad values."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import sys
 import pytest
 
 from flashattn.bench.measure import Case, measure
-from flashattn.cli import main
+from flashattn.cli import BENCH_COMMANDS, build_parser, main
 
 
 def test_demo_runs_and_writes_json_and_png(tmp_path, capsys):
@@ -19,7 +21,7 @@ def test_demo_runs_and_writes_json_and_png(tmp_path, capsys):
     text = capsys.readouterr().out
     for expected in ("flash_attention_v2_backward", "crossover", "flash2_fwd", "sdpa"):
         assert expected in text
-    results = json.loads((out / "demo.json").read_text())["results"]
+    results = json.loads((out / "demo.json").read_text())["rows"]
     assert {r["impl"] for r in results} == {"flashattn", "sdpa", "plain"}
     assert all(r["seconds"] > 0 and r["peak_bytes"] >= 0 for r in results)
     assert (out / "demo.png").stat().st_size > 10_000
@@ -37,10 +39,57 @@ def test_module_entry_point():
     assert done.returncode == 0 and "flashattn" in done.stdout
 
 
-@pytest.mark.parametrize("argv,message", [(["--decode", "--seqlens", "64"], "--seqlens not used with --decode"),
-                                          (["--decode", "--causal", "true"], "--causal not used with --decode"),
-                                          (["--batches", "1"], "--batches only go with --decode"),
-                                          (["--decode", "--heads-q", "6", "--heads-kv", "4"], "not a multiple")])
-def test_bench_rejects_options_of_the_other_sweep(argv, message):
-    with pytest.raises(SystemExit, match=message):
-        main(["bench", "--device", "cpu", *argv])
+@pytest.mark.parametrize("argv,message", [(["decode", "--seqlens", "64"], "unrecognized arguments: --seqlens"),
+                                          (["decode", "--causal", "true"], "unrecognized arguments: --causal"),
+                                          (["sweep", "--batches", "1"], "unrecognized arguments: --batches"),
+                                          (["decode", "--heads-q", "6", "--heads-kv", "4"], "not a multiple")])
+def test_bench_rejects_options_of_the_other_sweep(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv, "--device", "cpu"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,option", [(["sweep", "--seqlens", "abc"], "--seqlens"),
+                                         (["sweep", "--headdims", "64,x"], "--headdims"),
+                                         (["sweep", "--dtype", "float8"], "--dtype"),
+                                         (["sweep", "--tokens", "0"], "--tokens"),
+                                         (["decode", "--batches", "1,-2"], "--batches"),
+                                         (["decode", "--cache-seqlens", "list"], "--cache-seqlens"),
+                                         (["cpu", "--heads", "four"], "--heads"),
+                                         (["cpu", "--plain-limit-gib", "-1"], "--plain-limit-gib"),
+                                         (["context-parallel", "--seqlen", "1e9"], "--seqlen"),
+                                         (["context-parallel", "--heads", "6", "--heads-kv", "4"], "--heads-kv"),
+                                         (["cuda-kernel", "--repeats", "none"], "--repeats")])
+def test_a_bad_value_is_a_usage_error_not_a_traceback(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: flashattn bench") and option in err
+    assert "Traceback" not in err
+
+
+def test_bench_needs_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench"])
+    assert exit_.value.code == 2 and "sweep,decode,cpu,context-parallel,cuda-kernel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo"], *(["bench", name] for name in BENCH_COMMANDS)], ids=" ".join)
+def test_help_exits_0_and_shows_defaults(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0 and f"usage: flashattn {' '.join(argv)}" in text and "(default: " in text
+
+
+def test_every_option_has_help():
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {'/'.join(action.option_strings) or action.dest} has no help"

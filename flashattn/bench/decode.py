@@ -1,4 +1,4 @@
-"""``flashattn bench --decode``: one new token attending a KV cache, as a fraction of the device's copy bandwidth.
+"""``flashattn bench decode``: one new token attending a KV cache, as a fraction of the device's copy bandwidth.
 
 Decode attention does almost no arithmetic per byte (each cached key and value is read once for a handful of
 query heads), so its ceiling is memory bandwidth. Each case times ``flashattn.flash_attn_with_kvcache`` on a cache
@@ -12,15 +12,15 @@ GPU timing: CUDA events, L2 flushed before each call, the launch queued ahead be
 events time the device work, not Python overhead (``measure.time_calls``); ``host_seconds`` is the synchronised
 wall time per call, overhead included. The issue's goal: >= 80% of copy bandwidth at batch 1, 64k cache.
 
-Example::
+    flashattn bench decode --out $OUT                      # GPU: decode-cuda.json, decode-cuda.png, a table
+    flashattn bench decode --batches 1 --cache-lens 65536 --cache-seqlens tensor
 
-    >>> sweep = DecodeSweep.for_device("cpu")
-    >>> rows, copy = run(sweep, progress=False)  # doctest: +SKIP
+In Python: ``rows, copy = run(DecodeSweep.for_device("cpu"))``, then ``table(rows, copy)``.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
 import sys
 from collections.abc import Callable
@@ -33,9 +33,10 @@ from tqdm import tqdm
 
 import flashattn
 
-from .measure import L2_FLUSH_BYTES, time_calls
+from . import options, report
+from .measure import L2_FLUSH_BYTES, OURS, time_calls
 
-OURS = "flashattn"
+HELP = "one new token per sequence attending a KV cache: flash_attn_with_kvcache vs SDPA, GB/s"
 BASELINE = "sdpa"  # torch.nn.functional.scaled_dot_product_attention, default backend choice, enable_gqa=True
 GOAL = {"batch": 1, "cache_len": 65536, "bw_fraction": 0.8}
 
@@ -270,82 +271,98 @@ def goal(rows: list[dict]) -> dict | None:
 
 
 def table(rows: list[dict], copy: dict) -> str:
-    """One line per (batch, cache_len): each implementation's time, GB/s and fraction of copy bandwidth."""
-    cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows if "batch" in r))
-    impls = list(dict.fromkeys(r["impl"] for r in rows if "batch" in r))
-    lines = [f"\ndecode attention (copy bandwidth {copy['gbps']:.0f} GB/s; 'of copy' = achieved / copy)"]
-    head = f"{'batch':>5} {'cache':>7} " + " ".join(f"{i + ' us':>14} {'GB/s':>7} {'of copy':>7}" for i in impls)
-    lines.append(head + f" {'speedup':>7} {'max|diff|':>9}")
-    for b, n in cases:
-        point = {r["impl"]: r for r in rows if (r.get("batch"), r.get("cache_len")) == (b, n)}
-        skipped = next((r["error"] for r in point.values() if r.get("error", "").startswith("skipped")), None)
-        if skipped:
-            lines.append(f"{b:5d} {n:7d} {skipped}")
-            continue
-        cells = []
-        for impl in impls:
-            r = point.get(impl, {})
-            if r.get("seconds"):
-                cells.append(f"{r['seconds'] * 1e6:14.1f} {r['gbps']:7.0f} {r['bw_fraction']:7.1%}")
-            else:
-                cells.append(f"{'-':>14} {'-':>7} {'-':>7}")
-        ours = point.get(OURS, {})
-        extra = f" {ours['speedup']:7.2f} {ours['max_abs_diff']:9.1e}" if "speedup" in ours else ""
-        lines.append(f"{b:5d} {n:7d} " + " ".join(cells) + extra)
+    """One line per (batch, cache_len): each implementation's time, GB/s and fraction of copy bandwidth, our speedup
+    and largest difference from the baseline; a point that did not fit reads "skipped: ..." in the last column."""
+    measured = [r for r in rows if "batch" in r]
+    impls = list(dict.fromkeys(r["impl"] for r in measured))
+    points = report.wide(measured, ("batch", "cache_len"))
+    for point in points:
+        notes = [str(point.get((impl, "error"))) for impl in impls]
+        point["note"] = next((n for n in notes if n.startswith("skipped")), None)
+    columns = [report.Col("batch"), report.Col("cache", "cache_len"),
+               *report.per_impl(impls, report.US, ("GB/s", "gbps", 1.0, ".0f"), ("of copy", "bw_fraction", 1.0, ".1%")),
+               report.Col("speedup", (OURS, "speedup"), ".2f"), report.Col("max|diff|", (OURS, "max_abs_diff"), ".1e"),
+               report.Col("note", left=True)]
+    lines = [f"\ndecode attention (copy bandwidth {copy['gbps']:.0f} GB/s; 'of copy' = achieved / copy)",
+             report.table(points, columns)]
     backends = sorted({r["sdpa_backend"] for r in rows if r.get("sdpa_backend")})
     if backends:
         lines.append(f"  {BASELINE} ran on SDPA's {', '.join(backends)} backend")
-    errors = sorted({f"{r['impl']}: {r['error']}" for r in rows if "batch" in r and r.get("error")
-                     and not r["error"].startswith("skipped")})
-    lines += [f"  {e}" for e in errors]
+    lines += sorted(set(report.errors(measured, "batch", "cache_len")))
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> bool:
-    """One panel per implementation: fraction of copy bandwidth vs cache length, a line per batch size, the goal
-    (0.8) dashed. Returns False when matplotlib is missing or nothing was measured."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    measured = [r for r in rows if r.get("bw_fraction") is not None]
-    if not measured:
-        return False
-    impls = list(dict.fromkeys(r["impl"] for r in measured))
-    fig, axes = plt.subplots(1, len(impls), figsize=(5.5 * len(impls), 4), squeeze=False, sharey=True)
-    for ax, impl in zip(axes[0], impls, strict=True):
-        for b in sorted({r["batch"] for r in measured}):
-            pts = sorted((r["cache_len"], r["bw_fraction"]) for r in measured if r["impl"] == impl and r["batch"] == b)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {b}")
-        ax.axhline(GOAL["bw_fraction"], color="k", linestyle="--", linewidth=1, label="goal (0.8)")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.set_title(impl, fontsize=10)
-        ax.set_xlabel("cache length")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("fraction of copy bandwidth")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def write(rows: list[dict], copy: dict, sweep: DecodeSweep, out_dir: Path, stem: str) -> list[Path]:
-    """JSON (the sweep, the device, its copy bandwidth, the goal check, the rows) and the plot; returns the paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device_name = torch.cuda.get_device_name(sweep.device) if sweep.device.startswith("cuda") else "cpu"
-    meta = {"device": device_name, "torch": torch.__version__, "sweep": asdict(sweep), "copy_bandwidth": copy,
-            "goal": goal(rows)}
-    paths = [out_dir / f"{stem}.json"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+def figure(sweep: DecodeSweep, copy: dict, device_name: str) -> report.Figure:
+    """Fraction of copy bandwidth against cache length: one panel per implementation, a line per batch size, the
+    goal dashed."""
     title = (f"decode on {device_name}, {sweep.dtype}, heads {sweep.heads_q}:{sweep.heads_kv}, headdim "
              f"{sweep.headdim}; copy {copy['gbps']:.0f} GB/s")
-    if plot(rows, out_dir / f"{stem}.png", title):
-        paths.append(out_dir / f"{stem}.png")
-    return paths
+    return report.Figure(title, ("bw_fraction",), x="cache_len", lines=("batch",), cols=("impl",),
+                         goal=GOAL["bw_fraction"])
+
+
+def write(rows: list[dict], copy: dict, sweep: DecodeSweep, out_dir: Path, stem: str,
+          command: list[str] | None = None) -> list[Path]:
+    """JSON (``meta``: the sweep, the device, its copy bandwidth, the goal check; ``rows``) and the plot; returns
+    the paths."""
+    meta = report.meta(sweep.device, command, sweep, copy_bandwidth=copy, goal=goal(rows))
+    return report.write(rows, meta, out_dir, stem, [figure(sweep, copy, meta["device"])])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    options.add_device(p)
+    p.add_argument("--batches", type=options.int_list, default=None,
+                   help="comma-separated (default: 1,4,16,64 on a GPU; 1,2 on CPU)")
+    p.add_argument("--cache-lens", type=options.int_list, default=None,
+                   help="comma-separated (default: 1024,4096,16384,65536,131072 on a GPU; 256,1024 on CPU)")
+    p.add_argument("--heads-q", type=options.positive_int, default=None,
+                   help="query heads (default: 32 on a GPU, 8 on CPU)")
+    p.add_argument("--heads-kv", type=options.positive_int, default=None,
+                   help="key/value heads, dividing --heads-q (default: 4 on a GPU, 1 on CPU)")
+    p.add_argument("--headdim", type=options.positive_int, default=None,
+                   help="head dimension (default: 128 on a GPU, 64 on CPU)")
+    p.add_argument("--num-splits", type=options.nonnegative_int, default=0,
+                   help="flash_attn_with_kvcache's num_splits; 0 lets it choose")
+    p.add_argument("--cache-seqlens", default="int", choices=("int", "tensor"),
+                   help="pass cache_seqlens as a Python int or an int32 (batch,) tensor")
+    options.add_dtype(p)
+    p.add_argument("--repeats", type=options.positive_int, default=None,
+                   help="timed runs per case, the median is reported (default: 30 on a GPU, 3 on CPU)")
+    options.add_output(p, "decode-<device>")
+
+
+def from_args(args: argparse.Namespace) -> DecodeSweep:
+    """The device's default decode sweep with the options given on the command line."""
+    sweep = DecodeSweep.for_device(args.device or options.default_device())
+    for name in ("batches", "cache_lens", "heads_q", "heads_kv", "headdim", "num_splits", "cache_seqlens", "dtype",
+                 "repeats"):
+        if getattr(args, name) is not None:
+            setattr(sweep, name, getattr(args, name))
+    return sweep
+
+
+def check(args: argparse.Namespace) -> str | None:
+    sweep = from_args(args)
+    if sweep.heads_q % sweep.heads_kv:
+        return f"--heads-q {sweep.heads_q} is not a multiple of --heads-kv {sweep.heads_kv}"
+    return None
+
+
+def command(args: argparse.Namespace) -> int:
+    sweep = from_args(args)
+    print(f"flashattn bench decode on {sweep.device}: {len(sweep.cases())} cases, heads {sweep.heads_q}:"
+          f"{sweep.heads_kv}, headdim {sweep.headdim}, {sweep.dtype}; ours vs {', '.join(sweep.impls[1:])}")
+    rows, copy = run(sweep, progress=not args.quiet)
+    for r in rows:
+        if "batch" not in r:
+            print(f"  {r['impl']}: {r['error']}")
+    print(table(rows, copy))
+    target = goal(rows)
+    if target:
+        got = "not measured" if target["bw_fraction"] is None else f"{target['bw_fraction']:.1%}"
+        print(f"goal: >= {target['target_bw_fraction']:.0%} of copy bandwidth at batch {target['target_batch']}, "
+              f"cache {target['target_cache_len']}: {got} ({'met' if target['met'] else 'not met'})")
+    stem = args.name or f"decode-{sweep.device.split(':')[0]}"
+    for path in write(rows, copy, sweep, Path(args.out), stem, args.command_line):
+        print(f"wrote {path}")
+    return 0

@@ -1,36 +1,32 @@
-"""``flashattn bench``: our attention against every baseline that runs on this machine, over a sweep.
+"""``flashattn bench sweep``: our attention against every baseline that runs on this machine, over a sweep.
 
 A sweep crosses sequence lengths, head dims, causal or not, and modes (fwd, bwd, fwd+bwd) at a fixed number of
 tokens per batch (batch = tokens // seqlen) and hidden size (heads = hidden // headdim), so every point does the
 same work per token. Each row reports seconds, TFLOP/s (4 B H N^2 D per forward, half when causal, 2.5x for the
 backward) and peak extra memory; ours also gets its speed ratio against the best baseline of the same point.
 
-Example::
+    flashattn bench sweep                                  # the full sweep on this machine
+    flashattn bench sweep --seqlens 4096 --headdims 128 --modes fwd,bwd --baselines sdpa-flash
+    flashattn bench sweep --device cpu --in-process --quiet --out /tmp/bench --name smoke
 
-    >>> sweep = Sweep(seqlens=[64], headdims=[16], causals=[False], modes=["fwd"], tokens=64, hidden=32)
-    >>> rows = run(sweep, progress=False)  # doctest: +SKIP
+In Python: ``rows = run(Sweep.for_device("cpu"))``, then ``table(rows)``.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from .measure import FORWARD_ONLY, IMPLEMENTATIONS, Case, measure, run_here
+from . import options, report
+from .measure import FORWARD_ONLY, IMPLEMENTATIONS, MODES, OURS, OURS_CUDA, Case, measure, run_here
 
-OURS = "flashattn"
-OURS_CUDA = "flashattn-cuda"  # our CUDA C++ kernel: timed beside the others, not a baseline for the ratio
+HELP = "sweep our attention against every baseline on this machine (TFLOP/s, time, memory)"
 CUDA_BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex", "plain")
 CPU_BASELINES = ("sdpa", "sdpa-math", "plain")
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -119,76 +115,81 @@ def add_ratios(rows: list[dict]) -> None:
                         speedup=ours["tflops"] / best["tflops"])
 
 
+
+
 def table(rows: list[dict]) -> str:
-    """One block per (mode, headdim, causal): TFLOP/s per implementation and seqlen, and our speedup."""
+    """One block per (mode, headdim, causal): ms and TFLOP/s per implementation and seqlen, and our speedup."""
     measured = [r for r in rows if "seqlen" in r]
     impls = list(dict.fromkeys(r["impl"] for r in measured))
-    lines = []
+    columns = ["seqlen", *report.per_impl(impls, report.MS, report.TFLOPS),
+               report.Col("ours/best", (OURS, "speedup"), ".2f")]
+    blocks = []
     for mode, d, causal in dict.fromkeys((r["mode"], r["headdim"], r["causal"]) for r in measured):
-        lines.append(f"\n{mode}, headdim {d}, {'causal' if causal else 'non-causal'} (TFLOP/s)")
-        header = f"{'seqlen':>7} " + " ".join(f"{i:>14}" for i in impls) + f" {'ours/best':>9}"
-        lines.append(header)
-        for n in sorted({r["seqlen"] for r in measured}):
-            cells, speedup = [], ""
-            for impl in impls:
-                r = next((r for r in measured if r["impl"] == impl and _point(r) == (n, d, causal, mode)), None)
-                cells.append(f"{r['tflops']:14.3g}" if r and r.get("tflops") else f"{'-':>14}")
-                if r and impl == OURS and r.get("speedup"):
-                    speedup = f"{r['speedup']:9.2f}"
-            lines.append(f"{n:7d} " + " ".join(cells) + f" {speedup:>9}")
-    return "\n".join(lines)
+        here = [r for r in measured if (r["mode"], r["headdim"], r["causal"]) == (mode, d, causal)]
+        points = sorted(report.wide(here, ("seqlen",)), key=lambda p: p["seqlen"])
+        blocks.append(f"\n{mode}, headdim {d}, {'causal' if causal else 'non-causal'}\n"
+                      + report.table(points, columns))
+    return "\n".join(blocks)
 
 
-def plot(rows: list[dict], path: Path, title: str, value: str = "tflops") -> bool:
-    """A grid of panels (mode x (headdim, causal)), one line per implementation: ``value`` vs seqlen."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    measured = [r for r in rows if r.get(value) is not None and "seqlen" in r]
-    if not measured:
-        return False
-    modes = list(dict.fromkeys(r["mode"] for r in measured))
-    columns = list(dict.fromkeys((r["headdim"], r["causal"]) for r in measured))
-    fig, axes = plt.subplots(len(modes), len(columns), figsize=(4 * len(columns), 3.2 * len(modes)), squeeze=False)
-    for i, mode in enumerate(modes):
-        for j, (d, causal) in enumerate(columns):
-            ax = axes[i][j]
-            for impl in dict.fromkeys(r["impl"] for r in measured):
-                pts = sorted((r["seqlen"], r[value]) for r in measured
-                             if r["impl"] == impl and (r["mode"], r["headdim"], r["causal"]) == (mode, d, causal))
-                if pts:
-                    scale = 2**-20 if value == "peak_bytes" else 1
-                    ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], "o-", label=impl,
-                            linewidth=2.5 if impl == OURS else 1.2)
-            ax.set_xscale("log", base=2)
-            if value == "peak_bytes" and all(r[value] > 0 for r in measured):
-                ax.set_yscale("log")  # in-process CPU readings can be 0 (freed memory reused): stay linear then
-            ax.set_title(f"{mode}, d={d}, {'causal' if causal else 'full'}", fontsize=9)
-            ax.set_xlabel("seqlen")
-            ax.set_ylabel("TFLOP/s" if value == "tflops" else "peak extra MiB")
-            ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def write(rows: list[dict], sweep: Sweep, out_dir: Path, stem: str) -> list[Path]:
-    """JSON with the sweep and the device, and the two plots; returns the paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device_name = torch.cuda.get_device_name(sweep.device) if sweep.device.startswith("cuda") else "cpu"
-    meta = {"device": device_name, "torch": torch.__version__, "sweep": asdict(sweep)}
-    paths = [out_dir / f"{stem}.json"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+def figures(sweep: Sweep, device_name: str) -> list[report.Figure]:
+    """TFLOP/s and peak memory against seqlen: one row of panels per mode, one column per (headdim, causal)."""
     title = f"{device_name}, {sweep.dtype}, {sweep.tokens} tokens/batch, hidden {sweep.hidden}"
-    for value, suffix in (("tflops", "tflops"), ("peak_bytes", "memory")):
-        path = out_dir / f"{stem}-{suffix}.png"
-        if plot(rows, path, title, value):
-            paths.append(path)
-    return paths
+    grid = {"rows": ("mode",), "cols": ("headdim", "causal")}
+    return [report.Figure(title, ("tflops",), suffix="-tflops", **grid),
+            report.Figure(title, ("mib",), suffix="-memory", **grid)]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    options.add_device(p)
+    p.add_argument("--seqlens", type=options.int_list, default=None,
+                   help="comma-separated (default: 512,...,16384 on a GPU; 256,...,2048 on CPU)")
+    p.add_argument("--headdims", type=options.int_list, default=None, help="comma-separated (default: 64,128)")
+    p.add_argument("--causal", default="both", choices=("both", "true", "false"), help="causal masking")
+    p.add_argument("--modes", type=options.choice_list(MODES), default=None,
+                   help="comma-separated from fwd, bwd, fwd+bwd (default: all three)")
+    p.add_argument("--baselines", type=options.name_list, default=None,
+                   help=f"comma-separated from {', '.join(b for b in IMPLEMENTATIONS if b != OURS)} "
+                        f"(default: {', '.join(CUDA_BASELINES)} on a GPU; {', '.join(CPU_BASELINES)} on CPU)")
+    options.add_dtype(p)
+    p.add_argument("--tokens", type=options.positive_int, default=None,
+                   help="tokens per batch; batch = tokens // seqlen (default: 16384 on a GPU, 2048 on CPU)")
+    p.add_argument("--hidden", type=options.positive_int, default=None,
+                   help="hidden size; heads = hidden // headdim (default: 2048 on a GPU, 256 on CPU)")
+    p.add_argument("--repeats", type=options.positive_int, default=None,
+                   help="timed runs per case, the median is reported (default: 30 on a GPU, 3 on CPU)")
+    p.add_argument("--in-process", action="store_true",
+                   help="on CPU, measure in this process (faster; memory readings less exact)")
+    options.add_output(p, "bench-<device>")
+
+
+def from_args(args: argparse.Namespace) -> Sweep:
+    """The device's default sweep with the options given on the command line."""
+    sweep = Sweep.for_device(args.device or options.default_device())
+    for name in ("seqlens", "headdims", "modes", "dtype", "tokens", "hidden", "repeats"):
+        if getattr(args, name) is not None:
+            setattr(sweep, name, getattr(args, name))
+    if args.causal != "both":
+        sweep.causals = [args.causal == "true"]
+    if args.baselines is not None:
+        sweep.impls = [OURS, *args.baselines]
+    sweep.isolate = not args.in_process
+    return sweep
+
+
+def command(args: argparse.Namespace) -> int:
+    sweep = from_args(args)
+    print(f"flashattn bench sweep on {sweep.device}: {len(sweep.cases())} cases, implementations "
+          f"{', '.join(sweep.impls)}")
+    rows = run(sweep, progress=not args.quiet)
+    for r in rows:
+        if "seqlen" not in r:
+            print(f"  {r['impl']}: {r['error']}")
+    print(table(rows))
+    for line in report.errors(rows, "mode", "headdim", "causal", "seqlen"):
+        print(line)
+    meta = report.meta(sweep.device, args.command_line, sweep)
+    stem = args.name or f"bench-{sweep.device.split(':')[0]}"
+    for path in report.write(rows, meta, Path(args.out), stem, figures(sweep, meta["device"])):
+        print(f"wrote {path}")
+    return 0
