@@ -15,17 +15,6 @@ from . import checks, kvcache
 from .ops import attention
 from .rotary import apply_rotary, positions
 
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-    "scaled_dot_product_attention",
-]
-
 FlashResult = Tensor | tuple[Tensor, Tensor, Tensor]
 
 
@@ -66,18 +55,10 @@ def _flash_result(call: checks.CheckedCall, return_attn_probs: bool) -> FlashRes
     return (out, lse, probs if with_mask else None) if return_attn_probs else out
 
 
-def flash_attn_func(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False,
 ) -> FlashResult:
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile; a drop-in for
     ``flash_attn.flash_attn_func``.
@@ -117,16 +98,10 @@ def flash_attn_func(
     return _flash_result(call, return_attn_probs)
 
 
-def flash_attn_qkvpacked_func(
-    qkv: Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
+    qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed qkv of shape (batch, seqlen, 3, nheads, headdim); gradients flow back
     into ``qkv``. Same arguments and returns as ``flash_attn_func``.
@@ -146,17 +121,10 @@ def flash_attn_qkvpacked_func(
     return _flash_result(call, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(
-    q: Tensor,
-    kv: Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
+    q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False,
 ) -> FlashResult:
     """``flash_attn_func`` with k and v packed as kv (batch, seqlen_k, 2, nheads_k, headdim).
 
@@ -174,23 +142,11 @@ def flash_attn_kvpacked_func(
     return _flash_result(call, return_attn_probs)
 
 
-def flash_attn_varlen_func(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    block_table: Tensor | None = None,
+def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False, block_table: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed batch of sequences of different lengths, without padding; a drop-in for
     ``flash_attn.flash_attn_varlen_func``.
@@ -228,18 +184,10 @@ def flash_attn_varlen_func(
     return _flash_result(call, return_attn_probs)
 
 
-def flash_attn_varlen_qkvpacked_func(
-    qkv: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
+    qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
 ) -> FlashResult:
     """``flash_attn_varlen_func`` with q, k, v packed as qkv (total, 3, nheads, headdim) and one set of offsets.
 
@@ -259,21 +207,11 @@ def flash_attn_varlen_qkvpacked_func(
     return _flash_result(call, return_attn_probs)
 
 
-def flash_attn_varlen_kvpacked_func(
-    q: Tensor,
-    kv: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
+    q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False,
 ) -> FlashResult:
     """``flash_attn_varlen_func`` with k and v packed as kv (total_k, 2, nheads_k, headdim).
 
@@ -293,25 +231,12 @@ def flash_attn_varlen_kvpacked_func(
     return _flash_result(call, return_attn_probs)
 
 
-def flash_attn_with_kvcache(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor | None = None,
-    v: Tensor | None = None,
-    rotary_cos: Tensor | None = None,
-    rotary_sin: Tensor | None = None,
-    cache_seqlens: int | Tensor | None = None,
-    cache_batch_idx: Tensor | None = None,
-    cache_leftpad: Tensor | None = None,
-    block_table: Tensor | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    rotary_interleaved: bool = True,
-    alibi_slopes: Tensor | None = None,
-    num_splits: int = 0,
+def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None, v: Tensor | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None, block_table: Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None, num_splits: int = 0,
     return_softmax_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention for inference against a KV cache, appending the new keys and values in place first; a drop-in
@@ -373,14 +298,8 @@ def flash_attn_with_kvcache(
 
 
 def scaled_dot_product_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
 ) -> Tensor:
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``, computed tile by tile.
 
@@ -411,14 +330,8 @@ def scaled_dot_product_attention(
 
 
 def attention_with_weights(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``scaled_dot_product_attention`` that also returns the weights it applied, (batch, heads, L, S), after
     dropout (zero where dropped, scaled by 1 / (1 - dropout_p) elsewhere), as ``torch.nn.MultiheadAttention``

@@ -64,8 +64,8 @@ class MultiheadAttention(nn.Module):
         torch.Size([2, 7, 32])
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0,  # noqa: PLR0913 (torch's signature)
+                 bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         checks.check_multihead_config("MultiheadAttention", embed_dim=embed_dim, num_heads=num_heads, dropout=dropout)
@@ -218,7 +218,8 @@ class SelfAttention(nn.Module):
         max_seqlen: positions the rotary table starts with (it grows on demand).
     """
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None, *,
+    def __init__(self, dim: int, num_heads: int,  # noqa: PLR0913 (a module's options, keyword-only after the sizes)
+                 num_kv_heads: int | None = None, head_dim: int | None = None, *,
                  causal: bool = True, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  rotary: bool = True, rotary_dim: int | None = None, rotary_base: float = 10000.0,
                  rotary_interleaved: bool = False, dropout: float = 0.0, bias: bool = False,

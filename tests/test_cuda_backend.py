@@ -161,7 +161,7 @@ def test_launch_arguments_match_the_kernel_signature():
     q = torch.zeros(2, 5, 4, 64, dtype=torch.float16)
     k = torch.zeros(2, 7, 2, 64, dtype=torch.float16)
     out, lse = torch.zeros_like(q), torch.zeros(2, 4, 5)
-    args = cuda_backend.launch_args(q, k, k, out, lse, shift=2, scale=0.125)
+    args = cuda_backend.launch_args(q, k, k, out, lse, diagonal=2, scale=0.125)
     assert [type(a) for a in args] == [expected[t] for t in c_types], c_types
     assert [a.value for a in args[5:10]] == [4, 2, 5, 7, 2]
 
@@ -280,12 +280,12 @@ def test_strided_inputs_and_sdpa_top_left_causal():
 
 @needs_nvrtc
 def test_gpu_script_smoke(tmp_path):
-    """benchmarks/cuda_kernel.py, the one command a GPU session runs, at least starts and compiles."""
+    """``flashattn bench cuda-kernel``, the one command a GPU session runs for this kernel, at least starts and
+    compiles."""
     import sys
 
-    script = Path(__file__).parents[1] / "benchmarks" / "cuda_kernel.py"
-    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                          text=True, env=env)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "flashattn", "bench", "cuda-kernel", "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert list(tmp_path.glob("cuda-kernel-smoke-*.json"))

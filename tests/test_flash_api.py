@@ -1,5 +1,5 @@
-"""flash_attn_* drop-ins on the CPU path: forward and gradients against the float64 oracle, by the DEVELOPERS.md
-rule, over odd shapes and every feature; dropout reproducibility and statistics."""
+"""flash_attn_* drop-ins on the CPU path: forward and gradients against the float64 oracle, by the tolerance rule
+of oracle.py, over odd shapes and every feature; dropout reproducibility and statistics."""
 
 from __future__ import annotations
 

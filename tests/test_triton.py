@@ -1,5 +1,5 @@
 """The Triton backend against the float64 oracle: on a GPU when there is one, else under TRITON_INTERPRET=1 on CPU
-tensors (tests/conftest.py). Small shapes: the interpreter runs every program in Python."""
+tensors (the root conftest.py). Small shapes: the interpreter runs every program in Python."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each check raises a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right
 starts with the function the user called, then names the argument, the value received and what is allowed.
 The modules split it by concern: ``_base`` (tensors, dtypes, devices, scalar options), ``flash`` (the flash
 layout, varlen offsets, paged keys), ``kvcache`` (cache layout, lengths, rotary), ``sdpa`` (PyTorch's layout and
-masks) and ``modules`` (merging, padding, context parallelism, ``flashattn.nn``).
+masks) and ``modules`` (merging, padding, context parallelism, ``flashattn.nn``, the transformers integration).
 """
 
 from ._base import FLOAT_DTYPES, fail
@@ -24,6 +24,7 @@ from .modules import (
     check_rotary_dim,
     check_self_attention_config,
     check_shard_lengths,
+    check_transformers_call,
 )
 from .sdpa import check_sdpa
 
@@ -47,6 +48,7 @@ __all__ = [
     "check_sdpa",
     "check_self_attention_config",
     "check_shard_lengths",
+    "check_transformers_call",
     "check_varlen",
     "fail",
     "unpack",

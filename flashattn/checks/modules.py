@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 import torch.distributed as dist
+from torch import Tensor
 
 from ._base import fail, validate_real
 from .flash import CheckedCall, check_flash
@@ -145,3 +143,25 @@ def check_generation(fn: str, *, causal: bool = True, wants_grad: bool = False) 
     if wants_grad:
         raise fail(fn, "the KV-cache path is inference only (no gradients); run generation under torch.no_grad() "
                        "or torch.inference_mode()", RuntimeError)
+
+
+def check_transformers_call(fn: str, *, attention_mask: Tensor | None, softcap: float | None, extra: dict,
+                            lengths: tuple[int, int]) -> None:
+    """What the transformers integration cannot serve: attention sinks, a paged continuous-batching cache, a mask
+    that is neither (batch, kv_len) nor 4-D, a softcap with a 4-D mask (SDPA has no softcap), and a padding mask
+    that does not cover every query, or covers more positions than there are keys (``lengths`` = (q_len,
+    kv_len))."""
+    if extra.get("s_aux") is not None:
+        raise fail(fn, "s_aux (attention sinks) is not supported; use attn_implementation='eager'")
+    if extra.get("cache") is not None:
+        raise fail(fn, "cache (a paged continuous-batching cache) is not supported; use 'paged|sdpa'")
+    if attention_mask is None:
+        return
+    if attention_mask.dim() == 4 and softcap:
+        raise fail(fn, "softcap cannot be combined with a 4-D attention_mask")
+    if attention_mask.dim() not in (2, 4):
+        raise fail(fn, f"attention_mask must be (batch, kv_len) or 4-D, got shape {tuple(attention_mask.shape)}")
+    nq, nk = lengths
+    if attention_mask.dim() == 2 and (attention_mask.shape[1] > nk or nq > attention_mask.shape[1]):
+        raise fail(fn, f"attention_mask has {attention_mask.shape[1]} positions for {nk} keys and {nq} queries; it "
+                       "must cover every query and at most the keys")

@@ -8,7 +8,7 @@
 // K/V tiles are double-buffered in shared memory: cp.async (16-byte, zero-filling past the sequence end) fetches
 // tile j + 1 while tile j is computed. Rows are XOR-swizzled in 16-byte chunks so ldmatrix is conflict-free.
 // O is normalised once at the end and written with the natural-log log-sum-exp (-inf, and O = 0, for a row that
-// sees no key). Causal masking (diagonal at any shift: bottom-right as flash_attn, top-left as SDPA) costs nothing
+// sees no key). Causal masking (the diagonal anywhere: bottom-right as flash_attn, top-left as SDPA) costs nothing
 // off the diagonal: fully hidden tiles are never loaded.
 //
 // Self-contained on purpose (no cuda_fp16.h): NVRTC compiles it at first use with no headers or toolchain, and
@@ -134,7 +134,7 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* base, i64 stride
 template <int D, bool BF16, bool CAUSAL>
 __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                           u16* __restrict__ out, float* __restrict__ lse, int nheads, int nheads_k, int seqlen_q,
-                          int seqlen_k, int shift, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                          int seqlen_k, int diagonal, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                           i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
     extern __shared__ __align__(128) u16 smem[];
     u16* sq = smem;                          // BLOCK_M x D
@@ -153,12 +153,12 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
     const u16* kb = k + b * k_sb + hk * k_sh;
     const u16* vb = v + b * v_sb + hk * v_sh;
 
-    // Keys [0, n_end) can be visible to this tile; causal: query i sees key j <= i + shift (shift = Nk - Nq
+    // Keys [0, n_end) can be visible to this tile; causal: query i sees key j <= i + diagonal (diagonal = Nk - Nq
     // aligns the diagonal bottom-right as flash_attn does, 0 top-left as torch SDPA does).
     int n_end = seqlen_k;
     if (CAUSAL) {
         int last_row = min(row0 + BLOCK_M, seqlen_q) - 1;
-        n_end = max(0, min(seqlen_k, last_row + shift + 1));
+        n_end = max(0, min(seqlen_k, last_row + diagonal + 1));
     }
     const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
 
@@ -217,7 +217,7 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
         }
 
         // Scale, mask (past the sequence end; above the causal diagonal) and take the new row maxima.
-        const bool edge = (j + 1) * BLOCK_N > seqlen_k || (CAUSAL && (j + 1) * BLOCK_N > row0 + shift);
+        const bool edge = (j + 1) * BLOCK_N > seqlen_k || (CAUSAL && (j + 1) * BLOCK_N > row0 + diagonal);
         float new_max[2] = {row_max[0], row_max[1]};
         #pragma unroll
         for (int nb = 0; nb < BLOCK_N / 8; ++nb) {
@@ -226,7 +226,7 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
                 float x = s[nb][e] * scale_log2;
                 if (edge) {
                     int key = j * BLOCK_N + nb * 8 + quad * 2 + (e & 1);
-                    bool hidden = key >= seqlen_k || (CAUSAL && key > q_row[e / 2] + shift);
+                    bool hidden = key >= seqlen_k || (CAUSAL && key > q_row[e / 2] + diagonal);
                     if (hidden) x = NEG_INF;
                 }
                 s[nb][e] = x;
@@ -311,9 +311,9 @@ __device__ void flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, 
 // for 3 blocks, caps the d = 128 kernels at 168 registers and spills on sm_80.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
     flash_fwd_kernel(const u16* q, const u16* k, const u16* v, u16* out, float* lse, int nheads, int nheads_k,
-                     int seqlen_q, int seqlen_k, int shift, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss,
+                     int seqlen_q, int seqlen_k, int diagonal, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss,
                      i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
-    flash_fwd<HEAD_DIM, IS_BF16, IS_CAUSAL>(q, k, v, out, lse, nheads, nheads_k, seqlen_q, seqlen_k, shift, q_sb,
+    flash_fwd<HEAD_DIM, IS_BF16, IS_CAUSAL>(q, k, v, out, lse, nheads, nheads_k, seqlen_q, seqlen_k, diagonal, q_sb,
                                             q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
                                             scale_log2);
 }

@@ -35,12 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import checks
 from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, scaled_dot_product_attention
 from ..padding import pad_input, plan_unpad, unpad_input
 
 __all__ = ["NAME", "attention_forward", "padding_mask", "register"]
 
 NAME = "flashattn"
+FN = "attn_implementation='flashattn'"  # how errors name the caller
 
 
 def register(name: str = NAME) -> str:
@@ -125,10 +127,6 @@ def padding_mask(
     return attention_mask
 
 
-def _refuse(name: str, why: str) -> ValueError:
-    return ValueError(f"attn_implementation='flashattn': {name} {why}")
-
-
 def _same_head_dim(q: Tensor, k: Tensor, v: Tensor, scaling: float | None):
     """flash_attn needs one head dim for q, k and v; zero-pad the smaller (exact: padded columns add 0 to the
     scores, and padded value columns are cropped from the output)."""
@@ -192,9 +190,6 @@ def _unpadded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options) -> Tensor:
     are the last q_len positions of the mask), the rest runs varlen, and pad query positions output 0."""
     b, nq = q.shape[:2]
     nk = mask.shape[1]
-    if nk > k.shape[1] or nq > nk:
-        raise _refuse("attention_mask", f"has {nk} positions for {k.shape[1]} keys and {nq} queries; it must cover "
-                                        "every query and at most the keys")
     # A static cache holds more slots than the mask covers: the ones past the mask are unused.
     k, v = k[:, :nk], v[:, :nk]
     (k_index, cu_k, max_k, _), (q_index, cu_q, max_q, _) = _PLANS.get(
@@ -205,7 +200,7 @@ def _unpadded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options) -> Tensor:
     return pad_input(out, q_index, b, nq)
 
 
-def attention_forward(
+def attention_forward(  # noqa: PLR0913 (transformers' attention-interface signature)
     module: torch.nn.Module,
     query: Tensor,
     key: Tensor,
@@ -225,10 +220,8 @@ def attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention hook: query (batch, heads, q_len, dim), key/value (batch, kv_heads, kv_len, dim)
     -> ((batch, q_len, heads, dim), None)."""
-    if kwargs.get("s_aux") is not None:
-        raise _refuse("s_aux", "(attention sinks) is not supported; use attn_implementation='eager'")
-    if kwargs.get("cache") is not None:
-        raise _refuse("cache", "(a paged continuous-batching cache) is not supported; use 'paged|sdpa'")
+    checks.check_transformers_call(FN, attention_mask=attention_mask, softcap=softcap, extra=kwargs,
+                                   lengths=(query.shape[2], key.shape[2]))
     if kwargs.get("output_attentions"):
         warnings.warn("attn_implementation='flashattn' never materialises attention weights; they are returned as "
                       "None. Use attn_implementation='eager' to inspect them.", stacklevel=2)
@@ -236,8 +229,6 @@ def attention_forward(
     dv = value.shape[-1]
 
     if attention_mask is not None and attention_mask.dim() == 4:
-        if softcap:
-            raise _refuse("softcap", "cannot be combined with a 4-D attention_mask")
         out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                            scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
@@ -249,8 +240,6 @@ def attention_forward(
                    softcap=float(softcap or 0.0), deterministic=bool(kwargs.get("deterministic") or False))
 
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise _refuse("attention_mask", f"must be (batch, kv_len) or 4-D, got shape {tuple(attention_mask.shape)}")
         out = _unpadded(q, k, v, attention_mask.bool(), options)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         out = _varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, options)

@@ -56,13 +56,13 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
-def launch_args(q, k, v, out, lse, shift: int, scale: float) -> list:
+def launch_args(q, k, v, out, lse, *, diagonal: int, scale: float) -> list:
     """The kernel's arguments in the order and C types of ``flash_fwd_kernel`` in flash_fwd.cu: pointers, then
-    nheads, nheads_k, seqlen_q, seqlen_k, shift (int), then (batch, seq, head) strides of q, k, v, out (int64),
-    then the scale in log2 units (float)."""
+    nheads, nheads_k, seqlen_q, seqlen_k, diagonal (int: query i's diagonal key is i + diagonal), then (batch,
+    seq, head) strides of q, k, v, out (int64), then the scale in log2 units (float)."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     return [ptr(q.data_ptr()), ptr(k.data_ptr()), ptr(v.data_ptr()), ptr(out.data_ptr()), ptr(lse.data_ptr()),
-            i32(q.shape[2]), i32(k.shape[2]), i32(q.shape[1]), i32(k.shape[1]), i32(shift),
+            i32(q.shape[2]), i32(k.shape[2]), i32(q.shape[1]), i32(k.shape[1]), i32(diagonal),
             *(i64(s) for t in (q, k, v, out) for s in (t.stride(0), t.stride(1), t.stride(2))),
             ctypes.c_float(scale * math.log2(math.e))]
 
@@ -82,9 +82,9 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
         return out, lse, q.new_empty(0)
     q, k, v = (_kernel_ready(t) for t in (q, k, v))
     causal = spec.window_right == 0
-    shift = (nk - nq if spec.bottom_right else 0) + spec.diagonal_offset
+    diagonal = (nk - nq if spec.bottom_right else 0) + spec.diagonal_offset
     module = runtime.module(Variant.of(q.dtype, d, causal), q.device)
-    args = launch_args(q, k, v, out, lse, shift, spec.scale)
+    args = launch_args(q, k, v, out, lse, diagonal=diagonal, scale=spec.scale)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         module.launch(ENTRY, (b * h, math.ceil(nq / BLOCK_M), 1), (WARPS * 32, 1, 1), shared_bytes(d), stream, args)

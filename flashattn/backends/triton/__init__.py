@@ -12,6 +12,12 @@ import torch
 from .. import TRITON_MAX_HEAD_DIM as MAX_HEAD_DIM
 from ..spec import AttentionSpec, Saved
 from . import configs
+from .kernels import (
+    attention_backward_dkdv_kernel,
+    attention_backward_dq_kernel,
+    attention_backward_preprocess_kernel,
+    attention_forward_kernel,
+)
 from .launch import (
     Layout,
     QueryRows,
@@ -25,12 +31,6 @@ from .launch import (
     launch,
     merge_splits,
     split_count,
-)
-from .kernels import (
-    attention_backward_dkdv_kernel,
-    attention_backward_dq_kernel,
-    attention_backward_preprocess_kernel,
-    attention_forward_kernel,
 )
 
 NAME = "triton"

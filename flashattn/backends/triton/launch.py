@@ -254,7 +254,8 @@ def merge_splits(partials, results, *, lay: Layout, rows: QueryRows) -> None:
     batch, nq = out_acc.shape[1], out_acc.shape[2]
     out_strides = rows.out if not lay.q_packed else (0, *rows.out[1:])
     launch(
-        merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M), batch * rows.h), out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse,
+        merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M), batch * rows.h),
+        out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse,
         **Layout.strides("s", out_acc, "sbnhd"),
         **dict(zip(("stride_ls", "stride_lb", "stride_lh"), lse_acc.stride()[:3], strict=True)),
         **dict(zip(("stride_ob", "stride_on", "stride_oh", "stride_od"), out_strides, strict=True)),

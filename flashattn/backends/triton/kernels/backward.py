@@ -9,7 +9,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import dot, dropout_keep, key_range, load_tile, load_tile_t, query_range, score_tile, sequence
+from .tiles import (
+    dot,
+    dropout_keep,
+    key_range,
+    load_tile,
+    load_tile_t,
+    query_range,
+    score_tile,
+    sequence,
+)
 
 
 @triton.jit
@@ -65,16 +74,13 @@ def attention_backward_dkdv_kernel(
     band = ((nk - nq) * bottom_right + diagonal_offset, window_left, window_right)
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_m0 = tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
+    o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     # k^T (D, BLOCK_N) for the score tile, v^T (DV, BLOCK_N) for dP = dO V^T.
     b_kt = load_tile_t(k + b * stride_kb + k0 * stride_kn + hk * stride_kh, o_n, o_d, (stride_kn, stride_kd),
                        (nk, head_dim), UPCAST)
     b_vt = load_tile_t(v + b * stride_vb + k0 * stride_vn + hk * stride_vh, o_n, o_dv, (stride_vn, stride_vd),
                        (nk, head_dim_v), UPCAST)
-    b_seed = None
-    if seed is not None:
-        b_seed = tl.load(seed)
+    b_seed = tl.load(seed) if seed is not None else None
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, hi = query_range(start_n, nq, band, BLOCK_M, BLOCK_N)
@@ -83,12 +89,8 @@ def attention_backward_dkdv_kernel(
         h = hk * group_size + g
         p_stats = b * stride_lb + h * stride_lh + q0  # lse and delta of this head's queries
         counters = (b * num_heads + h) * seqlen_q
-        slope = None
-        if alibi is not None:
-            slope = tl.load(alibi + b * stride_ab + h * stride_ah)
-        p_mask = None
-        if mask is not None:
-            p_mask = mask + b * stride_mb + h * stride_mh
+        slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
+        p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         p_q = q + b * stride_qb + q0 * stride_qn + h * stride_qh
         p_do = dout + b * stride_db + q0 * stride_dn + h * stride_dh
         for start_m in range(lo, hi, BLOCK_M):
@@ -148,8 +150,7 @@ def attention_backward_dq_kernel(
     band = ((nk - nq) * bottom_right + diagonal_offset, window_left, window_right)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_n0 = tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
+    o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
                     (nq, head_dim), UPCAST)
     b_do = load_tile(dout + b * stride_db + q0 * stride_dn + h * stride_dh, o_m, o_dv, (stride_dn, stride_dd),
@@ -158,16 +159,10 @@ def attention_backward_dq_kernel(
     b_lse = tl.load(lse + p_stats + o_m, mask=o_m < nq, other=float("inf"))
     b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse)
     b_delta = tl.load(delta + p_stats + o_m, mask=o_m < nq, other=0.0)
-    slope = None
-    if alibi is not None:
-        slope = tl.load(alibi + b * stride_ab + h * stride_ah)
-    p_mask = None
-    if mask is not None:
-        p_mask = mask + b * stride_mb + h * stride_mh
-    b_seed = None
+    slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
+    p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
+    b_seed = tl.load(seed) if seed is not None else None
     counters = bh.to(tl.int64) * seqlen_q
-    if seed is not None:
-        b_seed = tl.load(seed)
     p_k = k + b * stride_kb + k0 * stride_kn + hk * stride_kh
     p_v = v + b * stride_vb + k0 * stride_vn + hk * stride_vh
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

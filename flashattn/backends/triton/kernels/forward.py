@@ -10,7 +10,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import dot, dropout_keep, key_range, key_slots, load_rows, load_tile, load_tile_t, score_tile, sequence
+from .tiles import (
+    dot,
+    dropout_keep,
+    key_range,
+    key_slots,
+    load_rows,
+    load_tile,
+    load_tile_t,
+    score_tile,
+    sequence,
+)
 
 
 @triton.jit
@@ -51,8 +61,7 @@ def attention_forward_kernel(
     band = ((nk - nq) * bottom_right + diagonal_offset, window_left, window_right)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_n0 = tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
+    o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
 
     b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
                     (nq, head_dim), UPCAST)
@@ -62,16 +71,10 @@ def attention_forward_kernel(
     if block_table is None:
         p_k += kb * stride_kb + k0 * stride_kn
         p_v += kb * stride_vb + k0 * stride_vn
-    slope = None
-    if alibi is not None:
-        slope = tl.load(alibi + b * stride_ab + h * stride_ah)
-    p_mask = None
-    if mask is not None:
-        p_mask = mask + b * stride_mb + h * stride_mh
-    b_seed = None
+    slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
+    p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
+    b_seed = tl.load(seed) if seed is not None else None
     counters = bh.to(tl.int64) * seqlen_q  # dropout counters and probs rows: ((b * H + h) * NQ + i) * NK + j
-    if seed is not None:
-        b_seed = tl.load(seed)
 
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)

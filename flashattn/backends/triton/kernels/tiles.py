@@ -5,7 +5,8 @@ Naming, in every kernel: pointer arguments are lowercase nouns (``q``, ``lse``, 
 blocks held in registers, ``p_*`` pointer blocks, ``o_*`` offset vectors and ``m_*`` boolean masks;
 ``BLOCK_*`` and other constants are ``tl.constexpr``. An optional feature is an argument that may be None
 (ALiBi slopes, a mask, the dropout seed, a window side, the softcap, varlen offsets, a block table): None is a
-compile-time constant, so ``if x is not None`` costs nothing where the feature is off.
+compile-time constant, so ``if x is not None`` costs nothing where the feature is off. (A helper cannot return
+None under the compiler, so optional values are derived in the kernels: ``x = f(p) if p is not None else None``.)
 """
 
 from __future__ import annotations
