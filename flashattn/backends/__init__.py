@@ -8,8 +8,10 @@ or 128, causal or not) is never chosen automatically.
 Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
 checks the kernels without a GPU.
 
-The choice is made when a call starts (under ``torch.compile``: when the graph is traced) and travels with the
-call into the op, so a backward always runs on the backend of its forward.
+The choice is made when a call starts (under ``torch.compile``: when the graph is traced, so a graph keeps the
+backend it was traced with) and travels with the call into the op, so a backward always runs on the backend of
+its forward. Each distinct choice is logged once, with its reason, at debug level on ``logging.getLogger(
+"flashattn")``; ``flashattn info`` shows the choice for typical inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,11 +31,12 @@ from torch import Tensor
 
 from .spec import AttentionSpec, Saved
 
-__all__ = ["BACKENDS", "Backend", "choose", "get", "select", "use_backend"]
+__all__ = ["BACKENDS", "Backend", "choose", "explain", "get", "select", "use_backend"]
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
 TRITON_MAX_HEAD_DIM = 256
 _forced: ContextVar[str | None] = ContextVar("flashattn_backend", default=None)
+_log = logging.getLogger("flashattn")
 
 
 @runtime_checkable
@@ -66,12 +70,8 @@ def _validate(name: object, source: str) -> str:
     return name
 
 
-@torch.compiler.assume_constant_result
 def requested() -> str:
-    """The backend asked for by ``use_backend`` or ``FLASHATTN_BACKEND`` ("auto" when neither is set).
-
-    Under ``torch.compile`` it is read when the graph is traced: a graph keeps the backend it was traced with.
-    """
+    """The backend asked for by ``use_backend`` or ``FLASHATTN_BACKEND`` ("auto" when neither is set)."""
     forced = _forced.get()
     if forced is not None:
         return forced
@@ -84,17 +84,45 @@ def _triton_installed() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _automatic(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
-    triton_ok = (device_type == "cuda" and dtype != torch.float64 and head_dim <= TRITON_MAX_HEAD_DIM
-                 and _triton_installed())
-    return "triton" if triton_ok else "cpu"
+def explain(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """(backend name, why) for a call on ``device_type`` tensors of ``dtype`` whose largest head dim (of q/k and
+    of v) is ``head_dim``: the forced backend, else the automatic choice. Each distinct answer is logged once at
+    debug level on the ``flashattn`` logger.
+
+    Example::
+
+        >>> explain("cpu", torch.float32, 64)  # doctest: +ELLIPSIS
+        ('cpu', 'auto: ...')
+    """
+    answer = _decide(device_type, dtype, head_dim)
+    if answer not in _logged:
+        _logged.add(answer)
+        _log.debug("backend %s: %s", *answer)
+    return answer
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _decide(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    name = requested()
+    if name != "auto":
+        source = "use_backend()" if _forced.get() is not None else "FLASHATTN_BACKEND"
+        return name, f"forced by {source}"
+    if device_type != "cuda":
+        return "cpu", f"auto: {device_type} tensors run on the tiled PyTorch path"
+    if dtype == torch.float64:
+        return "cpu", "auto: float64 has no Triton kernel; the tiled PyTorch path runs it"
+    if head_dim > TRITON_MAX_HEAD_DIM:
+        return "cpu", f"auto: head dim {head_dim} exceeds the Triton kernels' {TRITON_MAX_HEAD_DIM}"
+    if not _triton_installed():
+        return "cpu", "auto: triton is not installed (pip install 'flashattn[triton]')"
+    return "triton", "auto: CUDA tensors run on the Triton kernels"
 
 
 def choose(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
-    """The name of the backend for a call on ``device_type`` tensors of ``dtype`` whose largest head dim (of q/k
-    and of v) is ``head_dim``: the forced one, else the automatic choice."""
-    name = requested()
-    return _automatic(device_type, dtype, head_dim) if name == "auto" else name
+    """The name of the backend for a call (see ``explain``)."""
+    return explain(device_type, dtype, head_dim)[0]
 
 
 def select(q: Tensor, v: Tensor) -> Backend:
