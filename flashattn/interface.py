@@ -304,8 +304,10 @@ def scaled_dot_product_attention(
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``, computed tile by tile.
 
     Args:
-        query: (batch, heads, L, E); key: (batch, heads_kv, S, E); value: (batch, heads_kv, S, Ev).
-        attn_mask: boolean (True = may attend) or additive float mask, broadcastable to (batch, heads, L, S).
+        query: (..., heads, L, E); key: (..., heads_kv, S, E); value: (..., heads_kv, S, Ev). Any number of
+            leading dimensions (none too: (L, E)), broadcast against each other as PyTorch does; heads_kv differs
+            from heads only with ``enable_gqa``.
+        attn_mask: boolean (True = may attend) or additive float mask, broadcastable to (..., heads, L, S).
             An additive mask that requires grad gets its gradient.
         dropout_p: dropout on the attention weights (always applied when > 0, as in PyTorch).
         is_causal: top-left aligned causal mask (query i sees keys j <= i), PyTorch's convention.
@@ -313,7 +315,7 @@ def scaled_dot_product_attention(
         enable_gqa: allow heads % heads_kv == 0 grouped-query attention.
 
     Returns:
-        (batch, heads, L, Ev). A query that sees no key outputs 0 (never NaN).
+        (..., heads, L, Ev). A query that sees no key outputs 0 (never NaN).
 
     Example::
 
@@ -321,12 +323,12 @@ def scaled_dot_product_attention(
         >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
         torch.Size([2, 8, 128, 64])
     """
-    call = checks.check_sdpa(
+    call, leading = checks.check_sdpa(
         "scaled_dot_product_attention", query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
     )
     out, _, _ = _run(call, return_probs=False)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).reshape(*leading, *out.shape[1:2], out.shape[-1])
 
 
 def attention_with_weights(
@@ -344,12 +346,13 @@ def attention_with_weights(
         >>> out.shape, weights.shape, bool(weights[0, 0, 0, 1] == 0)
         (torch.Size([1, 2, 5, 8]), torch.Size([1, 2, 5, 5]), True)
     """
-    call = checks.check_sdpa(
+    call, leading = checks.check_sdpa(
         "attention_with_weights", query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
     )
     out, _, probs = _run(call, return_probs=True)
     probs = probs.detach()
     weights = torch.where(torch.signbit(probs), torch.zeros_like(probs), probs / (1.0 - call.spec.dropout_p))
-    return out.transpose(1, 2), weights
+    return (out.transpose(1, 2).reshape(*leading, *out.shape[1:2], out.shape[-1]),
+            weights.reshape(*leading, *weights.shape[-2:]))
 

@@ -12,6 +12,8 @@ that ran its forward, wherever and on whatever thread autograd runs it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -28,9 +30,23 @@ def _split(rest: tuple) -> tuple[AttentionSpec, str, bool]:
     return AttentionSpec.from_args(spec_args), backend, flag
 
 
+def _runnable(name: str, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,
+              return_probs: bool = False) -> backends.Backend:
+    """The backend ``name``, once it says it can run the call (a forced backend may not)."""
+    backend = backends.get(name)
+    reason = backend.unsupported(q, k, v, spec, return_probs=return_probs)
+    if reason is not None:
+        dims = f"{q.shape[-1]}" if q.shape[-1] == v.shape[-1] else f"{q.shape[-1]} (q, k) and {v.shape[-1]} (v)"
+        raise ValueError(f"flashattn: the {name} backend cannot run this call on {q.device.type} {q.dtype} tensors "
+                         f"of head dim {dims}: {reason}. Let flashattn choose (use_backend('auto'), or unset "
+                         "FLASHATTN_BACKEND), or force a backend that can.")
+    return backend
+
+
 def _attention(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
     spec, backend, return_probs = _split(rest)
-    return backends.get(backend).forward(q, k, v, spec, return_probs=return_probs)
+    return _runnable(backend, q, k, v, spec, return_probs=return_probs).forward(q, k, v, spec,
+                                                                               return_probs=return_probs)
 
 
 def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
@@ -50,8 +66,8 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Ten
 def _attention_backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec, backend, mask_grad = _split(rest)
-    dq, dk, dv, dmask = backends.get(backend).backward(dout, dlse, Saved(q, k, v, out, lse), spec,
-                                                       mask_grad=mask_grad)
+    dq, dk, dv, dmask = _runnable(backend, q, k, v, spec).backward(dout, dlse, Saved(q, k, v, out, lse), spec,
+                                                                   mask_grad=mask_grad)
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
@@ -93,12 +109,28 @@ def _backward(ctx, dout, dlse, _dprobs):
     rest = list(ctx.rest)
     for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
         rest[slot] = t
+    spec, backend, _ = _split((*rest, False))
+    if spec.cache is not None:
+        return _cache_backward(ctx, dout, dlse, Saved(q, k, v, out, lse), spec, backend)
     dq, dk, dv, dmask = _backward_op(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
     grads = [None] * ctx.n_inputs
     grads[:3] = dq, dk, dv
     if ctx.mask_grad:
         grads[_MASK_GRAD_INDEX] = dmask
     return tuple(grads)
+
+
+def _cache_backward(ctx, dout, dlse, saved: Saved, spec: AttentionSpec, backend: str) -> tuple:
+    """dq of a call whose keys live in a KV cache (paged varlen): the keys are gathered into a packed batch and
+    differentiated as an ordinary varlen call. The cache itself receives no gradient."""
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise RuntimeError("flashattn: a paged K/V (block_table) receives no gradient: it is a cache, read in "
+                           "place. Detach k and v (the gradient of q is computed), or pass them unpaged.")
+    k, v, cu_seqlens_k = spec.cache.gather(saved.k, saved.v)
+    varlen = dataclasses.replace(spec.varlen, cu_seqlens_k=cu_seqlens_k)
+    packed = dataclasses.replace(spec, cache=None, varlen=varlen)
+    dq, _, _ = attention_backward(dout, dlse, saved._replace(k=k, v=v), packed, backend=backend)
+    return (dq, *([None] * (ctx.n_inputs - 1)))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

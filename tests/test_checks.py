@@ -87,7 +87,7 @@ SDPA_CASES = [
      ["multiple", "4", "3"]),
     ({"value": torch.randn(2, 4, 9, 16)}, ValueError, ["key", "value"]),
     ({"scale": math.nan}, ValueError, ["scale", "finite"]),
-    ({"query": torch.randn(8, 16)}, ValueError, ["query", "4 dimensions"]),
+    ({"query": torch.randn(16)}, ValueError, ["query", "at least 2 dimensions"]),  # PyTorch takes (..., L, E)
     ({"dropout_p": 1.5}, ValueError, ["dropout_p", "1.5"]),
 ]
 

@@ -196,7 +196,7 @@ def test_backend_is_opt_in_and_refusals_are_clear():
     assert flashattn.backends.select(q, q).__name__ != "flashattn.backends.cuda"  # auto never picks it
     with flashattn.use_backend("cuda"):
         assert flashattn.backends.select(q, q) is cuda_backend
-        with pytest.raises(NotImplementedError, match="CUDA tensors"):
+        with pytest.raises(ValueError, match="the cuda backend cannot run this call on cpu .*CUDA tensors"):
             flashattn.flash_attn_func(q, q, q)
     with pytest.raises(NotImplementedError, match="forward-only"):
         cuda_backend.backward(q, None, None, _spec())

@@ -522,25 +522,35 @@ def test_paged_varlen_matches_dense_varlen(page_size, feature, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_paged_varlen_is_forward_only(backend):
+def test_paged_varlen_runs_with_grad_to_q_only(backend):
+    """As in flash_attn, a paged K/V runs with a q that requires grad: the gradient reaches q; the cache gets none,
+    and asking for it fails when the backward runs, with a clear message. Dropout and probabilities are refused."""
     device = DEVICE[backend]
     cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
     q = randn(7, 2, 16, dtype=torch.float32, device=device)
     k_pages, v_pages = (randn(6, 2, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     table = torch.tensor([[4, 0, 1], [5, 2, 3]], dtype=torch.int32, device=device)
     args = (cu, cu, 4, 4)
+    dout = torch.randn_like(q)
     with flashattn.use_backend(backend):
-        with pytest.raises(ValueError, match="block_table"):
-            flashattn.flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, *args, block_table=table)
         with pytest.raises(ValueError, match="block_table|dropout"):
             flashattn.flash_attn_varlen_func(q.detach(), k_pages, v_pages, *args, dropout_p=0.1, block_table=table)
-        with torch.no_grad():  # inputs that require grad are fine where no graph is recorded
-            out = flashattn.flash_attn_varlen_func(q, k_pages, v_pages, *args, block_table=table)
+        q_grad = q.detach().requires_grad_()
+        out = flashattn.flash_attn_varlen_func(q_grad, k_pages, v_pages, *args, block_table=table)
+        (dq,) = torch.autograd.grad(out, q_grad, dout)
+        k_grad = k_pages.detach().requires_grad_()
+        out_k = flashattn.flash_attn_varlen_func(q.detach(), k_grad, v_pages, *args, block_table=table)
+        with pytest.raises(RuntimeError, match="paged K/V .* receives no gradient"):
+            out_k.sum().backward()
     for b in range(2):
         start, end = cu[b].item(), cu[b + 1].item()
         keys, vals = (t[table[b].long()].flatten(0, 1)[: end - start] for t in (k_pages, v_pages))
-        ref, _ = attention_ref(q.detach()[None, start:end], keys[None], vals[None])
-        assert_close(f"out[{b}]", out[start:end], ref[0], ref[0])
+        q_ref = q.detach()[None, start:end].double().requires_grad_()
+        ref, _ = attention_ref(q_ref, keys[None], vals[None])
+        base, _ = attention_ref(q.detach()[None, start:end], keys[None], vals[None], upcast=False)
+        assert_close(f"out[{b}]", out[start:end], ref[0], base[0])
+        (dq_ref,) = torch.autograd.grad(ref, q_ref, dout[None, start:end].double())
+        torch.testing.assert_close(dq[start:end].double(), dq_ref[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -84,6 +84,29 @@ class KeyCache:
         """(first position, end position) per batch entry (reads the bounds on the host)."""
         return list(zip(self.k_start.tolist(), self.k_end.tolist(), strict=True))
 
+    def gather(self, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Each entry's keys and values copied out of the cache and packed one entry after another, as a varlen
+        batch: (k (total_k, Hk, D), v (total_k, Hk, Dv), cu_seqlens_k int32 (B + 1,)). One host read (total_k).
+
+        Example::
+
+            >>> cache = torch.arange(8.0).view(2, 4, 1, 1)  # 2 rows of 4 positions
+            >>> k, _, cu = KeyCache(torch.tensor([1, 0]), torch.tensor([3, 1]), 2).gather(cache, cache)
+            >>> k.flatten().tolist(), cu.tolist()
+            ([1.0, 2.0, 4.0], [0, 2, 3])
+        """
+        lengths = (self.k_end - self.k_start).long()
+        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+        entry = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                        output_size=int(cu[-1]))
+        pos = torch.arange(entry.numel(), device=entry.device) - cu[entry] + self.k_start.long()[entry]
+        if self.block_table is not None:
+            page_size = k_cache.shape[1]
+            index = (self.block_table.long()[entry, pos // page_size], pos % page_size)
+        else:
+            index = (entry if self.batch_idx is None else self.batch_idx.long()[entry], pos)
+        return k_cache[index], v_cache[index], cu.to(torch.int32)
+
 
 @dataclass(frozen=True)
 class AttentionSpec:

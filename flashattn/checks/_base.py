@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+import operator
 
 import torch
 
@@ -24,11 +24,14 @@ def fail(fn: str, message: str, kind: type[Exception] = ValueError) -> Exception
     return kind(f"{fn}: {message}")
 
 
-def validate_tensor(fn: str, name: str, t: object, ndim: int, layout: str) -> torch.Tensor:
-    """A floating-point tensor with ``ndim`` dimensions, described as ``layout`` in the error."""
+def validate_tensor(fn: str, name: str, t: object, ndim: int | None, layout: str) -> torch.Tensor:
+    """A floating-point tensor with ``ndim`` dimensions (None: at least 2), described as ``layout`` in the
+    error."""
     if not isinstance(t, torch.Tensor):
         raise fail(fn, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}", TypeError)
-    if t.dim() != ndim:
+    if ndim is None and t.dim() < 2:
+        raise fail(fn, f"{name} must have at least 2 dimensions {layout}, got shape {tuple(t.shape)}")
+    if ndim is not None and t.dim() != ndim:
         raise fail(fn, f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
         raise fail(fn, f"{name} has dtype {t.dtype}; supported dtypes are {_DTYPE_NAMES}", TypeError)
@@ -52,12 +55,41 @@ def validate_heads(fn: str, nheads: int, nheads_k: int, names: tuple[str, str]) 
                        f"{names[1]} ({nheads_k}) for grouped-query attention")
 
 
+def validate_head_dim(fn: str, name: str, head_dim: int) -> None:
+    if head_dim < 1:
+        raise fail(fn, f"{name} has head dim {head_dim}; the head dim (last dimension) must be at least 1")
+
+
 def validate_real(fn: str, name: str, value: object) -> float:
+    """A finite real number: Python and NumPy numbers, or a one-element tensor (as PyTorch accepts for scale)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise fail(fn, f"{name} must be a real number, got {value!r}", TypeError)
     if not math.isfinite(value):
         raise fail(fn, f"{name} must be finite, got {value!r}")
     return float(value)
+
+
+def validate_int(fn: str, name: str, value: object) -> int:
+    """An integer: anything ``operator.index`` accepts (Python and NumPy integers, 0-d integer tensors), as the
+    C++ bindings of flash_attn do; floats are refused."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise fail(fn, f"{name} must be an integer, got {value!r}", TypeError) from None
+
+
+def validate_flag(fn: str, name: str, value: object) -> bool:
+    """A flag of the ``flash_attn_*`` functions: anything with a numeric truth value (bool, 0/1, NumPy booleans,
+    a one-element tensor), as flash_attn takes it. Strings, None and containers are refused: their truth value
+    says nothing about the flag."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return bool(value)
+    numeric = isinstance(value, numbers.Number) or type(value).__name__ in ("bool_", "bool")
+    if isinstance(value, bool) or (numeric and not isinstance(value, complex)):
+        return bool(value)
+    raise fail(fn, f"{name} must be a bool (or 0/1), got {value!r}", TypeError)
 
 
 def validate_dropout(fn: str, dropout_p: object) -> float:
@@ -74,12 +106,17 @@ def validate_scale(fn: str, name: str, scale: object, headdim: int) -> float:
 
 
 def validate_window(fn: str, window_size: object, causal: bool) -> tuple[int, int]:
-    ok = isinstance(window_size, Sequence) and len(window_size) == 2
-    if not ok or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+    """(left, right) from any pair of integers: a tuple or list, a tensor or array of two (flash_attn's own tests
+    pass ``torch.randint(0, n, (2,))``); the right side is 0 when ``causal``."""
+    try:
+        pair = [operator.index(w) for w in window_size]
+    except TypeError:
+        pair = None
+    if pair is None or len(pair) != 2:
         raise fail(fn, f"window_size must be a pair of ints (left, right), got {window_size!r}", TypeError)
-    left, right = window_size
+    left, right = pair
     if left < -1 or right < -1:
-        raise fail(fn, f"window_size values must be >= -1 (-1 means unbounded), got {tuple(window_size)}")
+        raise fail(fn, f"window_size values must be >= -1 (-1 means unbounded), got {tuple(pair)}")
     # flash_attn: causal is the window's right edge at the diagonal.
     return (left, 0) if causal else (left, right)
 
@@ -99,9 +136,8 @@ def validate_bool(fn: str, name: str, value: object) -> bool:
 
 def validate_count(fn: str, name: str, value: object, minimum: int = 0, meaning: str = "0 chooses automatically"
                    ) -> int:
-    """An int >= ``minimum``; ``meaning`` explains the smallest value in the error."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise fail(fn, f"{name} must be an int, got {value!r}", TypeError)
+    """An integer >= ``minimum`` (see ``validate_int``); ``meaning`` explains the smallest value in the error."""
+    value = validate_int(fn, name, value)
     if value < minimum:
         raise fail(fn, f"{name} must be >= {minimum} ({meaning}), got {value}")
     return value

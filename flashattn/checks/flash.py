@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
@@ -13,15 +12,19 @@ from ..backends.spec import AttentionSpec, KeyCache, Varlen
 from ._base import (
     fail,
     validate_alibi,
-    validate_bool,
     validate_dropout,
+    validate_flag,
+    validate_head_dim,
     validate_heads,
+    validate_int,
     validate_same,
     validate_scale,
     validate_softcap,
     validate_tensor,
     validate_window,
 )
+from .deferred import checked_varlen
+from .values import VarlenSizes, check_varlen_values
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ def flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")
         raise fail(fn, f"batch sizes differ: {names[0]} has {q.shape[0]}, {names[1]} has {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
         raise fail(fn, f"head dims differ: {names[0]} has {q.shape[3]}, {names[1]} has {k.shape[3]}")
+    validate_head_dim(fn, names[0], q.shape[3])
     validate_heads(fn, q.shape[2], k.shape[2], (names[0], names[1]))
     return q, k, v
 
@@ -56,9 +60,9 @@ def flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")
 def flash_options(fn: str, q: torch.Tensor, *, batch: int, **options) -> AttentionSpec:
     """The options shared by the dense, varlen and KV-cache ``flash_attn_*`` functions (bottom-right causal):
     ``options`` are ``flash_attn_func``'s keyword arguments after q, k, v."""
-    causal = validate_bool(fn, "causal", options["causal"])
-    validate_bool(fn, "deterministic", options["deterministic"])
-    validate_bool(fn, "return_attn_probs", options["return_attn_probs"])
+    causal = validate_flag(fn, "causal", options["causal"])
+    deterministic = validate_flag(fn, "deterministic", options["deterministic"])
+    validate_flag(fn, "return_attn_probs", options["return_attn_probs"])
     left, right = validate_window(fn, options["window_size"], causal)
     return AttentionSpec(
         scale=validate_scale(fn, "softmax_scale", options["softmax_scale"], q.shape[-1]),
@@ -67,7 +71,7 @@ def flash_options(fn: str, q: torch.Tensor, *, batch: int, **options) -> Attenti
         bottom_right=True,
         softcap=validate_softcap(fn, options["softcap"]),
         dropout_p=validate_dropout(fn, options["dropout_p"]),
-        deterministic=options["deterministic"],
+        deterministic=deterministic,
         alibi_slopes=validate_alibi(fn, options["alibi_slopes"], batch=batch, nheads=q.shape[-2], ref=q),
     )
 
@@ -80,7 +84,8 @@ def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, s
     return CheckedCall(q, k, v, flash_options(fn, q, batch=q.shape[0], **options))
 
 
-def _validate_cu_seqlens(fn: str, name: str, cu: object, total: int | None, ref: torch.Tensor) -> list[int]:
+def _validate_offsets(fn: str, name: str, cu: object, ref: torch.Tensor) -> torch.Tensor:
+    """An int32 (batch + 1,) offsets tensor on the inputs' device (its values are checked in ``values.py``)."""
     if not isinstance(cu, torch.Tensor):
         raise fail(fn, f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu).__name__}",
                    TypeError)
@@ -90,26 +95,7 @@ def _validate_cu_seqlens(fn: str, name: str, cu: object, total: int | None, ref:
         raise fail(fn, f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
     if cu.device != ref.device:
         raise fail(fn, f"{name} is on {cu.device} but the inputs are on {ref.device}")
-    values = cu.tolist()  # a host read: the offsets must be right before any kernel trusts them
-    if values[0] != 0:
-        raise fail(fn, f"{name} must start at 0, got {values[0]}")
-    drops = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
-    if drops:
-        i = drops[0]
-        raise fail(fn, f"{name} must be non-decreasing, but {name}[{i}] = {values[i]} < {name}[{i - 1}] = "
-                       f"{values[i - 1]}")
-    if total is not None and values[-1] != total:
-        raise fail(fn, f"{name}[-1] = {values[-1]} must equal the number of packed rows, {total}")
-    return values
-
-
-def _validate_max_seqlen(fn: str, name: str, value: object, lengths: list[int]) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise fail(fn, f"{name} must be an int, got {value!r}", TypeError)
-    longest = max(lengths, default=0)
-    if value < longest:
-        raise fail(fn, f"{name} = {value} is smaller than the longest sequence, {longest}")
-    return value
+    return cu
 
 
 def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
@@ -118,27 +104,36 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
     nheads_k, headdim), and in ``arguments`` the int32 offsets ``cu_seqlens_q``/``cu_seqlens_k`` (batch + 1), the
     maxima ``max_seqlen_q``/``max_seqlen_k``, an optional ``block_table`` and ``flash_attn_func``'s options.
     With ``block_table``, k/v are a paged cache (num_pages, page_size, nheads_k, headdim) holding each sequence's
-    keys from position 0."""
-    cu_q, cu_k = arguments.pop("cu_seqlens_q"), arguments.pop("cu_seqlens_k")
-    max_q, max_k = arguments.pop("max_seqlen_q"), arguments.pop("max_seqlen_k")
+    keys from position 0: forward only for the cache (gradients reach q; asking for the cache's is an error when
+    the backward runs)."""
     block_table = arguments.pop("block_table", None)
     paged = block_table is not None
     q, k, v = _packed_layout(fn, q, k, v, names=names, paged=paged)
-    cq = _validate_cu_seqlens(fn, "cu_seqlens_q", cu_q, q.shape[0], q)
-    ck = _validate_cu_seqlens(fn, "cu_seqlens_k", cu_k, None if paged else k.shape[0], q)
-    if len(cq) != len(ck):
-        raise fail(fn, f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got lengths {len(cq)} and "
-                       f"{len(ck)}")
-    lengths_k = [b - a for a, b in pairwise(ck)]
-    varlen = Varlen(cu_q, cu_k, _validate_max_seqlen(fn, "max_seqlen_q", max_q, [b - a for a, b in pairwise(cq)]),
-                    _validate_max_seqlen(fn, "max_seqlen_k", max_k, lengths_k))
-    spec = flash_options(fn, q, batch=len(cq) - 1, **arguments)
+    cu_q = _validate_offsets(fn, "cu_seqlens_q", arguments.pop("cu_seqlens_q"), q)
+    cu_k = _validate_offsets(fn, "cu_seqlens_k", arguments.pop("cu_seqlens_k"), q)
+    if cu_q.numel() != cu_k.numel():
+        raise fail(fn, f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got lengths {cu_q.numel()} and "
+                       f"{cu_k.numel()}")
+    max_q = validate_int(fn, "max_seqlen_q", arguments.pop("max_seqlen_q"))
+    max_k = validate_int(fn, "max_seqlen_k", arguments.pop("max_seqlen_k"))
+    batch = cu_q.numel() - 1
+    spec = flash_options(fn, q, batch=batch, **arguments)
+    if paged:
+        if spec.dropout_p > 0 or validate_flag(fn, "return_attn_probs", arguments["return_attn_probs"]):
+            raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0 and "
+                           "return_attn_probs=False")
+        validate_block_table(fn, block_table, k, batch)
+    sizes = VarlenSizes(q.shape[0], None if paged else k.shape[0], max_q, max_k,
+                        num_pages=k.shape[0], page_size=k.shape[1] if paged else 1)
+    if torch.compiler.is_compiling():
+        cu_q, cu_k, *table = checked_varlen(fn, cu_q, cu_k, block_table, sizes)
+        block_table = table[0] if paged else None
+    else:
+        check_varlen_values(fn, cu_q, cu_k, block_table, sizes)
     cache = None
     if paged:
-        _validate_paged_inference(fn, spec, arguments["return_attn_probs"], (q, k, v))
-        table = validate_block_table(fn, block_table, k, len(ck) - 1, lengths_k)
-        cache = KeyCache(torch.zeros_like(cu_k[1:]), cu_k[1:] - cu_k[:-1], varlen.max_seqlen_k, block_table=table)
-    return CheckedCall(q, k, v, dataclasses.replace(spec, varlen=varlen, cache=cache))
+        cache = KeyCache(torch.zeros_like(cu_k[1:]), cu_k[1:] - cu_k[:-1], max_k, block_table=block_table)
+    return CheckedCall(q, k, v, dataclasses.replace(spec, varlen=Varlen(cu_q, cu_k, max_q, max_k), cache=cache))
 
 
 def _packed_layout(fn: str, q, k, v, *, names, paged: bool) -> tuple[torch.Tensor, ...]:
@@ -152,19 +147,9 @@ def _packed_layout(fn: str, q, k, v, *, names, paged: bool) -> tuple[torch.Tenso
     return q, k, v
 
 
-def _validate_paged_inference(fn: str, spec: AttentionSpec, return_attn_probs: bool, tensors) -> None:
-    if spec.dropout_p > 0 or return_attn_probs:
-        raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0 and return_attn_probs=False")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise fail(fn, "a paged K/V (block_table) is forward only: no gradients flow through it; run under "
-                       "torch.no_grad() or pass detached tensors")
-
-
-def validate_block_table(fn: str, table: object, k_cache: torch.Tensor, batch: int,
-                         ends: list[int] | None = None) -> torch.Tensor:
-    """An int32 (batch, pages per sequence) table whose pages hold positions 0..ends[b] - 1 of sequence b (the
-    kind and shape alone when ``ends`` is None). Only the pages in use are checked (serving engines pad the rest
-    with any value)."""
+def validate_block_table(fn: str, table: object, k_cache: torch.Tensor, batch: int) -> torch.Tensor:
+    """An int32 (batch, pages per sequence) table on the cache's device (the page ids it holds are checked in
+    ``values.check_pages``)."""
     if not isinstance(table, torch.Tensor):
         raise fail(fn, f"block_table must be an int32 torch.Tensor (batch, max_pages_per_seq) or None, got "
                        f"{type(table).__name__}", TypeError)
@@ -175,21 +160,6 @@ def validate_block_table(fn: str, table: object, k_cache: torch.Tensor, batch: i
                        f"{tuple(table.shape)}")
     if table.device != k_cache.device:
         raise fail(fn, f"block_table is on {table.device} but the cache is on {k_cache.device}")
-    if ends is None:
-        return table
-    pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    needed = [-(-end // page_size) for end in ends]
-    if max(needed, default=0) > table.shape[1]:
-        b = max(range(len(ends)), key=lambda i: needed[i])
-        raise fail(fn, f"sequence {b} reaches position {ends[b] - 1}, which needs {needed[b]} pages of "
-                       f"{page_size}, but block_table has {table.shape[1]} per sequence")
-    pages_in_use = torch.tensor(needed, device=table.device)[:, None]
-    used = table[torch.arange(table.shape[1], device=table.device)[None, :] < pages_in_use]
-    if used.numel():
-        lo, hi = (int(x) for x in torch.aminmax(used))  # a host read: a bad page id would read stray memory
-        if lo < 0 or hi >= pages:
-            raise fail(fn, f"block_table holds page ids in [{lo}, {hi}] for the positions in use, but the cache "
-                           f"has pages 0..{pages - 1}")
     return table
 
 

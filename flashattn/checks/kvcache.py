@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..backends.spec import AttentionSpec, KeyCache
-from ._base import fail, validate_bool, validate_count, validate_heads, validate_same, validate_tensor
+from ._base import (
+    fail,
+    validate_count,
+    validate_flag,
+    validate_head_dim,
+    validate_heads,
+    validate_int,
+    validate_same,
+    validate_tensor,
+)
+from .deferred import checked_cache
 from .flash import flash_options, validate_block_table
+from .values import CacheSizes, check_cache_values
 
 
 @dataclass(frozen=True)
@@ -38,20 +50,6 @@ class KVCacheCall:
     q_positions_advance: bool
 
 
-@dataclass(frozen=True)
-class _Lengths:
-    """Where each sequence's keys are, on the device (``seqlens``, ``leftpad``, ``batch_idx``, ``block_table``)
-    and on the host (``lengths``, ``pads``, ``ends``)."""
-
-    seqlens: torch.Tensor
-    leftpad: torch.Tensor | None
-    batch_idx: torch.Tensor | None
-    block_table: torch.Tensor | None
-    lengths: list[int]
-    pads: list[int]
-    ends: list[int]
-
-
 def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments, given by name (``arguments``: q, k_cache, v_cache, k, v,
     rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
@@ -59,35 +57,63 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     a = arguments
     q, k_cache, v_cache = _cache_layout(fn, a["q"], a["k_cache"], a["v_cache"], paged=a["block_table"] is not None)
     k, v = _new_keys(fn, q, k_cache, a["k"], a["v"], cache_seqlens=a["cache_seqlens"])
-    new = 0 if k is None else k.shape[1]
-    where = _lengths(fn, q, k_cache, new=new, **{n: a[n] for n in ("cache_seqlens", "cache_batch_idx",
-                                                                     "cache_leftpad", "block_table")})
+    indices = _indices(fn, q, k_cache, **{n: a[n] for n in ("cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                                                            "block_table")})
     num_splits = validate_count(fn, "num_splits", a["num_splits"])
-    validate_bool(fn, "return_softmax_lse", a["return_softmax_lse"])
+    validate_flag(fn, "return_softmax_lse", a["return_softmax_lse"])
     spec = flash_options(fn, q, batch=q.shape[0], dropout_p=0.0, deterministic=False, return_attn_probs=False,
                          **{n: a[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes")})
     local = spec.window_left >= 0 or spec.window_right >= 0
+    interleaved = validate_flag(fn, "rotary_interleaved", a["rotary_interleaved"])
+    rotary = _rotary(fn, a["rotary_cos"], a["rotary_sin"], q)
+    new = 0 if k is None else k.shape[1]
     # Rotary positions are cache positions, as in flash_attn: from cache_seqlens over the new keys (and the
     # queries when they advance), whatever the left padding.
-    reach = max(new, q.shape[1] if local else 1)
-    rotary = _rotary(fn, a["rotary_cos"], a["rotary_sin"], q, interleaved=a["rotary_interleaved"],
-                     positions_needed=max((n + reach for n in where.lengths), default=0))
-    seqlens = where.seqlens
+    sizes = indices.sizes._replace(new=new, rotary_positions=None if rotary is None else rotary[0].shape[0],
+                                   rotary_reach=max(new, q.shape[1] if local else 1))
+    (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes)
     cache = KeyCache(
-        k_start=torch.zeros_like(seqlens) if where.leftpad is None else where.leftpad,
+        k_start=torch.zeros_like(seqlens) if leftpad is None else leftpad,
         k_end=seqlens + new if new else seqlens,
-        max_seqlen_k=max((e - p for e, p in zip(where.ends, where.pads, strict=True)), default=0),
-        batch_idx=where.batch_idx,
-        block_table=where.block_table,
+        max_seqlen_k=max_seqlen_k,
+        batch_idx=batch_idx,
+        block_table=table,
         num_splits=num_splits,
     )
     return KVCacheCall(
         q, k_cache, v_cache, k, v, dataclasses.replace(spec, cache=cache),
         append_at=seqlens if k is not None else None,
-        rotary=rotary, rotary_interleaved=a["rotary_interleaved"],
+        rotary=rotary, rotary_interleaved=interleaved,
         rotary_start=None if rotary is None else seqlens,
         q_positions_advance=local,
     )
+
+
+class _Indices(NamedTuple):
+    """The index tensors of a call (cache_seqlens (None: the whole cache), cache_leftpad, cache_batch_idx,
+    block_table), cache_seqlens as host values when given as an int, and the sizes their values must fit."""
+
+    tensors: tuple
+    known_lengths: list[int] | None
+    sizes: CacheSizes
+    device: torch.device
+
+
+def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes) -> tuple[tuple, int]:
+    """(seqlens, leftpad, batch_idx, block_table) with seqlens filled in, and max_seqlen_k, once the values are
+    checked: here in eager mode; under torch.compile by an op when the graph runs, with the cache's capacity
+    bounding max_seqlen_k (the value flash_attn itself sizes its split-KV work with)."""
+    seqlens, leftpad, batch_idx, table = indices.tensors
+    if torch.compiler.is_compiling():
+        checked = checked_cache(fn, indices.tensors, sizes)
+        max_seqlen_k = sizes.capacity
+    else:
+        checked = indices.tensors
+        max_seqlen_k = check_cache_values(fn, indices.tensors, sizes, known_lengths=indices.known_lengths)
+    if checked[0] is None:  # the whole cache
+        checked = (torch.full((sizes.batch,), sizes.capacity, dtype=torch.int32, device=indices.device),
+                   *checked[1:])
+    return checked, max_seqlen_k
 
 
 def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.Tensor, ...]:
@@ -102,6 +128,7 @@ def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.T
                        f"{tuple(v_cache.shape)}")
     if q.shape[3] != k_cache.shape[3]:
         raise fail(fn, f"head dims differ: q has {q.shape[3]}, k_cache has {k_cache.shape[3]}")
+    validate_head_dim(fn, "q", q.shape[3])
     validate_heads(fn, q.shape[2], k_cache.shape[2], ("q", "k_cache"))
     return q, k_cache, v_cache
 
@@ -139,22 +166,8 @@ def _validate_index_vector(fn: str, name: str, t: object, batch: int, ref: torch
     return t
 
 
-def _host_lists(*tensors: torch.Tensor | None) -> list[list[int] | None]:
-    """The values of small index tensors on the host, in one device-to-host copy."""
-    present = [t for t in tensors if t is not None]
-    flat = torch.cat([t.reshape(-1).long() for t in present]).tolist() if present else []
-    out, i = [], 0
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        out.append(flat[i : i + t.numel()])
-        i += t.numel()
-    return out
-
-
-def _lengths(fn: str, q, k_cache, *, new: int, cache_seqlens, cache_batch_idx, cache_leftpad, block_table
-             ) -> _Lengths:
+def _indices(fn: str, q, k_cache, *, cache_seqlens, cache_batch_idx, cache_leftpad, block_table) -> _Indices:
+    """The kinds and shapes of the index arguments (their values are checked in ``values.check_cache_values``)."""
     batch, paged = q.shape[0], block_table is not None
     if paged and cache_batch_idx is not None:
         raise fail(fn, "cache_batch_idx cannot be used with block_table (the table already maps sequences to "
@@ -162,56 +175,34 @@ def _lengths(fn: str, q, k_cache, *, new: int, cache_seqlens, cache_batch_idx, c
     capacity = k_cache.shape[1]
     if paged:
         capacity *= validate_block_table(fn, block_table, k_cache, batch).shape[1]
-    batch_idx = _validate_index_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q)
-    leftpad = _validate_index_vector(fn, "cache_leftpad", cache_leftpad, batch, q)
-    seqlens, lengths, pads, rows = _read_lengths(fn, q, cache_seqlens, leftpad=leftpad, batch_idx=batch_idx)
-    if lengths is None:  # the whole cache
-        lengths = [capacity] * batch
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    pads = pads or [0] * batch
-    for b in range(batch):
-        if lengths[b] < 0 or lengths[b] + new > capacity:
-            raise fail(fn, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys does not fit the cache's "
-                           f"{capacity} positions")
-        if not 0 <= pads[b] <= lengths[b]:
-            raise fail(fn, f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {lengths[b]}]")
-    _validate_rows(fn, rows, k_cache, batch=batch, appending=new > 0, paged=paged)
-    ends = [n + new for n in lengths]
-    table = validate_block_table(fn, block_table, k_cache, batch, ends) if paged else None
-    return _Lengths(seqlens, leftpad, batch_idx, table, lengths, pads, ends)
-
-
-def _read_lengths(fn: str, q, cache_seqlens, *, leftpad, batch_idx):
-    """(seqlens tensor, lengths, pads, rows): the host lists None where the tensor is absent."""
-    batch = q.shape[0]
-    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
-        seqlens = _validate_index_vector(fn, "cache_seqlens", cache_seqlens, batch, q)
-        return seqlens, *_host_lists(seqlens, leftpad, batch_idx)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if cache_seqlens < 0:
-            raise fail(fn, f"cache_seqlens must be >= 0, got {cache_seqlens}")
-        # Known on the host already: with no leftpad or batch index the call needs no device-to-host copy.
-        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-        return seqlens, [cache_seqlens] * batch, *_host_lists(leftpad, batch_idx)
-    raise fail(fn, f"cache_seqlens must be an int, an int32 tensor (batch,) or None, got {cache_seqlens!r}",
-               TypeError)
-
-
-def _validate_rows(fn: str, rows: list[int] | None, k_cache, *, batch: int, appending: bool, paged: bool) -> None:
-    if rows is not None:
-        if any(not 0 <= r < k_cache.shape[0] for r in rows):
-            raise fail(fn, f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {rows}")
-        if appending and len(set(rows)) != len(rows):
-            raise fail(fn, f"cache_batch_idx has repeated entries {rows}: two sequences would append to one cache "
-                           "row")
-    elif not paged and k_cache.shape[0] < batch:
+    elif cache_batch_idx is None and k_cache.shape[0] < batch:
         # More rows than sequences is fine (a preallocated cache; sequence b uses row b, as in flash_attn).
         raise fail(fn, f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass a cache with at "
                        "least batch rows, or cache_batch_idx to choose rows")
+    batch_idx = _validate_index_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q)
+    leftpad = _validate_index_vector(fn, "cache_leftpad", cache_leftpad, batch, q)
+    known = None
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        seqlens = _validate_index_vector(fn, "cache_seqlens", cache_seqlens, batch, q)
+    else:
+        try:
+            length = validate_int(fn, "cache_seqlens", cache_seqlens)
+        except TypeError:
+            raise fail(fn, f"cache_seqlens must be an int, an int32 tensor (batch,) or None, got {cache_seqlens!r}",
+                       TypeError) from None
+        if length < 0:
+            raise fail(fn, f"cache_seqlens must be >= 0, got {length}")
+        # Known on the host already: with no leftpad or batch index the call needs no device-to-host copy.
+        seqlens = torch.full((batch,), length, dtype=torch.int32, device=q.device)
+        known = [length] * batch
+    sizes = CacheSizes(batch, capacity, new=0, cache_rows=k_cache.shape[0], paged=paged, num_pages=k_cache.shape[0],
+                       page_size=k_cache.shape[1])
+    return _Indices((seqlens, leftpad, batch_idx, block_table), known, sizes, q.device)
 
 
-def _rotary(fn: str, cos, sin, q, *, interleaved, positions_needed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    validate_bool(fn, "rotary_interleaved", interleaved)
+def _rotary(fn: str, cos, sin, q) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, sin) tables (seqlen_ro, rotary_dim / 2), or None (the positions they must cover are checked with the
+    lengths)."""
     if cos is None and sin is None:
         return None
     if cos is None or sin is None:
@@ -225,7 +216,4 @@ def _rotary(fn: str, cos, sin, q, *, interleaved, positions_needed: int) -> tupl
         raise fail(fn, f"rotary_cos/rotary_sin are on {cos.device}/{sin.device} but q is on {q.device}")
     if 2 * cos.shape[1] > q.shape[3]:
         raise fail(fn, f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * cos.shape[1]} exceeds headdim {q.shape[3]}")
-    if cos.shape[0] < positions_needed:
-        raise fail(fn, f"rotary_cos/rotary_sin cover {cos.shape[0]} positions but this call reaches position "
-                       f"{positions_needed - 1}")
     return cos, sin

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from ..backends.spec import AttentionSpec
-from ._base import fail, validate_bool, validate_dropout, validate_heads, validate_same, validate_scale, validate_tensor
+from ._base import (
+    fail,
+    validate_bool,
+    validate_dropout,
+    validate_head_dim,
+    validate_heads,
+    validate_same,
+    validate_scale,
+    validate_tensor,
+)
 from .flash import CheckedCall
 
 
-def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, int, int, int]):
+def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, ...]):
+    """A boolean or additive mask that broadcasts to ``shape`` = (..., L, S)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -18,45 +31,100 @@ def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, int
         raise fail(fn, f"attn_mask must be boolean or of the query's dtype {q.dtype}, got {mask.dtype}", TypeError)
     if mask.device != q.device:
         raise fail(fn, f"attn_mask is on {mask.device} but query is on {q.device}")
-    if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1], strict=False)):
-        raise fail(fn, f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, L, S) = "
-                       f"{shape}")
-    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if mask.dim() > len(shape) or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1], strict=False)):
+        raise fail(fn, f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., L, S) = {shape}")
+    return mask
 
 
-def _sdpa_layout(fn: str, query, key, value, enable_gqa: object) -> tuple[torch.Tensor, ...]:
-    q = validate_tensor(fn, "query", query, 4, "(batch, heads, L, E)")
-    k = validate_tensor(fn, "key", key, 4, "(batch, heads_kv, S, E)")
-    v = validate_tensor(fn, "value", value, 4, "(batch, heads_kv, S, Ev)")
-    validate_same(fn, {"query": q, "key": k, "value": v})
-    if k.shape[:3] != v.shape[:3]:
-        raise fail(fn, f"key and value must agree in (batch, heads, S), got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise fail(fn, f"query {tuple(q.shape)} and key {tuple(k.shape)} must agree in batch and E")
-    enable_gqa = validate_bool(fn, "enable_gqa", enable_gqa)
-    if q.shape[1] != k.shape[1]:
-        if not enable_gqa:
-            raise fail(fn, f"query has {q.shape[1]} heads but key has {k.shape[1]}; pass enable_gqa=True for "
-                           "grouped-query attention")
-        validate_heads(fn, q.shape[1], k.shape[1], ("query", "key"))
-    return q, k, v
+def _broadcast(fn: str, named: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*named.values()))
+    except RuntimeError:
+        shapes = ", ".join(f"{name} {shape}" for name, shape in named.items())
+        raise fail(fn, f"the leading (batch) dimensions must broadcast, got {shapes}") from None
 
 
-def check_sdpa(fn: str, query: object, key: object, value: object, **options) -> CheckedCall:
+class _Shapes(NamedTuple):
+    """The leading dimensions of an SDPA call: ``batch`` (broadcast over q, k, v), query heads and key heads (equal
+    unless grouped-query attention), so that q is (*batch, heads_q, L, E) and k, v (*batch, heads_k, S, E)."""
+
+    batch: tuple[int, ...]
+    heads_q: int
+    heads_k: int
+    output: tuple[int, ...]  # the output's leading dimensions: (*batch, heads_q), or none for (L, E) inputs
+
+
+def _sdpa_shapes(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> _Shapes:
+    if k.shape[-2] != v.shape[-2]:
+        raise fail(fn, f"key and value must have the same length S, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise fail(fn, f"query {tuple(q.shape)} and key {tuple(k.shape)} must agree in E")
+    for name, t in (("query", q), ("value", v)):
+        validate_head_dim(fn, name, t.shape[-1])
+    lead = {"query": tuple(q.shape[:-2]), "key": tuple(k.shape[:-2]), "value": tuple(v.shape[:-2])}
+    heads_q, heads_k = (q.shape[-3] if q.dim() > 2 else 1), (k.shape[-3] if k.dim() > 2 else 1)
+    if heads_q != heads_k and enable_gqa:
+        validate_heads(fn, heads_q, heads_k, ("query", "key"))
+        if v.dim() < 3 or v.shape[-3] != heads_k:
+            raise fail(fn, f"key and value must have the same number of heads, got {tuple(k.shape)} and "
+                           f"{tuple(v.shape)}")
+        batch = _broadcast(fn, {name: shape[:-1] for name, shape in lead.items()})
+        return _Shapes(batch, heads_q, heads_k, (*batch, heads_q))
+    if 1 != heads_k != heads_q != 1:  # not a broadcast: grouped-query attention, which must be asked for
+        raise fail(fn, f"query has {heads_q} heads but key has {heads_k}; pass enable_gqa=True for grouped-query "
+                       "attention")
+    full = _broadcast(fn, lead)
+    if not full:
+        return _Shapes((), 1, 1, ())
+    return _Shapes(full[:-1], full[-1], full[-1], full)
+
+
+def _as_four_dims(t: torch.Tensor, batch: tuple[int, ...], heads: int) -> torch.Tensor:
+    """(*batch, heads, n, d) -> (prod(batch), heads, n, d): a view when nothing broadcasts (4-D inputs of equal
+    batch, the common case), else an expanded copy."""
+    t = t.expand(*batch, heads, *t.shape[-2:])
+    return t.reshape(math.prod(batch), heads, *t.shape[-2:])
+
+
+def _mask_four_dims(mask: torch.Tensor | None, shapes: _Shapes, lengths: tuple[int, int]) -> torch.Tensor | None:
+    """The mask as (B or 1, H or 1, L or 1, S or 1), keeping its own size-1 dimensions where it can."""
+    if mask is None:
+        return None
+    rank = len(shapes.batch) + 3
+    mask = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+    if all(n == 1 for n in mask.shape[:-3]):
+        return mask.reshape(1, *mask.shape[-3:])
+    return mask.expand(*shapes.batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+
+
+def check_sdpa(fn: str, query: object, key: object, value: object, **options) -> tuple[CheckedCall, tuple[int, ...]]:
     """Validate ``scaled_dot_product_attention`` arguments (``options``: attn_mask, dropout_p, is_causal, scale,
-    enable_gqa): layout (batch, heads, L, E) and (batch, heads, S, Ev), top-left causal alignment. Returns the
-    call in the flash layout (transposed views, no copies)."""
-    q, k, v = _sdpa_layout(fn, query, key, value, options.get("enable_gqa", False))
+    enable_gqa), as PyTorch takes them: query (..., L, E), key (..., S, E), value (..., S, Ev) with leading
+    dimensions that broadcast, the one before L the heads (grouped with ``enable_gqa``); top-left causal alignment.
+
+    Returns the call in the flash layout (batch, seqlen, heads, dim) (transposed views, no copies for 4-D inputs of
+    equal batch) and the leading shape of the output, which is (*leading, L, Ev).
+    """
+    q = validate_tensor(fn, "query", query, None, "(..., L, E)")
+    k = validate_tensor(fn, "key", key, None, "(..., S, E)")
+    v = validate_tensor(fn, "value", value, None, "(..., S, Ev)")
+    validate_same(fn, {"query": q, "key": k, "value": v})
+    enable_gqa = validate_bool(fn, "enable_gqa", options.get("enable_gqa", False))
+    shapes = _sdpa_shapes(fn, q, k, v, enable_gqa)
     is_causal = validate_bool(fn, "is_causal", options.get("is_causal", False))
     attn_mask = options.get("attn_mask")
     if is_causal and attn_mask is not None:
         raise fail(fn, "pass either attn_mask or is_causal=True, not both")
+    length_q, length_k = q.shape[-2], k.shape[-2]
+    mask = _validate_mask(fn, attn_mask, q, (*shapes.batch, shapes.heads_q, length_q, length_k))
     spec = AttentionSpec(
-        scale=validate_scale(fn, "scale", options.get("scale"), q.shape[3]),
+        scale=validate_scale(fn, "scale", options.get("scale"), q.shape[-1]),
         window_left=-1,
         window_right=0 if is_causal else -1,
         bottom_right=False,
         dropout_p=validate_dropout(fn, options.get("dropout_p", 0.0)),
-        attn_mask=_validate_mask(fn, attn_mask, q, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])),
+        attn_mask=_mask_four_dims(mask, shapes, (length_q, length_k)),
     )
-    return CheckedCall(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec)
+    q4 = _as_four_dims(q, shapes.batch, shapes.heads_q)
+    k4, v4 = (_as_four_dims(t, shapes.batch, shapes.heads_k) for t in (k, v))
+    return CheckedCall(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), spec), shapes.output
