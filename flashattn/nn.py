@@ -55,6 +55,14 @@ class MultiheadAttention(nn.Module):
     Differences from torch: a query that may attend to no key outputs 0 (torch: NaN); ``is_causal`` works
     without an ``attn_mask``; the returned weights carry no gradient.
 
+    Inside torch's transformer modules (``TransformerEncoderLayer``, ``TransformerEncoder``,
+    ``TransformerDecoderLayer``, ``TransformerDecoder``, ``nn.Transformer``), put there by replacing
+    ``self_attn`` / ``multihead_attn``, this module's attention is what runs, in training and inference: torch's
+    fused inference path (``torch._transformer_encoder_layer_fwd``) is not used (see ``__init__``). A nested
+    tensor query / key / value (batch-first, no masks; what ``TransformerEncoder`` passes its layers in inference
+    with a ``src_key_padding_mask``) is padded, masked by its lengths and the output nested like the query; the
+    weights, if asked for, stay padded.
+
     Example::
 
         >>> mha = MultiheadAttention(32, 4, batch_first=True)
@@ -97,6 +105,17 @@ class MultiheadAttention(nn.Module):
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
         self._reset_parameters()
+        # torch's TransformerEncoderLayer runs a fused C++ layer in inference (eval, no grad) whenever its self_attn
+        # looks like torch's MHA (batch_first, in_proj_bias, _qkv_same_embed_dim, even num_heads), which ours does
+        # by design; that kernel reads our weights and never calls us. Of its checks, the one about the module
+        # rather than its attributes is that a fused layer cannot run a submodule's hooks, so with any hook present
+        # it keeps to its Python path: this pre-hook is that reason, per instance, kept by copies (TransformerEncoder
+        # clones its layer), costing one no-op call. The other levers lie or cost more: faking batch_first or
+        # _qkv_same_embed_dim misleads code that reads them; has_torch_function needs a Parameter subclass that
+        # routes every op through Python; patching torch changes torch's own MHA. There is deliberately no
+        # merge_masks (the fused path's first call), so a torch that took that path anyway fails loudly instead of
+        # silently bypassing us. TransformerEncoder's nested-tensor conversion ignores hooks: see _forward_nested.
+        self.register_forward_pre_hook(_keep_torch_layers_unfused)
 
     def _reset_parameters(self) -> None:  # torch's initialisation, so that training recipes carry over
         if self._qkv_same_embed_dim:
@@ -125,7 +144,12 @@ class MultiheadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        checks.check_multihead_inputs("MultiheadAttention", query, key, value, embed_dim=self.embed_dim)
+        checks.check_multihead_inputs("MultiheadAttention", query, key, value, embed_dim=self.embed_dim,
+                                      batch_first=self.batch_first,
+                                      masked=attn_mask is not None or key_padding_mask is not None)
+        if query.is_nested or key.is_nested:
+            return self._forward_nested(query, key, value, need_weights=need_weights,
+                                        average_attn_weights=average_attn_weights, is_causal=is_causal)
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
@@ -158,6 +182,32 @@ class MultiheadAttention(nn.Module):
         if unbatched:
             return out.squeeze(0), None if weights is None else weights.squeeze(0)
         return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, **options) -> tuple[Tensor, Tensor | None]:
+        """Nested (strided or jagged) inputs as padded ones with a key padding mask from the key lengths; the
+        output is nested again like the query. Self-attention stays one object, so one projection matmul."""
+        q, q_lengths = _unnest(query)
+        k, k_lengths = (q, q_lengths) if key is query else _unnest(key)
+        v = k if value is key else _unnest(value)[0]
+        padding = None if k_lengths is None else torch.arange(k.shape[1], device=k.device) >= k_lengths[:, None]
+        out, weights = self.forward(q, k, v, key_padding_mask=padding, **options)
+        if q_lengths is None:
+            return out, weights
+        rows = [o[:n] for o, n in zip(out, q_lengths.tolist(), strict=True)]
+        return torch.nested.as_nested_tensor(rows, layout=query.layout), weights
+
+
+def _keep_torch_layers_unfused(module: nn.Module, args: tuple) -> None:
+    """MultiheadAttention's forward pre-hook: does nothing; its presence keeps torch's transformer layers on
+    their Python path, which calls our forward (see ``MultiheadAttention.__init__``)."""
+
+
+def _unnest(x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A nested (N, L_i, E) tensor as a zero-padded (N, max L_i, E) one and the lengths L_i; others as given."""
+    if not x.is_nested:
+        return x, None
+    lengths = torch.tensor([t.shape[0] for t in x.unbind()], device=x.device)
+    return torch.nested.to_padded_tensor(x, 0.0), lengths
 
 
 def _pad_key_dim(mask: Tensor | None) -> Tensor | None:

@@ -1,14 +1,18 @@
 """flashattn.nn: MultiheadAttention against torch.nn.MultiheadAttention with the same weights (float64, so any
-difference is a bug, not rounding), and SelfAttention against a plain rotary + GQA + causal formula, with the KV
-cache equal to recomputing the whole sequence."""
+difference is a bug, not rounding), also inside torch's transformer modules (where our attention must be what
+runs), and SelfAttention against a plain rotary + GQA + causal formula, with the KV cache equal to recomputing the
+whole sequence."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
+from torch import nn
 
+import flashattn.nn
 from flashattn.nn import MultiheadAttention, SelfAttention
 
 F64 = torch.float64
@@ -154,6 +158,206 @@ def test_mha_errors():
         mha(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask"):
         mha(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_mha_nested_inputs():
+    """Nested sequences of lengths 7, 4, 1 equal each sequence alone; the output is nested like the input."""
+    ours, theirs = _pair(embed_dim=16, num_heads=4, batch_first=True)
+    x, lengths = torch.randn(3, 7, 16, dtype=F64), [7, 4, 1]
+    for layout in (torch.strided, torch.jagged):
+        nested = torch.nested.as_nested_tensor([x[i, :n] for i, n in enumerate(lengths)], layout=layout)
+        out, _ = ours(nested, nested, nested, need_weights=False)
+        assert out.is_nested and out.layout == layout
+        for i, (row, n) in enumerate(zip(out.unbind(), lengths, strict=True)):
+            seq = x[i:i + 1, :n]
+            torch.testing.assert_close(row, theirs(seq, seq, seq)[0][0], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="nested"):
+        ours(nested, nested, nested, key_padding_mask=torch.zeros(3, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="batch_first"):
+        MultiheadAttention(16, 4)(nested, nested, nested)
+
+
+# Inside torch's transformer modules. Eval runs under no_grad: that is when torch takes its fused inference path
+# (with gradients wanted it never does), so eval compares our attention with torch's fused kernel.
+N, T, S, D = 3, 6, 7, 16
+LENGTHS = (7, 5, 2)  # of the S source positions; target sequences keep T - 1, T - 3, T
+
+
+def _with_our_attention(model):
+    """A copy of torch's ``model`` whose every torch MultiheadAttention is ours with the same weights."""
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                ours = MultiheadAttention(child.embed_dim, child.num_heads, dropout=child.dropout, dtype=F64,
+                                          bias=child.in_proj_bias is not None, batch_first=child.batch_first)
+                ours.load_state_dict(child.state_dict())
+                setattr(parent, name, ours)
+    return model
+
+
+def _seq(length, batch_first):
+    x = torch.randn(N, length, D, dtype=F64)
+    return (x if batch_first else x.transpose(0, 1)).requires_grad_()
+
+
+def _padding(lengths, size, dtype=torch.bool):
+    """Right padding (True / -inf = padding), as TransformerEncoder needs to nest a batch. Every sequence keeps
+    its first position, so no query attends to nothing even under a causal mask: torch gives NaN there on its
+    Python path and 0 on its fused one, which is torch's difference, not ours to compare."""
+    pad = torch.arange(size)[None] >= torch.tensor(lengths)[:, None]
+    return pad if dtype == torch.bool else torch.zeros(pad.shape, dtype=dtype).masked_fill(pad, -math.inf)
+
+
+def _causal(size, dtype=torch.bool):
+    mask = torch.ones(size, size, dtype=torch.bool).triu(1)
+    return mask if dtype == torch.bool else nn.Transformer.generate_square_subsequent_mask(size, dtype=dtype)
+
+
+def _encoder_masks(kind, mask_name):
+    torch.manual_seed(5)
+    causal, pad = {mask_name: _causal(S), "is_causal": True}, {"src_key_padding_mask": _padding(LENGTHS, S)}
+    return {"none": {}, "causal": causal, "padding": pad, "causal+padding": {**causal, **pad},
+            "float+padding": {mask_name: torch.randn(S, S, dtype=F64),
+                              "src_key_padding_mask": _padding(LENGTHS, S, F64)}}[kind]
+
+
+def _decoder_masks(kind):
+    torch.manual_seed(6)
+    dtype = F64 if kind == "float" else torch.bool  # torch deprecates mixing bool and float masks
+    pads = {"tgt_key_padding_mask": _padding((T - 1, T - 3, T), T, dtype),
+            "memory_key_padding_mask": _padding(LENGTHS, S, dtype)}
+    return {"none": {}, "causal+padding": {"tgt_mask": _causal(T), "tgt_is_causal": True, **pads},
+            "float": {"tgt_mask": _causal(T, F64), "memory_mask": torch.randn(T, S, dtype=F64), **pads}}[kind]
+
+
+def _compare_in_torch(theirs, inputs, kwargs, *, train, fused=True):
+    """``fused=False``: in eval, against torch's Python path; its fused encoder layer reads an additive float
+    mask as a boolean one (nonzero = blocked: NaN for a random mask), which is torch's limitation, not ours."""
+    ours = _with_our_attention(theirs).train(train)
+    theirs.train(train)
+    torch.backends.mha.set_fastpath_enabled(fused)
+    try:
+        with torch.set_grad_enabled(train):
+            out, ref = ours(*inputs, **kwargs), theirs(*inputs, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    if train:  # the gradients too: of the inputs and of every parameter, by name
+        names = [n for n, _ in theirs.named_parameters()]
+        mine = _grads([out], [*inputs, *(ours.get_parameter(n) for n in names)])
+        want = _grads([ref], [*inputs, *(theirs.get_parameter(n) for n in names)])
+        for a, b in zip(mine, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    return out
+
+
+def _layer(cls, batch_first):
+    return cls(D, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first, dtype=F64)
+
+
+def _encoder(*, batch_first=True, nested=False, norm=None):
+    return nn.TransformerEncoder(_layer(nn.TransformerEncoderLayer, batch_first), num_layers=3, norm=norm,
+                                 enable_nested_tensor=nested)
+
+
+ENCODER_MASKS = ["none", "causal", "padding", "causal+padding", "float+padding"]
+MODES = pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+
+
+@MODES
+@pytest.mark.parametrize("masks", ENCODER_MASKS)
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer", "encoder"])
+def test_encoder_in_torch(stacked, batch_first, masks, train):
+    torch.manual_seed(0)
+    model = _encoder(batch_first=batch_first, norm=nn.LayerNorm(D, dtype=F64)) if stacked else \
+        _layer(nn.TransformerEncoderLayer, batch_first)
+    kwargs = _encoder_masks(masks, "mask" if stacked else "src_mask")
+    _compare_in_torch(model, (_seq(S, batch_first),), kwargs, train=train, fused=masks != "float+padding")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_encoder_nested_tensor_path():
+    """enable_nested_tensor: in eval with a padding mask, TransformerEncoder nests the batch for its layers (and
+    pads their output with zeros), so our attention gets nested tensors."""
+    torch.manual_seed(1)
+    pad = _padding(LENGTHS, S)
+    out = _compare_in_torch(_encoder(nested=True), (_seq(S, batch_first=True),), {"src_key_padding_mask": pad},
+                            train=False)
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))  # the nested path ran
+
+
+@MODES
+@pytest.mark.parametrize("masks", ["none", "causal+padding", "float"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer", "decoder"])
+def test_decoder_in_torch(stacked, batch_first, masks, train):
+    torch.manual_seed(2)
+    layer = _layer(nn.TransformerDecoderLayer, batch_first)
+    model = nn.TransformerDecoder(layer, num_layers=2, norm=nn.LayerNorm(D, dtype=F64)) if stacked else layer
+    inputs = (_seq(T, batch_first), _seq(S, batch_first))
+    _compare_in_torch(model, inputs, _decoder_masks(masks), train=train)
+
+
+def _transformer(batch_first):
+    return nn.Transformer(D, 4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, dropout=0.0,
+                          batch_first=batch_first, dtype=F64)
+
+
+def _transformer_masks():
+    return {"src_key_padding_mask": _padding(LENGTHS, S), **_decoder_masks("causal+padding")}
+
+
+@MODES
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors")
+def test_transformer_in_torch(batch_first, train):
+    torch.manual_seed(3)
+    inputs = (_seq(S, batch_first), _seq(T, batch_first))
+    _compare_in_torch(_transformer(batch_first), inputs, _transformer_masks(), train=train)
+
+
+def _models(kind):
+    """(torch model, inputs, forward kwargs, attention modules it runs per forward)."""
+    seq = _seq(S, batch_first=True)
+    if kind == "encoder_layer":  # both masks: torch's fused layer would merge them (merge_masks)
+        return _layer(nn.TransformerEncoderLayer, True), (seq,), _encoder_masks("float+padding", "src_mask"), 1
+    if kind == "encoder":
+        return _encoder(), (seq,), _encoder_masks("causal", "mask"), 3
+    if kind == "nested_encoder":
+        return _encoder(nested=True), (seq,), _encoder_masks("padding", "mask"), 3
+    if kind == "decoder":
+        model = nn.TransformerDecoder(_layer(nn.TransformerDecoderLayer, True), num_layers=2)
+        return model, (_seq(T, True), seq), _decoder_masks("causal+padding"), 4
+    return _transformer(batch_first=True), (seq, _seq(T, True)), _transformer_masks(), 6
+
+
+@pytest.mark.parametrize("kind", ["encoder_layer", "encoder", "nested_encoder", "decoder", "transformer"])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_our_attention_runs_in_torch_modules(kind, monkeypatch):
+    """In eval under no_grad, where torch would take its fused path, every attention module runs ours: one call
+    of our attention per module per forward, and torch's fused kernels are never called."""
+    theirs, inputs, kwargs, attentions = _models(kind)
+    ours = _with_our_attention(theirs).eval()
+    calls = []
+
+    def spy(*args, **options):
+        calls.append(1)
+        return real(*args, **options)
+
+    def fused(*args, **options):
+        raise AssertionError("torch's fused attention ran instead of ours")
+
+    real = flashattn.nn.scaled_dot_product_attention
+    monkeypatch.setattr(flashattn.nn, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", fused)
+    monkeypatch.setattr(torch, "_native_multi_head_attention", fused)
+    with torch.no_grad():
+        for forwards in (1, 2):
+            ours(*inputs, **kwargs)
+            assert len(calls) == forwards * attentions
 
 
 def _rotate(x, base, rotary_dim, interleaved):

@@ -95,12 +95,31 @@ def check_multihead_config(fn: str, *, embed_dim: object, num_heads: object, dro
         raise fail(fn, f"dropout must be in [0, 1), got {dropout!r}")
 
 
-def check_multihead_inputs(fn: str, query: Tensor, key: Tensor, value: Tensor, *, embed_dim: int) -> None:
+def check_multihead_inputs(fn: str, query: Tensor, key: Tensor, value: Tensor, *, embed_dim: int,
+                           batch_first: bool = True, masked: bool = False) -> None:
+    """query, key, value: all 3-D (batched) or 2-D (unbatched); nested ones (any of them) as ``_check_nested``.
+    ``masked``: an attn_mask or key_padding_mask was passed."""
+    if query.is_nested or key.is_nested or value.is_nested:
+        _check_nested(fn, query, key, value, batch_first=batch_first, masked=masked)
     if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
         raise fail(fn, f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got {query.dim()}, "
                        f"{key.dim()} and {value.dim()} dims")
-    if query.shape[-1] != embed_dim:
-        raise fail(fn, f"query has embedding size {query.shape[-1]}, expected embed_dim = {embed_dim}")
+    if query.size(-1) != embed_dim:  # size, not shape: a nested tensor has no shape
+        raise fail(fn, f"query has embedding size {query.size(-1)}, expected embed_dim = {embed_dim}")
+
+
+def _check_nested(fn: str, query: Tensor, key: Tensor, value: Tensor, *, batch_first: bool, masked: bool) -> None:
+    """Nested inputs hold one (L_i, E) sequence per batch entry, so the module must be batch_first; their lengths
+    are the padding, so no masks (torch's MHA refuses them too); keys and values pair up, so both or neither."""
+    if not batch_first:
+        raise fail(fn, "nested tensor inputs are batch-first; construct the module with batch_first=True")
+    if masked:
+        raise fail(fn, "attn_mask and key_padding_mask cannot be combined with nested tensor inputs (their lengths "
+                       "are the padding); pass padded tensors with a key_padding_mask instead")
+    if key.is_nested != value.is_nested:
+        raise fail(fn, "key and value must both be nested tensors or both not")
+    if any(t.is_nested and t.dim() != 3 for t in (query, key, value)):
+        raise fail(fn, "nested tensor inputs must be 3-D: (batch, L_i, embedding) with per-sequence lengths L_i")
 
 
 def check_multihead_masks(fn: str, attn_mask: Tensor | None, key_padding_mask: Tensor | None, *,
