@@ -24,7 +24,7 @@ from ._base import (
     validate_window,
 )
 from .deferred import checked_varlen
-from .values import VarlenSizes, check_varlen_values
+from .values import VarlenSizes, check_pages, check_varlen_values, same_batch
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,15 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
     q, k, v = _packed_layout(fn, q, k, v, names=names, paged=paged)
     cu_q = _validate_offsets(fn, "cu_seqlens_q", arguments.pop("cu_seqlens_q"), q)
     cu_k = _validate_offsets(fn, "cu_seqlens_k", arguments.pop("cu_seqlens_k"), q)
-    if cu_q.numel() != cu_k.numel():
-        raise fail(fn, f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got lengths {cu_q.numel()} and "
-                       f"{cu_k.numel()}")
     max_q = validate_int(fn, "max_seqlen_q", arguments.pop("max_seqlen_q"))
     max_k = validate_int(fn, "max_seqlen_k", arguments.pop("max_seqlen_k"))
+    sizes = VarlenSizes(q.shape[0], None if paged else k.shape[0], max_q, max_k,
+                        num_pages=k.shape[0], page_size=k.shape[1] if paged else 1)
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the values are checked when the graph runs (below); the batch sizes are known now
+        same_batch(fn, cu_q.numel(), cu_k.numel())
+    else:
+        lengths_k = check_varlen_values(fn, cu_q, cu_k, None, sizes)
     batch = cu_q.numel() - 1
     spec = flash_options(fn, q, batch=batch, **arguments)
     if paged:
@@ -123,13 +127,11 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
             raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0 and "
                            "return_attn_probs=False")
         validate_block_table(fn, block_table, k, batch)
-    sizes = VarlenSizes(q.shape[0], None if paged else k.shape[0], max_q, max_k,
-                        num_pages=k.shape[0], page_size=k.shape[1] if paged else 1)
-    if torch.compiler.is_compiling():
+        if not compiling:
+            check_pages(fn, block_table, lengths_k, num_pages=k.shape[0], page_size=k.shape[1])
+    if compiling:
         cu_q, cu_k, *table = checked_varlen(fn, cu_q, cu_k, block_table, sizes)
         block_table = table[0] if paged else None
-    else:
-        check_varlen_values(fn, cu_q, cu_k, block_table, sizes)
     cache = None
     if paged:
         cache = KeyCache(torch.zeros_like(cu_k[1:]), cu_k[1:] - cu_k[:-1], max_k, block_table=block_table)

@@ -73,6 +73,12 @@ def _offsets(fn: str, name: str, values: list[int], total: int | None) -> list[i
     return [b - a for a, b in pairwise(values)]
 
 
+def same_batch(fn: str, offsets_q: int, offsets_k: int) -> None:
+    if offsets_q != offsets_k:
+        raise fail(fn, f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got lengths {offsets_q} and "
+                       f"{offsets_k}")
+
+
 def _at_least_longest(fn: str, name: str, value: int, lengths: list[int]) -> None:
     longest = max(lengths, default=0)
     if value < longest:
@@ -80,15 +86,18 @@ def _at_least_longest(fn: str, name: str, value: int, lengths: list[int]) -> Non
 
 
 def check_varlen_values(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                        block_table: torch.Tensor | None, sizes: VarlenSizes) -> None:
-    """The offsets of a varlen call and the maxima, and for a paged K/V the page ids its keys use."""
+                        block_table: torch.Tensor | None, sizes: VarlenSizes) -> list[int]:
+    """The offsets of a varlen call and the maxima, and for a paged K/V the page ids its keys use; returns the key
+    lengths."""
     cq, ck = host_lists(cu_seqlens_q, cu_seqlens_k)
     lengths_q = _offsets(fn, "cu_seqlens_q", cq, sizes.total_q)
     lengths_k = _offsets(fn, "cu_seqlens_k", ck, sizes.total_k)
+    same_batch(fn, len(cq), len(ck))
     _at_least_longest(fn, "max_seqlen_q", sizes.max_q, lengths_q)
     _at_least_longest(fn, "max_seqlen_k", sizes.max_k, lengths_k)
     if block_table is not None:
         check_pages(fn, block_table, lengths_k, num_pages=sizes.num_pages, page_size=sizes.page_size)
+    return lengths_k
 
 
 def check_pages(fn: str, table: torch.Tensor, ends: list[int], *, num_pages: int, page_size: int) -> None:
