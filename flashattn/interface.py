@@ -18,15 +18,6 @@ from .rotary import apply_rotary, positions
 FlashResult = Tensor | tuple[Tensor, Tensor, Tensor]
 
 
-_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
-            "return_attn_probs")
-
-
-def _options(arguments: dict) -> dict:
-    """The ``flash_attn_func`` options among a public function's arguments (pass ``locals()``)."""
-    return {name: arguments[name] for name in _OPTIONS}
-
-
 def _dropout_seed(dropout_p: float, device: torch.device) -> Tensor | None:
     """A fresh 62-bit key for the counter-based dropout generator, drawn from torch's RNG for ``device``.
 
@@ -93,7 +84,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         torch.Size([2, 128, 8, 64])
     """
     call = checks.check_flash(
-        "flash_attn_func", q, k, v, **_options(locals()),
+        "flash_attn_func", q, k, v, **checks.flash_arguments(locals()),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -116,7 +107,7 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3)
     call = checks.check_flash(
-        fn, q, k, v, **_options(locals()), names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+        fn, q, k, v, **checks.flash_arguments(locals()), names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -137,7 +128,7 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2)
     call = checks.check_flash(
-        fn, q, k, v, **_options(locals()), names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+        fn, q, k, v, **checks.flash_arguments(locals()), names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -179,7 +170,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_varlen_func"
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, block_table=block_table, **_options(locals()),
+        max_seqlen_k=max_seqlen_k, block_table=block_table, **checks.flash_arguments(locals()),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -202,7 +193,7 @@ def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q, k, v = checks.unpack(fn, "qkv", qkv, 3, varlen=True)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, **_options(locals()), names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+        max_seqlen_k=max_seqlen, **checks.flash_arguments(locals()), names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -226,7 +217,7 @@ def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     k, v = checks.unpack(fn, "kv", kv, 2, varlen=True)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, **_options(locals()), names=("q", "kv[:, 0]", "kv[:, 1]"),
+        max_seqlen_k=max_seqlen_k, **checks.flash_arguments(locals()), names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -284,14 +275,14 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         q, k = call.q, call.k
         if call.rotary is not None:
             cos, sin = call.rotary
-            at = positions(call.rotary_start, q.shape[1], advance=call.q_positions_advance)
+            at = positions(call.cache_seqlens, q.shape[1], advance=call.q_positions_advance)
             q = apply_rotary(q, cos, sin, at, interleaved=call.rotary_interleaved)
             if k is not None:
-                at = positions(call.rotary_start, k.shape[1])
+                at = positions(call.cache_seqlens, k.shape[1])
                 k = apply_rotary(k, cos, sin, at, interleaved=call.rotary_interleaved)
         cache = call.spec.cache
         if k is not None:
-            kvcache.append(call.k_cache, call.v_cache, k, call.v, at=call.append_at, batch_idx=cache.batch_idx,
+            kvcache.append(call.k_cache, call.v_cache, k, call.v, at=call.cache_seqlens, batch_idx=cache.batch_idx,
                            block_table=cache.block_table)
         out, lse, _ = attention(q, call.k_cache, call.v_cache, call.spec)
     return (out, lse) if return_softmax_lse else out

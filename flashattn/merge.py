@@ -38,5 +38,5 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
         >>> torch.allclose(out, flash_attn_func(q, k, v), atol=1e-6)
         True
     """
-    checks.check_merge("merge_attention_states", out_a, lse_a, out_b, lse_b)
+    checks.check_merge("merge_attention_states", out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     return merge_states(out_a, lse_a, out_b, lse_b)

@@ -219,7 +219,8 @@ def _torch_mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, s
                     dtype: torch.dtype) -> Tensor | None:
     """torch MHA's masks (True = blocked, or additive) for (N, H, L, S) = ``shape`` merged into one SDPA mask
     (True = allowed, or additive) broadcastable to (N, H, L, S)."""
-    checks.check_multihead_masks("MultiheadAttention", attn_mask, key_padding_mask, shape=shape)
+    checks.check_multihead_masks("MultiheadAttention", attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                 shape=shape)
     n, h, length, s = shape
     masks = []
     if attn_mask is not None:
@@ -280,7 +281,7 @@ class SelfAttention(nn.Module):
                                                       head_dim=head_dim)
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary:
-            checks.check_rotary_dim("SelfAttention", rotary_dim, head_dim)
+            checks.check_rotary_dim("SelfAttention", rotary_dim=rotary_dim, head_dim=head_dim)
         factory = {"device": device, "dtype": dtype}
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.window_size, self.softcap, self.dropout = causal, tuple(window_size), softcap, dropout

@@ -136,11 +136,6 @@ def _cache_backward(ctx, dout, dlse, saved: Saved, spec: AttentionSpec, backend:
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def choose_backend(q: Tensor, v: Tensor) -> str:
-    """The name of the backend a call with query ``q`` and value ``v`` runs on (``flashattn.backends.choose``)."""
-    return backends.choose(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]))
-
-
 def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False,
               backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Run the op on checked inputs in the flash layout: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv),
@@ -150,7 +145,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
     (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k). ``backend`` (a name from
     ``flashattn.backends.BACKENDS``) overrides the choice, e.g. to run several blocks of one layer on one backend.
     """
-    backend = backend or choose_backend(q, v)
+    backend = backend or backends.choose(q, v)
     return _attention_op(q, k, v, *spec.as_args(), backend, return_probs)
 
 

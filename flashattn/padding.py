@@ -41,9 +41,9 @@ def unpad_input(
         positions in (batch * seqlen); cu_seqlens (batch + 1,) int32 offsets of each sequence in ``packed``;
         max_seqlen a Python int; seqused (batch,) int32 number of used tokens per sequence.
     """
-    checks.check_padding_mask("unpad_input", "attention_mask", hidden_states, attention_mask)
+    checks.check_padding_mask("unpad_input", "attention_mask", hidden_states=hidden_states, mask=attention_mask)
     if unused_mask is not None:
-        checks.check_padding_mask("unpad_input", "unused_mask", hidden_states, unused_mask)
+        checks.check_padding_mask("unpad_input", "unused_mask", hidden_states=hidden_states, mask=unused_mask)
     indices, cu_seqlens, max_seqlen, seqused = plan_unpad(attention_mask, unused_mask)
     packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
     return packed, indices, cu_seqlens, max_seqlen, seqused
@@ -67,7 +67,7 @@ def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -
 
     Differentiable: the gradient of a padded position is dropped, the others flow back to ``hidden_states``.
     """
-    checks.check_pad("pad_input", hidden_states, indices)
+    checks.check_pad("pad_input", hidden_states=hidden_states, indices=indices)
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

@@ -3,6 +3,7 @@ type's, and the backward of a call runs on the backend that ran its forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 
@@ -37,10 +38,24 @@ def test_options_type_round_trips_through_the_op_arguments():
                          alibi_slopes=torch.ones(1, 2), attn_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool),
                          varlen=Varlen(t, t, 2, 2), cache=KeyCache(t, t + 1, 5, batch_idx=t, num_splits=3))
     again = AttentionSpec.from_args(spec.as_args())
-    assert again == spec
-    assert AttentionSpec.from_args(AttentionSpec(scale=1.0).as_args()) == AttentionSpec(scale=1.0)
+    assert all(a is b or a == b for a, b in zip(again.as_args(), spec.as_args(), strict=True))
+    assert again.varlen.cu_seqlens_q is t and again.cache.batch_idx is t and again.cache.num_splits == 3
+    assert AttentionSpec.from_args(AttentionSpec(scale=1.0).as_args()).varlen is None
     with pytest.raises(ValueError, match="more than"):
         AttentionSpec.from_args((*spec.as_args(), 1))
+
+
+def test_options_the_schema_cannot_carry_are_refused_at_definition():
+    import dataclasses
+
+    from flashattn.backends import spec as spec_module
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class WithOptionalFloat(AttentionSpec):
+        sink: float | None = None
+
+    with pytest.raises(TypeError, match="sink"):
+        spec_module._plan(WithOptionalFloat)
 
 
 def test_the_op_schema_is_derived_from_the_options_type():
@@ -64,6 +79,52 @@ def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
     with flashattn.use_backend("triton"):
         out = flashattn.flash_attn_func(q, k, v, causal=True)
-    assert backends.choose("cpu", torch.float32, 16) == "cpu"
+    assert backends.choose(q, v) == "cpu"
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def _options_one_at_a_time():
+    """A non-default value for every field of AttentionSpec, on a (2, 6, 4, 16) q and (2, 9, 2, 16) k/v; adding a
+    field without adding it here fails ``test_every_option_is_served_or_refused``."""
+    t32 = torch.int32
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=t32), torch.tensor([0, 9, 18], dtype=t32)
+    return {
+        "scale": {"scale": 0.3},
+        "window_left": {"window_left": 2},
+        "window_right": {"window_right": 1},
+        "bottom_right": {"bottom_right": False, "window_right": 0},
+        "diagonal_offset": {"diagonal_offset": 3, "window_right": 0},
+        "softcap": {"softcap": 2.0},
+        "dropout_p": {"dropout_p": 0.3, "seed": torch.tensor([7])},
+        "deterministic": {"deterministic": True},
+        "seed": {"dropout_p": 0.3, "seed": torch.tensor([11])},
+        "alibi_slopes": {"alibi_slopes": torch.rand(1, 4)},
+        "attn_mask": {"attn_mask": torch.randn(2, 1, 6, 9)},
+        "varlen": {"varlen": Varlen(cu_q, cu_k, 7, 9)},
+        "cache": {"cache": KeyCache(torch.tensor([1, 0], dtype=t32), torch.tensor([8, 9], dtype=t32), 9)},
+    }
+
+
+@pytest.mark.skipif(not TRITON, reason="triton missing")
+def test_every_option_is_served_or_refused():
+    """Every option reaches every backend: cpu and triton compute the same result with it, and the CUDA backend,
+    which serves a subset, names it when it cannot."""
+    from flashattn.backends import cpu, cuda, triton
+
+    options = _options_one_at_a_time()
+    assert set(options) == {f.name for f in dataclasses.fields(AttentionSpec)}
+    for name, fields in options.items():
+        spec = AttentionSpec(**{"scale": 0.25, **fields})
+        q, k, v = torch.randn(2, 6, 4, 16), torch.randn(2, 9, 2, 16), torch.randn(2, 9, 2, 16)
+        if spec.varlen is not None:
+            q, k, v = q.flatten(0, 1)[:12], k.flatten(0, 1), v.flatten(0, 1)
+        plain = cpu.forward(q, k, v, AttentionSpec(scale=0.25))[0] if spec.varlen is None else None
+        got = [backend.forward(q, k, v, spec)[0] for backend in (cpu, triton)]
+        torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-5, msg=name)
+        if plain is not None and name != "deterministic":
+            assert not torch.allclose(got[0], plain), f"{name} changed nothing"
+        supported = name in ("scale", "bottom_right", "diagonal_offset", "deterministic")
+        q64, k64, v64 = (torch.zeros(*t.shape[:-1], 64, dtype=torch.float16) for t in (q, k, v))
+        reason = cuda.unsupported(q64, k64, v64, spec)
+        assert (reason is None or "CUDA tensors" in reason) if supported else reason is not None, (name, reason)

@@ -193,9 +193,9 @@ def test_unsupported_calls_are_named(change, message):
 
 def test_backend_is_opt_in_and_refusals_are_clear():
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
-    assert flashattn.backends.select(q, q).__name__ != "flashattn.backends.cuda"  # auto never picks it
+    assert flashattn.backends.choose(q, q) != "cuda"  # auto never picks it
     with flashattn.use_backend("cuda"):
-        assert flashattn.backends.select(q, q) is cuda_backend
+        assert flashattn.backends.get(flashattn.backends.choose(q, q)) is cuda_backend
         with pytest.raises(ValueError, match="the cuda backend cannot run this call on cpu .*CUDA tensors"):
             flashattn.flash_attn_func(q, q, q)
     with pytest.raises(NotImplementedError, match="forward-only"):

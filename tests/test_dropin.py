@@ -102,7 +102,8 @@ def test_sdpa_refuses_shapes_that_do_not_broadcast():
     with pytest.raises(ValueError, match="broadcast"):
         flashattn.scaled_dot_product_attention(q, k, k)
     with pytest.raises(ValueError, match="enable_gqa"):
-        flashattn.scaled_dot_product_attention(torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8))
+        k = torch.randn(2, 2, 7, 8)
+        flashattn.scaled_dot_product_attention(torch.randn(2, 4, 5, 8), k, k)
 
 
 def test_head_dim_zero_is_a_clear_error():
@@ -112,7 +113,8 @@ def test_head_dim_zero_is_a_clear_error():
     with pytest.raises(ValueError, match="scaled_dot_product_attention: query has head dim 0"):
         flashattn.scaled_dot_product_attention(empty, empty, empty)
     with pytest.raises(ValueError, match="value has head dim 0"):
-        flashattn.scaled_dot_product_attention(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 0))
+        q = torch.randn(1, 2, 4, 8)
+        flashattn.scaled_dot_product_attention(q, q, torch.randn(1, 2, 4, 0))
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="flash_attn_varlen_func: q has head dim 0"):
         flashattn.flash_attn_varlen_func(empty[0], empty[0], empty[0], cu, cu, 4, 4)

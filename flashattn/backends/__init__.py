@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .spec import AttentionSpec, Saved
 
-__all__ = ["BACKENDS", "Backend", "choose", "explain", "get", "select", "use_backend"]
+__all__ = ["BACKENDS", "Backend", "choose", "explain", "get", "use_backend"]
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
 TRITON_MAX_HEAD_DIM = 256
@@ -120,14 +120,9 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, s
     return "triton", "auto: CUDA tensors run on the Triton kernels"
 
 
-def choose(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
-    """The name of the backend for a call (see ``explain``)."""
-    return explain(device_type, dtype, head_dim)[0]
-
-
-def select(q: Tensor, v: Tensor) -> Backend:
-    """The backend module a call with query ``q`` and value ``v`` runs on: ``get(choose(...))``."""
-    return get(choose(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1])))
+def choose(q: Tensor, v: Tensor) -> str:
+    """The name of the backend a call with query ``q`` and value ``v`` runs on (see ``explain``)."""
+    return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]))[0]
 
 
 def get(name: str) -> Backend:

@@ -251,14 +251,14 @@ def _split_forward(q, k, v, spec: AttentionSpec, *, splits: int) -> tuple[torch.
         part_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=accumulation_dtype(q.dtype), device=q.device)
         part_lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=part_out.dtype, device=q.device)
         # The chunk's keys are columns c0.. of the whole band: move the diagonal so masks and ALiBi stay put.
-        band = Band(whole.left, whole.right, whole.diagonal - c0)
+        band = dataclasses.replace(whole, diagonal=whole.diagonal - c0)
         _forward_into(_TiledCall(q, k[:, c0:c1], v[:, c0:c1], spec, band=band), part_out, part_lse, None)
         merged = (part_out, part_lse) if merged is None else merge_states(*merged, part_out, part_lse)
     return merged
 
 
 def _forward_into(p: _TiledCall, out: torch.Tensor, lse: torch.Tensor, probs: torch.Tensor | None) -> None:
-    """Write out (B, Nq, H, Dv), lse (B, H, Nq) and, if given, probs (B, H, Nq, Nk) of problem ``p``."""
+    """Write out (B, Nq, H, Dv), lse (B, H, Nq) and, if given, probs (B, H, Nq, Nk) of the call ``p``."""
     b, nq, nk, h, hk, g = p.shape
     dv = out.shape[-1]
     out5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)

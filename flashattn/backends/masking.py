@@ -30,8 +30,10 @@ class Band:
     diagonal: int = 0
 
     @classmethod
-    def of(cls, nq: int, nk: int, left: int, right: int, bottom_right: bool, diagonal_offset: int = 0) -> Band:
-        return cls(left, right, (nk - nq if bottom_right else 0) + diagonal_offset)
+    def of(cls, nq: int, nk: int, *, left: int, right: int, bottom_right: bool, diagonal_offset: int = 0) -> Band:
+        """The band of an (nq x nk) score matrix whose diagonal is aligned bottom-right or top-left, then moved by
+        ``diagonal_offset`` columns."""
+        return cls(left=left, right=right, diagonal=(nk - nq if bottom_right else 0) + diagonal_offset)
 
     def key_range(self, r0: int, r1: int, nk: int) -> tuple[int, int]:
         """Columns [lo, hi) that any of the query rows [r0, r1) may see (hi <= lo when none)."""

@@ -9,7 +9,7 @@ in ``flashattn.checks`` and implementing it in the backends, and nothing else.
 Example::
 
     >>> spec = AttentionSpec(scale=0.125, window_right=0)
-    >>> AttentionSpec.from_args(spec.as_args()) == spec
+    >>> AttentionSpec.from_args(spec.as_args()).as_args() == spec.as_args()
     True
     >>> AttentionSpec.op_schema().split(", ")[:3]
     ['float scale', 'SymInt window_left', 'SymInt window_right']
@@ -34,7 +34,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@dataclass(frozen=True)
+# eq=False throughout: two specs holding equal but distinct tensors have no single truth value of "equal" (a
+# dataclass __eq__ would compare the tensors elementwise and fail); identity is what matters for a call.
+@dataclass(frozen=True, eq=False)
 class Varlen:
     """The packed layout of a variable-length batch: sequence b owns query rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
@@ -58,7 +60,7 @@ class Varlen:
         return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(self.batch)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KeyCache:
     """Where each batch entry's keys and values live in a KV cache (inference; there is no backward).
 
@@ -108,7 +110,7 @@ class KeyCache:
         return k_cache[index], v_cache[index], cu.to(torch.int32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionSpec:
     """Options of one attention call, already checked by ``flashattn.checks``.
 
@@ -146,7 +148,8 @@ class AttentionSpec:
     cache: KeyCache | None = None
 
     def band(self, nq: int, nk: int) -> Band:
-        return Band.of(nq, nk, self.window_left, self.window_right, self.bottom_right, self.diagonal_offset)
+        return Band.of(nq, nk, left=self.window_left, right=self.window_right, bottom_right=self.bottom_right,
+                       diagonal_offset=self.diagonal_offset)
 
     @property
     def packed(self) -> bool:
@@ -222,8 +225,11 @@ def _plan(cls: type, path: tuple[str, ...] = ()) -> list[_Leaf]:
         elif kind is Tensor:
             leaves.append(_Leaf("_".join((*path, name)), "Tensor?" if optional or path else "Tensor", (*path, name),
                                 kind))
-        else:
+        elif kind in _SCALAR_SCHEMA and not optional:
             leaves.append(_Leaf("_".join((*path, name)), _SCALAR_SCHEMA[kind], (*path, name), kind))
+        else:  # None could not be told from 0 once flattened, and other types have no schema here
+            raise TypeError(f"{cls.__name__}.{name}: an op argument must be a Tensor, an optional Tensor, a nested "
+                            f"layout or a float, int or bool with a default, got {kind}{' | None' * optional}")
     return leaves
 
 

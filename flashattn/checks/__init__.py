@@ -8,19 +8,22 @@ masks) and ``modules`` (merging, padding, context parallelism, ``flashattn.nn``,
 """
 
 from ._base import FLOAT_DTYPES, fail
-from .flash import CheckedCall, check_flash, check_varlen, unpack
+from .flash import FLASH_OPTIONS, CheckedCall, check_flash, check_varlen, flash_arguments, unpack
 from .kvcache import KVCacheCall, check_kvcache
 from .modules import (
     check_context_parallel,
+    check_divisible,
     check_generation,
     check_head_parallel,
     check_heads_per_step,
+    check_layout,
     check_merge,
     check_multihead_config,
     check_multihead_inputs,
     check_multihead_masks,
     check_pad,
     check_padding_mask,
+    check_registration_name,
     check_rotary_dim,
     check_self_attention_config,
     check_shard_lengths,
@@ -29,14 +32,17 @@ from .modules import (
 from .sdpa import check_sdpa
 
 __all__ = [
+    "FLASH_OPTIONS",
     "FLOAT_DTYPES",
     "CheckedCall",
     "KVCacheCall",
     "check_context_parallel",
+    "check_divisible",
     "check_flash",
     "check_generation",
     "check_head_parallel",
     "check_heads_per_step",
+    "check_layout",
     "check_kvcache",
     "check_merge",
     "check_multihead_config",
@@ -44,6 +50,7 @@ __all__ = [
     "check_multihead_masks",
     "check_pad",
     "check_padding_mask",
+    "check_registration_name",
     "check_rotary_dim",
     "check_sdpa",
     "check_self_attention_config",
@@ -51,5 +58,6 @@ __all__ = [
     "check_transformers_call",
     "check_varlen",
     "fail",
+    "flash_arguments",
     "unpack",
 ]

@@ -48,7 +48,7 @@ def validate_same(fn: str, named: dict[str, torch.Tensor]) -> None:
             raise fail(fn, f"{name} is on {t.device} but {first} is on {t0.device}; all must be on one device")
 
 
-def validate_heads(fn: str, nheads: int, nheads_k: int, names: tuple[str, str]) -> None:
+def validate_heads(fn: str, *, nheads: int, nheads_k: int, names: tuple[str, str]) -> None:
     """Grouped-query attention: the query heads are a multiple of the key/value heads."""
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise fail(fn, f"the number of heads in {names[0]} ({nheads}) must be a multiple of the number of heads in "

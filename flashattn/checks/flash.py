@@ -53,13 +53,25 @@ def flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")
     if q.shape[3] != k.shape[3]:
         raise fail(fn, f"head dims differ: {names[0]} has {q.shape[3]}, {names[1]} has {k.shape[3]}")
     validate_head_dim(fn, names[0], q.shape[3])
-    validate_heads(fn, q.shape[2], k.shape[2], (names[0], names[1]))
+    validate_heads(fn, nheads=q.shape[2], nheads_k=k.shape[2], names=(names[0], names[1]))
     return q, k, v
+
+
+# The options of flash_attn_func after q, k, v, shared by every flash_attn_* function: the one list of their names.
+FLASH_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                 "return_attn_probs")
+
+
+def flash_arguments(arguments: dict) -> dict:
+    """The ``flash_attn_func`` options among a public function's arguments (pass ``locals()``)."""
+    return {name: arguments[name] for name in FLASH_OPTIONS}
 
 
 def flash_options(fn: str, q: torch.Tensor, *, batch: int, **options) -> AttentionSpec:
     """The options shared by the dense, varlen and KV-cache ``flash_attn_*`` functions (bottom-right causal):
-    ``options`` are ``flash_attn_func``'s keyword arguments after q, k, v."""
+    ``options`` are ``flash_attn_func``'s keyword arguments after q, k, v (``FLASH_OPTIONS``), all of them."""
+    if set(options) != set(FLASH_OPTIONS):  # a programming error inside the library, never the user's
+        raise TypeError(f"flash_options: expected the options {FLASH_OPTIONS}, got {tuple(options)}")
     causal = validate_flag(fn, "causal", options["causal"])
     deterministic = validate_flag(fn, "deterministic", options["deterministic"])
     validate_flag(fn, "return_attn_probs", options["return_attn_probs"])

@@ -21,7 +21,7 @@ from ._base import (
     validate_tensor,
 )
 from .deferred import checked_cache
-from .flash import flash_options, validate_block_table
+from .flash import FLASH_OPTIONS, flash_options, validate_block_table
 from .values import CacheSizes, check_cache_values
 
 
@@ -30,11 +30,10 @@ class KVCacheCall:
     """A validated ``flash_attn_with_kvcache`` call.
 
     ``spec.cache`` describes the keys to attend after the append: positions [leftpad_b, cache_seqlens_b +
-    seqlen_new). ``append_at`` (int32 (batch,)) is where the new ``k``/``v`` go (None when there are none).
-    ``rotary`` is (cos, sin) or None; ``rotary_start`` (int32 (batch,)) the rotary position of each sequence's
-    first new token, cache_seqlens (a cache position, as in flash_attn, even with leftpad);
-    ``q_positions_advance``: query t sits at rotary_start + t (causal or local), else every query sits at
-    rotary_start.
+    seqlen_new). ``cache_seqlens`` (int32 (batch,)) is where the new ``k``/``v`` go and the rotary position of
+    each sequence's first new token (a cache position, as in flash_attn, even with leftpad). ``rotary`` is (cos,
+    sin) or None; ``q_positions_advance``: query t sits at cache_seqlens + t (causal or local), else every query
+    sits at cache_seqlens.
     """
 
     q: torch.Tensor
@@ -43,10 +42,9 @@ class KVCacheCall:
     k: torch.Tensor | None
     v: torch.Tensor | None
     spec: AttentionSpec
-    append_at: torch.Tensor | None
+    cache_seqlens: torch.Tensor
     rotary: tuple[torch.Tensor, torch.Tensor] | None
     rotary_interleaved: bool
-    rotary_start: torch.Tensor | None
     q_positions_advance: bool
 
 
@@ -61,8 +59,9 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
                                                             "block_table")})
     num_splits = validate_count(fn, "num_splits", a["num_splits"])
     validate_flag(fn, "return_softmax_lse", a["return_softmax_lse"])
-    spec = flash_options(fn, q, batch=q.shape[0], dropout_p=0.0, deterministic=False, return_attn_probs=False,
-                         **{n: a[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes")})
+    # flash_attn_with_kvcache takes flash_attn_func's options but dropout and the probabilities (inference).
+    inference = {"dropout_p": 0.0, "deterministic": False, "return_attn_probs": False}
+    spec = flash_options(fn, q, batch=q.shape[0], **{n: a[n] if n in a else inference[n] for n in FLASH_OPTIONS})
     local = spec.window_left >= 0 or spec.window_right >= 0
     interleaved = validate_flag(fn, "rotary_interleaved", a["rotary_interleaved"])
     rotary = _rotary(fn, a["rotary_cos"], a["rotary_sin"], q)
@@ -82,9 +81,8 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     )
     return KVCacheCall(
         q, k_cache, v_cache, k, v, dataclasses.replace(spec, cache=cache),
-        append_at=seqlens if k is not None else None,
+        cache_seqlens=seqlens,
         rotary=rotary, rotary_interleaved=interleaved,
-        rotary_start=None if rotary is None else seqlens,
         q_positions_advance=local,
     )
 
@@ -129,7 +127,7 @@ def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.T
     if q.shape[3] != k_cache.shape[3]:
         raise fail(fn, f"head dims differ: q has {q.shape[3]}, k_cache has {k_cache.shape[3]}")
     validate_head_dim(fn, "q", q.shape[3])
-    validate_heads(fn, q.shape[2], k_cache.shape[2], ("q", "k_cache"))
+    validate_heads(fn, nheads=q.shape[2], nheads_k=k_cache.shape[2], names=("q", "k_cache"))
     return q, k_cache, v_cache
 
 

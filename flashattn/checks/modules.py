@@ -10,7 +10,7 @@ from ._base import fail, validate_real
 from .flash import CheckedCall, check_flash
 
 
-def check_merge(fn: str, out_a: object, lse_a: object, out_b: object, lse_b: object) -> None:
+def check_merge(fn: str, *, out_a: object, lse_a: object, out_b: object, lse_b: object) -> None:
     """Two partial results of ``flash_attn_func``'s layouts: out (..., seqlen, nheads, headdim), lse (..., nheads,
     seqlen), floating point, shapes matching pairwise."""
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
@@ -27,7 +27,7 @@ def check_merge(fn: str, out_a: object, lse_a: object, out_b: object, lse_b: obj
                        f"seqlen) = {expected}, got {tuple(lse_a.shape)}")
 
 
-def check_padding_mask(fn: str, name: str, hidden_states: Tensor, mask: object) -> None:
+def check_padding_mask(fn: str, name: str, *, hidden_states: Tensor, mask: object) -> None:
     """A (batch, seqlen) mask of the tokens of ``hidden_states`` (batch, seqlen, ...)."""
     if not isinstance(mask, Tensor) or mask.dim() != 2:
         raise fail(fn, f"{name} must be a (batch, seqlen) tensor, got "
@@ -37,7 +37,7 @@ def check_padding_mask(fn: str, name: str, hidden_states: Tensor, mask: object) 
                        f"{tuple(mask.shape)}; they must agree on (batch, seqlen)")
 
 
-def check_pad(fn: str, hidden_states: Tensor, indices: Tensor) -> None:
+def check_pad(fn: str, *, hidden_states: Tensor, indices: Tensor) -> None:
     if hidden_states.shape[0] != indices.shape[0]:
         raise fail(fn, f"hidden_states has {hidden_states.shape[0]} tokens but indices has {indices.shape[0]}; pass "
                        "the indices unpad_input returned with it")
@@ -50,7 +50,7 @@ def check_context_parallel(fn: str, q: object, k: object, v: object, *, layout: 
     lengths across ranks are checked by ``check_shard_lengths``."""
     if not dist.is_available() or not dist.is_initialized():
         raise fail(fn, "torch.distributed is not initialised; call torch.distributed.init_process_group")
-    call = check_flash(fn, q, k, v, return_attn_probs=False, **options)
+    call = check_flash(fn, q, k, v, **options)
     if call.spec.dropout_p > 0:
         raise fail(fn, "dropout_p must be 0: a dropout mask drawn per block would not match one device's and could "
                        "repeat across blocks; apply dropout outside attention or use one device")
@@ -60,6 +60,25 @@ def check_context_parallel(fn: str, q: object, k: object, v: object, *, layout: 
     if layout == "zigzag" and call.q.shape[1] % 2:
         raise fail(fn, f"a zigzag shard holds two equal chunks, so its length must be even; got {call.q.shape[1]}")
     return call
+
+
+def check_layout(fn: str, layout: object, layouts: tuple[str, ...]) -> str:
+    if layout not in layouts:
+        raise fail(fn, f"layout must be one of {', '.join(layouts)}, got {layout!r}")
+    return layout
+
+
+def check_divisible(fn: str, *, tokens: int, pieces: int, why: str) -> None:
+    """A sequence of ``tokens`` splits into ``pieces`` equal chunks (``why`` names the layout and world)."""
+    if tokens % pieces:
+        raise fail(fn, f"a sequence of {tokens} tokens does not split into {pieces} equal chunks ({why}); pad it to "
+                       f"a multiple of {pieces}")
+
+
+def check_registration_name(fn: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise fail(fn, f"name must be a non-empty string, got {name!r}")
+    return name
 
 
 def check_shard_lengths(fn: str, lengths: list[int]) -> None:
@@ -122,7 +141,7 @@ def _check_nested(fn: str, query: Tensor, key: Tensor, value: Tensor, *, batch_f
         raise fail(fn, "nested tensor inputs must be 3-D: (batch, L_i, embedding) with per-sequence lengths L_i")
 
 
-def check_multihead_masks(fn: str, attn_mask: Tensor | None, key_padding_mask: Tensor | None, *,
+def check_multihead_masks(fn: str, *, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
                           shape: tuple[int, int, int, int]) -> None:
     """torch MHA's masks for (N, num_heads, L, S) = ``shape``: attn_mask (L, S) or (N * num_heads, L, S),
     key_padding_mask (N, S)."""
@@ -149,7 +168,7 @@ def check_self_attention_config(fn: str, *, dim: int, heads: tuple[int, int], he
     return head_dim
 
 
-def check_rotary_dim(fn: str, rotary_dim: int, head_dim: int) -> int:
+def check_rotary_dim(fn: str, *, rotary_dim: int, head_dim: int) -> int:
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise fail(fn, f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
     return rotary_dim

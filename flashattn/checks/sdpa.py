@@ -20,6 +20,8 @@ from ._base import (
 )
 from .flash import CheckedCall
 
+SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
 
 def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, ...]):
     """A boolean or additive mask that broadcasts to ``shape`` = (..., L, S)."""
@@ -64,7 +66,7 @@ def _sdpa_shapes(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ena
     lead = {"query": tuple(q.shape[:-2]), "key": tuple(k.shape[:-2]), "value": tuple(v.shape[:-2])}
     heads_q, heads_k = (q.shape[-3] if q.dim() > 2 else 1), (k.shape[-3] if k.dim() > 2 else 1)
     if heads_q != heads_k and enable_gqa:
-        validate_heads(fn, heads_q, heads_k, ("query", "key"))
+        validate_heads(fn, nheads=heads_q, nheads_k=heads_k, names=("query", "key"))
         if v.dim() < 3 or v.shape[-3] != heads_k:
             raise fail(fn, f"key and value must have the same number of heads, got {tuple(k.shape)} and "
                            f"{tuple(v.shape)}")
@@ -105,6 +107,8 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
     Returns the call in the flash layout (batch, seqlen, heads, dim) (transposed views, no copies for 4-D inputs of
     equal batch) and the leading shape of the output, which is (*leading, L, Ev).
     """
+    if not set(options) <= set(SDPA_OPTIONS):  # a programming error inside the library, never the user's
+        raise TypeError(f"check_sdpa: unexpected options {sorted(set(options) - set(SDPA_OPTIONS))}")
     q = validate_tensor(fn, "query", query, None, "(..., L, E)")
     k = validate_tensor(fn, "key", key, None, "(..., S, E)")
     v = validate_tensor(fn, "value", value, None, "(..., S, Ev)")

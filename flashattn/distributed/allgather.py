@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
+from ..backends import choose
 from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
-from ..ops import attention, attention_backward, choose_backend
+from ..ops import attention, attention_backward
 from .common import block_spec, check, head_spec, visible
 
 
@@ -33,7 +34,7 @@ class _AllGatherAttention(torch.autograd.Function):
         rank, n = dist.get_rank(group), q.shape[1]
         g = q.shape[2] // k.shape[2]
         bspec = block_spec(spec, rank * n, 0)
-        backend = choose_backend(q, v)  # one backend for every head group, forward and backward
+        backend = choose(q, v)  # one backend for every head group, forward and backward
         acc = accumulation_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full((q.shape[0], q.shape[2], n), float("-inf"), dtype=acc, device=q.device)
@@ -78,8 +79,7 @@ def allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noq
     heads at a time; default all) instead of passing it around a ring. Same arguments and returns as
     ``ring_flash_attn_func``."""
     fn = "allgather_flash_attn_func"
-    call = check(fn, q, k, v, group=group, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    call = check(fn, q, k, v, group=group, **checks.flash_arguments(locals()))
     step = checks.check_heads_per_step(fn, kv_heads_per_step, default=call.k.shape[2])
     out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.spec, step, group)
     return (out, lse, None) if return_attn_probs else out

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import checks
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -17,9 +19,8 @@ def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _pieces(layout: str, world: int) -> int:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+def _pieces(fn: str, layout: str, world: int) -> int:
+    checks.check_layout(fn, layout, LAYOUTS)
     return world * (2 if layout == "zigzag" else 1)
 
 
@@ -43,11 +44,9 @@ def shard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1)
     Raises ValueError when the length does not divide evenly (world chunks, or 2 world for zigzag).
     """
     world, rank = _world(group)
-    pieces = _pieces(layout, world)
+    pieces = _pieces("shard", layout, world)
     n = x.shape[dim]
-    if n % pieces:
-        raise ValueError(f"a sequence of {n} tokens does not split into {pieces} equal chunks ({layout} layout, "
-                         f"world size {world}); pad it to a multiple of {pieces}")
+    checks.check_divisible("shard", tokens=n, pieces=pieces, why=f"{layout} layout, world size {world}")
     local = n // world
     return torch.cat([x.narrow(dim, g, length) for g, _, length in segments(layout, rank, world, local)], dim)
 
@@ -55,7 +54,7 @@ def shard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1)
 def unshard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1) -> torch.Tensor:
     """The full sequence from every rank's part ``x`` (an all-gather; the inverse of ``shard``)."""
     world, _ = _world(group)
-    full = [None] * _pieces(layout, world)
+    full = [None] * _pieces("unshard", layout, world)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
     local = x.shape[dim]

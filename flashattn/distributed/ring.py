@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import checks
+from ..backends import choose
 from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
-from ..ops import attention_backward, choose_backend
+from ..ops import attention_backward
 from .common import Partial, block_spec, check, exchange, visible
 from .layout import segments
 
@@ -32,7 +34,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, spec: AttentionSpec, layout: str, group):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         n = q.shape[1]
-        backend = choose_backend(q, v)  # one backend for every block, forward and backward
+        backend = choose(q, v)  # one backend for every block, forward and backward
         runs = {sq: Partial(backend) for _, sq, _ in segments(layout, rank, world, n)}
         kv = [k, v]
         for step in range(world):
@@ -78,10 +80,10 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype), None, None, None
 
 
-def _ring(fn: str, layout: str, q, k, v, *, group, return_attn_probs, **options):
+def _ring(fn: str, layout: str, q, k, v, *, group, **options):
     call = check(fn, q, k, v, group=group, layout=layout, **options)
     out, lse = _RingAttention.apply(call.q, call.k, call.v, call.spec, layout, group)
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, None) if options["return_attn_probs"] else out
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,  # noqa: PLR0913 (flash_attn's)
@@ -94,9 +96,7 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     Returns this rank's rows of the output, or (out, softmax_lse (batch, nheads, local_len), None) with
     ``return_attn_probs``: exactly what one device computes for these rows. Differentiable.
     """
-    return _ring("ring_flash_attn_func", "contiguous", q, k, v, group=group, return_attn_probs=return_attn_probs,
-                 dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    return _ring("ring_flash_attn_func", "contiguous", q, k, v, group=group, **checks.flash_arguments(locals()))
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
@@ -104,6 +104,4 @@ def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # n
                                 deterministic=False, return_attn_probs=False, group=None):
     """``ring_flash_attn_func`` on the zigzag layout (``shard(x, "zigzag")``: rank r holds chunks r and
     2w - 1 - r of 2w), which gives every rank the same causal work."""
-    return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, group=group, return_attn_probs=return_attn_probs,
-                 dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, group=group, **checks.flash_arguments(locals()))

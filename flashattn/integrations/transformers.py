@@ -60,8 +60,7 @@ def register(name: str = NAME) -> str:
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("flashattn.integrations.transformers needs Hugging Face transformers >= 4.56 "
                           "(pip install transformers)") from err
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
+    checks.check_registration_name("register", name)
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, padding_mask)
     _serve_flash_functions(name)

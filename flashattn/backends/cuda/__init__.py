@@ -19,6 +19,7 @@ from ..spec import AttentionSpec, Saved
 from .kernel import BLOCK_M, DTYPES, ENTRY, HEAD_DIMS, WARPS, Variant, shared_bytes
 
 NAME = "cuda"
+CHUNK_BYTES = 16  # the kernel moves rows in 16-byte cp.async copies: strides and the base must be whole chunks
 
 
 def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
@@ -52,7 +53,8 @@ def _refuse(reason: str) -> NotImplementedError:
 
 def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     """The kernel reads 16-byte chunks of each row: rows contiguous, strides in whole chunks, base aligned."""
-    ok = x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+    chunk = CHUNK_BYTES // x.element_size()  # elements per 16-byte copy
+    ok = x.stride(-1) == 1 and all(s % chunk == 0 for s in x.stride()[:-1]) and x.data_ptr() % CHUNK_BYTES == 0
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
@@ -82,7 +84,7 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
         return out, lse, q.new_empty(0)
     q, k, v = (_kernel_ready(t) for t in (q, k, v))
     causal = spec.window_right == 0
-    diagonal = (nk - nq if spec.bottom_right else 0) + spec.diagonal_offset
+    diagonal = spec.band(nq, nk).diagonal
     module = runtime.module(Variant.of(q.dtype, d, causal), q.device)
     args = launch_args(q, k, v, out, lse, diagonal=diagonal, scale=spec.scale)
     with torch.cuda.device(q.device):

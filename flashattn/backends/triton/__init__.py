@@ -19,7 +19,7 @@ from .kernels import (
     attention_forward_kernel,
 )
 from .launch import (
-    Layout,
+    CallShape,
     QueryRows,
     as_dtype,
     backward_kwargs,
@@ -58,38 +58,38 @@ def _check(q, k, v, spec: AttentionSpec) -> None:
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """Same contract as ``flashattn.backends.cpu.forward``: (out, lse, probs), keys dense, packed or cached."""
     _check(q, k, v, spec)
-    lay = Layout(q, k, v, spec)
-    out = empty(lay.out_shape, q.dtype, q.device)
-    lse = torch.empty(lay.lse_shape, dtype=torch.float32, device=q.device)
-    probs = empty((lay.b, lay.h, lay.nq, lay.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
-    if out.numel() == 0 or lay.nq == 0 or (spec.cache is not None and lay.nk == 0):
+    shape = CallShape(q, k, v, spec)
+    out = empty(shape.out_shape, q.dtype, q.device)
+    lse = torch.empty(shape.lse_shape, dtype=torch.float32, device=q.device)
+    probs = empty((shape.b, shape.h, shape.nq, shape.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
+    if out.numel() == 0 or shape.nq == 0 or (spec.cache is not None and shape.nk == 0):
         lse.fill_(float("-inf"))
         return as_dtype(out.zero_(), q.dtype), lse, as_dtype(probs, q.dtype)
-    _attend(q, k, v, (out, lse, probs if return_probs else None), spec, lay)
+    _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
     return as_dtype(out, q.dtype), lse, as_dtype(probs, q.dtype)
 
 
-def _attend(q, k, v, results, spec: AttentionSpec, lay: Layout) -> None:
+def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
     """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs)."""
     out, lse, probs = results
     plain = spec.alibi_slopes is None and spec.attn_mask is None and probs is None and spec.dropout_p == 0
-    rows = QueryRows(q, out, lse, lay, spec, plain=plain)
+    rows = QueryRows(q, out, lse, shape, spec, plain=plain)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
-    cfg = config(configs.FORWARD, q, lay, heavy=heavy, decode=rows.nq <= configs.DECODE_MAX_ROWS)
-    splits, split_keys = split_count(lay, rows, cfg, q.device)
+    cfg = config(configs.FORWARD, q, shape, heavy=heavy, decode=rows.nq <= configs.DECODE_MAX_ROWS)
+    splits, split_keys = split_count(shape, rows, cfg, q.device)
     if splits == 1:
         targets = (out, lse)
     else:
         # Partial results in fp32, laid out as the kernel walks the rows (the merge writes the real layout).
-        batch, rows_total = (1, q.shape[0]) if lay.q_packed else (lay.b, rows.nq)
-        targets = (torch.empty(splits, batch, rows_total, rows.h, lay.dv, dtype=torch.float32, device=q.device),
+        batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
+        targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32, device=q.device),
                    torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
-    kwargs = forward_kwargs(q, k, v, targets, probs=probs, spec=rows.spec, lay=lay, rows=rows)
-    grid = (-(-rows.nq // cfg.block_m), lay.b * rows.h, splits)
+    kwargs = forward_kwargs(q, k, v, targets, probs=probs, spec=rows.spec, shape=shape, rows=rows)
+    grid = (-(-rows.nq // cfg.block_m), shape.b * rows.h, splits)
     launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        merge_splits(targets, (out, lse), lay=lay, rows=rows)
+        merge_splits(targets, (out, lse), shape=shape, rows=rows)
 
 
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
@@ -101,28 +101,28 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     if spec.cache is not None:
         raise NotImplementedError("the triton backend has no backward through keys in a KV cache")
     _check(q, k, v, spec)
-    lay = Layout(q, k, v, spec)
+    shape = CallShape(q, k, v, spec)
     dq, dk, dv = (empty(t.shape, t.dtype, t.device) for t in (q, k, v))
-    if q.numel() == 0 or k.numel() == 0 or lay.nq == 0 or lay.nk == 0:
+    if q.numel() == 0 or k.numel() == 0 or shape.nq == 0 or shape.nk == 0:
         return as_dtype(dq.zero_(), q.dtype), as_dtype(dk.zero_(), k.dtype), as_dtype(dv.zero_(), v.dtype), None
-    delta = _delta(dout, dlse, out, lay)
+    delta = _delta(dout, dlse, out, shape)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
-    common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, lay=lay)
-    cfg = config(configs.BACKWARD_DKDV, q, lay, heavy=heavy)
-    launch(attention_backward_dkdv_kernel, (-(-lay.nk // cfg.block_n), lay.b * lay.hk),
-           **common, dk=dk, dv=dv, **lay.strides("dk", dk), **lay.strides("dv", dv), num_heads_k=lay.hk,
+    common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, shape=shape)
+    cfg = config(configs.BACKWARD_DKDV, q, shape, heavy=heavy)
+    launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n), shape.b * shape.hk),
+           **common, dk=dk, dv=dv, **shape.strides("dk", dk), **shape.strides("dv", dv), num_heads_k=shape.hk,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cfg = config(configs.BACKWARD_DQ, q, lay, heavy=heavy)
-    launch(attention_backward_dq_kernel, (-(-lay.nq // cfg.block_m), lay.b * lay.h),
-           **common, dq=dq, **lay.strides("dq", dq),
+    cfg = config(configs.BACKWARD_DQ, q, shape, heavy=heavy)
+    launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m), shape.b * shape.h),
+           **common, dq=dq, **shape.strides("dq", dq),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype), None
 
 
-def _delta(dout, dlse, out, lay: Layout) -> torch.Tensor:
+def _delta(dout, dlse, out, shape: CallShape) -> torch.Tensor:
     """delta_i = rowsum(dO_i * O_i) - dlse_i, per row: a packed varlen batch is one long sequence to it."""
-    delta = torch.empty(lay.lse_shape, dtype=torch.float32, device=out.device)
-    dense = (lambda t: t[None]) if lay.q_packed else (lambda t: t)
+    delta = torch.empty(shape.lse_shape, dtype=torch.float32, device=out.device)
+    dense = (lambda t: t[None]) if shape.q_packed else (lambda t: t)
     out4, dout4 = dense(out), dense(dout)
     rows, heads = out4.shape[1], out4.shape[2]
     launch(
@@ -130,8 +130,8 @@ def _delta(dout, dlse, out, lay: Layout) -> torch.Tensor:
         out=out4, dout=dout4,
         # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
         dlse=None if dlse is None else dense(dlse.contiguous()), delta=dense(delta),
-        **lay.strides("o", out4, "bnhd"), **lay.strides("d", dout4, "bnhd"),
-        num_heads=heads, seqlen_q=rows, head_dim_v=lay.dv,
-        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(lay.dv),
+        **shape.strides("o", out4, "bnhd"), **shape.strides("do", dout4, "bnhd"),
+        num_heads=heads, seqlen_q=rows, head_dim_v=shape.dv,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(shape.dv),
     )
     return delta

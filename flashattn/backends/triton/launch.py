@@ -75,13 +75,14 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-class Layout:
+class CallShape:
     """Shapes and strides of one call as the kernels take them.
 
     q is dense (B, Nq, H, D) or packed varlen (total_q, H, D). Keys are dense (B, Nk, Hk, D), packed varlen
     (total_k, Hk, D), or a KV cache (``spec.cache``: dense or paged). ``nq``/``nk`` are the dense lengths or the
     maxima: they size the grid and lay out the dropout counters and the probabilities. lse (and delta) are
-    (B, H, Nq) for a dense q, (H, total_q) for a packed one.
+    (B, H, Nq) for a dense q, (H, total_q) for a packed one. ``keys`` are the forward kernel's arguments that say
+    where each sequence's keys are (None where the call has no such thing).
     """
 
     def __init__(self, q, k, v, spec: AttentionSpec):
@@ -97,19 +98,19 @@ class Layout:
             self.b, self.nq = q.shape[0], q.shape[1]
             self.lse_shape = (self.b, self.h, self.nq)
             self.out_shape = (self.b, self.nq, self.h, self.dv)
-        self.cu_seqlens_q = varlen.cu_seqlens_q if varlen is not None else None
-        self.cu_seqlens_k = varlen.cu_seqlens_k if varlen is not None else None
+        self.cu_seqlens_q = varlen.cu_seqlens_q if self.q_packed else None
+        # Keys from a cache are found through its bounds, not the varlen key offsets (paged varlen has both).
+        self.cu_seqlens_k = varlen.cu_seqlens_k if self.q_packed and cache is None else None
+        self.keys = dict(cu_seqlens_k=self.cu_seqlens_k, k_start=None, k_end=None, k_batch=None, block_table=None,
+                         stride_bt=None, page_size=None)
         if cache is not None:
             self.nk = cache.max_seqlen_k
-            table = cache.block_table
-            self.keys = dict(k_start=cache.k_start, k_end=cache.k_end, k_batch=cache.batch_idx, block_table=table,
-                             stride_bt=0 if table is None else table.stride(0),
-                             page_size=k.shape[1] if table is not None else 1)
+            self.keys.update(k_start=cache.k_start, k_end=cache.k_end, k_batch=cache.batch_idx)
+            if cache.block_table is not None:
+                self.keys.update(block_table=cache.block_table, stride_bt=cache.block_table.stride(0),
+                                 page_size=k.shape[1])
         else:
-            self.nk = varlen.max_seqlen_k if varlen is not None else k.shape[1]
-            # Varlen keys: k_start = the offsets, whose next entry ends each sequence (k_end None).
-            self.keys = dict(k_start=self.cu_seqlens_k, k_end=None, k_batch=None, block_table=None, stride_bt=0,
-                             page_size=1)
+            self.nk = varlen.max_seqlen_k if self.q_packed else k.shape[1]
 
     @staticmethod
     def strides(name: str, t: torch.Tensor, dims: str = "bnhd") -> dict[str, int]:
@@ -118,15 +119,15 @@ class Layout:
         strides = (0,) * (len(dims) - t.dim()) + tuple(t.stride())
         return {f"stride_{name}{dim}": s for dim, s in zip(dims, strides, strict=True)}
 
-    def lse_strides(self, lse: torch.Tensor) -> dict[str, int]:
-        """(batch, head) strides of lse; query positions have unit stride."""
-        b, h = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
-        return {"stride_lb": b, "stride_lh": h}
+    def lse_strides(self, lse: torch.Tensor, name: str = "l") -> dict[str, int]:
+        """(batch, head) strides of lse or delta; query positions have unit stride."""
+        b, h = (0, lse.stride(0)) if self.q_packed else (lse.stride(0), lse.stride(1))
+        return {f"stride_{name}b": b, f"stride_{name}h": h}
 
 
 class QueryRows:
     """How the forward kernel walks the queries: heads, group size, rows per head, and the strides of q, out
-    (batch, row, head, dim) and lse (batch, head; rows have unit stride).
+    (batch, row, head, dim) and lse (batch, head; rows have unit stride), by kernel argument name.
 
     A decode step (one query per head) with GQA is walked with the G query heads of a key/value head as G rows
     of one head (flash_attn's "seqlen-ngroups swap"): the program loads each K/V tile once for the whole group
@@ -135,29 +136,31 @@ class QueryRows:
     mask); a right window or causal mask is void for one bottom-right-aligned query.
     """
 
-    def __init__(self, q, out, lse, lay: Layout, spec: AttentionSpec, *, plain: bool):
-        g = lay.h // lay.hk
+    def __init__(self, q, out, lse, shape: CallShape, spec: AttentionSpec, *, plain: bool):
+        g = shape.h // shape.hk
         self.spec = spec
-        self.swapped = (plain and not lay.q_packed and lay.nq == 1 and g > 1 and spec.window_left < 0
+        self.swapped = (plain and not shape.q_packed and shape.nq == 1 and g > 1 and spec.window_left < 0
                         and spec.diagonal_offset == 0 and (spec.bottom_right or spec.window_right < 0))
         if not self.swapped:
-            self.h, self.g, self.nq = lay.h, g, lay.nq
-            self.q, self.out = Layout.strides("q", q), tuple(Layout.strides("o", out).values())
-            self.lse = tuple(lay.lse_strides(lse).values())
+            self.h, self.g, self.nq = shape.h, g, shape.nq
+            self.q, self.out = CallShape.strides("q", q), CallShape.strides("o", out)
+            self.lse = shape.lse_strides(lse)
             return
         self.spec = dataclasses.replace(spec, window_left=-1, window_right=-1)
-        self.h, self.g, self.nq = lay.hk, 1, g
+        self.h, self.g, self.nq = shape.hk, 1, g
         (qb, _, qh, qd), (ob, _, oh, od) = q.stride(), out.stride()
         self.q = {"stride_qb": qb, "stride_qn": qh, "stride_qh": g * qh, "stride_qd": qd}
-        self.out = (ob, oh, g * oh, od)
-        self.lse = (lse.stride(0), g * lse.stride(1))  # lse (B, H, 1): head h = kv head * G + row
+        self.out = {"stride_ob": ob, "stride_on": oh, "stride_oh": g * oh, "stride_od": od}
+        # lse (B, H, 1): head h = kv head * G + row.
+        self.lse = {"stride_lb": lse.stride(0), "stride_lh": g * lse.stride(1)}
 
 
-def config(table: dict, q: torch.Tensor, lay: Layout, *, heavy: bool, decode: bool = False) -> configs.KernelConfig:
+def config(table: dict, q: torch.Tensor, shape: CallShape, *, heavy: bool,
+           decode: bool = False) -> configs.KernelConfig:
     if interpreting():
         return configs.INTERPRETER
     weight = ("fp32-" if q.dtype == torch.float32 else "") + ("heavy" if heavy else "light")
-    return (configs.DECODE if decode else table)[(configs.padded_head_dim(max(lay.d, lay.dv)), weight)]
+    return (configs.DECODE if decode else table)[(configs.padded_head_dim(max(shape.d, shape.dv)), weight)]
 
 
 @functools.lru_cache
@@ -167,17 +170,18 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_count(lay: Layout, rows: QueryRows, cfg: configs.KernelConfig, device: torch.device) -> tuple[int, int]:
+def split_count(shape: CallShape, rows: QueryRows, cfg: configs.KernelConfig,
+                device: torch.device) -> tuple[int, int]:
     """(splits, keys per split) of the forward launch: ``spec.cache.num_splits``, or the heuristic for 0."""
     cache = rows.spec.cache
     requested = cache.num_splits if cache is not None else 1
-    key_blocks = -(-lay.nk // cfg.block_n)
+    key_blocks = -(-shape.nk // cfg.block_n)
     if requested == 0:
-        programs = lay.b * rows.h * -(-rows.nq // cfg.block_m)
+        programs = shape.b * rows.h * -(-rows.nq // cfg.block_m)
         requested = configs.split_heuristic(programs, _multiprocessors(device), key_blocks)
     splits = max(1, min(requested, key_blocks))
     split_keys = -(-key_blocks // splits) * cfg.block_n
-    return -(-lay.nk // split_keys), split_keys  # no split left without keys
+    return -(-shape.nk // split_keys), split_keys  # no split left without keys
 
 
 def _options(spec: AttentionSpec) -> dict:
@@ -190,9 +194,10 @@ def _options(spec: AttentionSpec) -> dict:
     )
 
 
-def _bias(spec: AttentionSpec) -> dict:
-    """ALiBi slopes, the user mask and the dropout seed with their strides (broadcast dimensions get stride 0,
-    so the kernel reads the same element for every index); a boolean mask is read as uint8."""
+def _optional_tensors(spec: AttentionSpec) -> dict:
+    """ALiBi slopes, the user mask and the dropout seed, None where absent, with the strides of the first two
+    (broadcast dimensions get stride 0, so the kernel reads the same element for every index); a boolean mask
+    is read as uint8."""
     alibi, mask = spec.alibi_slopes, spec.attn_mask
     args = dict(alibi=alibi, seed=spec.seed, stride_ab=0, stride_ah=0, mask=None, stride_mb=0, stride_mh=0,
                 stride_mq=0, stride_mk=0)
@@ -205,61 +210,59 @@ def _bias(spec: AttentionSpec) -> dict:
     return args
 
 
-def _shapes(q, lay: Layout) -> dict:
-    return dict(seqlen_q=lay.nq, seqlen_k=lay.nk, head_dim=lay.d, head_dim_v=lay.dv,
-                BLOCK_D=configs.padded_head_dim(lay.d), BLOCK_DV=configs.padded_head_dim(lay.dv),
+def _sizes(q, shape: CallShape, rows: QueryRows | None = None) -> dict:
+    """The sizes by kernel argument name: with ``rows``, the queries as the forward kernel walks them."""
+    return dict(num_heads=rows.h if rows else shape.h, group_size=rows.g if rows else shape.h // shape.hk,
+                seqlen_q=rows.nq if rows else shape.nq, seqlen_k=shape.nk, head_dim=shape.d, head_dim_v=shape.dv,
+                BLOCK_D=configs.padded_head_dim(shape.d), BLOCK_DV=configs.padded_head_dim(shape.dv),
                 # The interpreter's tl.dot is wrong on bf16 (and fp16 is slow there): compute in fp32.
                 UPCAST=interpreting() and q.dtype != torch.float32)
 
 
-def forward_kwargs(q, k, v, targets, *, probs, spec: AttentionSpec, lay: Layout, rows: QueryRows) -> dict:
+def forward_kwargs(q, k, v, targets, *, probs, spec: AttentionSpec, shape: CallShape, rows: QueryRows) -> dict:
     """Every argument of ``attention_forward_kernel`` but the tile sizes and ``split_keys``. ``targets`` = (out,
-    lse), or the split workspaces (splits, batch, rows, heads, dv) and (splits, batch, heads, rows)."""
+    lse) with split stride 0, or the split workspaces (splits, batch, rows, heads, dv) and (splits, batch, heads,
+    rows) of a split-KV launch, whose batch stride is 0 for a packed q (rows are found through the offsets)."""
     out, lse = targets
-    if out.dim() == 5:  # split workspaces: a packed q has batch stride 0 (rows are found through the offsets)
-        so, sl = list(out.stride()), list(lse.stride()[:3])
-        if lay.q_packed:
-            so[1] = sl[1] = 0
-        out_strides, lse_strides = tuple(so), tuple(sl)
+    split = out.shape != shape.out_shape
+    if split:
+        out_strides = CallShape.strides("o", out, "sbnhd")
+        lse_strides = dict(zip(("stride_ls", "stride_lb", "stride_lh"), lse.stride()[:3], strict=True))
+        if shape.q_packed:
+            out_strides["stride_ob"] = lse_strides["stride_lb"] = 0
     else:
-        out_strides, lse_strides = (0, *rows.out), (0, *rows.lse)
-    args = dict(
-        q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=lay.cu_seqlens_q, **lay.keys,
-        **rows.q, **Layout.strides("k", k), **Layout.strides("v", v),
-        **dict(zip(("stride_os", "stride_ob", "stride_on", "stride_oh", "stride_od"), out_strides, strict=True)),
-        **dict(zip(("stride_ls", "stride_lb", "stride_lh"), lse_strides, strict=True)),
-        **_bias(spec), **_options(spec), **_shapes(q, lay),
+        out_strides, lse_strides = {"stride_os": 0, **rows.out}, {"stride_ls": 0, **rows.lse}
+    return dict(
+        q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=shape.cu_seqlens_q, **shape.keys,
+        **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
+        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows),
     )
-    # The rows as the kernel walks them (a GQA decode step walks a head group as rows).
-    args.update(num_heads=rows.h, group_size=rows.g, seqlen_q=rows.nq)
-    return args
 
 
-def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, lay: Layout) -> dict:
+def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) -> dict:
     """The arguments the dK/dV and dQ kernels share; ``stats`` = (dout, lse, delta)."""
     dout, lse, delta = stats
     return dict(
-        q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, cu_seqlens_q=lay.cu_seqlens_q, cu_seqlens_k=lay.cu_seqlens_k,
-        **Layout.strides("q", q), **Layout.strides("k", k), **Layout.strides("v", v), **Layout.strides("d", dout),
-        **lay.lse_strides(lse), **_bias(spec), **_options(spec), **_shapes(q, lay),
-        num_heads=lay.h, group_size=lay.h // lay.hk,
+        q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, cu_seqlens_q=shape.cu_seqlens_q,
+        cu_seqlens_k=shape.cu_seqlens_k, **CallShape.strides("q", q), **CallShape.strides("k", k),
+        **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(lse),
+        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape),
     )
 
 
-def merge_splits(partials, results, *, lay: Layout, rows: QueryRows) -> None:
+def merge_splits(partials, results, *, shape: CallShape, rows: QueryRows) -> None:
     """Merge the split workspaces ``partials`` into ``results`` = (out, lse), row by row (a packed q is one
     batch entry of total_q rows)."""
     out_acc, lse_acc = partials
     out, lse = results
     batch, nq = out_acc.shape[1], out_acc.shape[2]
-    out_strides = rows.out if not lay.q_packed else (0, *rows.out[1:])
+    out_strides = dict(rows.out, stride_ob=0) if shape.q_packed else rows.out
     launch(
         merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M), batch * rows.h),
         out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse,
-        **Layout.strides("s", out_acc, "sbnhd"),
-        **dict(zip(("stride_ls", "stride_lb", "stride_lh"), lse_acc.stride()[:3], strict=True)),
-        **dict(zip(("stride_ob", "stride_on", "stride_oh", "stride_od"), out_strides, strict=True)),
-        stride_rb=rows.lse[0], stride_rh=rows.lse[1],
-        num_heads=rows.h, seqlen_q=nq, head_dim_v=lay.dv, n_splits=out_acc.shape[0],
-        BLOCK_M=configs.MERGE_BLOCK_M, BLOCK_DV=configs.padded_head_dim(lay.dv),
+        **CallShape.strides("po", out_acc, "sbnhd"),
+        **dict(zip(("stride_pls", "stride_plb", "stride_plh"), lse_acc.stride()[:3], strict=True)),
+        **out_strides, **rows.lse,
+        num_heads=rows.h, seqlen_q=nq, head_dim_v=shape.dv, n_splits=out_acc.shape[0],
+        BLOCK_M=configs.MERGE_BLOCK_M, BLOCK_DV=configs.padded_head_dim(shape.dv),
     )

@@ -13,6 +13,7 @@ import triton.language as tl
 from .tiles import (
     dot,
     dropout_keep,
+    dropped,
     key_range,
     key_slots,
     load_rows,
@@ -25,7 +26,7 @@ from .tiles import (
 
 @triton.jit
 def attention_forward_kernel(
-    q, k, v, out, lse, probs, alibi, mask, seed, cu_seqlens_q, k_start, k_end, k_batch, block_table,
+    q, k, v, out, lse, probs, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch, block_table,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -54,11 +55,12 @@ def attention_forward_kernel(
     b = (bh // num_heads).to(tl.int64)
     h = bh % num_heads
     hk = h // group_size
-    q0, nq, k0, nk = sequence(b, cu_seqlens_q, k_start, k_end, (seqlen_q, seqlen_k))
+    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, (k_start, k_end) if k_start is not None else None,
+                              (seqlen_q, seqlen_k))
     kb = b
     if k_batch is not None:
         kb = tl.load(k_batch + b).to(tl.int64)
-    band = ((nk - nq) * bottom_right + diagonal_offset, window_left, window_right)
+    band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_n0 = tl.arange(0, BLOCK_N)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -71,10 +73,10 @@ def attention_forward_kernel(
     if block_table is None:
         p_k += kb * stride_kb + k0 * stride_kn
         p_v += kb * stride_vb + k0 * stride_vn
-    slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
+    b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
     b_seed = tl.load(seed) if seed is not None else None
-    counters = bh.to(tl.int64) * seqlen_q  # dropout counters and probs rows: ((b * H + h) * NQ + i) * NK + j
+    counter_row0 = bh.to(tl.int64) * seqlen_q  # dropout counters and probs rows: ((b * H + h) * NQ + i) * NK + j
 
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
@@ -89,7 +91,7 @@ def attention_forward_kernel(
         b_kt = load_rows(p_k, o_page * stride_kb + o_row * stride_kn, m_keys, o_d, stride_kd, head_dim, UPCAST, True)
         b_v = load_rows(p_v, o_page * stride_vb + o_row * stride_vn, m_keys, o_dv, stride_vd, head_dim_v, UPCAST,
                         False)
-        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (start_m, start_n), (nq, nk), band, scale, softcap, slope, p_mask,
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (start_m, start_n), (nq, nk), band, scale, softcap, b_slope, p_mask,
                             (stride_mq, stride_mk))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         # Rows that have seen only masked keys keep max -inf: shift by 0 there so exp gives 0, not NaN.
@@ -98,8 +100,8 @@ def attention_forward_kernel(
         b_alpha = tl.exp(b_m - b_m_safe)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         if b_seed is not None:
-            m_keep = dropout_keep(b_seed, counters, o_m, o_n, (seqlen_q, seqlen_k), dropout_p)
-            b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
+            m_keep = dropout_keep(b_seed, counter_row0, o_m, o_n, (seqlen_q, seqlen_k), dropout_p)
+            b_p = dropped(b_p, m_keep, dropout_p)
         b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v)
         b_m = b_m_new
 
@@ -119,27 +121,28 @@ def attention_forward_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             o_n = start_n + o_n0
             b_kt = load_tile_t(p_k, o_n, o_d, (stride_kn, stride_kd), (nk, head_dim), UPCAST)
-            b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (start_m, start_n), (nq, nk), band, scale, softcap, slope,
+            b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (start_m, start_n), (nq, nk), band, scale, softcap, b_slope,
                                 p_mask, (stride_mq, stride_mk))
             b_p = tl.exp(b_s - b_lse_safe[:, None])
             if b_seed is not None:
-                m_keep = dropout_keep(b_seed, counters, o_m, o_n, (seqlen_q, seqlen_k), dropout_p)
+                m_keep = dropout_keep(b_seed, counter_row0, o_m, o_n, (seqlen_q, seqlen_k), dropout_p)
                 b_p = tl.where(m_keep, b_p, -b_p)
-            p_probs = probs + (counters + o_m[:, None]) * seqlen_k + o_n[None, :]
+            p_probs = probs + (counter_row0 + o_m[:, None]) * seqlen_k + o_n[None, :]
             tl.store(p_probs, b_p.to(probs.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_n[None, :] < nk))
 
 
 @triton.jit
 def merge_splits_kernel(
     out_splits, lse_splits, out, lse,
-    stride_ss, stride_sb, stride_sn, stride_sh, stride_sd,
-    stride_ls, stride_lb, stride_lh,
+    stride_pos, stride_pob, stride_pon, stride_poh, stride_pod,
+    stride_pls, stride_plb, stride_plh,
     stride_ob, stride_on, stride_oh, stride_od,
-    stride_rb, stride_rh,
+    stride_lb, stride_lh,
     num_heads, seqlen_q, head_dim_v, n_splits,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Merge the partial (O_s, lse_s) of every split: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s.
+    """Merge the partial (O_s, lse_s) of every split (strides ``stride_po*`` and ``stride_pl*`` of the partials,
+    ``stride_o*`` and ``stride_l*`` of the results): lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s.
 
     Weights are taken relative to the largest lse_s, so nothing overflows; splits that saw no key (lse_s = -inf)
     weigh 0, and a row no split saw gets O = 0, lse = -inf. Query positions have unit stride in ``lse_splits``
@@ -152,22 +155,22 @@ def merge_splits_kernel(
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_dv = tl.arange(0, BLOCK_DV)
     m_rows = o_m < seqlen_q
-    p_lse = lse_splits + b * stride_lb + h * stride_lh + o_m
+    p_lse = lse_splits + b * stride_plb + h * stride_plh + o_m
     b_top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in range(0, n_splits):
-        b_top = tl.maximum(b_top, tl.load(p_lse + s * stride_ls, mask=m_rows, other=float("-inf")))
+        b_top = tl.maximum(b_top, tl.load(p_lse + s * stride_pls, mask=m_rows, other=float("-inf")))
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
     b_total = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    p_tile = out_splits + b * stride_sb + h * stride_sh + o_m[:, None] * stride_sn + o_dv[None, :] * stride_sd
+    p_tile = out_splits + b * stride_pob + h * stride_poh + o_m[:, None] * stride_pon + o_dv[None, :] * stride_pod
     m_inside = m_rows[:, None] & (o_dv[None, :] < head_dim_v)
     for s in range(0, n_splits):
-        b_w = tl.exp(tl.load(p_lse + s * stride_ls, mask=m_rows, other=float("-inf")) - b_top)
+        b_w = tl.exp(tl.load(p_lse + s * stride_pls, mask=m_rows, other=float("-inf")) - b_top)
         b_total += b_w
-        b_acc += b_w[:, None] * tl.load(p_tile + s * stride_ss, mask=m_inside, other=0.0)
+        b_acc += b_w[:, None] * tl.load(p_tile + s * stride_pos, mask=m_inside, other=0.0)
     m_empty = b_total == 0.0
     b_out = b_acc / tl.where(m_empty, 1.0, b_total)[:, None]
     b_lse = tl.where(m_empty, float("-inf"), b_top + tl.log(tl.where(m_empty, 1.0, b_total)))
     tl.store(out + b * stride_ob + o_m[:, None] * stride_on + h * stride_oh + o_dv[None, :] * stride_od,
              b_out.to(out.dtype.element_ty), mask=m_inside)
-    tl.store(lse + b * stride_rb + h * stride_rh + o_m, b_lse, mask=m_rows)
+    tl.store(lse + b * stride_lb + h * stride_lh + o_m, b_lse, mask=m_rows)

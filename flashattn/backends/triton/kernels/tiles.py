@@ -60,8 +60,8 @@ def dot(a, b):
 @triton.jit
 def tile_needs_mask(start_m, start_n, seqlens, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """True unless every (i, j) of the tile is inside the sequences (``seqlens`` = (nq, nk)) and inside the band
-    (``band`` = (diagonal, window_left, window_right), a side None when unbounded)."""
-    diagonal, window_left, window_right = band
+    (``band`` = (window_left, window_right, diagonal), a side None when unbounded, as ``Band`` orders them)."""
+    window_left, window_right, diagonal = band
     need = (start_m + BLOCK_M > seqlens[0]) | (start_n + BLOCK_N > seqlens[1])
     if window_right is not None:
         need = need | ((start_n + BLOCK_N - 1) - start_m - diagonal > window_right)
@@ -82,7 +82,7 @@ def score_tile(b_q, b_kt, o_m, o_n, starts, seqlens, band, scale, softcap, slope
     """
     BLOCK_M: tl.constexpr = o_m.shape[0]
     BLOCK_N: tl.constexpr = o_n.shape[0]
-    diagonal, window_left, window_right = band
+    window_left, window_right, diagonal = band
     b_s = dot(b_q, b_kt) * scale
     if softcap is not None:
         b_s = softcap * tanh(b_s / softcap)
@@ -108,6 +108,22 @@ def score_tile(b_q, b_kt, o_m, o_n, starts, seqlens, band, scale, softcap, slope
 
 
 @triton.jit
+def dropped(b_x, m_keep, dropout_p):
+    """``b_x`` where dropout keeps, scaled by 1 / (1 - p), else 0."""
+    return tl.where(m_keep, b_x / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def score_grads(b_p, b_dp, b_delta, b_capped, softcap):
+    """dS = P * (dP - delta), through the softcap's tanh when there is one: d(c tanh(s / c)) / ds = 1 - tanh^2."""
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    if softcap is not None:
+        b_t = b_capped / softcap
+        b_ds = b_ds * (1.0 - b_t * b_t)
+    return b_ds
+
+
+@triton.jit
 def dropout_keep(seed, row0, o_m, o_n, seqlens, dropout_p):
     """Keep-mask of the tile: ``tl.rand(seed, (row0 + i) * NK + j)`` >= p, where ``row0`` = (b * H + h) * NQ and
     ``seqlens`` = (NQ, NK) lay out the counters (the maxima for varlen), as ``flashattn.backends.philox`` does."""
@@ -116,13 +132,13 @@ def dropout_keep(seed, row0, o_m, o_n, seqlens, dropout_p):
 
 
 @triton.jit
-def sequence(b, cu_seqlens_q, k_start, k_end, seqlens):
+def sequence(b, cu_seqlens_q, cu_seqlens_k, k_bounds, seqlens):
     """(q start, q length, k start, k length) of batch entry ``b``.
 
     Queries: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of a packed (varlen) q, else all NQ = seqlens[0] rows of
-    entry b. Keys: positions ``k_start[b]:k_end[b]`` (a KV cache's per-sequence bounds), or
-    ``k_start[b]:k_start[b + 1]`` when ``k_end`` is None (varlen offsets), else all NK = seqlens[1]. Starts are
-    int64 so that start * stride cannot overflow on long packed batches.
+    entry b. Keys: rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of packed (varlen) keys, or positions
+    ``k_start[b]:k_end[b]`` of a KV cache (``k_bounds`` = (k_start, k_end), None without a cache), else all
+    NK = seqlens[1]. Starts are int64 so that start * stride cannot overflow on long packed batches.
     """
     q0 = 0
     nq = seqlens[0]
@@ -131,12 +147,13 @@ def sequence(b, cu_seqlens_q, k_start, k_end, seqlens):
     if cu_seqlens_q is not None:
         q0 = tl.load(cu_seqlens_q + b).to(tl.int64)
         nq = tl.load(cu_seqlens_q + b + 1) - tl.load(cu_seqlens_q + b)
-    if k_start is not None:
+    if cu_seqlens_k is not None:
+        k0 = tl.load(cu_seqlens_k + b).to(tl.int64)
+        nk = tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)
+    if k_bounds is not None:
+        k_start, k_end = k_bounds
         k0 = tl.load(k_start + b).to(tl.int64)
-        if k_end is not None:
-            nk = tl.load(k_end + b) - tl.load(k_start + b)
-        else:
-            nk = tl.load(k_start + b + 1) - tl.load(k_start + b)
+        nk = tl.load(k_end + b) - tl.load(k_start + b)
     return q0, nq, k0, nk
 
 
@@ -162,7 +179,7 @@ def key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size):
 @triton.jit
 def key_range(start_m, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi) of keys any row of the query block may see, lo aligned to BLOCK_N: skips hidden key blocks."""
-    diagonal, window_left, window_right = band
+    window_left, window_right, diagonal = band
     lo = 0
     hi = nk
     if window_left is not None:
@@ -176,7 +193,7 @@ def key_range(start_m, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def query_range(start_n, nq, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi) of queries that may see any key of the key block, lo aligned to BLOCK_M."""
-    diagonal, window_left, window_right = band
+    window_left, window_right, diagonal = band
     lo = 0
     hi = nq
     if window_right is not None:
