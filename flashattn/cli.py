@@ -6,6 +6,7 @@
     flashattn bench cpu                   # the CPU path against torch's CPU SDPA and plain attention
     flashattn bench context-parallel      # context-parallel layouts across ranks (starts torchrun)
     flashattn bench cuda-kernel           # the CUDA C++ kernel: compile, accuracy, forward timing
+    flashattn info [--json]               # versions, devices, compilers, the backend auto picks and why
 
 ``flashattn bench <subcommand> --help`` lists each one's options with their defaults.
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -20,8 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import __version__, reference
-from .bench import context_parallel, cpu, cuda_kernel, decode, options, report, sweep
+from . import __version__, info, reference
+from .bench import context_parallel, cpu, cuda_kernel, decode, load, options, report, sweep
 from .bench.measure import OURS, Case, measure
 
 BENCH_COMMANDS = {"sweep": sweep, "decode": decode, "cpu": cpu, "context-parallel": context_parallel,
@@ -153,12 +155,26 @@ def _add_bench(sub) -> None:
         p.set_defaults(func=module.command, check=getattr(module, "check", None), parser=p)
 
 
+def show_info(args: argparse.Namespace) -> int:
+    facts = info.collect()
+    sys.stdout.write(json.dumps(facts, indent=1) + "\n" if args.json else info.format_text(facts))
+    return 0
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="what is installed and usable here, and which backend runs a call and why",
+                       description=options.plain(info.__doc__.split("\n\n")[0]))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=show_info, timed=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
     parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     _add_demo(sub)
     _add_bench(sub)
+    _add_info(sub)
     return parser
 
 
@@ -169,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         args.parser.error(problem)  # a usage error (exit 2), like a bad value
     args.command_line = ["flashattn", *argv]
-    return args.func(args)
+    if not getattr(args, "timed", True):
+        return args.func(args)
+    with load.measured():  # before any timing: warns on a busy machine, and the results record the reading
+        return args.func(args)
 
 
 if __name__ == "__main__":

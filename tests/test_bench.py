@@ -1,18 +1,29 @@
 """`flashattn bench` on tiny CPU sizes: the sweep (`sweep`), baselines that cannot run, FLOP counts and speed
 ratios; the decode sweep (`decode`): bytes moved, copy bandwidth, skipped cases, JSON and plot; `cpu`,
-`cuda-kernel --smoke` and `context-parallel` (gloo, one rank) end to end; the shared table, plot and writer."""
+`cuda-kernel --smoke` and `context-parallel` (gloo, one rank) end to end; the shared table, plot and writer; the
+busy-machine warning and the meta block every result file carries (threads, CPU model, load before timing)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 import flashattn
-from flashattn.bench import context_parallel, decode, report, sweep
+from flashattn.bench import context_parallel, decode, load, report, sweep
 from flashattn.bench.measure import OURS, OURS_CUDA, Case
 from flashattn.cli import main
+
+
+def assert_meta_describes_the_machine(meta: dict, in_this_process: bool = True) -> None:
+    """What every result file's meta must hold for a reader to judge its timings."""
+    assert meta["threads"] == torch.get_num_threads() if in_this_process else meta["threads"] >= 1
+    assert meta["cpu"] == report.cpu_model() and meta["cpu"]
+    assert meta["cores"] == os.cpu_count() and meta["usable_cores"] == load.usable_cores()
+    assert set(meta["load"]) == {"load_1m", "other_cpu", "usable_cores"}, meta["load"]
+    assert meta["load_warning"] is None or meta["load_warning"].startswith("the machine is busy")
 
 
 def test_bench_cli_writes_rows_ratios_and_plots(tmp_path, capsys):
@@ -23,7 +34,9 @@ def test_bench_cli_writes_rows_ratios_and_plots(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "ours/best" in text and "no-such-kernel: unavailable" in text
-    rows = json.loads((out / "bench-cpu.json").read_text())["rows"]
+    data = json.loads((out / "bench-cpu.json").read_text())
+    assert_meta_describes_the_machine(data["meta"])
+    rows = data["rows"]
     measured = [r for r in rows if "seqlen" in r]
     assert len(measured) == 2 * 1 * 2 * 2 * 3  # seqlens x headdims x causal x modes x implementations
     assert all(r["tflops"] > 0 and r["peak_bytes"] >= 0 for r in measured)
@@ -78,6 +91,7 @@ def test_decode_cli_writes_rows_goal_and_plot(tmp_path, capsys):
     assert "of copy" in text and "speedup" in text and "decode-cpu.png" in text
     data = json.loads((out / "decode-cpu.json").read_text())
     meta, rows = data["meta"], data["rows"]
+    assert_meta_describes_the_machine(meta)
     assert meta["copy_bandwidth"]["gbps"] > 0 and meta["sweep"]["heads_q"] == 8 and meta["goal"] is None
     assert len(rows) == 2 * 2 * 2  # batches x cache lengths x (ours, baseline)
     for r in rows:
@@ -156,7 +170,7 @@ def test_cpu_subcommand_measures_fwd_and_fwd_bwd_and_leaves_big_plain_attention_
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"} and all(r["seconds"] > 0 for r in rows)
     assert all(r["device"] == "cpu" and r["dtype"] == "float32" and r["batch"] == 1 for r in rows)
     meta = data["meta"]
-    assert meta["threads"] == torch.get_num_threads() and meta["cpu"] == report.cpu_model() and meta["cpu"]
+    assert_meta_describes_the_machine(meta)
     assert meta["command"].startswith("flashattn bench cpu --seqlens 32,64") and meta["torch"] == torch.__version__
     assert meta["device"] == "cpu" and meta["date"][:4].isdigit() and meta["sweep"]["seqlens"] == [32, 64]
     assert (out / "c.png").stat().st_size > 10_000
@@ -188,6 +202,7 @@ def test_cuda_kernel_smoke_compiles_and_writes_the_file(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert data["meta"]["compile"]["arch"] == "sm_90" and data["meta"]["compile"]["seconds"] > 0
     assert data["meta"]["device"] == "none (smoke)" and data["rows"] == [] and data["accuracy"] == []
+    assert_meta_describes_the_machine(data["meta"])
     assert "compile for sm_90" in capsys.readouterr().out
 
 
@@ -223,6 +238,17 @@ def test_context_parallel_runs_every_layout_on_one_gloo_rank(tmp_path, capsys):
     assert all(r["world"] == 1 and r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 for r in data["rows"])
     assert all(r["sent_bytes"] == {"fwd": 0, "bwd": 0} for r in data["rows"])  # nothing to send with one rank
     assert data["meta"]["backend"] == "gloo" and data["meta"]["world"] == 1
+    assert_meta_describes_the_machine(data["meta"], in_this_process=False)  # with the reading its parent took
+
+
+def test_context_parallel_rank_records_the_reading_its_parent_took(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 0.0, 0.0))
+    monkeypatch.setattr(load, "other_processes_cpu", lambda seconds=0: 0.0)
+    out = tmp_path / "cp"
+    assert main(["bench", "context-parallel", "--device", "cpu", "--nproc-per-node", "1", "--seqlen", "32",
+                 "--heads", "1", "--heads-kv", "1", "--headdim", "16", "--repeats", "1", "--out", str(out)]) == 0
+    meta = json.loads((out / "context-parallel-w1.json").read_text())["meta"]
+    assert meta["load"]["load_1m"] == 7.5 and meta["load_warning"].startswith("the machine is busy")
 
 
 def test_sent_bytes_follow_the_layout_formulas():
@@ -251,3 +277,54 @@ def test_plot_draws_a_metric_against_cache_length_with_panels(tmp_path):
     figure = report.Figure("t", ("bw_fraction",), x="cache_len", lines=("batch",), cols=("impl",), goal=0.8)
     assert report.plot(rows, tmp_path / "p.png", figure) and (tmp_path / "p.png").stat().st_size > 10_000
     assert not report.plot([{"impl": "x", "error": "unavailable"}], tmp_path / "q.png", figure)
+
+
+def _cpu_bench(out) -> list[str]:
+    return ["bench", "cpu", "--seqlens", "32", "--heads", "1", "--headdim", "16", "--repeats", "1", "--in-process",
+            "--quiet", "--out", str(out), "--name", "c"]
+
+
+@pytest.mark.parametrize("loadavg,other,says", [((8.0, 1.0, 1.0), 0.0, "1-minute load average 8.00 on"),
+                                                 ((0.0, 0.0, 0.0), 64.0, "other processes are using 64.00 of")])
+def test_a_busy_machine_is_warned_about_before_timing_and_recorded(loadavg, other, says, tmp_path, capsys,
+                                                                    monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: loadavg)
+    monkeypatch.setattr(load, "other_processes_cpu", lambda seconds=0: other)
+    assert main(_cpu_bench(tmp_path)) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("flashattn: warning: the machine is busy (") and says in line
+    assert line.endswith("timings may be unreliable")
+    meta = json.loads((tmp_path / "c.json").read_text())["meta"]
+    assert meta["load_warning"] in line and meta["load"] == {"load_1m": loadavg[0], "other_cpu": other,
+                                                              "usable_cores": load.usable_cores()}
+
+
+def test_a_quiet_machine_gets_no_warning_but_its_load_is_recorded(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(load, "other_processes_cpu", lambda seconds=0: 0.0)
+    assert main(_cpu_bench(tmp_path)) == 0
+    assert "warning" not in capsys.readouterr().err
+    meta = json.loads((tmp_path / "c.json").read_text())["meta"]
+    assert meta["load_warning"] is None and meta["load"]["load_1m"] == 0.0
+
+
+def test_no_load_average_is_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "getloadavg")  # as on Windows
+    monkeypatch.setattr(load, "other_processes_cpu", lambda seconds=0: None)
+    assert load.load_average() is None and load.warning(load.reading()) is None
+    assert main(_cpu_bench(tmp_path)) == 0
+    meta = json.loads((tmp_path / "c.json").read_text())["meta"]
+    assert meta["load"]["load_1m"] is None and meta["load_warning"] is None
+
+
+def test_other_processes_cpu_is_sampled_from_proc_stat():
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("Linux only")
+    other = load.other_processes_cpu(0.05)
+    assert other is not None and 0 <= other <= load.usable_cores() + 0.5  # tick rounding
+
+
+def test_meta_outside_the_command_line_has_no_reading():
+    meta = report.meta("cpu", ["test"])
+    assert meta["load"] is None and meta["load_warning"] is None and meta["threads"] >= 1

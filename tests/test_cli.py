@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from flashattn.bench import load
 from flashattn.bench.measure import Case, measure
 from flashattn.cli import BENCH_COMMANDS, build_parser, main
 
@@ -21,8 +24,12 @@ def test_demo_runs_and_writes_json_and_png(tmp_path, capsys):
     text = capsys.readouterr().out
     for expected in ("flash_attention_v2_backward", "crossover", "flash2_fwd", "sdpa"):
         assert expected in text
-    results = json.loads((out / "demo.json").read_text())["rows"]
+    data = json.loads((out / "demo.json").read_text())
+    results = data["rows"]
     assert {r["impl"] for r in results} == {"flashattn", "sdpa", "plain"}
+    meta = data["meta"]  # what a reader needs to judge the timings: threads, CPU, the load before timing
+    assert meta["threads"] == torch.get_num_threads() and meta["cpu"] and meta["usable_cores"] >= 1
+    assert "load_1m" in meta["load"] and "load_warning" in meta
     assert all(r["seconds"] > 0 and r["peak_bytes"] >= 0 for r in results)
     assert (out / "demo.png").stat().st_size > 10_000
 
@@ -32,6 +39,27 @@ def test_measure_reports_time_and_the_n_squared_memory_of_plain_attention(mode):
     plain = measure(Case("plain", 512, heads=2, headdim=16, repeats=1, mode=mode))  # a fresh process
     # S and P of plain attention are 2 x (2 heads x 512^2 float32) = 4 MiB at least.
     assert plain["seconds"] > 0 and plain["peak_bytes"] >= 2 * 2 * 512 * 512 * 4 * 0.9
+
+
+def test_demo_warns_on_a_busy_machine_before_timing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(load, "other_processes_cpu", lambda seconds=0: 0.0)
+    assert main(["demo", "--out", str(tmp_path), "--seqlens", "64", "--repeats", "1", "--traffic-n", "64",
+                 "--traffic-d", "16"]) == 0
+    assert "flashattn: warning: the machine is busy (1-minute load average 64.00" in capsys.readouterr().err
+    assert json.loads((tmp_path / "demo.json").read_text())["meta"]["load_warning"].startswith("the machine is busy")
+
+
+def test_info_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", "--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0 and "usage: flashattn info [-h] [--json]" in text and "machine-readable" in text
+
+
+def test_info_is_not_timed_so_takes_no_reading(capsys, monkeypatch):
+    monkeypatch.setattr(load, "check", lambda: pytest.fail("info took a load reading"))
+    assert main(["info", "--json"]) == 0 and json.loads(capsys.readouterr().out)["flashattn"]
 
 
 def test_module_entry_point():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import flashattn.distributed as fd
 
-from . import options, report
+from . import load, options, report
 
 HELP = "ring, zigzag, all-gather and Ulysses context parallelism under torchrun: time and bytes sent per rank"
 LAYOUTS = {"ring": (fd.ring_flash_attn_func, "contiguous"), "zigzag": (fd.zigzag_ring_flash_attn_func, "zigzag"),
@@ -181,7 +181,7 @@ def command(a: argparse.Namespace) -> int:
         return run_ranks(a)
     cmd = torchrun_command(a)
     print("running", " ".join(cmd[:8]), "...", flush=True)
-    return subprocess.run(cmd).returncode
+    return subprocess.run(cmd, env=load.child_environment()).returncode  # the ranks record this process's reading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         p.error(problem)
     a.command_line = ["python", "-m", "flashattn.bench.context_parallel", *(sys.argv[1:] if argv is None else argv)]
-    return command(a)
+    if "LOCAL_RANK" in os.environ:  # a rank: its parent took the reading (siblings starting up would skew its own)
+        return command(a)
+    with load.measured():
+        return command(a)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Rows are plain dicts (one per measurement, as ``measure`` returns them). ``table`` prints any rows under any
 columns; ``wide`` turns long rows (one per implementation) into one row per point with a column group per
 implementation; ``plot`` draws a metric against seqlen or cache length, one line per implementation, one panel
-per group; ``write`` saves the rows with a ``meta`` block (device, torch, date, command, threads, CPU model) as
-JSON, and the figures beside it.
+per group; ``write`` saves the rows with a ``meta`` block (device, torch, date, command, threads, CPU model, the
+machine's load before timing) as JSON, and the figures beside it.
 
 Example::
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from . import load
 from .measure import OURS
 
 
@@ -264,16 +265,23 @@ def cpu_model() -> str:
 
 
 def meta(device: str, command: Sequence[str] | str | None = None, sweep: object = None, **extra) -> dict:
-    """What a reader needs to trust a result file: where, with what, when, how it was started, and the sweep.
+    """What a reader needs to trust a result file: where, with what, when, how it was started, how busy the
+    machine was, and the sweep.
 
     ``command`` is the argument list (default ``sys.argv``); ``sweep`` a dataclass or dict; ``extra`` is added.
+    ``load`` is the reading taken before timing (``load.recorded()``: load average, other processes' CPU, usable
+    cores; None when the benchmark was not started through the command line) and ``load_warning`` its warning.
     """
     if command is None:
         command = sys.argv
+    reading = load.recorded()
     return {"device": device_name(device), "torch": torch.__version__,
             "date": datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": command if isinstance(command, str) else shlex.join(command),
             "threads": torch.get_num_threads(), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "usable_cores": load.usable_cores(),
+            "load": None if reading is None else {k: v for k, v in reading.items() if k != "warning"},
+            "load_warning": None if reading is None else reading.get("warning"),
             "sweep": asdict(sweep) if is_dataclass(sweep) else sweep, **extra}
 
 

@@ -1,0 +1,173 @@
+"""`flashattn info`: runs here, its JSON has every section, the automatic choice for CPU tensors comes with its
+reason, and a missing compiler, triton or NVRTC, or a bad FLASHATTN_BACKEND, is reported, not raised. Also the
+packaging facts it relies on: one version, declared once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashattn
+from flashattn import info
+from flashattn.cli import main
+
+ROOT = Path(__file__).parents[1]
+SECTIONS = {"flashattn", "versions", "system", "cuda", "compilers", "backends", "environment"}
+
+
+def test_json_has_every_section_and_the_cpu_choice_with_its_reason(capsys, monkeypatch):
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    assert main(["info", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert set(facts) == SECTIONS and facts["flashattn"] == flashattn.__version__
+    assert {"python", "torch", "torch_build", "triton", "transformers"} <= set(facts["versions"])
+    assert {"os", "cpu", "cores", "usable_cores", "torch_threads", "load_1m"} <= set(facts["system"])
+    assert set(facts["compilers"]) == {"triton", "nvrtc", "c++"}
+    for item in facts["compilers"].values():
+        assert isinstance(item["usable"], bool) and item["detail"]
+    cpu = [r for r in facts["backends"] if r["device"] == "cpu"]
+    assert [(r["dtype"], r["head_dim"]) for r in cpu] == [("float32", 64), ("bfloat16", 128)]
+    assert all(r["backend"] == "cpu" and r["reason"].startswith("auto: ") for r in cpu)
+    assert set(facts["environment"]) >= {"FLASHATTN_BACKEND", "FLASHATTN_NVRTC", "FLASHATTN_CACHE",
+                                         "TRITON_INTERPRET", "CUDA_HOME", "CUDA_PATH"}
+    assert facts["cuda"]["available"] == bool(facts["cuda"]["devices"])
+
+
+def test_text_report_is_aligned_sections(capsys):
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"flashattn {flashattn.__version__}\n")
+    for heading in ("Versions", "System", "CUDA devices", "Compilers", "Backend chosen", "Environment"):
+        assert f"\n{heading}" in text
+    assert re.search(r"\n  cpu +float32 +64 +cpu +auto: ", text)
+
+
+def test_cuda_calls_are_explained_with_a_reason_for_each_rule(monkeypatch):
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    rows = info.backend_choices(cuda=True)
+    cuda = {(r["dtype"], r["head_dim"]): r for r in rows if r["device"] == "cuda"}
+    assert cuda[("float64", 64)]["backend"] == "cpu" and "float64" in cuda[("float64", 64)]["reason"]
+    assert cuda[("bfloat16", 320)]["backend"] == "cpu" and "320" in cuda[("bfloat16", 320)]["reason"]
+    assert {r["backend"] for k, r in cuda.items() if k[1] <= 128 and k[0] != "float64"} <= {"triton", "cpu"}
+
+
+def test_forced_and_invalid_backends_are_reported(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_BACKEND", "cpu")
+    assert info.backend_choices(cuda=False)[0]["reason"] == "forced by FLASHATTN_BACKEND"
+    monkeypatch.setenv("FLASHATTN_BACKEND", "gpu")
+    row = info.backend_choices(cuda=False)[0]
+    assert row["backend"] is None and "FLASHATTN_BACKEND must be one of" in row["reason"]
+    assert "(error)" in info.format_text(info.collect())
+
+
+def test_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no c++, g++, clang++ or cc
+    monkeypatch.delenv("CXX", raising=False)
+    found = info.compiler()
+    assert found["usable"] is False and "none found" in found["detail"] and "c++" in found["detail"]
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert "CXX='no-such-compiler'" in info.compiler()["detail"]
+    text = info.format_text(info.collect())
+    assert "C/C++   no: CXX='no-such-compiler' is not an executable on PATH" in text
+
+
+def test_a_compiler_that_fails_is_reported_with_its_message(monkeypatch, tmp_path):
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'fake c++ 1.0'\n[ \"$1\" = --version ] || { echo 'error: broken' >&2; exit 1; }\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    found = info.compiler()
+    assert found["usable"] is False and found["version"] == "fake c++ 1.0" and "error: broken" in found["detail"]
+
+
+def test_a_working_compiler_compiles_here():
+    found = info.compiler()
+    if found["path"] is None:
+        pytest.skip("no C/C++ compiler on this machine")
+    assert found["usable"] and found["version"], found["detail"]
+
+
+def test_missing_triton_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail as if it were not installed
+    assert info.triton() == {"usable": False, "version": None,
+                             "detail": "not installed (pip install 'flashattn[triton]')"}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs Triton's interpreter (conftest.py switches it on where there is no GPU)")
+def test_triton_runs_its_probe_kernel_in_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(info.torch.cuda, "is_available", lambda: False)
+    found = info.triton()
+    assert found["usable"] and "ran a test kernel in the interpreter" in found["detail"], found["detail"]
+
+
+def test_triton_without_a_gpu_or_the_interpreter_says_what_it_would_need(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(info.torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    found = info.triton()
+    assert found["usable"] is False and "would need the interpreter (TRITON_INTERPRET=1" in found["detail"]
+
+
+def test_missing_nvrtc_is_reported_not_raised(monkeypatch):
+    from flashattn.backends.cuda import runtime
+
+    def missing():
+        raise runtime.CompileError("no libnvrtc.so here")
+
+    monkeypatch.setattr(runtime, "nvrtc", missing)
+    assert info.nvrtc() == {"usable": False, "version": None, "detail": "no libnvrtc.so here"}
+
+
+def test_a_section_that_raises_does_not_hide_the_others(monkeypatch):
+    def broken():
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(info, "cuda_devices", broken)
+    monkeypatch.setattr(info, "system", broken)
+    facts = info.collect()
+    assert facts["cuda"] == {"error": "RuntimeError: driver exploded"} and facts["versions"]["torch"]
+    text = info.format_text(facts)
+    assert "could not be read: RuntimeError: driver exploded" in text and "Compilers" in text
+
+
+def test_every_environment_variable_the_package_reads_is_listed():
+    read = set()
+    for path in (ROOT / "flashattn").rglob("*.py"):
+        read |= set(re.findall(r"""(?:environ(?:\.get)?\(|environ\[|getenv\()\s*["']([A-Z_]+)["']""",
+                               path.read_text()))
+    listed = {name for name, _, _ in info.ENVIRONMENT}
+    assert read and read <= listed, read - listed
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in listed), [n for n in listed if f"`{n}`" not in readme]
+
+
+def test_python_m_flashattn_info_runs_as_a_subprocess():
+    done = subprocess.run([sys.executable, "-m", "flashattn", "info"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("flashattn ") and "Backend chosen" in done.stdout
+
+
+def test_version_is_declared_once_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "flashattn.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", flashattn.__version__)
+
+
+def test_package_ships_its_type_marker_and_license():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert (ROOT / "flashattn" / "py.typed").exists() and "py.typed" in project["tool"]["setuptools"][
+        "package-data"]["flashattn"]
+    assert project["project"]["license"] == "BSD-3-Clause" and "BSD 3-Clause" in (ROOT / "LICENSE").read_text()
