@@ -15,27 +15,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
-from triton.runtime import driver
 
 from .. import triton as backend
 from ..spec import AttentionSpec, KeyCache, Saved, Varlen
 from . import configs
-from .launch import compile_only
+from .offline import SHARED_LIMIT, TARGETS, compiled_launches, cubin_report
 
-# Opt-in shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
-SHARED_LIMIT = {80: 166912, 90: 232448}
-TARGETS = (80, 90)
 TABLES = ("forward", "decode", "dkdv", "dq")
 KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",
              "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel"}
@@ -47,24 +37,6 @@ HGMMA_EXEMPT = {
     ("dq", 256, "light"),
     ("dq", 256, "heavy"),
 }
-
-
-class _OfflineDriver(CudaDriver):
-    """A CUDA driver that answers Triton's questions for a chosen architecture without a GPU; kernels are only
-    compiled (warmed up), never launched. Its device number is the architecture, so compilations for different
-    targets do not share Triton's per-device caches."""
-
-    def __init__(self, arch: int):  # no super().__init__(): it would load libcuda
-        self.arch = arch
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", self.arch, 32)
-
-    def get_current_device(self) -> int:
-        return self.arch
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
 
 
 @dataclass
@@ -121,35 +93,20 @@ def _inputs(table: str, weight: str, head_dim: int):
     return q, k, v, spec
 
 
-def _compile(table: str, weight: str, head_dim: int) -> object:
-    """The compiled kernel that serves (table, head dim, weight), through the backend's own launch path."""
+def _compile(table: str, weight: str, head_dim: int, arch: int) -> object:
+    """The compiled kernel that serves (table, head dim, weight) on sm_``arch``, through the backend's own launch
+    path."""
     q, k, v, spec = _inputs(table, weight, head_dim)
-    with compile_only() as launches:
+
+    def call():
         if table in ("forward", "decode"):
-            backend.forward(q, k, v, spec)
-        else:
-            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
-            backend.backward(torch.empty_like(out), None, Saved(q, k, v, out, lse), spec)
+            return backend.forward(q, k, v, spec)
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+        return backend.backward(torch.empty_like(out), None, Saved(q, k, v, out, lse), spec)
+
     name = KERNEL_OF[table].removesuffix("[decode]")
-    return next(c for c in launches if c.name == name).kernel
-
-
-def _cuobjdump() -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-
-
-def _inspect_cubin(cubin: bytes) -> tuple[int, int, bool]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([_cuobjdump(), "--dump-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    spills = int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1))
-    return regs, spills, "HGMMA" in sass
+    return next(c for c in compiled_launches(arch, call) if c.name == name).kernel
 
 
 def _table_of(kernel: str) -> str:
@@ -167,14 +124,12 @@ def check_one(table: str, head_dim: int, variant: str, arch: int, cfg: configs.K
     shipped = _table(table)[entry]
     cfg = cfg or shipped
     _table(table)[entry] = cfg  # the launcher reads the table: try cfg through the real path
-    previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
-    driver.set_active(_OfflineDriver(arch))
     try:
-        compiled = _compile(table, variant, head_dim)
+        compiled = _compile(table, variant, head_dim, arch)
     finally:
-        driver._active = previous
         _table(table)[entry] = shipped
-    regs, spills, hgmma = _inspect_cubin(compiled.asm["cubin"])
+    report = cubin_report(compiled.asm["cubin"])
+    regs, spills, hgmma = report.registers, report.spill_bytes, report.sass.count("HGMMA") > 0
     shared = compiled.metadata.shared
     problems = []
     if spills:

@@ -1,0 +1,84 @@
+"""Compiling the Triton kernels for a GPU that is not there: what a call would launch, for sm_80 or sm_90.
+
+``compiled_launches(arch, call)`` runs ``call`` (which calls this backend's ``forward``/``backward`` on CPU
+tensors) with an offline CUDA driver standing in for the GPU and ``launch.compile_only`` recording, so every kernel
+is compiled exactly as that call would launch it: the same arguments by name, hence the runtime's specialization
+(16-byte aligned pointers, unit strides, sizes divisible by 16). ``cubin_report`` reads a binary's resource usage
+and SASS with the ``cuobjdump`` Triton ships. The health report and the kernel profile are built on these.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+
+from .launch import Compiled, compile_only
+from .sass import Sass
+
+# Opt-in shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
+SHARED_LIMIT = {80: 166912, 90: 232448}
+TARGETS = (80, 90)
+
+
+class _OfflineDriver(CudaDriver):
+    """A CUDA driver that answers Triton's questions for a chosen architecture without a GPU; kernels are only
+    compiled (warmed up), never launched. Its device number is the architecture, so compilations for different
+    targets do not share Triton's per-device caches."""
+
+    def __init__(self, arch: int):  # no super().__init__(): it would load libcuda
+        self.arch = arch
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_current_device(self) -> int:
+        return self.arch
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+
+@contextmanager
+def _offline(arch: int):
+    previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
+    driver.set_active(_OfflineDriver(arch))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+def compiled_launches(arch: int, call: Callable[[], object]) -> list[Compiled]:
+    """The launches ``call`` makes, each compiled for sm_``arch`` instead of run."""
+    with _offline(arch), compile_only() as launches:
+        call()
+    return launches
+
+
+class CubinReport(NamedTuple):
+    registers: int
+    spill_bytes: int
+    sass: Sass
+
+
+def cubin_report(cubin: bytes) -> CubinReport:
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    spills = int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return CubinReport(registers, spills, Sass.parse(sass))
