@@ -84,7 +84,7 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
         batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
         targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32, device=q.device),
                    torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
-    kwargs = forward_kwargs(q, k, v, targets, probs=probs, spec=rows.spec, shape=shape, rows=rows)
+    kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
     grid = (-(-rows.nq // cfg.block_m), shape.b * rows.h, splits)
     launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

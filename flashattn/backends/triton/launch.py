@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..spec import AttentionSpec
-from . import configs
+from . import configs, tma
 from .kernels import merge_splits_kernel
 
 
@@ -219,11 +219,13 @@ def _sizes(q, shape: CallShape, rows: QueryRows | None = None) -> dict:
                 UPCAST=interpreting() and q.dtype != torch.float32)
 
 
-def forward_kwargs(q, k, v, targets, *, probs, spec: AttentionSpec, shape: CallShape, rows: QueryRows) -> dict:
+def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, rows: QueryRows,
+                   cfg: configs.KernelConfig) -> dict:
     """Every argument of ``attention_forward_kernel`` but the tile sizes and ``split_keys``. ``targets`` = (out,
-    lse) with split stride 0, or the split workspaces (splits, batch, rows, heads, dv) and (splits, batch, heads,
-    rows) of a split-KV launch, whose batch stride is 0 for a packed q (rows are found through the offsets)."""
-    out, lse = targets
+    lse, probs or None) with split stride 0, or the split workspaces (splits, batch, rows, heads, dv) and (splits,
+    batch, heads, rows) of a split-KV launch, whose batch stride is 0 for a packed q (rows are found through the
+    offsets)."""
+    out, lse, probs = targets
     split = out.shape != shape.out_shape
     if split:
         out_strides = CallShape.strides("o", out, "sbnhd")
@@ -235,8 +237,30 @@ def forward_kwargs(q, k, v, targets, *, probs, spec: AttentionSpec, shape: CallS
     return dict(
         q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=shape.cu_seqlens_q, **shape.keys,
         **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
-        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows),
+        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),
+        **_descriptors(q, k, v, shape=shape, rows=rows, blocks=(cfg.block_m, cfg.block_n)),
     )
+
+
+def _descriptors(q, k, v, *, shape: CallShape, rows: QueryRows, blocks: tuple[int, int]) -> dict:
+    """TMA descriptors of q, k and v where the target has TMA and their layouts allow (see ``tma.py``); paged keys
+    are gathered page by page, so they keep pointer loads."""
+    use = tma.enabled(interpreting()) and shape.keys["block_table"] is None
+    block_d, block_dv = configs.padded_head_dim(shape.d), configs.padded_head_dim(shape.dv)
+    q_rows = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
+    found = {}
+    if use:
+        found["q"] = tma.view(q, tuple(rows.q.values()), (*q_rows, rows.h, shape.d), (blocks[0], block_d))
+        kv_rows = (1, k.shape[0]) if k.dim() == 3 else k.shape[:2]
+        for name, t, d, block in (("k", k, shape.d, block_d), ("v", v, shape.dv, block_dv)):
+            found[name] = tma.view(t, tuple(CallShape.strides(name, t).values()), (*kv_rows, shape.hk, d),
+                                   (blocks[1], block))
+    return {key: value for name in "qkv" for key, value in tma.kernel_args(name, found.get(name)).items()}
+
+
+def plain_scores(spec: AttentionSpec) -> bool:
+    """No softcap, ALiBi or user mask, and a positive scale: the kernels fold the scale into the exponent."""
+    return spec.scale > 0 and spec.softcap <= 0 and spec.alibi_slopes is None and spec.attn_mask is None
 
 
 def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) -> dict:
@@ -246,7 +270,7 @@ def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) ->
         q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, cu_seqlens_q=shape.cu_seqlens_q,
         cu_seqlens_k=shape.cu_seqlens_k, **CallShape.strides("q", q), **CallShape.strides("k", k),
         **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(lse),
-        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape),
+        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape), PLAIN=plain_scores(spec),
     )
 
 

@@ -3,6 +3,12 @@
 One program owns one (query block, batch x head) pair and, with split-KV (flash-decoding), one split of the keys.
 Keys come from dense K/V, a packed varlen batch, or a KV cache (per-sequence bounds, a cache row index, or a
 paged block table with any page size).
+
+The key loop is cut in three (``_attend``): the tiles left of the band's full part and right of it (the diagonal,
+the end of the keys) apply the mask; the tiles between, all of them in a long non-causal call and all but the
+diagonal ones in a causal call, run without any mask code. Scores are kept in log2 units (``LOG2E``) so each
+softmax weight is a single MUFU.EX2, and in a plain call (no softcap, ALiBi or user mask) the scale is folded into
+that exponent's FFMA.
 """
 
 from __future__ import annotations
@@ -11,9 +17,10 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    dot,
+    LOG2E,
+    dot_acc,
     dropout_keep,
-    dropped,
+    full_key_range,
     key_range,
     key_slots,
     load_rows,
@@ -23,10 +30,65 @@ from .tiles import (
     sequence,
 )
 
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
+            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, PLAIN: tl.constexpr):
+    """The online softmax over the key tiles in ``span`` = [lo, hi): ``state`` = (acc, l, m) in, updated out.
+
+    ``keys`` = (k, v pointers at this head, their (page or batch, row, dim) strides, k0, kb, nk, head dims,
+    (block_table, stride_bt, page_size)); ``descriptors`` = (k, v TMA descriptors, None for pointer loads, and the
+    (row, column) where this head's keys start in each); ``scoring`` = ``score_tile``'s (seqlens, band, scale,
+    softcap, mask strides); ``dropout`` = (counter row 0, counter layout (NQ, NK), p). The ALiBi slope, the mask
+    pointer and the dropout seed come apart, each None when absent (under the compiler a tuple cannot hold a derived
+    None).
+    ``MASKED`` tiles apply the band and the end of the keys; the others are whole. m is in log2 units.
+    """
+    b_acc, b_l, b_m = state
+    p_k, p_v, k_strides, v_strides, k0, kb, nk, head_dims, pages = keys
+    seqlens, band, scale, softcap, mask_strides = scoring
+    counter_row0, layout, dropout_p = dropout
+    block_table, stride_bt, page_size = pages
+    k_desc, v_desc, k_at, v_at = descriptors
+    s_scale = scale * LOG2E if PLAIN else 1.0  # what turns the tile's scores into log2 units
+    o_d = tl.arange(0, b_q.shape[1])
+    o_dv = tl.arange(0, b_acc.shape[1])
+    for start_n in range(span[0], span[1], BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        if k_desc is not None:  # one bulk copy per tile; rows past the keys are masked or get P = 0
+            b_kt = tl.trans(k_desc.load([k_at[0] + start_n, k_at[1]]))
+            b_v = v_desc.load([v_at[0] + start_n, v_at[1]])
+            if UPCAST:
+                b_kt, b_v = b_kt.to(tl.float32), b_v.to(tl.float32)
+        else:
+            o_page, o_row, m_keys = key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size)
+            b_kt = load_rows(p_k, o_page * k_strides[0] + o_row * k_strides[1], m_keys, o_d, k_strides[2],
+                             head_dims[0], UPCAST, True)
+            b_v = load_rows(p_v, o_page * v_strides[0] + o_row * v_strides[1], m_keys, o_dv, v_strides[2],
+                            head_dims[1], UPCAST, False)
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, seqlens, band, scale, softcap, b_slope, p_mask, mask_strides,
+                            MASKED, PLAIN)
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * s_scale)  # PLAIN: raw q.k, whose max scales with the scale
+        b_m_use = b_m_new
+        if MASKED or p_mask is not None:
+            # A row that has seen only masked keys keeps max -inf: shift by 0 there so 2^x gives 0, not NaN.
+            b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s * s_scale - b_m_use[:, None])
+        b_alpha = tl.math.exp2(b_m - b_m_use)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        if b_seed is not None:  # the 1 / (1 - p) of the kept weights is applied once, at the end
+            b_p = tl.where(dropout_keep(b_seed, counter_row0, o_m[:, None], o_n[None, :], layout, dropout_p), b_p, 0.0)
+        b_acc = dot_acc(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+        b_m = b_m_new
+    return b_acc, b_l, b_m
+
 
 @triton.jit
 def attention_forward_kernel(
     q, k, v, out, lse, probs, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch, block_table,
+    q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -38,7 +100,7 @@ def attention_forward_kernel(
     num_heads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """O and lse of one query block of one head over the keys of split ``program_id(2)``.
 
@@ -47,7 +109,9 @@ def attention_forward_kernel(
     [s * split_keys, (s + 1) * split_keys) and writes its partial O and lse at ``s * stride_os``/``stride_ls``
     for ``merge_splits_kernel``; one split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs``
     (None unless asked for) receives P = exp(S - lse), dropped entries negated: a testing aid, never with a cache
-    or splits.
+    or splits. ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``). ``*_desc``
+    are TMA descriptors (None: pointer loads) with ``*_tma`` = (rows per batch, rows per head, columns per head)
+    saying where a head's rows are in them (``flashattn.backends.triton.tma``).
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -57,16 +121,20 @@ def attention_forward_kernel(
     hk = h // group_size
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, (k_start, k_end) if k_start is not None else None,
                               (seqlen_q, seqlen_k))
-    kb = b
-    if k_batch is not None:
-        kb = tl.load(k_batch + b).to(tl.int64)
+    kb = tl.load(k_batch + b).to(tl.int64) if k_batch is not None else b
     band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
-    o_n0 = tl.arange(0, BLOCK_N)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
 
-    b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
-                    (nq, head_dim), UPCAST)
+    if q_desc is not None:
+        b_q = q_desc.load([(b * q_tma[0] + h * q_tma[1] + q0 + start_m).to(tl.int32), h * q_tma[2]])
+        b_q = b_q.to(tl.float32) if UPCAST else b_q
+    else:
+        b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
+                        (nq, head_dim), UPCAST)
+    # TMA coordinates are 32-bit (the host refuses a descriptor whose rows would not fit).
+    descriptors = (k_desc, v_desc, ((kb * k_tma[0] + hk * k_tma[1] + k0).to(tl.int32), hk * k_tma[2]),
+                   ((kb * v_tma[0] + hk * v_tma[1] + k0).to(tl.int32), hk * v_tma[2]))
     # Paged keys are addressed from the cache's start; others from row k0 of their batch entry.
     p_k = k + hk * stride_kh
     p_v = v + hk * stride_vh
@@ -77,38 +145,38 @@ def attention_forward_kernel(
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
     b_seed = tl.load(seed) if seed is not None else None
     counter_row0 = bh.to(tl.int64) * seqlen_q  # dropout counters and probs rows: ((b * H + h) * NQ + i) * NK + j
+    keys = (p_k, p_v, (stride_kb, stride_kn, stride_kd), (stride_vb, stride_vn, stride_vd), k0, kb, nk,
+            (head_dim, head_dim_v), (block_table, stride_bt, page_size))
+    scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
+    dropout = (counter_row0, (seqlen_q, seqlen_k), dropout_p)
 
-    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    b_l = tl.zeros([BLOCK_M], tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # The keys this split sees, cut into the masked tiles around the band's whole tiles [full_lo, full_hi).
     lo, hi = key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
     lo = tl.maximum(lo, split * split_keys)  # split_keys is a multiple of BLOCK_N: lo stays aligned
     hi = tl.minimum(hi, (split + 1) * split_keys)
     hi = tl.where(start_m < nq, hi, 0)  # a varlen program past its sequence's end has nothing to do
-    for start_n in range(lo, hi, BLOCK_N):
-        o_n = start_n + o_n0
-        o_page, o_row, m_keys = key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size)
-        b_kt = load_rows(p_k, o_page * stride_kb + o_row * stride_kn, m_keys, o_d, stride_kd, head_dim, UPCAST, True)
-        b_v = load_rows(p_v, o_page * stride_vb + o_row * stride_vn, m_keys, o_dv, stride_vd, head_dim_v, UPCAST,
-                        False)
-        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (start_m, start_n), (nq, nk), band, scale, softcap, b_slope, p_mask,
-                            (stride_mq, stride_mk))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        # Rows that have seen only masked keys keep max -inf: shift by 0 there so exp gives 0, not NaN.
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.exp(b_s - b_m_safe[:, None])
-        b_alpha = tl.exp(b_m - b_m_safe)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if b_seed is not None:
-            m_keep = dropout_keep(b_seed, counter_row0, o_m, o_n, (seqlen_q, seqlen_k), dropout_p)
-            b_p = dropped(b_p, m_keep, dropout_p)
-        b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v)
-        b_m = b_m_new
+    full_lo, full_hi = full_key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    state = (tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+             tl.full([BLOCK_M], float("-inf"), tl.float32))
+    if window_left is not None:
+        state = _attend(b_q, state, o_m, (lo, full_lo), keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
+                        BLOCK_N, UPCAST, True, PLAIN)
+    else:
+        full_lo = lo
+    state = _attend(b_q, state, o_m, (full_lo, full_hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
+                    dropout, BLOCK_N, UPCAST, False, PLAIN)
+    b_acc, b_l, b_m = _attend(b_q, state, o_m, (full_hi, hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
+                              dropout, BLOCK_N, UPCAST, True, PLAIN)
 
     # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf.
     m_empty = b_l == 0.0
-    b_out = b_acc / tl.where(m_empty, 1.0, b_l)[:, None]
-    b_lse = tl.where(m_empty, float("-inf"), b_m + tl.log(tl.where(m_empty, 1.0, b_l)))
+    b_norm = tl.where(m_empty, 1.0, b_l)
+    if b_seed is not None:
+        b_norm = b_norm * (1.0 - dropout_p)
+    b_out = b_acc / b_norm[:, None]
+    b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(tl.where(m_empty, 1.0, b_l))) * LN2)
     p_out = (out + split * stride_os + b * stride_ob + (q0 + o_m[:, None]) * stride_on + h * stride_oh
              + o_dv[None, :] * stride_od)
     tl.store(p_out, b_out.to(out.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_dv[None, :] < head_dim_v))
@@ -117,15 +185,15 @@ def attention_forward_kernel(
     if probs is not None:
         # P = exp(S - lse) recomputed, dropped entries negated. probs was zero-filled by the launcher, so hidden
         # key blocks need no store.
-        b_lse_safe = tl.where(m_empty, float("inf"), b_lse)
+        b_lse2 = tl.where(m_empty, float("inf"), b_lse * LOG2E)
         for start_n in range(lo, hi, BLOCK_N):
-            o_n = start_n + o_n0
+            o_n = start_n + tl.arange(0, BLOCK_N)
             b_kt = load_tile_t(p_k, o_n, o_d, (stride_kn, stride_kd), (nk, head_dim), UPCAST)
-            b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (start_m, start_n), (nq, nk), band, scale, softcap, b_slope,
-                                p_mask, (stride_mq, stride_mk))
-            b_p = tl.exp(b_s - b_lse_safe[:, None])
+            b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (nq, nk), band, scale, softcap, b_slope, p_mask,
+                                (stride_mq, stride_mk), True, False)
+            b_p = tl.math.exp2(b_s - b_lse2[:, None])
             if b_seed is not None:
-                m_keep = dropout_keep(b_seed, counter_row0, o_m, o_n, (seqlen_q, seqlen_k), dropout_p)
+                m_keep = dropout_keep(b_seed, counter_row0, o_m[:, None], o_n[None, :], (seqlen_q, seqlen_k), dropout_p)
                 b_p = tl.where(m_keep, b_p, -b_p)
             p_probs = probs + (counter_row0 + o_m[:, None]) * seqlen_k + o_n[None, :]
             tl.store(p_probs, b_p.to(probs.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_n[None, :] < nk))

@@ -5,8 +5,10 @@ Naming, in every kernel: pointer arguments are lowercase nouns (``q``, ``lse``, 
 blocks held in registers, ``p_*`` pointer blocks, ``o_*`` offset vectors and ``m_*`` boolean masks;
 ``BLOCK_*`` and other constants are ``tl.constexpr``. An optional feature is an argument that may be None
 (ALiBi slopes, a mask, the dropout seed, a window side, the softcap, varlen offsets, a block table): None is a
-compile-time constant, so ``if x is not None`` costs nothing where the feature is off. (A helper cannot return
-None under the compiler, so optional values are derived in the kernels: ``x = f(p) if p is not None else None``.)
+compile-time constant, so ``if x is not None`` costs nothing where the feature is off. Under the compiler a helper
+cannot return None and a tuple cannot hold a None computed in the kernel (only an argument's own), so optional
+values derived in a kernel (the ALiBi slope, the mask pointer, the dropout seed) are passed to helpers as
+arguments of their own, never inside a tuple.
 """
 
 from __future__ import annotations
@@ -57,54 +59,70 @@ def dot(a, b):
     return tl.dot(a, b)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units, so exp is one MUFU.EX2: e^x = 2^(x log2 e)
+
+
 @triton.jit
-def tile_needs_mask(start_m, start_n, seqlens, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """True unless every (i, j) of the tile is inside the sequences (``seqlens`` = (nq, nk)) and inside the band
-    (``band`` = (window_left, window_right, diagonal), a side None when unbounded, as ``Band`` orders them)."""
+def dot_acc(a, b, acc):
+    """acc + a @ b, accumulated in place (one wgmma chain, no separate add); fp32 operands in IEEE precision."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def band_mask(i, j, nk, band):
+    """True where key ``j`` exists (< nk) and is inside the band for query ``i`` (``band`` = (window_left,
+    window_right, diagonal), a side None when unbounded, as ``Band`` orders them). ``i`` and ``j`` broadcast to the
+    tile: (rows, 1) and (1, cols), or the other way round for a transposed tile. Rows past the sequence need no
+    mask: nothing reads their results."""
     window_left, window_right, diagonal = band
-    need = (start_m + BLOCK_M > seqlens[0]) | (start_n + BLOCK_N > seqlens[1])
+    m_keep = j < nk
+    b_d = j - i - diagonal
     if window_right is not None:
-        need = need | ((start_n + BLOCK_N - 1) - start_m - diagonal > window_right)
+        m_keep = m_keep & (b_d <= window_right)
     if window_left is not None:
-        need = need | (start_n - (start_m + BLOCK_M - 1) - diagonal < -window_left)
-    return need
+        m_keep = m_keep & (b_d >= -window_left)
+    return m_keep
 
 
 @triton.jit
-def score_tile(b_q, b_kt, o_m, o_n, starts, seqlens, band, scale, softcap, slope, p_mask, mask_strides):
-    """Scores of q (BLOCK_M, D) against k^T (D, BLOCK_N), fp32, -inf where masked: scale, then softcap, then
-    ALiBi (``slope`` None without), then the user mask (``p_mask`` None without; a uint8 mask is boolean, True =
-    may attend, anything else is added), then the band and the sequence ends, on tiles that straddle them.
-    ``starts`` = (first row, first column) of the tile, ``seqlens`` = (nq, nk), ``band`` as in ``tile_needs_mask``.
+def score_tile(b_a, b_b, o_m, o_n, seqlens, band, scale, softcap, slope, p_mask, mask_strides,
+               MASKED: tl.constexpr, PLAIN: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """Scores of q (BLOCK_M, D) against k^T (D, BLOCK_N), or with ``TRANSPOSED`` of k (BLOCK_N, D) against q^T
+    (D, BLOCK_M) (S^T, as the dK/dV pass wants it), in log2 units (S log2 e), fp32, -inf where masked: scale, then
+    softcap, then ALiBi (``slope`` None without), then the user mask (``p_mask`` None without; a uint8 mask is
+    boolean, True = may attend, anything else is added), then, on ``MASKED`` tiles, the band and the end of the
+    keys (``seqlens`` = (nq, nk)). ``o_m``/``o_n`` are the tile's query and key indices.
 
-    Returns (scores, capped): ``capped`` is the softcapped value before ALiBi and the user mask, which the
-    backward needs for d tanh (equal to scores when there is no softcap).
+    ``PLAIN`` (no softcap, ALiBi or user mask, and a positive scale): the raw q.k is returned unscaled, so the
+    caller folds the scale into the exponent's one FFMA: 2^(s * scale log2 e - m).
+
+    Returns (scores, t): ``t`` = tanh(S / softcap), which the softcap's gradient needs (the scores themselves
+    without softcap: a helper cannot return None under the compiler).
     """
-    BLOCK_M: tl.constexpr = o_m.shape[0]
-    BLOCK_N: tl.constexpr = o_n.shape[0]
-    window_left, window_right, diagonal = band
-    b_s = dot(b_q, b_kt) * scale
-    if softcap is not None:
-        b_s = softcap * tanh(b_s / softcap)
-    b_capped = b_s
-    if slope is not None:
-        b_s = b_s - slope * tl.abs(o_m[:, None] + diagonal - o_n[None, :]).to(tl.float32)
-    if p_mask is not None:
-        p_tile = p_mask + o_m[:, None] * mask_strides[0] + o_n[None, :] * mask_strides[1]
-        m_inside = (o_m[:, None] < seqlens[0]) & (o_n[None, :] < seqlens[1])
-        if p_mask.dtype.element_ty == tl.uint8:
-            b_s = tl.where(tl.load(p_tile, mask=m_inside, other=0) != 0, b_s, float("-inf"))
+    i = o_m[None, :] if TRANSPOSED else o_m[:, None]
+    j = o_n[:, None] if TRANSPOSED else o_n[None, :]
+    b_s = dot(b_a, b_b)
+    b_t = b_s
+    if not PLAIN:
+        if softcap is not None:
+            b_t = tanh(b_s * (scale / softcap))
+            b_s = b_t * (softcap * LOG2E)
         else:
-            b_s = b_s + tl.load(p_tile, mask=m_inside, other=0.0).to(tl.float32)
-    if tile_needs_mask(starts[0], starts[1], seqlens, band, BLOCK_M, BLOCK_N):
-        b_d = o_n[None, :] - o_m[:, None] - diagonal
-        m_keep = (o_m[:, None] < seqlens[0]) & (o_n[None, :] < seqlens[1])
-        if window_right is not None:
-            m_keep = m_keep & (b_d <= window_right)
-        if window_left is not None:
-            m_keep = m_keep & (b_d >= -window_left)
-        b_s = tl.where(m_keep, b_s, float("-inf"))
-    return b_s, b_capped
+            b_s = b_s * (scale * LOG2E)
+        if slope is not None:
+            b_s = b_s - (slope * LOG2E) * tl.abs(i + band[2] - j).to(tl.float32)
+        if p_mask is not None:
+            m_inside = (i < seqlens[0]) & (j < seqlens[1])
+            p_tile = p_mask + i * mask_strides[0] + j * mask_strides[1]
+            if p_mask.dtype.element_ty == tl.uint8:
+                b_s = tl.where(tl.load(p_tile, mask=m_inside, other=0) != 0, b_s, float("-inf"))
+            else:
+                b_s = b_s + tl.load(p_tile, mask=m_inside, other=0.0).to(tl.float32) * LOG2E
+    if MASKED:
+        b_s = tl.where(band_mask(i, j, seqlens[1], band), b_s, float("-inf"))
+    return b_s, b_t
 
 
 @triton.jit
@@ -114,21 +132,21 @@ def dropped(b_x, m_keep, dropout_p):
 
 
 @triton.jit
-def score_grads(b_p, b_dp, b_delta, b_capped, softcap):
-    """dS = P * (dP - delta), through the softcap's tanh when there is one: d(c tanh(s / c)) / ds = 1 - tanh^2."""
-    b_ds = b_p * (b_dp - b_delta[:, None])
+def score_grads(b_p, b_dp, b_delta, b_t, softcap):
+    """dS = P * (dP - delta), through the softcap's tanh when there is one (``b_t`` = tanh(S / softcap) from
+    ``score_tile``): d(c tanh(s / c)) / ds = 1 - tanh^2. ``b_delta`` is broadcast to the tile already."""
+    b_ds = b_p * (b_dp - b_delta)
     if softcap is not None:
-        b_t = b_capped / softcap
         b_ds = b_ds * (1.0 - b_t * b_t)
     return b_ds
 
 
 @triton.jit
-def dropout_keep(seed, row0, o_m, o_n, seqlens, dropout_p):
+def dropout_keep(seed, row0, i, j, seqlens, dropout_p):
     """Keep-mask of the tile: ``tl.rand(seed, (row0 + i) * NK + j)`` >= p, where ``row0`` = (b * H + h) * NQ and
-    ``seqlens`` = (NQ, NK) lay out the counters (the maxima for varlen), as ``flashattn.backends.philox`` does."""
-    o_row = row0 + o_m.to(tl.int64)
-    return tl.rand(seed, o_row[:, None] * seqlens[1] + o_n[None, :].to(tl.int64)) >= dropout_p
+    ``seqlens`` = (NQ, NK) lay out the counters (the maxima for varlen), as ``flashattn.backends.philox`` does.
+    ``i`` and ``j`` broadcast to the tile, as in ``band_mask``."""
+    return tl.rand(seed, (row0 + i.to(tl.int64)) * seqlens[1] + j.to(tl.int64)) >= dropout_p
 
 
 @triton.jit
@@ -187,6 +205,34 @@ def key_range(start_m, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         lo = (lo // BLOCK_N) * BLOCK_N
     if window_right is not None:
         hi = tl.minimum(start_m + BLOCK_M - 1 + diagonal + window_right + 1, nk)
+    return lo, hi
+
+
+@triton.jit
+def full_key_range(start_m, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi), aligned to BLOCK_N, of the key blocks that every row of the query block sees whole: no band, no
+    end of the keys, so they need no mask (hi < lo when there are none)."""
+    window_left, window_right, diagonal = band
+    lo = 0
+    hi = (nk // BLOCK_N) * BLOCK_N
+    if window_right is not None:  # row start_m sees the fewest keys on the right: up to start_m + diagonal + right
+        hi = tl.minimum(hi, (tl.maximum(start_m + diagonal + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    if window_left is not None:  # the last row sees the fewest on the left: from start_m + BLOCK_M - 1 + diag - left
+        lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diagonal - window_left, 0), BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def full_query_range(start_n, nq, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi), aligned to BLOCK_M, of the query blocks that see the whole key block [start_n, start_n +
+    BLOCK_N): no mask needed (none when the key block runs past the keys' end; hi < lo when there are none)."""
+    window_left, window_right, diagonal = band
+    lo = 0
+    hi = tl.where(start_n + BLOCK_N <= nk, tl.cdiv(nq, BLOCK_M) * BLOCK_M, 0)
+    if window_right is not None:  # query i sees key j iff i >= j - diagonal - right: the last key is the bound
+        lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diagonal - window_right, 0), BLOCK_M) * BLOCK_M
+    if window_left is not None:  # and i <= j - diagonal + left: the first key is the bound
+        hi = tl.minimum(hi, (tl.maximum(start_n - diagonal + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
     return lo, hi
 
 
