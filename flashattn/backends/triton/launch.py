@@ -243,19 +243,43 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
 
 
 def _descriptors(q, k, v, *, shape: CallShape, rows: QueryRows, blocks: tuple[int, int]) -> dict:
-    """TMA descriptors of q, k and v where the target has TMA and their layouts allow (see ``tma.py``); paged keys
-    are gathered page by page, so they keep pointer loads."""
-    use = tma.enabled(interpreting()) and shape.keys["block_table"] is None
-    block_d, block_dv = configs.padded_head_dim(shape.d), configs.padded_head_dim(shape.dv)
+    """TMA descriptors of the forward's q, k and v (paged keys are gathered page by page: no descriptors)."""
+    if shape.keys["block_table"] is not None:
+        return descriptor_args(shape, {})
     q_rows = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
-    found = {}
-    if use:
-        found["q"] = tma.view(q, tuple(rows.q.values()), (*q_rows, rows.h, shape.d), (blocks[0], block_d))
-        kv_rows = (1, k.shape[0]) if k.dim() == 3 else k.shape[:2]
-        for name, t, d, block in (("k", k, shape.d, block_d), ("v", v, shape.dv, block_dv)):
-            found[name] = tma.view(t, tuple(CallShape.strides(name, t).values()), (*kv_rows, shape.hk, d),
-                                   (blocks[1], block))
-    return {key: value for name in "qkv" for key, value in tma.kernel_args(name, found.get(name)).items()}
+    return descriptor_args(shape, {
+        "q": (q, tuple(rows.q.values()), (*q_rows, rows.h, shape.d), blocks[0]),
+        "k": (k, tuple(CallShape.strides("k", k).values()), (*_key_rows(k), shape.hk, shape.d), blocks[1]),
+        "v": (v, tuple(CallShape.strides("v", v).values()), (*_key_rows(v), shape.hk, shape.dv), blocks[1]),
+    })
+
+
+def _key_rows(t: torch.Tensor) -> tuple[int, int]:
+    """(batches, rows per batch) of keys or values: a packed (total, heads, dim) tensor is one batch."""
+    return (1, t.shape[0]) if t.dim() == 3 else tuple(t.shape[:2])
+
+
+def descriptor_args(shape: CallShape, wanted: dict) -> dict:
+    """``{name}_desc``/``{name}_tma`` kernel arguments for each ``wanted`` name -> (tensor, (batch, row, head, dim)
+    strides, (batches, rows, heads, dim) sizes, tile rows): descriptors where the target has TMA and the layout
+    allows (``tma.py``), None (pointer loads) elsewhere."""
+    use = tma.enabled(interpreting())
+    args = {}
+    for name, (t, strides, sizes, tile_rows) in wanted.items():
+        found = tma.view(t, strides, sizes, (tile_rows, configs.padded_head_dim(sizes[3]))) if use else None
+        args.update(tma.kernel_args(name, found))
+    return args
+
+
+def backward_descriptors(q, k, v, dout, *, shape: CallShape, blocks: tuple[int, int]) -> dict:
+    """TMA descriptors of the backward's q, dO (tiles of ``blocks[0]`` rows) and k, v (``blocks[1]`` rows)."""
+    q_rows = (1, q.shape[0]) if shape.q_packed else (shape.b, shape.nq)
+    return descriptor_args(shape, {
+        "q": (q, tuple(CallShape.strides("q", q).values()), (*q_rows, shape.h, shape.d), blocks[0]),
+        "do": (dout, tuple(CallShape.strides("do", dout).values()), (*q_rows, shape.h, shape.dv), blocks[0]),
+        "k": (k, tuple(CallShape.strides("k", k).values()), (*_key_rows(k), shape.hk, shape.d), blocks[1]),
+        "v": (v, tuple(CallShape.strides("v", v).values()), (*_key_rows(v), shape.hk, shape.dv), blocks[1]),
+    })
 
 
 def plain_scores(spec: AttentionSpec) -> bool:

@@ -54,17 +54,19 @@ def attention_backward_preprocess_kernel(
 
 
 @triton.jit
-def _key_grads(b_k, b_v, grads, o_n, span, queries, scoring, b_slope, p_mask, b_seed, dropout, BLOCK_M: tl.constexpr,
-               UPCAST: tl.constexpr, MASKED: tl.constexpr, PLAIN: tl.constexpr):
+def _key_grads(b_k, b_v, grads, o_n, span, queries, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
+               BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, PLAIN: tl.constexpr):
     """dK and dV of one key block (``grads`` = (dk, dv) in, updated out) over the query tiles in ``span``, on the
     transposed tile S^T = K Q^T (BLOCK_N keys x BLOCK_M queries), so all four matmuls have the key block as their
     M dimension: wgmma-sized with 64 or more keys.
 
     ``queries`` = (q, dO pointers at this head, their (row, dim) strides, lse, delta at this head's rows, nq, head
-    dims); the others as in the forward's ``_attend``.
+    dims); ``descriptors`` = (q, dO TMA descriptors, None for pointer loads, and the (row, column) of this head's
+    first query in each); the others as in the forward's ``_attend``.
     """
     b_dk, b_dv = grads
     p_q, p_do, q_strides, do_strides, p_lse, p_delta, nq, head_dims = queries
+    q_desc, do_desc, q_at, do_at = descriptors
     seqlens, band, scale, softcap, mask_strides = scoring
     counter_row0, layout, dropout_p = dropout
     s_scale = scale * LOG2E if PLAIN else 1.0
@@ -72,8 +74,17 @@ def _key_grads(b_k, b_v, grads, o_n, span, queries, scoring, b_slope, p_mask, b_
     o_dv = tl.arange(0, b_v.shape[1])
     for start_m in range(span[0], span[1], BLOCK_M):
         o_m = start_m + tl.arange(0, BLOCK_M)
-        b_qt = load_tile_t(p_q, o_m, o_d, q_strides, (nq, head_dims[0]), UPCAST)
-        b_do = load_tile(p_do, o_m, o_dv, do_strides, (nq, head_dims[1]), UPCAST)
+        # With a descriptor, rows past the sequence read another's queries: their lse is +inf, so P = 0.
+        if q_desc is not None:
+            b_qt = tl.trans(q_desc.load([q_at[0] + start_m, q_at[1]]))
+            b_qt = b_qt.to(tl.float32) if UPCAST else b_qt
+        else:
+            b_qt = load_tile_t(p_q, o_m, o_d, q_strides, (nq, head_dims[0]), UPCAST)
+        if do_desc is not None:
+            b_do = do_desc.load([do_at[0] + start_m, do_at[1]])
+            b_do = b_do.to(tl.float32) if UPCAST else b_do
+        else:
+            b_do = load_tile(p_do, o_m, o_dv, do_strides, (nq, head_dims[1]), UPCAST)
         # Rows past the sequence or that see no key have lse = -inf: read +inf, so their P is 0.
         b_lse = tl.load(p_lse + o_m, mask=o_m < nq, other=float("inf"))
         b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
@@ -96,6 +107,7 @@ def _key_grads(b_k, b_v, grads, o_n, span, queries, scoring, b_slope, p_mask, b_
 @triton.jit
 def attention_backward_dkdv_kernel(
     q, k, v, dout, lse, delta, dk, dv, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k,
+    q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -121,10 +133,19 @@ def attention_backward_dkdv_kernel(
     band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    b_k = load_tile(k + b * stride_kb + k0 * stride_kn + hk * stride_kh, o_n, o_d, (stride_kn, stride_kd),
-                    (nk, head_dim), UPCAST)
-    b_v = load_tile(v + b * stride_vb + k0 * stride_vn + hk * stride_vh, o_n, o_dv, (stride_vn, stride_vd),
-                    (nk, head_dim_v), UPCAST)
+    # TMA coordinates are 32-bit (the host refuses a descriptor whose rows would not fit).
+    if k_desc is not None:
+        b_k = k_desc.load([(b * k_tma[0] + hk * k_tma[1] + k0 + start_n).to(tl.int32), hk * k_tma[2]])
+        b_k = b_k.to(tl.float32) if UPCAST else b_k
+    else:
+        b_k = load_tile(k + b * stride_kb + k0 * stride_kn + hk * stride_kh, o_n, o_d, (stride_kn, stride_kd),
+                        (nk, head_dim), UPCAST)
+    if v_desc is not None:
+        b_v = v_desc.load([(b * v_tma[0] + hk * v_tma[1] + k0 + start_n).to(tl.int32), hk * v_tma[2]])
+        b_v = b_v.to(tl.float32) if UPCAST else b_v
+    else:
+        b_v = load_tile(v + b * stride_vb + k0 * stride_vn + hk * stride_vh, o_n, o_dv, (stride_vn, stride_vd),
+                        (nk, head_dim_v), UPCAST)
     b_seed = tl.load(seed) if seed is not None else None
     grads = (tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_DV], tl.float32))
     lo, hi = query_range(start_n, nq, band, BLOCK_M, BLOCK_N)
@@ -139,16 +160,19 @@ def attention_backward_dkdv_kernel(
                    dout + b * stride_dob + q0 * stride_don + h * stride_doh,
                    (stride_qn, stride_qd), (stride_don, stride_dod), lse + o_stats, delta + o_stats, nq,
                    (head_dim, head_dim_v))
+        descriptors = (q_desc, do_desc,
+                       ((b * q_tma[0] + h * q_tma[1] + q0).to(tl.int32), h * q_tma[2]),
+                       ((b * do_tma[0] + h * do_tma[1] + q0).to(tl.int32), h * do_tma[2]))
         b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
         dropout = ((b * num_heads + h) * seqlen_q, (seqlen_q, seqlen_k), dropout_p)
-        grads = _key_grads(b_k, b_v, grads, o_n, (lo, full_lo), queries, scoring, b_slope, p_mask, b_seed, dropout,
-                           BLOCK_M, UPCAST, True, PLAIN)
-        grads = _key_grads(b_k, b_v, grads, o_n, (full_lo, full_hi), queries, scoring, b_slope, p_mask, b_seed,
-                           dropout, BLOCK_M, UPCAST, False, PLAIN)
-        grads = _key_grads(b_k, b_v, grads, o_n, (full_hi, hi), queries, scoring, b_slope, p_mask, b_seed, dropout,
-                           BLOCK_M, UPCAST, True, PLAIN)
+        grads = _key_grads(b_k, b_v, grads, o_n, (lo, full_lo), queries, descriptors, scoring, b_slope, p_mask, b_seed,
+                           dropout, BLOCK_M, UPCAST, True, PLAIN)
+        grads = _key_grads(b_k, b_v, grads, o_n, (full_lo, full_hi), queries, descriptors, scoring, b_slope, p_mask,
+                           b_seed, dropout, BLOCK_M, UPCAST, False, PLAIN)
+        grads = _key_grads(b_k, b_v, grads, o_n, (full_hi, hi), queries, descriptors, scoring, b_slope, p_mask, b_seed,
+                           dropout, BLOCK_M, UPCAST, True, PLAIN)
     b_dk, b_dv = grads
     b_dk = b_dk * scale
     o_rows = k0 + o_n[:, None]
@@ -160,12 +184,14 @@ def attention_backward_dkdv_kernel(
 
 
 @triton.jit
-def _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, scoring, b_slope, p_mask, b_seed, dropout,
+def _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, PLAIN: tl.constexpr):
     """dQ of one query block (``b_dq`` in, updated out) over the key tiles in ``span``; ``stats`` = (lse in log2
-    units, delta) of its rows, ``keys`` = (k, v pointers at this head, their (row, dim) strides, nk, head dims)."""
+    units, delta) of its rows, ``keys`` = (k, v pointers at this head, their (row, dim) strides, nk, head dims),
+    ``descriptors`` = (k, v TMA descriptors or None, and the (row, column) of this head's first key in each)."""
     b_lse2, b_delta = stats
     p_k, p_v, k_strides, v_strides, nk, head_dims = keys
+    k_desc, v_desc, k_at, v_at = descriptors
     seqlens, band, scale, softcap, mask_strides = scoring
     counter_row0, layout, dropout_p = dropout
     s_scale = scale * LOG2E if PLAIN else 1.0
@@ -173,8 +199,17 @@ def _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, scoring, b_slope, p_ma
     o_dv = tl.arange(0, b_do.shape[1])
     for start_n in range(span[0], span[1], BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
-        b_kt = load_tile_t(p_k, o_n, o_d, k_strides, (nk, head_dims[0]), UPCAST)
-        b_vt = load_tile_t(p_v, o_n, o_dv, v_strides, (nk, head_dims[1]), UPCAST)
+        # With a descriptor, rows past the keys hold another sequence's: they are masked (P = 0).
+        if k_desc is not None:
+            b_kt = tl.trans(k_desc.load([k_at[0] + start_n, k_at[1]]))
+            b_kt = b_kt.to(tl.float32) if UPCAST else b_kt
+        else:
+            b_kt = load_tile_t(p_k, o_n, o_d, k_strides, (nk, head_dims[0]), UPCAST)
+        if v_desc is not None:
+            b_vt = tl.trans(v_desc.load([v_at[0] + start_n, v_at[1]]))
+            b_vt = b_vt.to(tl.float32) if UPCAST else b_vt
+        else:
+            b_vt = load_tile_t(p_v, o_n, o_dv, v_strides, (nk, head_dims[1]), UPCAST)
         b_s, b_t = score_tile(b_q, b_kt, o_m, o_n, seqlens, band, scale, softcap, b_slope, p_mask, mask_strides,
                               MASKED, PLAIN)
         b_p = tl.math.exp2(b_s * s_scale - b_lse2[:, None])
@@ -190,6 +225,7 @@ def _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, scoring, b_slope, p_ma
 @triton.jit
 def attention_backward_dq_kernel(
     q, k, v, dout, lse, delta, dq, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k,
+    q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -214,10 +250,18 @@ def attention_backward_dq_kernel(
     band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
-                    (nq, head_dim), UPCAST)
-    b_do = load_tile(dout + b * stride_dob + q0 * stride_don + h * stride_doh, o_m, o_dv, (stride_don, stride_dod),
-                     (nq, head_dim_v), UPCAST)
+    if q_desc is not None:
+        b_q = q_desc.load([(b * q_tma[0] + h * q_tma[1] + q0 + start_m).to(tl.int32), h * q_tma[2]])
+        b_q = b_q.to(tl.float32) if UPCAST else b_q
+    else:
+        b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
+                        (nq, head_dim), UPCAST)
+    if do_desc is not None:
+        b_do = do_desc.load([(b * do_tma[0] + h * do_tma[1] + q0 + start_m).to(tl.int32), h * do_tma[2]])
+        b_do = b_do.to(tl.float32) if UPCAST else b_do
+    else:
+        b_do = load_tile(dout + b * stride_dob + q0 * stride_don + h * stride_doh, o_m, o_dv,
+                         (stride_don, stride_dod), (nq, head_dim_v), UPCAST)
     o_stats = b * stride_lb + h * stride_lh + q0
     b_lse = tl.load(lse + o_stats + o_m, mask=o_m < nq, other=float("inf"))
     b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
@@ -229,6 +273,8 @@ def attention_backward_dq_kernel(
             (stride_kn, stride_kd), (stride_vn, stride_vd), nk, (head_dim, head_dim_v))
     scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
     dropout = (bh.to(tl.int64) * seqlen_q, (seqlen_q, seqlen_k), dropout_p)
+    descriptors = (k_desc, v_desc, ((b * k_tma[0] + hk * k_tma[1] + k0).to(tl.int32), hk * k_tma[2]),
+                   ((b * v_tma[0] + hk * v_tma[1] + k0).to(tl.int32), hk * v_tma[2]))
     lo, hi = key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
     hi = tl.where(start_m < nq, hi, 0)
     full_lo, full_hi = full_key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
@@ -237,14 +283,14 @@ def attention_backward_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     stats = (b_lse2, b_delta)
     if window_left is not None:
-        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (lo, full_lo), stats, keys, scoring, b_slope, p_mask, b_seed,
-                            dropout, BLOCK_N, UPCAST, True, PLAIN)
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (lo, full_lo), stats, keys, descriptors, scoring, b_slope, p_mask,
+                            b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
     else:
         full_lo = lo
-    b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_lo, full_hi), stats, keys, scoring, b_slope, p_mask, b_seed,
-                        dropout, BLOCK_N, UPCAST, False, PLAIN)
-    b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_hi, hi), stats, keys, scoring, b_slope, p_mask, b_seed, dropout,
-                        BLOCK_N, UPCAST, True, PLAIN)
+    b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_lo, full_hi), stats, keys, descriptors, scoring, b_slope, p_mask,
+                        b_seed, dropout, BLOCK_N, UPCAST, False, PLAIN)
+    b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_hi, hi), stats, keys, descriptors, scoring, b_slope, p_mask,
+                        b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
     b_dq = b_dq * scale
     tl.store(dq + b * stride_dqb + (q0 + o_m[:, None]) * stride_dqn + h * stride_dqh + o_d[None, :] * stride_dqd,
              b_dq.to(dq.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_d[None, :] < head_dim))

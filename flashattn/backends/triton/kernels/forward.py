@@ -57,15 +57,18 @@ def _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, 
     o_dv = tl.arange(0, b_acc.shape[1])
     for start_n in range(span[0], span[1], BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
-        if k_desc is not None:  # one bulk copy per tile; rows past the keys are masked or get P = 0
+        # A descriptor copies the tile in one instruction; rows past the keys are masked or get P = 0.
+        o_page, o_row, m_keys = key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size)
+        if k_desc is not None:
             b_kt = tl.trans(k_desc.load([k_at[0] + start_n, k_at[1]]))
-            b_v = v_desc.load([v_at[0] + start_n, v_at[1]])
-            if UPCAST:
-                b_kt, b_v = b_kt.to(tl.float32), b_v.to(tl.float32)
+            b_kt = b_kt.to(tl.float32) if UPCAST else b_kt
         else:
-            o_page, o_row, m_keys = key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size)
             b_kt = load_rows(p_k, o_page * k_strides[0] + o_row * k_strides[1], m_keys, o_d, k_strides[2],
                              head_dims[0], UPCAST, True)
+        if v_desc is not None:
+            b_v = v_desc.load([v_at[0] + start_n, v_at[1]])
+            b_v = b_v.to(tl.float32) if UPCAST else b_v
+        else:
             b_v = load_rows(p_v, o_page * v_strides[0] + o_row * v_strides[1], m_keys, o_dv, v_strides[2],
                             head_dims[1], UPCAST, False)
         b_s, _ = score_tile(b_q, b_kt, o_m, o_n, seqlens, band, scale, softcap, b_slope, p_mask, mask_strides,
