@@ -76,7 +76,7 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
     plain = spec.alibi_slopes is None and spec.attn_mask is None and probs is None and spec.dropout_p == 0
     rows = QueryRows(q, out, lse, shape, spec, plain=plain)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
-    cfg = config(configs.FORWARD, q, shape, heavy=heavy, decode=rows.nq <= configs.DECODE_MAX_ROWS)
+    cfg = config("decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward", q, shape, heavy=heavy)
     splits, split_keys = split_count(shape, rows, cfg, q.device)
     if splits == 1:
         targets = (out, lse)
@@ -109,12 +109,12 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     delta = _delta(dout, dlse, out, shape)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
     common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, shape=shape)
-    cfg = config(configs.BACKWARD_DKDV, q, shape, heavy=heavy)
+    cfg = config("dkdv", q, shape, heavy=heavy)
     launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n), shape.b * shape.hk),
            **common, dk=dk, dv=dv, **shape.strides("dk", dk), **shape.strides("dv", dv), num_heads_k=shape.hk,
            **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n)),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cfg = config(configs.BACKWARD_DQ, q, shape, heavy=heavy)
+    cfg = config("dq", q, shape, heavy=heavy)
     launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m), shape.b * shape.h),
            **common, dq=dq, **shape.strides("dq", dq),
            **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n)),

@@ -1,16 +1,25 @@
-"""Tile shapes, warps and pipeline stages of the shipped kernels, as data.
+"""Tile shapes, warps and pipeline stages of the shipped kernels, as data, per GPU generation.
 
-Keyed by (padded head dim, weight): "light" calls use at most the causal/window band, softcap and ALiBi; "heavy"
-ones add dropout (Philox costs registers per score element) or a user mask tile; the "fp32-" weights serve fp32
-inputs (IEEE fp32 matmuls: twice the bytes per tile, no tensor cores, so small tiles). Each entry is the
-largest tile that compiles without register spills on sm_80 and sm_90, within shared memory, and (sm_90) on
-wgmma (HGMMA) where a 64-row warpgroup tile fits: measured with ``python -m flashattn.backends.triton.health``,
-which a test reruns. Tune here, then rerun it.
+``TABLES[family][kernel]`` is keyed by (padded head dim, weight): "light" calls use at most the causal/window band,
+softcap and ALiBi; "heavy" ones add dropout (Philox costs registers per score element) or a user mask tile; the
+"fp32-" weights serve fp32 inputs (IEEE fp32 matmuls: twice the bytes per tile, no tensor cores, so small tiles).
+The families are "sm80" (Ampere, and anything before Hopper) and "sm90" (Hopper: wgmma wants 64-row warpgroup tiles,
+TMA feeds them, and 227 KiB of shared memory allows deeper pipelines). Each entry is the largest tile that compiles
+without register spills for its family, within shared memory, and (sm90) on wgmma (HGMMA) where a warpgroup tile
+fits: measured with ``python -m flashattn.backends.triton.health``, which a test reruns; the sm90 forward and
+backward were chosen with ``python -m flashattn.backends.triton.profile`` (main-loop instructions per score
+element). Tune here, then rerun both.
+
+The kernels' tiles: forward and dQ, BLOCK_M queries per program by BLOCK_N keys per step; dK/dV, BLOCK_N keys per
+program (the M dimension of all its matmuls, on the transposed tile S^T) by BLOCK_M queries per step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 
@@ -23,6 +32,13 @@ class KernelConfig:
 
 
 WEIGHTS = ("light", "heavy", "fp32-light", "fp32-heavy")
+KERNELS = ("forward", "decode", "dkdv", "dq")
+FAMILIES = ("sm80", "sm90")
+
+
+def family(arch: int) -> str:
+    """The tables an architecture uses (``arch`` = 10 x major + minor)."""
+    return "sm90" if arch >= 90 else "sm80"
 
 
 def _table(rows: dict[int, tuple[KernelConfig, ...]]) -> dict[tuple[int, str], KernelConfig]:
@@ -31,43 +47,99 @@ def _table(rows: dict[int, tuple[KernelConfig, ...]]) -> dict[tuple[int, str], K
 
 
 C = KernelConfig
-FORWARD = _table({
-    16: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 1)),
-    32: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(128, 16, 4, 3), C(64, 32, 4, 2)),
-    64: (C(128, 64, 8, 3), C(128, 64, 8, 2), C(32, 32, 8, 1), C(32, 32, 4, 2)),
-    128: (C(128, 64, 8, 1), C(64, 32, 4, 2), C(16, 32, 8, 3), C(16, 16, 4, 1)),
-    256: (C(64, 32, 8, 2), C(64, 32, 8, 2), C(64, 16, 8, 1), C(16, 32, 4, 1)),
-})
-BACKWARD_DKDV = _table({
-    16: (C(64, 64, 4, 2), C(64, 32, 4, 3), C(32, 16, 4, 3), C(32, 32, 4, 2)),
-    32: (C(64, 64, 4, 2), C(64, 32, 8, 1), C(16, 32, 4, 3), C(16, 32, 4, 1)),
-    64: (C(64, 32, 4, 2), C(64, 32, 8, 1), C(16, 64, 4, 1), C(64, 16, 8, 2)),
-    128: (C(64, 32, 8, 1), C(64, 32, 8, 1), C(16, 64, 8, 1), C(16, 64, 8, 2)),
-    256: (C(32, 64, 8, 1), C(32, 32, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
-})
-BACKWARD_DQ = _table({
-    16: (C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 1)),
-    32: (C(64, 64, 4, 2), C(64, 64, 8, 2), C(128, 16, 8, 3), C(128, 16, 4, 3)),
-    64: (C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 32, 8, 1), C(128, 16, 8, 3)),
-    128: (C(128, 32, 8, 1), C(128, 16, 8, 3), C(64, 16, 4, 3), C(32, 32, 8, 1)),
-    256: (C(32, 32, 8, 1), C(32, 64, 8, 1), C(16, 16, 4, 3), C(16, 16, 4, 1)),
-})
-# Few query rows (a decode step, or its GQA group walked as rows): 16-row tiles, the smallest tensor-core tile, and
-# long key tiles with deep pipelines, since the kernel is bound by reading K and V. Below wgmma's 64 rows, so
-# sm_90 runs these on mma.sync: exempt from the HGMMA check.
-DECODE = _table({
-    16: (C(16, 128, 4, 3), C(16, 64, 2, 3), C(16, 64, 4, 2), C(16, 32, 4, 2)),
-    32: (C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 2, 3)),
-    64: (C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3)),
-    128: (C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 3), C(16, 32, 4, 3)),
-    256: (C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 4, 1), C(16, 16, 4, 1)),
-})
+_SM80 = {
+    "forward": _table({
+        16: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 1)),
+        32: (C(128, 64, 4, 3), C(128, 64, 8, 2), C(128, 16, 4, 3), C(64, 32, 4, 2)),
+        64: (C(128, 64, 8, 3), C(128, 64, 8, 2), C(32, 32, 8, 1), C(32, 32, 4, 2)),
+        128: (C(128, 64, 8, 1), C(64, 32, 4, 2), C(16, 32, 8, 3), C(16, 16, 4, 1)),
+        256: (C(64, 32, 8, 2), C(64, 32, 8, 2), C(64, 16, 8, 1), C(16, 32, 4, 1)),
+    }),
+    "dkdv": _table({
+        16: (C(64, 64, 4, 2), C(64, 32, 4, 3), C(32, 16, 4, 3), C(32, 32, 4, 2)),
+        32: (C(64, 64, 4, 2), C(64, 32, 8, 1), C(16, 32, 4, 3), C(16, 32, 4, 1)),
+        64: (C(64, 32, 4, 2), C(64, 32, 8, 1), C(16, 64, 4, 1), C(64, 16, 8, 2)),
+        128: (C(64, 32, 8, 1), C(64, 32, 8, 1), C(16, 64, 8, 1), C(16, 64, 8, 2)),
+        256: (C(32, 64, 8, 1), C(32, 32, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+    }),
+    "dq": _table({
+        16: (C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 1)),
+        32: (C(64, 64, 4, 2), C(64, 64, 8, 2), C(128, 16, 8, 3), C(128, 16, 4, 3)),
+        64: (C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 32, 8, 1), C(128, 16, 8, 3)),
+        128: (C(128, 32, 8, 1), C(128, 16, 8, 3), C(64, 16, 4, 3), C(32, 32, 8, 1)),
+        256: (C(32, 32, 8, 1), C(32, 64, 8, 1), C(16, 16, 4, 3), C(16, 16, 4, 1)),
+    }),
+    # Few query rows (a decode step, or its GQA group walked as rows): 16-row tiles, the smallest tensor-core tile,
+    # and long key tiles with deep pipelines, since the kernel is bound by reading K and V. Below wgmma's 64 rows,
+    # so these run on mma.sync on every family: exempt from the HGMMA check.
+    "decode": _table({
+        16: (C(16, 128, 4, 3), C(16, 64, 2, 3), C(16, 64, 4, 2), C(16, 32, 4, 2)),
+        32: (C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 2, 3)),
+        64: (C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3)),
+        128: (C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 3), C(16, 32, 4, 3)),
+        256: (C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 4, 1), C(16, 16, 4, 1)),
+    }),
+}
+# Hopper: fp16/bf16 entries sized for wgmma and TMA (fp32 and decode as on sm80).
+_SM90 = {
+    "forward": {**_SM80["forward"], **_table({
+        16: (C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(16, w)] for w in WEIGHTS[2:]),
+        32: (C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(32, w)] for w in WEIGHTS[2:]),
+        64: (C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(64, w)] for w in WEIGHTS[2:]),
+        128: (C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(128, w)] for w in WEIGHTS[2:]),
+        256: (C(64, 64, 4, 2), C(64, 64, 4, 2)) + tuple(_SM80["forward"][(256, w)] for w in WEIGHTS[2:]),
+    })},
+    "dkdv": {**_SM80["dkdv"], **_table({
+        16: (C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(16, w)] for w in WEIGHTS[2:]),
+        32: (C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(32, w)] for w in WEIGHTS[2:]),
+        64: (C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(64, w)] for w in WEIGHTS[2:]),
+        128: (C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(128, w)] for w in WEIGHTS[2:]),
+        256: (C(32, 64, 4, 2), C(32, 64, 4, 2)) + tuple(_SM80["dkdv"][(256, w)] for w in WEIGHTS[2:]),
+    })},
+    "dq": {**_SM80["dq"], **_table({
+        16: (C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(16, w)] for w in WEIGHTS[2:]),
+        32: (C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(32, w)] for w in WEIGHTS[2:]),
+        64: (C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(64, w)] for w in WEIGHTS[2:]),
+        128: (C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(128, w)] for w in WEIGHTS[2:]),
+        256: (C(64, 32, 4, 2), C(64, 32, 4, 2)) + tuple(_SM80["dq"][(256, w)] for w in WEIGHTS[2:]),
+    })},
+    "decode": _SM80["decode"],
+}
+TABLES = {"sm80": _SM80, "sm90": _SM90}
 DECODE_MAX_ROWS = 16
 del C
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
 INTERPRETER = KernelConfig(32, 32, 1, 1)
 PREPROCESS_BLOCK_M = 64
 MERGE_BLOCK_M = 16
+
+
+def lookup(kernel: str, arch: int, head_dim: int, weight: str) -> KernelConfig:
+    """The config of ``kernel`` for a call of padded ``head_dim`` and ``weight`` on sm_``arch``."""
+    return TABLES[family(arch)][kernel][(head_dim, weight)]
+
+
+def shipped() -> set[KernelConfig]:
+    """Every distinct config of every table."""
+    return {cfg for kernels in TABLES.values() for table in kernels.values() for cfg in table.values()}
+
+
+_forced: ContextVar[KernelConfig | None] = ContextVar("flashattn_triton_config", default=None)
+
+
+@contextmanager
+def use(cfg: KernelConfig) -> Iterator[None]:
+    """Launch every kernel with ``cfg`` inside the block, instead of the table's entry (also under the
+    interpreter): how the health report tries candidates and the tests run each shipped tile."""
+    token = _forced.set(cfg)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced() -> KernelConfig | None:
+    return _forced.get()
 
 
 def split_heuristic(programs: int, multiprocessors: int, key_blocks: int, max_splits: int = 128) -> int:

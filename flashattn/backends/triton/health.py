@@ -113,21 +113,11 @@ def _table_of(kernel: str) -> str:
     return next(t for t, name in KERNEL_OF.items() if name == kernel)
 
 
-def _table(table: str) -> dict:
-    return {"forward": configs.FORWARD, "decode": configs.DECODE, "dkdv": configs.BACKWARD_DKDV,
-            "dq": configs.BACKWARD_DQ}[table]
-
-
 def check_one(table: str, head_dim: int, variant: str, arch: int, cfg: configs.KernelConfig | None = None) -> Health:
-    """Compile (table, head dim, variant) for ``arch`` with its shipped config (or ``cfg``) and judge it."""
-    entry = (head_dim, variant)
-    shipped = _table(table)[entry]
-    cfg = cfg or shipped
-    _table(table)[entry] = cfg  # the launcher reads the table: try cfg through the real path
-    try:
+    """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it."""
+    cfg = cfg or configs.lookup(table, arch, head_dim, variant)
+    with configs.use(cfg):  # through the real launch path, with this tile
         compiled = _compile(table, variant, head_dim, arch)
-    finally:
-        _table(table)[entry] = shipped
     report = cubin_report(compiled.asm["cubin"])
     regs, spills, hgmma = report.registers, report.spill_bytes, report.sass.count("HGMMA") > 0
     shared = compiled.metadata.shared
@@ -154,10 +144,10 @@ def _candidates(cfg: configs.KernelConfig) -> list[configs.KernelConfig]:
             if configs.KernelConfig(m, n, w, s) != cfg]
 
 
-def search(table: str, head_dim: int, variant: str) -> configs.KernelConfig | None:
-    """The first of ``_candidates`` healthy on every target, for an entry whose shipped config is not."""
-    for cfg in _candidates(_table(table)[(head_dim, variant)]):
-        if not any(check_one(table, head_dim, variant, arch, cfg).problems for arch in TARGETS):
+def search(table: str, head_dim: int, variant: str, arch: int) -> configs.KernelConfig | None:
+    """The first of ``_candidates`` healthy on sm_``arch``, for an entry whose shipped config is not."""
+    for cfg in _candidates(configs.lookup(table, arch, head_dim, variant)):
+        if not check_one(table, head_dim, variant, arch, cfg).problems:
             return cfg
     return None
 
@@ -175,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = report(tuple(int(d) for d in a.head_dims.split(",")))
     if a.search:
-        unhealthy = dict.fromkeys((_table_of(r.kernel), r.head_dim, r.variant) for r in rows if r.problems)
-        for table, d, variant in unhealthy:
-            print(f"{table} d={d} {variant}: {search(table, d, variant)}", flush=True)
+        for r in rows:
+            if r.problems:
+                table = _table_of(r.kernel)
+                print(f"{table} sm_{r.arch} d={r.head_dim} {r.variant}: {search(table, r.head_dim, r.variant, r.arch)}",
+                      flush=True)
     print(f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
           f"{'spill':>5} {'smem':>7} {'hgmma':>5}  problems")
     for r in rows:

@@ -155,12 +155,27 @@ class QueryRows:
         self.lse = {"stride_lb": lse.stride(0), "stride_lh": g * lse.stride(1)}
 
 
-def config(table: dict, q: torch.Tensor, shape: CallShape, *, heavy: bool,
-           decode: bool = False) -> configs.KernelConfig:
+def target_arch() -> int:
+    """The architecture Triton compiles for, 10 x major + minor (the offline target under ``compile_only``); 0
+    under the interpreter or on a non-CUDA target."""
+    if interpreting():
+        return 0
+    from triton.runtime import driver  # at call time: the active driver is the GPU's, or the offline one
+
+    target = driver.active.get_current_target()
+    return int(target.arch) if target.backend == "cuda" else 0
+
+
+def config(kernel: str, q: torch.Tensor, shape: CallShape, *, heavy: bool) -> configs.KernelConfig:
+    """The tile of ``kernel`` (a ``configs.KERNELS`` name) for this call: ``configs.use``'s if forced, small
+    square tiles under the interpreter, else the target family's table entry."""
+    forced = configs.forced()
+    if forced is not None:
+        return forced
     if interpreting():
         return configs.INTERPRETER
     weight = ("fp32-" if q.dtype == torch.float32 else "") + ("heavy" if heavy else "light")
-    return (configs.DECODE if decode else table)[(configs.padded_head_dim(max(shape.d, shape.dv)), weight)]
+    return configs.lookup(kernel, target_arch(), configs.padded_head_dim(max(shape.d, shape.dv)), weight)
 
 
 @functools.lru_cache
@@ -243,15 +258,13 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
 
 
 def _descriptors(q, k, v, *, shape: CallShape, rows: QueryRows, blocks: tuple[int, int]) -> dict:
-    """TMA descriptors of the forward's q, k and v (paged keys are gathered page by page: no descriptors)."""
-    if shape.keys["block_table"] is not None:
-        return descriptor_args(shape, {})
+    """TMA descriptors of the forward's q, k and v (paged keys are gathered page by page: none for k, v)."""
     q_rows = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
-    return descriptor_args(shape, {
-        "q": (q, tuple(rows.q.values()), (*q_rows, rows.h, shape.d), blocks[0]),
-        "k": (k, tuple(CallShape.strides("k", k).values()), (*_key_rows(k), shape.hk, shape.d), blocks[1]),
-        "v": (v, tuple(CallShape.strides("v", v).values()), (*_key_rows(v), shape.hk, shape.dv), blocks[1]),
-    })
+    wanted = {"q": (q, tuple(rows.q.values()), (*q_rows, rows.h, shape.d), blocks[0])}
+    if shape.keys["block_table"] is None:
+        wanted["k"] = (k, tuple(CallShape.strides("k", k).values()), (*_key_rows(k), shape.hk, shape.d), blocks[1])
+        wanted["v"] = (v, tuple(CallShape.strides("v", v).values()), (*_key_rows(v), shape.hk, shape.dv), blocks[1])
+    return {**tma.kernel_args("k", None), **tma.kernel_args("v", None), **descriptor_args(shape, wanted)}
 
 
 def _key_rows(t: torch.Tensor) -> tuple[int, int]:
@@ -263,7 +276,7 @@ def descriptor_args(shape: CallShape, wanted: dict) -> dict:
     """``{name}_desc``/``{name}_tma`` kernel arguments for each ``wanted`` name -> (tensor, (batch, row, head, dim)
     strides, (batches, rows, heads, dim) sizes, tile rows): descriptors where the target has TMA and the layout
     allows (``tma.py``), None (pointer loads) elsewhere."""
-    use = tma.enabled(interpreting())
+    use = tma.enabled(target_arch())
     args = {}
     for name, (t, strides, sizes, tile_rows) in wanted.items():
         found = tma.view(t, strides, sizes, (tile_rows, configs.padded_head_dim(sizes[3]))) if use else None

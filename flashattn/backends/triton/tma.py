@@ -37,15 +37,11 @@ def use(enabled: bool) -> Iterator[None]:
         _forced.reset(token)
 
 
-def enabled(interpreting: bool) -> bool:
-    """Descriptors by default on sm_90 and later (the target Triton compiles for); forced by ``use``."""
+def enabled(arch: int) -> bool:
+    """Descriptors by default on sm_90 and later (``arch`` = 10 x major + minor of the target Triton compiles
+    for, 0 under the interpreter); forced by ``use``."""
     forced = _forced.get()
-    if forced is not None or interpreting:
-        return bool(forced)
-    from triton.runtime import driver  # at call time: the active driver is the GPU's, or the offline one
-
-    target = driver.active.get_current_target()
-    return target.backend == "cuda" and int(target.arch) >= 90
+    return arch >= 90 if forced is None else forced
 
 
 class View(NamedTuple):
