@@ -1,0 +1,608 @@
+"""A FlashAttention-3-style forward for Hopper (sm_90) written in Gluon (``triton.experimental.gluon``, Triton 3.6).
+
+An experiment, not a backend (nothing routes calls here): it measures which of FlashAttention-3's techniques Gluon
+can express where Triton's ``tl`` cannot (on sm_90 ``tl`` waits for each QK^T at once, ``benchmarks/NOTES.md``).
+One program (CTA) owns 128 query rows of one (batch, head) and runs three partitions (``gl.warp_specialize``):
+
+- **producer**, 1 warp (its warpgroup padded to 4 by the compiler), ``setmaxnreg`` down to 24 registers: TMA loads
+  of the two 64-row Q tiles once, then K_j and V_j into two rings (``STAGES``); every stage has a "ready" mbarrier
+  (completed by the TMA transaction count) and an "empty" one both consumers arrive on;
+- **two consumer warpgroups**, 4 warps each (the default partition is one, a worker partition the other),
+  ``setmaxnreg`` up to 240: each owns 64 of the 128 rows and walks every key tile with async wgmma
+  (``warpgroup_mma(is_async=True)`` / ``warpgroup_mma_wait``) so that a matmul runs under each softmax. Two
+  schedules (``Schedule.overlap``):
+
+  "qk"  issue S_{j+1} = Q K_{j+1}^T; softmax of S_j under it; O *= alpha; issue O += P_j V_j; retire both
+  "pv"  issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; retire S_j; softmax of S_j under PV_{j-1}; retire PV_{j-1}
+        (FlashAttention-3's Algorithm 2)
+
+  With ``pingpong`` the two consumers take turns issuing their wgmmas (two mbarriers pass the turn), so one
+  warpgroup's matmuls are queued while the other runs its softmax (FlashAttention-3's ping-pong schedule).
+
+Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)`` (one FFMA and one MUFU.EX2 per score). Keys past
+the sequence and (``causal``) keys right of the bottom-right-aligned diagonal are masked only in the tiles that need
+it (an unmasked loop, then a masked one).
+
+Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads, d), contiguous, d in (64, 128), bf16 or
+fp16, read through 2-D TMA descriptors over the (batch * seqlen, heads * d) view: a tile is rows x d at column
+h * d. A tile running past a sequence reads the next sequence's rows; those keys are masked and those queries never
+stored. out has q's shape; lse is (batch, heads, seqlen_q) float32, natural log.
+
+Offline (no GPU): ``compile_sm90`` compiles it for sm_90 and ``measure`` reads the SASS;
+``python -m flashattn.backends.triton.experimental.gluon_forward`` prints the table in ``benchmarks/NOTES.md``.
+``forward`` launches it on a Hopper GPU (not yet run on one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+WG_M = 64  # query rows per consumer warpgroup: S (64 x 128 fp32) is 64 registers a thread, so two fit
+BLOCK_M = 2 * WG_M  # query rows per program: two consumer warpgroups
+BLOCK_N = 128
+# (K, V) ring depths: at d=128 a tile is 32 KiB, and Q 32 KiB + 2 K + 3 V tiles = 192 KiB of the 227 KiB. V gets the
+# deeper ring because schedule "pv" frees V_{j-1} late (see _pv_step).
+STAGES = {64: (4, 4), 128: (2, 3)}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a consumer warpgroup overlaps its matmuls with its softmax: ``overlap`` "qk" (S_{j+1} = Q K_{j+1}^T runs
+    under the softmax of S_j) or "pv" (FlashAttention-3's Algorithm 2: O += P_{j-1} V_{j-1} runs under it);
+    ``pingpong``: the two consumers take turns issuing; ``unroll`` (schedule "qk"): 2 saves S's 64-register copy."""
+
+    overlap: str = "qk"
+    pingpong: bool = True
+    unroll: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.overlap}{'+pingpong' if self.pingpong else ''}{f' x{self.unroll}' if self.unroll > 1 else ''}"
+
+
+CONSUMER_REGS = 240  # FA3's split of 64K registers over 3 warpgroups: 240 + 240 + 24 (x 128 threads) <= 65536
+PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scalars
+# What forward launches: the fewest instructions per score with a QK^T under every softmax (see NOTES.md); no GPU
+# has timed the variants yet.
+SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2)}
+VARIANTS = (Schedule("qk", False), Schedule("qk", True), Schedule("qk", True, 2), Schedule("pv", False),
+            Schedule("pv", True))
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """The wgmma accumulator layout of a 64 x n tile over one warpgroup (instructions 64 x n x 16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _tile_count(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(key tiles the rows [m0, m0 + BLOCK_M) visit, how many leading ones need no mask): at least one tile."""
+    hi = seqlen_k
+    full = seqlen_k // BLOCK_N
+    if CAUSAL:
+        shift = seqlen_k - seqlen_q  # bottom-right aligned: row i sees keys <= i + shift
+        hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + shift, 0))
+        full = gl.minimum(full, gl.maximum(m0 + shift + 1, 0) // BLOCK_N)
+    tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a program with no visible key still writes zeros and -inf
+    return tiles, gl.minimum(full, tiles)
+
+
+@gluon.jit
+def _take_turn(turn, WG: gl.constexpr, parity, PINGPONG: gl.constexpr):
+    # Turn k of a warpgroup waits for the k-th completion of its own barrier; the two alternate strictly, so a
+    # barrier never completes twice ahead of its waiter and the parity alone names the completion.
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), parity)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG))
+
+
+@gluon.jit
+def _ready(ring, j):
+    """Wait until tile j's stage of a K or V ring has landed (the TMA transaction count completes the barrier)."""
+    STAGES: gl.constexpr = ring.shape[0]
+    mbarrier.wait(ring.index(j % STAGES), (j // STAGES) & 1)
+
+
+@gluon.jit
+def _release(ring, j):
+    STAGES: gl.constexpr = ring.shape[0]
+    mbarrier.arrive(ring.index(j % STAGES))
+
+
+@gluon.jit
+def _qk(ctx, j):
+    """S_j = Q K_j^T issued (async): 64 x BLOCK_N fp32, both operands in shared memory."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    return warpgroup_mma(q, k_bufs.index(j % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv(ctx, o, p, j):
+    """O += P_j V_j issued (async): P from registers (bf16/fp16, wgmma operand A layout), V from shared memory."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    return warpgroup_mma(p, v_bufs.index(j % STAGES), o, is_async=True)
+
+
+@gluon.jit
+def _to_p(p, dtype: gl.constexpr, HEAD_D: gl.constexpr):
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_D), k_width=2))
+
+
+@gluon.jit
+def _rescale(o, alpha):
+    HEAD_D: gl.constexpr = o.shape[1]
+    return o * gl.convert_layout(alpha, gl.SliceLayout(1, _mma_layout(HEAD_D)))[:, None]
+
+
+@gluon.jit
+def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of score tile j (``s`` = raw QK^T, 64 x BLOCK_N): (P fp32, alpha, new row max, new row sum),
+    the row max in log2 units of the scaled scores."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    seqlen_q, seqlen_k, qk_scale = limits
+    BLOCK_N: gl.constexpr = s.shape[1]
+    if MASK:
+        key = j * BLOCK_N + cols
+        keep = key[None, :] < seqlen_k
+        if CAUSAL:
+            keep = keep & (key[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)  # scale > 0: the max commutes with it
+    # A row with no key yet gets p = 0, not NaN; an unmasked tile gives every row a finite score.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new) if MASK else m_new
+    alpha = gl.exp2(m - m_use)
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    return p, alpha, m_new, l * alpha + gl.sum(p, axis=1)
+
+
+# --- schedule "qk": S_{j+1} = Q K_{j+1}^T runs while the softmax of S_j does ------------------------------------
+
+
+@gluon.jit
+def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             PINGPONG: gl.constexpr):
+    """Tile j, state (S_j retired, O, m, l): S_{j+1} issued, softmax of S_j under it, PV_j issued, both retired."""
+    s, o, m, l = state
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    _ready(k_ready, j + 1)
+    _take_turn(turn, WG, 1, PINGPONG)
+    s_next = _qk(ctx, j + 1)
+    _pass_turn(turn, WG, PINGPONG)
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    o = _rescale(o, alpha)
+    _ready(v_ready, j)
+    _take_turn(turn, WG, 0, PINGPONG)
+    o = _pv(ctx, o, _to_p(p, ctx[2].dtype, o.shape[1]), j)
+    _pass_turn(turn, WG, PINGPONG)
+    # Nothing stays in flight across the back edge: with PV_j still in flight there (retired after the next
+    # softmax), ptxas serialised every wgmma of the kernel (C7514, "non wgmma instructions reading accumulator
+    # registers of a wgmma between start and end of the pipeline stage").
+    s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, o))
+    _release(k_empty, j + 1)
+    _release(v_empty, j)
+    return s, o, m, l
+
+
+@gluon.jit
+def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                 UNROLL: gl.constexpr):
+    """Schedule "qk" from state (S_0 retired, O, m, l) over span (tiles, leading unmasked tiles); the last tile is
+    peeled: no S_{j+1} to issue."""
+    s, o, m, l = state
+    tiles, full = span
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    plain = gl.minimum(full, tiles - 1)
+    if UNROLL == 2:
+        # S_j and S_{j+1} swap register sets instead of a 64-register copy closing every trip (the wgmma result
+        # lands in the same registers each time). An odd plain tile goes to the masked loop.
+        start = plain // 2 * 2
+        for j in range(0, start, 2):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+            s, o, m, l = _qk_step(j + 1, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+    else:
+        start = plain
+        for j in range(plain):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+    for j in range(start, tiles - 1):
+        s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
+    last = tiles - 1
+    p, alpha, m, l = _softmax(s, m, l, last, ctx, True, CAUSAL)
+    o = _rescale(o, alpha)
+    _ready(v_ready, last)
+    _take_turn(turn, WG, 1, PINGPONG)
+    o = _pv(ctx, o, _to_p(p, ctx[2].dtype, o.shape[1]), last)
+    _pass_turn(turn, WG, PINGPONG)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    return o, m, l
+
+
+# --- schedule "pv" (FlashAttention-3's Algorithm 2): O += P_{j-1} V_{j-1} runs while the softmax of S_j does ------
+
+
+@gluon.jit
+def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             PINGPONG: gl.constexpr):
+    """Tile j, state (P_{j-1} in operand registers, its alpha, O retired, m, l): S_j and PV_{j-1} issued back to
+    back (one turn), S_j retired, its softmax under PV_{j-1}, then PV_{j-1} retired and P_j converted."""
+    p, alpha, o, m, l = state
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    STAGES: gl.constexpr = v_empty.shape[0]
+    _ready(k_ready, j)
+    _take_turn(turn, WG, j & 1, PINGPONG)
+    s = _qk(ctx, j)
+    o = _rescale(o, alpha)
+    _ready(v_ready, j - 1)
+    o = _pv(ctx, o, p, j - 1)
+    _pass_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    _release(k_empty, j)
+    # V_{j-2}, not V_{j-1}: an arrive that must follow PV_{j-1}'s retirement lets ptxas hoist that wait above the
+    # softmax (measured: 33 instructions left under PV instead of about 200). Hence V's deeper ring.
+    mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), pred=j >= 2)
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    # Converted only now: P_{j-1}'s registers are wgmma inputs until PV_{j-1} retires.
+    return _to_p(p, ctx[2].dtype, o.shape[1]), alpha, o, m, l
+
+
+@gluon.jit
+def _pv_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Schedule "pv" from state (S_0 retired, O, m, l) over span (tiles, leading unmasked tiles); the last PV is
+    issued after the loops."""
+    s, o, m, l = state
+    tiles, full = span
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    p, alpha, m, l = _softmax(s, m, l, 0, ctx, True, CAUSAL)
+    p = _to_p(p, ctx[2].dtype, o.shape[1])
+    plain = gl.minimum(full, tiles)
+    for j in range(1, plain):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+    for j in range(gl.maximum(plain, 1), tiles):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
+    last = tiles - 1
+    o = _rescale(o, alpha)
+    _ready(v_ready, last)
+    _take_turn(turn, WG, tiles & 1, PINGPONG)
+    o = _pv(ctx, o, p, last)
+    _pass_turn(turn, WG, PINGPONG)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    return o, m, l
+
+
+@gluon.jit
+def _store(o, m, l, out, rows, limits):
+    o_ptr, lse_ptr, o_row0, o_col0, o_pitch, lse_row0 = out
+    seqlen_q, seqlen_k, qk_scale = limits
+    HEAD_D: gl.constexpr = o.shape[1]
+    o_layout: gl.constexpr = _mma_layout(HEAD_D)
+    lse = (m + gl.log2(l)) * 0.6931471805599453  # log2 units back to natural log; -inf for a row with no key
+    gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
+
+    inv = 1.0 / gl.where(l == 0.0, 1.0, l)
+    o = o * gl.convert_layout(inv, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    offsets = (o_row0 + o_rows).to(gl.int64)[:, None] * o_pitch + (o_col0 + o_cols)[None, :]
+    # Pointer stores, not TMA: a tile's last rows may belong to the next sequence of the flat view.
+    gl.store(o_ptr + offsets, o.to(o_ptr.dtype.element_ty), mask=o_rows[:, None] < seqlen_q)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- see the docstring
+              CAUSAL: gl.constexpr, QK_AHEAD: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile; O and lse stored.
+    The switches are arguments of their own: inside a tuple, warp_specialize hands constexprs over as tensors."""
+    q_smem, k_bufs, v_bufs = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+    m0, seqlen_q, seqlen_k, qk_scale = geometry
+    WG_M: gl.constexpr = q_smem.shape[1]
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+    limits = (seqlen_q, seqlen_k, qk_scale)
+    rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)  # never read: use_acc=False
+    ctx = (q_smem.index(WG), k_bufs, v_bufs, zero_s, cols, rows, limits)
+    loop_bars = (k_ready, v_ready, k_empty, v_empty, turn)
+
+    if PINGPONG and WG == 1:
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 takes the first turn
+    mbarrier.wait(q_bar, 0)
+    _ready(k_ready, 0)
+    _take_turn(turn, WG, 0, PINGPONG)
+    s = _qk(ctx, 0)
+    _pass_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    _release(k_empty, 0)
+    m = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+    o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D))
+    if QK_AHEAD:
+        o, m, l = _qk_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG, UNROLL)
+    else:
+        o, m, l = _pv_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG)
+    _store(o, m, l, out, rows, limits)
+
+
+@gluon.jit
+def _load(desc, bufs, ready, empty, j, row, col):
+    """Tile j into its stage of a ring once both consumers have released the stage's previous tile."""
+    STAGES: gl.constexpr = bufs.shape[0]
+    stage = j % STAGES
+    # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
+    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], ready.index(stage), bufs.index(stage))
+
+
+@gluon.jit
+def _producer(descs, smem, bars, coords, tiles):
+    """One warp: Q once, then K_j and V_j for every key tile into the rings; a K or V stage is refilled once both
+    consumers have released it (count 2)."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_bufs, v_bufs = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+    q_row, kv_row, col = coords
+    WG_M: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, col], q_bar, q_smem.index(1))
+    for j in range(tiles):
+        row = kv_row + j * BLOCK_N
+        _load(k_desc, k_bufs, k_ready, k_empty, j, row, col)
+        _load(v_desc, v_bufs, v_ready, v_empty, j, row, col)
+
+
+@gluon.jit
+def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
+        q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads, qk_scale,
+        CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
+        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(seqlen_q, 128), batch * heads); num_warps=4 (the default partition, consumer 0). OVERLAP is "qk"
+    or "pv" (the schedule), UNROLL 1 or 2 (schedule "qk" only)."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    m0 = pid_m * (2 * WG_M)
+    tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+
+    smem = (q_smem, k_bufs, v_bufs)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
+    geometry = (m0, seqlen_q, seqlen_k, qk_scale)
+    out = (o_ptr, lse_ptr, b * seqlen_q, h * HEAD_D, heads * HEAD_D, pid_bh * seqlen_q)
+    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D)
+    gl.warp_specialize([
+        (_consumer, (0, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_consumer, (1, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, tiles)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """2-D TMA descriptors over the (batch * seqlen, heads * d) views; Q tiles are 64 rows, K and V tiles 128."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    d = q.shape[-1]
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+
+    return desc(q, WG_M), desc(k, BLOCK_N), desc(v, BLOCK_N)
+
+
+def _arguments(q, k, v, out, lse, causal: bool, scale: float, schedule: Schedule):
+    batch, seqlen_q, heads, d = q.shape
+    if d not in STAGES:
+        raise ValueError(f"head dim {d} not supported (64 or 128)")
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k, v must share one dtype, bf16 or fp16")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:]:
+        raise ValueError("k and v must be (batch, seqlen_k, heads, d) with q's batch, heads and d")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("q, k, v must be contiguous (batch, seqlen, heads, d)")
+    if not scale > 0:
+        raise ValueError("scale must be positive (the row max is taken before scaling)")
+    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads)
+    args = (*_descriptors(q, k, v), out, lse, seqlen_q, k.shape[1], heads, scale * LOG2E)
+    options = dict(CAUSAL=causal, OVERLAP=schedule.overlap, PINGPONG=schedule.pingpong, UNROLL=schedule.unroll,
+                   K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1], CONSUMER_REGS=CONSUMER_REGS,
+                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return grid, args, options
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+            schedule: Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale) v on a Hopper GPU: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads,
+    d), d in (64, 128), bf16 or fp16, contiguous; causal is aligned to the bottom-right corner. Returns out (q's
+    shape and dtype) and lse (batch, heads, seqlen_q) float32, natural log."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    grid, args, options = _arguments(q, k, v, out, lse, causal, scale, schedule or SCHEDULES[q.shape[-1]])
+    attention_forward_ws_kernel[grid](*args, **options)
+    return out, lse
+
+
+# --- offline measurement (no GPU) -------------------------------------------------------------------------------
+
+# The shape the tl kernels are profiled at (flashattn.backends.triton.profile): batch 2, 2048 tokens, 4 heads.
+PROFILE_SHAPE = (2, 2048, 4)
+CONSUMER_WARPS = 8  # two consumer warpgroups
+_WAIT = re.compile(r"gsb0\s*,\s*0x([0-9a-f]+)")
+_PV = re.compile(r"R\d+, R\d+, gdesc")  # A from registers: P V; Q K^T reads both operands from shared memory
+
+
+def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, dtype: torch.dtype = torch.bfloat16):
+    """The kernel compiled for sm_90 as ``forward`` would launch it at PROFILE_SHAPE (CPU tensors, nothing runs)."""
+    from ..offline import _offline
+
+    batch, seqlen, heads = PROFILE_SHAPE
+    q, k, v = (torch.empty(batch, seqlen, heads, head_dim, dtype=dtype) for _ in range(3))
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seqlen)
+    schedule = schedule or SCHEDULES[head_dim]
+    grid, args, options = _arguments(q, k, v, out, lse, causal, head_dim**-0.5, schedule)
+    with _offline(90):
+        return attention_forward_ws_kernel.warmup(*args, grid=grid, **options)
+
+
+@dataclass
+class Measured:
+    head_dim: int
+    causal: bool
+    schedule: Schedule
+    registers: int  # the cubin's per-thread count at launch; setmaxnreg moves it per warpgroup
+    setmaxnreg: tuple  # distinct USETMAXREG targets
+    spill_bytes: int
+    shared_bytes: int
+    warps: int  # all partitions, padded to whole warpgroups (the launch's block is warps x 32 threads)
+    hgmma: int
+    hgmma_groups: int
+    overlap: list  # per HGMMA group, sass.hgmma_overlap(): instructions until a wait for 0 retires it
+    retired: list  # per group, ("qk" | "pv", instructions until the wait that retires it, waits for 1 counted)
+    tma_loads: int
+    loop: int  # instructions per key tile in the consumer's unmasked loop
+    per_score: float  # loop x 8 consumer warps / (128 x 128)
+
+    def overlapped(self, kind: str, at_least: int = 32) -> int:
+        """Groups of ``kind`` with at least ``at_least`` instructions issued between them and their retirement."""
+        return sum(k == kind and gap >= at_least for k, gap in self.retired)
+
+
+def retired(sass) -> list[tuple[str, int]]:
+    """For each HGMMA group, its kind (``qk``: both operands in shared memory, ``pv``: A from registers) and the
+    instructions between it and the ``WARPGROUP.DEPBAR.LE gsb0, N`` that retires it (groups retire oldest first:
+    a wait for N leaves the N youngest in flight). ``Sass.hgmma_overlap`` counts waits for 0 only."""
+    out, pending = [], []
+    for i, ins in enumerate(sass.instructions):
+        if ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands:
+            pending.append((i, "pv" if _PV.search(ins.operands) else "qk"))
+        elif ins.opcode == "WARPGROUP.DEPBAR.LE":
+            match = _WAIT.search(ins.operands)
+            keep = int(match.group(1), 16) if match else 0
+            cut = max(len(pending) - keep, 0)
+            out += [(kind, i - at - 1) for at, kind in pending[:cut]]
+            pending = pending[cut:]
+    return out
+
+
+def consumer_loop(sass):
+    """The consumer's unmasked key loop and the tiles one trip covers: the leanest innermost loop per tile among
+    those holding HGMMA groups (a QK^T and a PV group per tile; the masked loop is the longer one, the producer's
+    loop has none)."""
+    best = None
+    for loop in sass.innermost_loops():
+        body = sass.instructions[loop.start: loop.end + 1]
+        groups = sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in body)
+        if groups >= 2 and (best is None or loop.length * 2 / groups < best[0].length * 2 / best[1]):
+            best = (loop, groups)
+    return None if best is None else (best[0], best[1] // 2)
+
+
+def measure(head_dim: int, causal: bool, schedule: Schedule | None = None) -> Measured:
+    from ..offline import cubin_report
+
+    schedule = schedule or SCHEDULES[head_dim]
+    kernel = compile_sm90(head_dim, causal, schedule)
+    report = cubin_report(kernel.asm["cubin"])
+    sass = report.sass
+    found = consumer_loop(sass)
+    per_tile = found[0].length / found[1] if found else 0
+    setmaxnreg = tuple(sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
+                               if ins.opcode.startswith("USETMAXREG")}))
+    return Measured(
+        head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
+        kernel.metadata.num_warps, sass.count("HGMMA"), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
+        sass.count("UTMALDG"), round(per_tile), round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N), 3),
+    )
+
+
+def format_row(r: Measured) -> str:
+    gaps = {kind: [gap for k, gap in r.retired if k == kind] for kind in ("qk", "pv")}
+    return (f"{r.head_dim:4d} {r.causal!s:>6} {r.schedule.overlap:>3} {int(r.schedule.pingpong):2d} "
+            f"{r.schedule.unroll:2d} {r.registers:4d} {'/'.join(map(str, r.setmaxnreg)):>14} {r.spill_bytes:5d} "
+            f"{r.shared_bytes:6d} {r.warps:5d} {r.hgmma:5d} {r.hgmma_groups:6d} {r.tma_loads:3d} {r.loop:5d} "
+            f"{r.per_score:10.3f}  qk {gaps['qk']} pv {gaps['pv']}")
+
+
+HEADER = (f"{'d':>4} {'causal':>6} {'ovl':>3} {'pp':>2} {'un':>2} {'regs':>4} {'setmaxnreg':>14} {'spill':>5} "
+          f"{'smem':>6} {'warps':>5} {'hgmma':>5} {'groups':>6} {'tma':>3} {'/tile':>5} {'inst/score':>10}  "
+          "instructions until each group retires")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashattn.backends.triton.experimental.gluon_forward [--all] [--cases 128:0,64:1] [--json out]``:
+    the shipped schedule per case (head dim : causal), or with ``--all`` every schedule in VARIANTS."""
+    parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Gluon FA3-style forward (no GPU).")
+    parser.add_argument("--cases", default="64:0,64:1,128:0,128:1", help="head_dim:causal, comma-separated")
+    parser.add_argument("--all", action="store_true", help="every schedule in VARIANTS, not only the shipped one")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    print(HEADER)
+    for case in args.cases.split(","):
+        head_dim, causal = (int(x) for x in case.split(":"))
+        for schedule in VARIANTS if args.all else (SCHEDULES[head_dim],):
+            row = measure(head_dim, bool(causal), schedule)
+            rows.append(asdict(row))
+            print(format_row(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
