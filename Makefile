@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # On the development and CI machines this resolves to a CPU wheel on local disk (seconds, not a GB download).
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q
+
+# On a machine with a GPU: tests, CUDA kernel checks, sweeps against every SDPA backend and FlexAttention, decode,
+# kernel health, into one folder under benchmarks/results (commit it). Uses .venv when there is one, else the
+# system python (a GPU image with torch and triton and no network).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=. $(GPU_PY) -m flashattn gpu-check --out "benchmarks/results/gpu-check-{device}-{date}"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -7,6 +7,7 @@
     flashattn bench context-parallel      # context-parallel layouts across ranks (starts torchrun)
     flashattn bench cuda-kernel           # the CUDA C++ kernel: compile, accuracy, forward timing
     flashattn info [--json]               # versions, devices, compilers, the backend auto picks and why
+    flashattn gpu-check [--smoke]         # everything a GPU session must run, into one folder, one summary table
 
 ``flashattn bench <subcommand> --help`` lists each one's options with their defaults.
 """
@@ -23,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, info, reference
-from .bench import context_parallel, cpu, cuda_kernel, decode, load, options, report, sweep
+from .bench import context_parallel, cpu, cuda_kernel, decode, gpu_check, load, options, report, sweep
 from .bench.measure import OURS, Case, measure
 
 BENCH_COMMANDS = {"sweep": sweep, "decode": decode, "cpu": cpu, "context-parallel": context_parallel,
@@ -168,6 +169,13 @@ def _add_info(sub) -> None:
     p.set_defaults(func=show_info, timed=False)
 
 
+def _add_gpu_check(sub) -> None:
+    p = sub.add_parser("gpu-check", help=gpu_check.HELP, description=options.plain(gpu_check.__doc__),
+                       formatter_class=options.HelpFormatter)
+    gpu_check.add_arguments(p)
+    p.set_defaults(func=gpu_check.command, timed=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
     parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
@@ -175,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_info(sub)
+    _add_gpu_check(sub)
     return parser
 
 

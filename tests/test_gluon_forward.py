@@ -21,8 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 TL_PER_SCORE = {128: 0.238, 64: 0.222}
 SHARED_LIMIT_SM90 = 232448
 # Failures that say the machine cannot compile for sm_90, not that the kernel is wrong.
-ENVIRONMENTAL = ("No module named 'triton.experimental.gluon'", "cannot import name", "ptxas", "cuobjdump",
-                 "FileNotFoundError")
+ENVIRONMENTAL = ("No module named 'triton.experimental.gluon'", "FileNotFoundError")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("gluon") / "measured.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "flashattn.backends.triton.experimental.gluon_forward", "--cases", "128:0,64:1",
+        [sys.executable, "-m", "flashattn.backends.triton.experimental.gluon_profile", "--cases", "128:0,64:1",
          "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600,
     )

@@ -263,3 +263,61 @@ def test_tensor_descriptor_paths(case):
             return
         out = flashattn.flash_attn_func(q, k, v, **kwargs)
         check_against_oracle(q, k, v, kwargs, out)
+
+
+def _shipped_tiles() -> list[tuple[int, int]]:
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from flashattn.backends.triton import configs
+
+    return sorted({(c.block_m, c.block_n) for c in configs.shipped()})
+
+
+@pytest.mark.parametrize("tile", _shipped_tiles(), ids=lambda t: f"{t[0]}x{t[1]}")
+def test_every_shipped_tile(tile):
+    """Each tile shape the per-architecture tables ship (interpreter runs use 32x32 otherwise), forced with
+    ``configs.use``: lengths that cut a tile border on both sides, a causal band with whole and partial key tiles,
+    GQA, forward and gradients against float64. Warps and stages do not change results (the interpreter ignores
+    them); the health report compiles those."""
+    from flashattn.backends.triton import configs
+
+    block_m, block_n = tile
+    b, nq, nk, h, hk, d = 1, block_m + 5, 2 * block_n + 7, 2, 1, 40
+    torch.manual_seed(0)
+    q, k, v = on_device(*make_inputs(b, nq, nk, h, hk, d, torch.float16))
+    kwargs = {"causal": True}
+    with flashattn.use_backend("triton"), configs.use(configs.KernelConfig(block_m, block_n, 4, 2)):
+        out = flashattn.flash_attn_func(q, k, v, **kwargs)
+    check_against_oracle(q, k, v, kwargs, out)
+
+
+def test_batch_times_heads_past_the_grid_axis_limit(monkeypatch):
+    """B x H = 70000 > 65535 (CUDA's limit on grid axes 1 and 2): every launch keeps its programs on axis 0 and
+    within limits. The launches are recorded, not run (70000 programs are slow under the interpreter)."""
+    from flashattn.backends import triton as backend
+    from flashattn.backends.spec import AttentionSpec, Saved
+
+    launch = importlib.import_module("flashattn.backends.triton.launch")  # the package exports a function "launch"
+    grids = {}
+    record = lambda kernel, grid, **kwargs: grids.setdefault(kernel.fn.__name__, grid)  # noqa: E731
+    monkeypatch.setattr(backend, "launch", record)
+    monkeypatch.setattr(launch, "launch", record)
+    b, h, n, d = 35000, 2, 1, 16
+    q = torch.zeros(b, n, h, d, dtype=torch.float16)
+    spec = AttentionSpec(scale=0.25)
+    backend.forward(q, q, q, spec)
+    backend.backward(torch.zeros_like(q), None, Saved(q, q, q, q, torch.zeros(b, h, n)), spec)
+    assert set(grids) == {"attention_forward_kernel", "attention_backward_preprocess_kernel",
+                          "attention_backward_dkdv_kernel", "attention_backward_dq_kernel"}
+    for name, grid in grids.items():
+        assert grid[0] == b * h, (name, grid)  # one tile per (batch, head)
+        assert all(n <= limit for n, limit in zip(grid, launch.GRID_LIMITS, strict=False)), (name, grid)
+
+
+def test_a_grid_past_cuda_limits_is_a_value_error():
+    from flashattn.backends.triton.kernels import merge_splits_kernel
+
+    launch = importlib.import_module("flashattn.backends.triton.launch")
+
+    with pytest.raises(ValueError, match=r"grid \(1, 70000\) exceeds"):
+        launch.launch(merge_splits_kernel, (1, 70000))

@@ -69,6 +69,12 @@ def flex_attention(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
+        # One compilation per shape: past dynamo's recompile limit (8) it would fall back to eager flex, several
+        # times slower, and the sweep would report that as FlexAttention.
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), 256))
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     block_mask = None

@@ -76,7 +76,7 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
     plain = spec.alibi_slopes is None and spec.attn_mask is None and probs is None and spec.dropout_p == 0
     rows = QueryRows(q, out, lse, shape, spec, plain=plain)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
-    cfg = config("decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward", q, shape, heavy=heavy)
+    cfg = config("decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward", q, shape, rows.spec, heavy=heavy)
     splits, split_keys = split_count(shape, rows, cfg, q.device)
     if splits == 1:
         targets = (out, lse)
@@ -86,7 +86,7 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
         targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32, device=q.device),
                    torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
     kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
-    grid = (-(-rows.nq // cfg.block_m), shape.b * rows.h, splits)
+    grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
     launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
@@ -109,13 +109,13 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     delta = _delta(dout, dlse, out, shape)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
     common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, shape=shape)
-    cfg = config("dkdv", q, shape, heavy=heavy)
-    launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n), shape.b * shape.hk),
+    cfg = config("dkdv", q, shape, spec, heavy=heavy)
+    launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
            **common, dk=dk, dv=dv, **shape.strides("dk", dk), **shape.strides("dv", dv), num_heads_k=shape.hk,
            **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n)),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cfg = config("dq", q, shape, heavy=heavy)
-    launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m), shape.b * shape.h),
+    cfg = config("dq", q, shape, spec, heavy=heavy)
+    launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m) * shape.b * shape.h,),
            **common, dq=dq, **shape.strides("dq", dq),
            **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n)),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -129,7 +129,7 @@ def _delta(dout, dlse, out, shape: CallShape) -> torch.Tensor:
     out4, dout4 = dense(out), dense(dout)
     rows, heads = out4.shape[1], out4.shape[2]
     launch(
-        attention_backward_preprocess_kernel, (-(-rows // configs.PREPROCESS_BLOCK_M), out4.shape[0] * heads),
+        attention_backward_preprocess_kernel, (-(-rows // configs.PREPROCESS_BLOCK_M) * out4.shape[0] * heads,),
         out=out4, dout=dout4,
         # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
         dlse=None if dlse is None else dense(dlse.contiguous()), delta=dense(delta),

@@ -2,7 +2,7 @@
 through the real launcher, and read registers, spills and shared memory from the cubin, and whether Hopper's
 tensor-core instructions (HGMMA, from wgmma) are used.
 
-    python -m flashattn.backends.triton.health [--json out.json] [--head-dims 64,128]
+    python -m flashattn.backends.triton.health [--json out.json] [--head-dims 64,128] [--jobs 8] [--search]
 
 The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
 so the runtime's specialization of aligned pointers, unit strides and divisible sizes), for a representative call
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from .. import triton as backend
 from ..spec import AttentionSpec, KeyCache, Saved, Varlen
 from . import configs
-from .offline import SHARED_LIMIT, TARGETS, compiled_launches, cubin_report
+from .offline import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
 
 TABLES = ("forward", "decode", "dkdv", "dq")
 KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",
@@ -40,27 +41,21 @@ HGMMA_EXEMPT = {
 
 
 @dataclass
-class Health:
-    kernel: str
-    arch: int
-    head_dim: int
-    variant: str  # the table's weight: light, heavy, fp32-light, fp32-heavy
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    registers: int
-    spill_bytes: int
-    shared_bytes: int
-    hgmma: bool
-    problems: list[str]
+class Health(KernelCounts):
+    kernel: str = ""
+    arch: int = 0
+    head_dim: int = 0
+    variant: str = ""  # the table's weight: plain, light, heavy, fp32-light, fp32-heavy
+    problems: list[str] = dataclasses.field(default_factory=list)
 
 
 def _spec(table: str, weight: str, tensors: dict) -> AttentionSpec:
-    """Every feature a call of this weight may use: light calls the band both sides, softcap and ALiBi (and, for
-    the forward, keys in a paged KV cache or packed); heavy ones dropout and an additive mask too."""
-    spec = AttentionSpec(scale=0.125, window_left=64, window_right=0, softcap=30.0,
-                         alibi_slopes=tensors["alibi"])
+    """Every feature a call of this weight may use: plain calls the band both sides (and, for the forward, keys in
+    a paged KV cache or packed); light ones softcap and ALiBi too (fp32-light serves plain calls as well); heavy
+    ones dropout and an additive mask on top."""
+    spec = AttentionSpec(scale=0.125, window_left=64, window_right=0)
+    if weight != "plain":
+        spec = dataclasses.replace(spec, softcap=30.0, alibi_slopes=tensors["alibi"])
     if weight.endswith("heavy"):
         return dataclasses.replace(spec, dropout_p=0.1, seed=tensors["seed"], attn_mask=tensors["mask"])
     if table in ("forward", "decode"):
@@ -106,7 +101,7 @@ def _compile(table: str, weight: str, head_dim: int, arch: int) -> object:
         return backend.backward(torch.empty_like(out), None, Saved(q, k, v, out, lse), spec)
 
     name = KERNEL_OF[table].removesuffix("[decode]")
-    return next(c for c in compiled_launches(arch, call) if c.name == name).kernel
+    return next(c for c in compiled_launches(arch, call) if c.name == name)
 
 
 def _table_of(kernel: str) -> str:
@@ -117,20 +112,18 @@ def check_one(table: str, head_dim: int, variant: str, arch: int, cfg: configs.K
     """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it."""
     cfg = cfg or configs.lookup(table, arch, head_dim, variant)
     with configs.use(cfg):  # through the real launch path, with this tile
-        compiled = _compile(table, variant, head_dim, arch)
-    report = cubin_report(compiled.asm["cubin"])
-    regs, spills, hgmma = report.registers, report.spill_bytes, report.sass.count("HGMMA") > 0
-    shared = compiled.metadata.shared
+        counts = kernel_counts(_compile(table, variant, head_dim, arch))
     problems = []
-    if spills:
-        problems.append(f"spills {spills} bytes")
-    if shared > SHARED_LIMIT[arch]:
-        problems.append(f"shared memory {shared} > {SHARED_LIMIT[arch]}")
+    if counts.spill_bytes:
+        problems.append(f"spills {counts.spill_bytes} bytes")
+    if counts.shared_bytes > SHARED_LIMIT[arch]:
+        problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
     # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
-    if arch == 90 and not variant.startswith("fp32") and not hgmma and (table, head_dim, variant) not in HGMMA_EXEMPT:
+    if (arch == 90 and not variant.startswith("fp32") and not counts.hgmma
+            and (table, head_dim, variant) not in HGMMA_EXEMPT):
         problems.append("no HGMMA (wgmma) instructions on sm_90")
-    return Health(KERNEL_OF[table], arch, head_dim, variant, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                  regs, spills, shared, hgmma, problems)
+    return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=head_dim,
+                  variant=variant, problems=problems)
 
 
 def _candidates(cfg: configs.KernelConfig) -> list[configs.KernelConfig]:
@@ -152,30 +145,56 @@ def search(table: str, head_dim: int, variant: str, arch: int) -> configs.Kernel
     return None
 
 
-def report(head_dims=(16, 32, 64, 128, 256)) -> list[Health]:
-    return [check_one(table, d, variant, arch) for table in TABLES for d in head_dims for variant in configs.WEIGHTS
-            for arch in TARGETS]
+def _check(entry: tuple) -> Health:
+    return check_one(*entry)
+
+
+def _search(entry: tuple) -> tuple[tuple, configs.KernelConfig | None]:
+    return entry, search(*entry)
+
+
+def _map(fn, entries: list[tuple], jobs: int) -> list:
+    """``fn`` over ``entries``, in ``jobs`` processes (compiling is single-threaded; spawned, not forked, so each
+    starts with a clean Triton driver)."""
+    if jobs <= 1:
+        return [fn(e) for e in entries]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return pool.map(fn, entries, chunksize=1)
+
+
+def report(head_dims=(16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS, jobs: int = 1) -> list[Health]:
+    entries = [(table, d, variant, arch) for table in tables for d in head_dims for variant in variants
+               for arch in TARGETS]
+    return _map(_check, entries, jobs)
+
+
+def format_rows(rows: list[Health]) -> str:
+    lines = [f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
+             f"{'spill':>5} {'smem':>7} {'hgmma':>5} {'at once':>7} {'tma':>3} {'inst/score':>10}  problems"]
+    for r in rows:
+        lines.append(f"{r.kernel:34} {r.arch:3d} {r.head_dim:4d} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
+                     f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.shared_bytes:7d} "
+                     f"{r.hgmma:5d} {r.hgmma_waited_at_once:7d} {r.tma_loads:3d} {r.per_score:10.3f}  "
+                     f"{'; '.join(r.problems) or 'ok'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Compile the shipped Triton kernels for sm_80/sm_90 and report health.")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--head-dims", default="16,32,64,128,256", help="comma-separated padded head dims")
+    p.add_argument("--tables", default=",".join(TABLES), help="comma-separated tables")
+    p.add_argument("--variants", default=",".join(configs.WEIGHTS), help="comma-separated weights")
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--search", action="store_true", help="for each unhealthy entry, find a healthy config")
     a = p.parse_args(argv)
-    rows = report(tuple(int(d) for d in a.head_dims.split(",")))
+    rows = report(tuple(int(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
+                  variants=a.variants.split(","), jobs=a.jobs)
     if a.search:
-        for r in rows:
-            if r.problems:
-                table = _table_of(r.kernel)
-                print(f"{table} sm_{r.arch} d={r.head_dim} {r.variant}: {search(table, r.head_dim, r.variant, r.arch)}",
-                      flush=True)
-    print(f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
-          f"{'spill':>5} {'smem':>7} {'hgmma':>5}  problems")
-    for r in rows:
-        print(f"{r.kernel:34} {r.arch:3d} {r.head_dim:4d} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
-              f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.shared_bytes:7d} "
-              f"{'yes' if r.hgmma else 'no':>5}  {'; '.join(r.problems) or 'ok'}")
+        unhealthy = [(_table_of(r.kernel), r.head_dim, r.variant, r.arch) for r in rows if r.problems]
+        for (table, d, variant, arch), found in _map(_search, unhealthy, a.jobs):
+            print(f"{table} sm_{arch} d={d} {variant}: {found}", flush=True)
+    print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 1 if any(r.problems for r in rows) else 0

@@ -54,8 +54,15 @@ def compiling_only() -> bool:
     return _compile_only.get() is not None
 
 
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's programs per grid axis
+
+
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
-    """``kernel[grid](**kwargs)``, or, inside ``compile_only``, its compilation."""
+    """``kernel[grid](**kwargs)``, or, inside ``compile_only``, its compilation. A grid past CUDA's limits is a
+    ValueError here, not a launch failure that poisons the CUDA context."""
+    if any(n > limit for n, limit in zip(grid, GRID_LIMITS, strict=False)):
+        raise ValueError(f"{kernel.fn.__name__}: grid {grid} exceeds CUDA's {GRID_LIMITS} programs per axis; "
+                         "split the batch into smaller calls")
     recorded = _compile_only.get()
     if recorded is None:
         kernel[grid](**kwargs)
@@ -166,15 +173,21 @@ def target_arch() -> int:
     return int(target.arch) if target.backend == "cuda" else 0
 
 
-def config(kernel: str, q: torch.Tensor, shape: CallShape, *, heavy: bool) -> configs.KernelConfig:
+def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, *,
+           heavy: bool) -> configs.KernelConfig:
     """The tile of ``kernel`` (a ``configs.KERNELS`` name) for this call: ``configs.use``'s if forced, small
-    square tiles under the interpreter, else the target family's table entry."""
+    square tiles under the interpreter, else the target family's entry for the call's weight: "heavy" with dropout
+    or a mask tile, "plain" when the scores need no softcap or ALiBi (``plain_scores``), else "light"; fp32 inputs
+    have their own two."""
     forced = configs.forced()
     if forced is not None:
         return forced
     if interpreting():
         return configs.INTERPRETER
-    weight = ("fp32-" if q.dtype == torch.float32 else "") + ("heavy" if heavy else "light")
+    if q.dtype == torch.float32:
+        weight = "fp32-heavy" if heavy else "fp32-light"
+    else:
+        weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
     return configs.lookup(kernel, target_arch(), configs.padded_head_dim(max(shape.d, shape.dv)), weight)
 
 
@@ -319,7 +332,7 @@ def merge_splits(partials, results, *, shape: CallShape, rows: QueryRows) -> Non
     batch, nq = out_acc.shape[1], out_acc.shape[2]
     out_strides = dict(rows.out, stride_ob=0) if shape.q_packed else rows.out
     launch(
-        merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M), batch * rows.h),
+        merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M) * batch * rows.h,),
         out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse,
         **CallShape.strides("po", out_acc, "sbnhd"),
         **dict(zip(("stride_pls", "stride_plb", "stride_plh"), lse_acc.stride()[:3], strict=True)),

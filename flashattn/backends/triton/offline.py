@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -82,3 +83,38 @@ def cubin_report(cubin: bytes) -> CubinReport:
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     spills = int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1))
     return CubinReport(registers, spills, Sass.parse(sass))
+
+
+@dataclass
+class KernelCounts:
+    """What one compiled launch is made of, read from its cubin (``sass.py`` defines the terms)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill_bytes: int  # stack frame and local memory: register spills, or a subroutine call's saved registers
+    shared_bytes: int
+    hgmma: int  # wgmma instructions
+    hmma: int  # mma.sync instructions (Ampere's tensor-core path; on sm_90 a matmul that missed wgmma)
+    hgmma_groups: int
+    hgmma_waited_at_once: int  # groups retired within a few instructions of their issue: no overlap
+    tma_loads: int  # UTMALDG: tensor-descriptor copies
+    main_loop: int  # instructions in the main loop (the leanest innermost loop with tensor-core instructions)
+    per_score: float  # main_loop x warps / (BLOCK_M x BLOCK_N): warp-instructions per score element
+
+
+def kernel_counts(launch: Compiled) -> KernelCounts:
+    kernel = launch.kernel
+    report = cubin_report(kernel.asm["cubin"])
+    sass = report.sass
+    loop = sass.main_loop()
+    block_m, block_n = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"]
+    warps = kernel.metadata.num_warps
+    length = loop.length if loop else 0
+    return KernelCounts(
+        block_m, block_n, warps, kernel.metadata.num_stages, report.registers, report.spill_bytes,
+        kernel.metadata.shared, sass.count("HGMMA"), sass.count("HMMA"), sass.hgmma_groups(),
+        sass.hgmma_waited_at_once(), sass.count("UTMALDG"), length, round(length * warps / (block_m * block_n), 3),
+    )

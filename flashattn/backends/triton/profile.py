@@ -23,30 +23,17 @@ import torch
 
 from .. import triton as backend
 from ..spec import AttentionSpec, Saved
-from .offline import compiled_launches, cubin_report
+from .offline import KernelCounts, compiled_launches, kernel_counts
 
 MAIN_KERNELS = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel")
 
 
 @dataclass
-class Profile:
-    kernel: str
-    arch: int
-    head_dim: int
-    causal: bool
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    registers: int
-    spill_bytes: int
-    shared_bytes: int
-    hgmma: int
-    hgmma_groups: int
-    hgmma_waited_at_once: int
-    tma_loads: int
-    main_loop: int  # instructions in the main loop
-    per_score: float  # warp-instructions per score element in the main loop
+class Profile(KernelCounts):
+    kernel: str = ""
+    arch: int = 0
+    head_dim: int = 0
+    causal: bool = False
 
 
 def _plain_call(head_dim: int, causal: bool):
@@ -69,25 +56,12 @@ def _launches(head_dim: int, causal: bool, arch: int) -> list:
 
 
 def profile(head_dim: int, causal: bool, arch: int = 90) -> list[Profile]:
-    rows = []
-    for launch in _launches(head_dim, causal, arch):
-        report = cubin_report(launch.kernel.asm["cubin"])
-        sass = report.sass
-        loop = sass.main_loop()
-        block_m, block_n = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"]
-        warps = launch.kernel.metadata.num_warps
-        length = loop.length if loop else 0
-        rows.append(Profile(
-            launch.name, arch, head_dim, causal, block_m, block_n, warps, launch.kernel.metadata.num_stages,
-            report.registers, report.spill_bytes, launch.kernel.metadata.shared, sass.count("HGMMA"),
-            sass.hgmma_groups(), sass.hgmma_waited_at_once(), sass.count("UTMALDG"), length,
-            round(length * warps / (block_m * block_n), 3),
-        ))
-    return rows
+    return [Profile(**asdict(kernel_counts(launch)), kernel=launch.name, arch=arch, head_dim=head_dim, causal=causal)
+            for launch in _launches(head_dim, causal, arch)]
 
 
-def report(head_dims=(64, 128), arch: int = 90) -> list[Profile]:
-    return [row for d in head_dims for causal in (False, True) for row in profile(d, causal, arch)]
+def report(head_dims=(64, 128), arch: int = 90, causals=(False, True)) -> list[Profile]:
+    return [row for d in head_dims for causal in causals for row in profile(d, causal, arch)]
 
 
 def format_rows(rows: list[Profile]) -> str:
@@ -107,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--arch", type=int, default=90, choices=(80, 90), help="target architecture (sm_80 or sm_90)")
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims")
+    p.add_argument("--causal", default="both", choices=("both", "true", "false"), help="causal masking")
     a = p.parse_args(argv)
-    rows = report(tuple(int(d) for d in a.head_dims.split(",")), a.arch)
+    causals = (False, True) if a.causal == "both" else (a.causal == "true",)
+    rows = report(tuple(int(d) for d in a.head_dims.split(",")), a.arch, causals)
     print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -20,10 +20,12 @@ from .tiles import (
     key_range,
     load_tile,
     load_tile_t,
+    program_tile,
     query_range,
     score_grads,
     score_tile,
     sequence,
+    tma_origin,
 )
 
 
@@ -37,10 +39,9 @@ def attention_backward_preprocess_kernel(
 ):
     """delta_i = rowsum(dO_i * O_i) - dlse_i, in fp32 (the dlse term is the gradient of the returned lse; ``dlse``
     None when it has none)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
+    h = (bh % num_heads).to(tl.int64)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_dv = tl.arange(0, BLOCK_DV)
     shape = (seqlen_q, head_dim_v)
@@ -125,23 +126,21 @@ def attention_backward_dkdv_kernel(
     """dK_j, dV_j for one key block of one key/value head, summed over the G query heads of its group inside
     the program (no atomics, so the result is deterministic). The query tiles that see the whole key block run
     without mask code; those on the band's edges apply it."""
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    start_n, bhk = program_tile(seqlen_k, BLOCK_N, False)  # the first key blocks see the most queries (causal)
     b = (bhk // num_heads_k).to(tl.int64)
-    hk = bhk % num_heads_k
+    hk = (bhk % num_heads_k).to(tl.int64)
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, (seqlen_q, seqlen_k))
     band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    # TMA coordinates are 32-bit (the host refuses a descriptor whose rows would not fit).
     if k_desc is not None:
-        b_k = k_desc.load([(b * k_tma[0] + hk * k_tma[1] + k0 + start_n).to(tl.int32), hk * k_tma[2]])
+        b_k = k_desc.load(tma_origin(k_tma, b, hk, k0 + start_n))
         b_k = b_k.to(tl.float32) if UPCAST else b_k
     else:
         b_k = load_tile(k + b * stride_kb + k0 * stride_kn + hk * stride_kh, o_n, o_d, (stride_kn, stride_kd),
                         (nk, head_dim), UPCAST)
     if v_desc is not None:
-        b_v = v_desc.load([(b * v_tma[0] + hk * v_tma[1] + k0 + start_n).to(tl.int32), hk * v_tma[2]])
+        b_v = v_desc.load(tma_origin(v_tma, b, hk, k0 + start_n))
         b_v = b_v.to(tl.float32) if UPCAST else b_v
     else:
         b_v = load_tile(v + b * stride_vb + k0 * stride_vn + hk * stride_vh, o_n, o_dv, (stride_vn, stride_vd),
@@ -161,8 +160,7 @@ def attention_backward_dkdv_kernel(
                    (stride_qn, stride_qd), (stride_don, stride_dod), lse + o_stats, delta + o_stats, nq,
                    (head_dim, head_dim_v))
         descriptors = (q_desc, do_desc,
-                       ((b * q_tma[0] + h * q_tma[1] + q0).to(tl.int32), h * q_tma[2]),
-                       ((b * do_tma[0] + h * do_tma[1] + q0).to(tl.int32), h * do_tma[2]))
+                       tma_origin(q_tma, b, h, q0), tma_origin(do_tma, b, h, q0))
         b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
@@ -175,7 +173,7 @@ def attention_backward_dkdv_kernel(
                            dropout, BLOCK_M, UPCAST, True, PLAIN)
     b_dk, b_dv = grads
     b_dk = b_dk * scale
-    o_rows = k0 + o_n[:, None]
+    o_rows = k0 + o_n[:, None].to(tl.int64)
     m_rows = o_n[:, None] < nk
     tl.store(dk + b * stride_dkb + o_rows * stride_dkn + hk * stride_dkh + o_d[None, :] * stride_dkd,
              b_dk.to(dk.dtype.element_ty), mask=m_rows & (o_d[None, :] < head_dim))
@@ -241,23 +239,22 @@ def attention_backward_dq_kernel(
 ):
     """dQ_i for one query block of one head: its own pass over the keys, so dQ needs no atomics. The key tiles
     the whole query block sees run without mask code, as in the forward."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    start_m, bh = program_tile(seqlen_q, BLOCK_M, True)
     b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
+    h = (bh % num_heads).to(tl.int64)
     hk = h // group_size
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, (seqlen_q, seqlen_k))
     band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     if q_desc is not None:
-        b_q = q_desc.load([(b * q_tma[0] + h * q_tma[1] + q0 + start_m).to(tl.int32), h * q_tma[2]])
+        b_q = q_desc.load(tma_origin(q_tma, b, h, q0 + start_m))
         b_q = b_q.to(tl.float32) if UPCAST else b_q
     else:
         b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
                         (nq, head_dim), UPCAST)
     if do_desc is not None:
-        b_do = do_desc.load([(b * do_tma[0] + h * do_tma[1] + q0 + start_m).to(tl.int32), h * do_tma[2]])
+        b_do = do_desc.load(tma_origin(do_tma, b, h, q0 + start_m))
         b_do = b_do.to(tl.float32) if UPCAST else b_do
     else:
         b_do = load_tile(dout + b * stride_dob + q0 * stride_don + h * stride_doh, o_m, o_dv,
@@ -273,8 +270,7 @@ def attention_backward_dq_kernel(
             (stride_kn, stride_kd), (stride_vn, stride_vd), nk, (head_dim, head_dim_v))
     scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
     dropout = (bh.to(tl.int64) * seqlen_q, (seqlen_q, seqlen_k), dropout_p)
-    descriptors = (k_desc, v_desc, ((b * k_tma[0] + hk * k_tma[1] + k0).to(tl.int32), hk * k_tma[2]),
-                   ((b * v_tma[0] + hk * v_tma[1] + k0).to(tl.int32), hk * v_tma[2]))
+    descriptors = (k_desc, v_desc, tma_origin(k_tma, b, hk, k0), tma_origin(v_tma, b, hk, k0))
     lo, hi = key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
     hi = tl.where(start_m < nq, hi, 0)
     full_lo, full_hi = full_key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
@@ -292,5 +288,6 @@ def attention_backward_dq_kernel(
     b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_hi, hi), stats, keys, descriptors, scoring, b_slope, p_mask,
                         b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
     b_dq = b_dq * scale
-    tl.store(dq + b * stride_dqb + (q0 + o_m[:, None]) * stride_dqn + h * stride_dqh + o_d[None, :] * stride_dqd,
+    o_rows = q0 + o_m[:, None].to(tl.int64)
+    tl.store(dq + b * stride_dqb + o_rows * stride_dqn + h * stride_dqh + o_d[None, :] * stride_dqd,
              b_dq.to(dq.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_d[None, :] < head_dim))

@@ -20,14 +20,17 @@ from .tiles import (
     LOG2E,
     dot_acc,
     dropout_keep,
+    fast_div,
     full_key_range,
     key_range,
     key_slots,
     load_rows,
     load_tile,
     load_tile_t,
+    program_tile,
     score_tile,
     sequence,
+    tma_origin,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -116,11 +119,10 @@ def attention_forward_kernel(
     are TMA descriptors (None: pointer loads) with ``*_tma`` = (rows per batch, rows per head, columns per head)
     saying where a head's rows are in them (``flashattn.backends.triton.tma``).
     """
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    start_m, bh = program_tile(seqlen_q, BLOCK_M, True)
     split = tl.program_id(2)
     b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
+    h = (bh % num_heads).to(tl.int64)
     hk = h // group_size
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, (k_start, k_end) if k_start is not None else None,
                               (seqlen_q, seqlen_k))
@@ -130,14 +132,12 @@ def attention_forward_kernel(
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
 
     if q_desc is not None:
-        b_q = q_desc.load([(b * q_tma[0] + h * q_tma[1] + q0 + start_m).to(tl.int32), h * q_tma[2]])
+        b_q = q_desc.load(tma_origin(q_tma, b, h, q0 + start_m))
         b_q = b_q.to(tl.float32) if UPCAST else b_q
     else:
         b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
                         (nq, head_dim), UPCAST)
-    # TMA coordinates are 32-bit (the host refuses a descriptor whose rows would not fit).
-    descriptors = (k_desc, v_desc, ((kb * k_tma[0] + hk * k_tma[1] + k0).to(tl.int32), hk * k_tma[2]),
-                   ((kb * v_tma[0] + hk * v_tma[1] + k0).to(tl.int32), hk * v_tma[2]))
+    descriptors = (k_desc, v_desc, tma_origin(k_tma, kb, hk, k0), tma_origin(v_tma, kb, hk, k0))
     # Paged keys are addressed from the cache's start; others from row k0 of their batch entry.
     p_k = k + hk * stride_kh
     p_v = v + hk * stride_vh
@@ -178,12 +178,12 @@ def attention_forward_kernel(
     b_norm = tl.where(m_empty, 1.0, b_l)
     if b_seed is not None:
         b_norm = b_norm * (1.0 - dropout_p)
-    b_out = b_acc / b_norm[:, None]
+    b_out = b_acc * fast_div(1.0, b_norm)[:, None]
     b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(tl.where(m_empty, 1.0, b_l))) * LN2)
-    p_out = (out + split * stride_os + b * stride_ob + (q0 + o_m[:, None]) * stride_on + h * stride_oh
-             + o_dv[None, :] * stride_od)
+    p_out = (out + split.to(tl.int64) * stride_os + b * stride_ob + (q0 + o_m[:, None].to(tl.int64)) * stride_on
+             + h * stride_oh + o_dv[None, :] * stride_od)
     tl.store(p_out, b_out.to(out.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_dv[None, :] < head_dim_v))
-    tl.store(lse + split * stride_ls + b * stride_lb + h * stride_lh + q0 + o_m, b_lse, mask=o_m < nq)
+    tl.store(lse + split.to(tl.int64) * stride_ls + b * stride_lb + h * stride_lh + q0 + o_m, b_lse, mask=o_m < nq)
 
     if probs is not None:
         # P = exp(S - lse) recomputed, dropped entries negated. probs was zero-filled by the launcher, so hidden
@@ -219,29 +219,34 @@ def merge_splits_kernel(
     weigh 0, and a row no split saw gets O = 0, lse = -inf. Query positions have unit stride in ``lse_splits``
     and ``lse``.
     """
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
+    h = (bh % num_heads).to(tl.int64)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_dv = tl.arange(0, BLOCK_DV)
     m_rows = o_m < seqlen_q
     p_lse = lse_splits + b * stride_plb + h * stride_plh + o_m
     b_top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        b_top = tl.maximum(b_top, tl.load(p_lse + s * stride_pls, mask=m_rows, other=float("-inf")))
+    # Pointers step split by split (64-bit), where split x stride could pass 2^31.
+    p_lse_s = p_lse
+    for _ in range(0, n_splits):
+        b_top = tl.maximum(b_top, tl.load(p_lse_s, mask=m_rows, other=float("-inf")))
+        p_lse_s += stride_pls
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
     b_total = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    p_tile = out_splits + b * stride_pob + h * stride_poh + o_m[:, None] * stride_pon + o_dv[None, :] * stride_pod
+    o_rows = o_m[:, None].to(tl.int64)
+    p_tile = out_splits + b * stride_pob + h * stride_poh + o_rows * stride_pon + o_dv[None, :] * stride_pod
     m_inside = m_rows[:, None] & (o_dv[None, :] < head_dim_v)
-    for s in range(0, n_splits):
-        b_w = tl.exp(tl.load(p_lse + s * stride_pls, mask=m_rows, other=float("-inf")) - b_top)
+    for _ in range(0, n_splits):
+        b_w = tl.exp(tl.load(p_lse, mask=m_rows, other=float("-inf")) - b_top)
         b_total += b_w
-        b_acc += b_w[:, None] * tl.load(p_tile + s * stride_pos, mask=m_inside, other=0.0)
+        b_acc += b_w[:, None] * tl.load(p_tile, mask=m_inside, other=0.0)
+        p_lse += stride_pls
+        p_tile += stride_pos
     m_empty = b_total == 0.0
-    b_out = b_acc / tl.where(m_empty, 1.0, b_total)[:, None]
+    b_out = b_acc * fast_div(1.0, tl.where(m_empty, 1.0, b_total))[:, None]
     b_lse = tl.where(m_empty, float("-inf"), b_top + tl.log(tl.where(m_empty, 1.0, b_total)))
-    tl.store(out + b * stride_ob + o_m[:, None] * stride_on + h * stride_oh + o_dv[None, :] * stride_od,
+    tl.store(out + b * stride_ob + o_rows * stride_on + h * stride_oh + o_dv[None, :] * stride_od,
              b_out.to(out.dtype.element_ty), mask=m_inside)
     tl.store(lse + b * stride_lb + h * stride_lh + o_m, b_lse, mask=m_rows)

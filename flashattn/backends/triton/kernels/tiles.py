@@ -16,11 +16,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units, so exp is one MUFU.EX2: e^x = 2^(x log2 e)
+
+
+@triton.jit
+def fast_div(x, y):
+    """x / y to 2 ulp (div.full.f32). IEEE division branches to a slow-path subroutine for extreme operands, and
+    the call costs every kernel that divides a stack frame and registers saved around it."""
+    return tl.math.fdiv(x, y)
+
 
 @triton.jit
 def tanh(x):
     # 1 - 2 / (e^{2x} + 1): saturates to +-1 for large |x| without overflow (inf -> 1, 0 -> -1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return 1.0 - fast_div(2.0, tl.math.exp2((2.0 * LOG2E) * x) + 1.0)
 
 
 @triton.jit
@@ -41,14 +50,40 @@ def load_rows(base, o_rows, m_rows, o_cols, stride_col, n_cols, UPCAST: tl.const
 @triton.jit
 def load_tile(base, o_rows, o_cols, strides, shape, UPCAST: tl.constexpr):
     """``base[rows, cols]`` as a (len(rows), len(cols)) tile, 0 outside [0, shape[0]) x [0, shape[1]);
-    ``strides`` = (row stride, column stride)."""
-    return load_rows(base, o_rows * strides[0], o_rows < shape[0], o_cols, strides[1], shape[1], UPCAST, False)
+    ``strides`` = (row stride, column stride). Row offsets are 64-bit: row x stride passes 2^31 on long
+    sequences (256k tokens x 64 heads x 128)."""
+    return load_rows(base, o_rows.to(tl.int64) * strides[0], o_rows < shape[0], o_cols, strides[1], shape[1],
+                     UPCAST, False)
 
 
 @triton.jit
 def load_tile_t(base, o_rows, o_cols, strides, shape, UPCAST: tl.constexpr):
     """The transpose of ``load_tile``: a (len(cols), len(rows)) tile."""
-    return load_rows(base, o_rows * strides[0], o_rows < shape[0], o_cols, strides[1], shape[1], UPCAST, True)
+    return load_rows(base, o_rows.to(tl.int64) * strides[0], o_rows < shape[0], o_cols, strides[1], shape[1],
+                     UPCAST, True)
+
+
+@triton.jit
+def tma_origin(at, b, h, row):
+    """(row, column) of row ``row`` of (batch ``b``, head ``h``) in a TMA descriptor whose ``at`` = (rows per
+    batch, rows per head, columns per head), as ``flashattn.backends.triton.tma`` lays tensors out. TMA coordinates
+    are 32-bit: the host refuses a descriptor whose rows would not fit."""
+    return (b * at[0] + h * at[1] + row).to(tl.int32), (h * at[2]).to(tl.int32)
+
+
+@triton.jit
+def program_tile(n, BLOCK: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """(first row of this program's tile, its batch x head index) on a flat grid of cdiv(n, BLOCK) tiles
+    per batch x head, all on axis 0 (axes 1 and 2 stop at 65535 programs; axis 0 at 2^31 - 1). A head's tiles are
+    neighbours, so the programs running together share its K/V in L2. ``LONGEST_FIRST`` walks a head's tiles from
+    the last, which under a causal mask sees the most keys: the longest programs start first and the short ones
+    fill the tail of the launch."""
+    tiles = tl.cdiv(n, BLOCK)
+    pid = tl.program_id(0)
+    tile = pid % tiles
+    if LONGEST_FIRST:
+        tile = tiles - 1 - tile
+    return tile * BLOCK, pid // tiles
 
 
 @triton.jit
@@ -57,9 +92,6 @@ def dot(a, b):
     if a.dtype == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
-
-
-LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units, so exp is one MUFU.EX2: e^x = 2^(x log2 e)
 
 
 @triton.jit
@@ -107,7 +139,7 @@ def score_tile(b_a, b_b, o_m, o_n, seqlens, band, scale, softcap, slope, p_mask,
     b_t = b_s
     if not PLAIN:
         if softcap is not None:
-            b_t = tanh(b_s * (scale / softcap))
+            b_t = tanh(b_s * fast_div(scale, softcap))
             b_s = b_t * (softcap * LOG2E)
         else:
             b_s = b_s * (scale * LOG2E)
@@ -115,7 +147,7 @@ def score_tile(b_a, b_b, o_m, o_n, seqlens, band, scale, softcap, slope, p_mask,
             b_s = b_s - (slope * LOG2E) * tl.abs(i + band[2] - j).to(tl.float32)
         if p_mask is not None:
             m_inside = (i < seqlens[0]) & (j < seqlens[1])
-            p_tile = p_mask + i * mask_strides[0] + j * mask_strides[1]
+            p_tile = p_mask + i.to(tl.int64) * mask_strides[0] + j.to(tl.int64) * mask_strides[1]
             if p_mask.dtype.element_ty == tl.uint8:
                 b_s = tl.where(tl.load(p_tile, mask=m_inside, other=0) != 0, b_s, float("-inf"))
             else:
@@ -128,7 +160,7 @@ def score_tile(b_a, b_b, o_m, o_n, seqlens, band, scale, softcap, slope, p_mask,
 @triton.jit
 def dropped(b_x, m_keep, dropout_p):
     """``b_x`` where dropout keeps, scaled by 1 / (1 - p), else 0."""
-    return tl.where(m_keep, b_x / (1.0 - dropout_p), 0.0)
+    return tl.where(m_keep, b_x * fast_div(1.0, 1.0 - dropout_p), 0.0)
 
 
 @triton.jit
@@ -185,12 +217,12 @@ def key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size):
     """
     m_keys = o_n < nk
     if block_table is not None:
-        o_pos = k0 + o_n
+        o_pos = (k0 + o_n).to(tl.int32)  # cache positions fit; a 64-bit division would be a subroutine call
         o_page = tl.load(block_table + kb * stride_bt + o_pos // page_size, mask=m_keys, other=0).to(tl.int64)
         o_row = o_pos % page_size
     else:
         o_page = 0
-        o_row = o_n
+        o_row = o_n.to(tl.int64)  # row x stride passes 2^31 on long sequences
     return o_page, o_row, m_keys
 
 

@@ -1,0 +1,148 @@
+"""Offline sm_90 counts of the Gluon FlashAttention-3-style forward (``gluon_forward``): registers and their
+reallocation, spills, shared memory, HGMMA groups and how long each stays in flight, TMA loads, and instructions per
+score in the consumers' main loop, the same way ``flashattn.backends.triton.profile`` counts the tl kernels.
+
+    python -m flashattn.backends.triton.experimental.gluon_profile [--all] [--cases 128:0,64:1] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .gluon_forward import BLOCK_M, BLOCK_N, SCHEDULES, VARIANTS, Schedule, _arguments, attention_forward_ws_kernel
+
+# The shape the tl kernels are profiled at (flashattn.backends.triton.profile): batch 2, 2048 tokens, 4 heads.
+PROFILE_SHAPE = (2, 2048, 4)
+CONSUMER_WARPS = 8  # two consumer warpgroups
+_WAIT = re.compile(r"gsb0\s*,\s*0x([0-9a-f]+)")
+_PV = re.compile(r"R\d+, R\d+, gdesc")  # A from registers: P V; Q K^T reads both operands from shared memory
+
+
+def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, dtype: torch.dtype = torch.bfloat16):
+    """The kernel compiled for sm_90 as ``forward`` would launch it at PROFILE_SHAPE (CPU tensors, nothing runs)."""
+    from ..offline import _offline
+
+    batch, seqlen, heads = PROFILE_SHAPE
+    q, k, v = (torch.empty(batch, seqlen, heads, head_dim, dtype=dtype) for _ in range(3))
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seqlen)
+    schedule = schedule or SCHEDULES[head_dim]
+    grid, args, options = _arguments(q, k, v, out, lse, causal, head_dim**-0.5, schedule)
+    with _offline(90):
+        return attention_forward_ws_kernel.warmup(*args, grid=grid, **options)
+
+
+@dataclass
+class Measured:
+    head_dim: int
+    causal: bool
+    schedule: Schedule
+    registers: int  # the cubin's per-thread count at launch; setmaxnreg moves it per warpgroup
+    setmaxnreg: tuple  # distinct USETMAXREG targets
+    spill_bytes: int
+    shared_bytes: int
+    warps: int  # all partitions, padded to whole warpgroups (the launch's block is warps x 32 threads)
+    hgmma: int
+    hgmma_groups: int
+    overlap: list  # per HGMMA group, sass.hgmma_overlap(): instructions until a wait for 0 retires it
+    retired: list  # per group, ("qk" | "pv", instructions until the wait that retires it, waits for 1 counted)
+    tma_loads: int
+    loop: int  # instructions per key tile in the consumer's unmasked loop
+    per_score: float  # loop x 8 consumer warps / (128 x 128)
+
+    def overlapped(self, kind: str, at_least: int = 32) -> int:
+        """Groups of ``kind`` with at least ``at_least`` instructions issued between them and their retirement."""
+        return sum(k == kind and gap >= at_least for k, gap in self.retired)
+
+
+def retired(sass) -> list[tuple[str, int]]:
+    """For each HGMMA group, its kind (``qk``: both operands in shared memory, ``pv``: A from registers) and the
+    instructions between it and the ``WARPGROUP.DEPBAR.LE gsb0, N`` that retires it (groups retire oldest first:
+    a wait for N leaves the N youngest in flight). ``Sass.hgmma_overlap`` counts waits for 0 only."""
+    out, pending = [], []
+    for i, ins in enumerate(sass.instructions):
+        if ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands:
+            pending.append((i, "pv" if _PV.search(ins.operands) else "qk"))
+        elif ins.opcode == "WARPGROUP.DEPBAR.LE":
+            match = _WAIT.search(ins.operands)
+            keep = int(match.group(1), 16) if match else 0
+            cut = max(len(pending) - keep, 0)
+            out += [(kind, i - at - 1) for at, kind in pending[:cut]]
+            pending = pending[cut:]
+    return out
+
+
+def consumer_loop(sass):
+    """The consumer's unmasked key loop and the tiles one trip covers: the leanest innermost loop per tile among
+    those holding HGMMA groups (a QK^T and a PV group per tile; the masked loop is the longer one, the producer's
+    loop has none)."""
+    best = None
+    for loop in sass.innermost_loops():
+        body = sass.instructions[loop.start: loop.end + 1]
+        groups = sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in body)
+        if groups >= 2 and (best is None or loop.length * 2 / groups < best[0].length * 2 / best[1]):
+            best = (loop, groups)
+    return None if best is None else (best[0], best[1] // 2)
+
+
+def measure(head_dim: int, causal: bool, schedule: Schedule | None = None) -> Measured:
+    from ..offline import cubin_report
+
+    schedule = schedule or SCHEDULES[head_dim]
+    kernel = compile_sm90(head_dim, causal, schedule)
+    report = cubin_report(kernel.asm["cubin"])
+    sass = report.sass
+    found = consumer_loop(sass)
+    per_tile = found[0].length / found[1] if found else 0
+    setmaxnreg = tuple(sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
+                               if ins.opcode.startswith("USETMAXREG")}))
+    return Measured(
+        head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
+        kernel.metadata.num_warps, sass.count("HGMMA"), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
+        sass.count("UTMALDG"), round(per_tile), round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N), 3),
+    )
+
+
+def format_row(r: Measured) -> str:
+    gaps = {kind: [gap for k, gap in r.retired if k == kind] for kind in ("qk", "pv")}
+    return (f"{r.head_dim:4d} {r.causal!s:>6} {r.schedule.overlap:>3} {int(r.schedule.pingpong):2d} "
+            f"{r.schedule.unroll:2d} {r.registers:4d} {'/'.join(map(str, r.setmaxnreg)):>14} {r.spill_bytes:5d} "
+            f"{r.shared_bytes:6d} {r.warps:5d} {r.hgmma:5d} {r.hgmma_groups:6d} {r.tma_loads:3d} {r.loop:5d} "
+            f"{r.per_score:10.3f}  qk {gaps['qk']} pv {gaps['pv']}")
+
+
+HEADER = (f"{'d':>4} {'causal':>6} {'ovl':>3} {'pp':>2} {'un':>2} {'regs':>4} {'setmaxnreg':>14} {'spill':>5} "
+          f"{'smem':>6} {'warps':>5} {'hgmma':>5} {'groups':>6} {'tma':>3} {'/tile':>5} {'inst/score':>10}  "
+          "instructions until each group retires")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashattn.backends.triton.experimental.gluon_profile [--all] [--cases 128:0,64:1] [--json out]``:
+    the shipped schedule per case (head dim : causal), or with ``--all`` every schedule in VARIANTS."""
+    parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Gluon FA3-style forward (no GPU).")
+    parser.add_argument("--cases", default="64:0,64:1,128:0,128:1", help="head_dim:causal, comma-separated")
+    parser.add_argument("--all", action="store_true", help="every schedule in VARIANTS, not only the shipped one")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    print(HEADER)
+    for case in args.cases.split(","):
+        head_dim, causal = (int(x) for x in case.split(":"))
+        for schedule in VARIANTS if args.all else (SCHEDULES[head_dim],):
+            row = measure(head_dim, bool(causal), schedule)
+            rows.append(asdict(row))
+            print(format_row(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
