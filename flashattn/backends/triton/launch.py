@@ -285,11 +285,11 @@ def _key_rows(t: torch.Tensor) -> tuple[int, int]:
     return (1, t.shape[0]) if t.dim() == 3 else tuple(t.shape[:2])
 
 
-def descriptor_args(shape: CallShape, wanted: dict) -> dict:
+def descriptor_args(shape: CallShape, wanted: dict, *, matmul_rows: int = tma.WGMMA_ROWS) -> dict:
     """``{name}_desc``/``{name}_tma`` kernel arguments for each ``wanted`` name -> (tensor, (batch, row, head, dim)
-    strides, (batches, rows, heads, dim) sizes, tile rows): descriptors where the target has TMA and the layout
-    allows (``tma.py``), None (pointer loads) elsewhere."""
-    use = tma.enabled(target_arch())
+    strides, (batches, rows, heads, dim) sizes, tile rows): descriptors where the target has TMA, the program's
+    matmuls have ``matmul_rows`` for wgmma and the layout allows (``tma.py``), None (pointer loads) elsewhere."""
+    use = tma.enabled(target_arch(), matmul_rows=matmul_rows)
     args = {}
     for name, (t, strides, sizes, tile_rows) in wanted.items():
         found = tma.view(t, strides, sizes, (tile_rows, configs.padded_head_dim(sizes[3]))) if use else None
@@ -297,10 +297,11 @@ def descriptor_args(shape: CallShape, wanted: dict) -> dict:
     return args
 
 
-def backward_descriptors(q, k, v, dout, *, shape: CallShape, blocks: tuple[int, int]) -> dict:
-    """TMA descriptors of the backward's q, dO (tiles of ``blocks[0]`` rows) and k, v (``blocks[1]`` rows)."""
+def backward_descriptors(q, k, v, dout, *, shape: CallShape, blocks: tuple[int, int], matmul_rows: int) -> dict:
+    """TMA descriptors of the backward's q, dO (tiles of ``blocks[0]`` rows) and k, v (``blocks[1]`` rows), for a
+    kernel whose matmuls have ``matmul_rows`` rows (dK/dV: its keys, dQ: its queries)."""
     q_rows = (1, q.shape[0]) if shape.q_packed else (shape.b, shape.nq)
-    return descriptor_args(shape, {
+    return descriptor_args(shape, matmul_rows=matmul_rows, wanted={
         "q": (q, tuple(CallShape.strides("q", q).values()), (*q_rows, shape.h, shape.d), blocks[0]),
         "do": (dout, tuple(CallShape.strides("do", dout).values()), (*q_rows, shape.h, shape.dv), blocks[0]),
         "k": (k, tuple(CallShape.strides("k", k).values()), (*_key_rows(k), shape.hk, shape.d), blocks[1]),

@@ -95,6 +95,7 @@ class KernelCounts:
     num_stages: int
     registers: int
     spill_bytes: int  # stack frame and local memory: register spills, or a subroutine call's saved registers
+    loop_spills: int  # local-memory loads and stores inside loops (``Sass.spills_in_loops``)
     shared_bytes: int
     hgmma: int  # wgmma instructions
     hmma: int  # mma.sync instructions (Ampere's tensor-core path; on sm_90 a matmul that missed wgmma)
@@ -115,6 +116,6 @@ def kernel_counts(launch: Compiled) -> KernelCounts:
     length = loop.length if loop else 0
     return KernelCounts(
         block_m, block_n, warps, kernel.metadata.num_stages, report.registers, report.spill_bytes,
-        kernel.metadata.shared, sass.count("HGMMA"), sass.count("HMMA"), sass.hgmma_groups(),
+        sass.spills_in_loops(), kernel.metadata.shared, sass.count("HGMMA"), sass.count("HMMA"), sass.hgmma_groups(),
         sass.hgmma_waited_at_once(), sass.count("UTMALDG"), length, round(length * warps / (block_m * block_n), 3),
     )

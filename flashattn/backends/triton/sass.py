@@ -9,7 +9,10 @@ What the health report measures from it, per kernel:
 - **HGMMA**: how many wgmma instructions, in how many groups (a group ends with one that signals ``gsb0``), and
   how many groups are waited on at once (``WARPGROUP.DEPBAR.LE gsb0, 0x0`` within a few instructions of the
   group: no other work overlaps that matmul);
-- **TMA**: bulk tensor copies (``UTMALDG``), i.e. tensor descriptors in use.
+- **TMA**: bulk tensor copies (``UTMALDG``), i.e. tensor descriptors in use;
+- **spills in loops**: local-memory loads and stores (``LDL``/``STL``) inside any loop. A value spilled once
+  before the loops and reloaded after them costs a few instructions per program; one spilled in a loop costs
+  memory traffic every trip.
 
 Example::
 
@@ -94,6 +97,19 @@ class Sass:
         """Instructions whose opcode starts with ``prefix`` (in ``loop``, or anywhere)."""
         body = self.instructions if loop is None else self.instructions[loop.start : loop.end + 1]
         return sum(ins.opcode.startswith(prefix) for ins in body)
+
+    def spills_in_loops(self) -> int:
+        """Local-memory loads and stores inside any loop.
+
+        >>> Sass.parse('''
+        ...         /*0000*/                   STL [R1], R2 ;
+        ...         /*0010*/                   LDL R3, [R1] ;
+        ...         /*0020*/               @P0 BRA 0x10 ;
+        ... ''').spills_in_loops()
+        1
+        """
+        inside = {i for loop in self.loops() for i in range(loop.start, loop.end + 1)}
+        return sum(self.instructions[i].opcode.startswith(("LDL", "STL")) for i in inside)
 
     def main_loop(self) -> Loop | None:
         """The leanest innermost loop with tensor-core instructions (see the module docstring)."""

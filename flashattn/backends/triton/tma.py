@@ -37,11 +37,16 @@ def use(enabled: bool) -> Iterator[None]:
         _forced.reset(token)
 
 
-def enabled(arch: int) -> bool:
+WGMMA_ROWS = 64  # a warpgroup's wgmma tile: programs whose matmuls have fewer rows run on mma.sync
+
+
+def enabled(arch: int, *, matmul_rows: int = WGMMA_ROWS) -> bool:
     """Descriptors by default on sm_90 and later (``arch`` = 10 x major + minor of the target Triton compiles
-    for, 0 under the interpreter); forced by ``use``."""
+    for, 0 under the interpreter) for programs whose matmuls have ``matmul_rows`` >= 64 rows; forced by ``use``.
+    Below 64 rows the matmuls run on mma.sync, whose operands a descriptor-loaded, transposed tile reaches through
+    registers: the d=256 dK/dV of 16 keys needs 210 registers with pointer loads and spills with descriptors."""
     forced = _forced.get()
-    return arch >= 90 if forced is None else forced
+    return arch >= 90 and matmul_rows >= WGMMA_ROWS if forced is None else forced
 
 
 class View(NamedTuple):

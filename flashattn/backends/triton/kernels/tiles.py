@@ -219,7 +219,7 @@ def key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size):
     if block_table is not None:
         o_pos = (k0 + o_n).to(tl.int32)  # cache positions fit; a 64-bit division would be a subroutine call
         o_page = tl.load(block_table + kb * stride_bt + o_pos // page_size, mask=m_keys, other=0).to(tl.int64)
-        o_row = o_pos % page_size
+        o_row = (o_pos % page_size).to(tl.int64)  # row x stride stays 64-bit like every address term
     else:
         o_page = 0
         o_row = o_n.to(tl.int64)  # row x stride passes 2^31 on long sequences
