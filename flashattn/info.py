@@ -41,13 +41,17 @@ ENVIRONMENT = (
                           "takes precedence)", "auto"),
     ("FLASHATTN_NVRTC", "path of libnvrtc.so for the cuda backend, tried before torch's and the toolkit's",
      "searched"),
-    ("FLASHATTN_CACHE", "parent folder of the cuda backend's kernel store (compiled kernels in <it>/cuda)",
-     "~/.cache/flashattn"),
+    ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
+                        "kernel's build in <it>/cpu", "~/.cache/flashattn"),
+    ("FLASHATTN_CPU_KERNEL", "0 turns the CPU kernel off (the tiled PyTorch path serves every CPU call)", "1"),
     ("TRITON_INTERPRET", "1 runs the Triton kernels in Triton's interpreter on CPU tensors (set before triton is "
                          "imported; slow, for tests)", "unset"),
     ("CUDA_HOME", "CUDA toolkit searched for libnvrtc.so (lib64/) after torch's own", "/usr/local/cuda"),
     ("CUDA_PATH", "the same, when CUDA_HOME is not set", "/usr/local/cuda"),
-    ("CXX", "the C++ compiler flashattn info tries first", "c++, g++, clang++, cc on PATH"),
+    ("CXX", "the C++ compiler flashattn info (and torch's build of the CPU kernel) tries first",
+     "c++, g++, clang++, cc on PATH"),
+    ("PATH", "searched for a C++ compiler and ninja; the ninja package's copy is put first when none is found",
+     "the system's"),
     ("LOCAL_RANK", "set by torchrun: flashattn bench context-parallel then runs as one rank", "unset"),
     ("FLASHATTN_BENCH_LOAD", "internal: the load reading flashattn bench context-parallel hands to its ranks",
      "unset"),
@@ -277,6 +281,14 @@ def environment() -> dict:
     return {name: os.environ.get(name) for name in [*(e[0] for e in ENVIRONMENT), *RELATED]}
 
 
+def cpu_kernel() -> dict:
+    """Whether the CPU backend's C++ kernel builds (at first use, then cached) and loads here."""
+    from .backends import cpu_kernel as kernel
+
+    usable, detail = kernel.status()
+    return {"usable": usable, "detail": detail if usable else f"{detail}; the tiled PyTorch path serves CPU calls"}
+
+
 def _guarded(fn: Callable[[], object]) -> object:
     """``fn()``, or what went wrong: one broken item must not hide the rest of the report."""
     try:
@@ -289,7 +301,8 @@ def collect() -> dict:
     """Everything ``flashattn info`` reports, as JSON-ready data."""
     facts = {"flashattn": __version__, "versions": _guarded(versions), "system": _guarded(system),
              "cuda": _guarded(cuda_devices),
-             "compilers": {"triton": _guarded(triton), "nvrtc": _guarded(nvrtc), "c++": _guarded(compiler)}}
+             "compilers": {"triton": _guarded(triton), "nvrtc": _guarded(nvrtc), "c++": _guarded(compiler),
+                           "cpu kernel": _guarded(cpu_kernel)}}
     cuda = isinstance(facts["cuda"], dict) and bool(facts["cuda"].get("available"))
     facts["backends"] = _guarded(lambda: backend_choices(cuda))
     facts["environment"] = _guarded(environment)
@@ -328,7 +341,8 @@ def _status(item: dict) -> str:
 
 
 def _compiler_pairs(c: dict) -> list[tuple[str, object]]:
-    return [("Triton", _status(c["triton"])), ("NVRTC", _status(c["nvrtc"])), ("C/C++", _status(c["c++"]))]
+    return [("Triton", _status(c["triton"])), ("NVRTC", _status(c["nvrtc"])), ("C/C++", _status(c["c++"])),
+            ("CPU kernel", _status(c["cpu kernel"]))]
 
 
 def _backend_lines(rows: object) -> list[str]:

@@ -28,7 +28,7 @@ def test_json_has_every_section_and_the_cpu_choice_with_its_reason(capsys, monke
     assert set(facts) == SECTIONS and facts["flashattn"] == flashattn.__version__
     assert {"python", "torch", "torch_build", "triton", "transformers"} <= set(facts["versions"])
     assert {"os", "cpu", "cores", "usable_cores", "torch_threads", "load_1m"} <= set(facts["system"])
-    assert set(facts["compilers"]) == {"triton", "nvrtc", "c++"}
+    assert set(facts["compilers"]) == {"triton", "nvrtc", "c++", "cpu kernel"}
     for item in facts["compilers"].values():
         assert isinstance(item["usable"], bool) and item["detail"]
     cpu = [r for r in facts["backends"] if r["device"] == "cpu"]
@@ -67,6 +67,9 @@ def test_forced_and_invalid_backends_are_reported(monkeypatch):
 
 
 def test_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+    from flashattn.backends import cpu_kernel
+
+    cpu_kernel._load.cache_clear()  # built or not, the report must not raise; no result outlives the test
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no c++, g++, clang++ or cc
     monkeypatch.delenv("CXX", raising=False)
     found = info.compiler()
@@ -74,7 +77,8 @@ def test_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert "CXX='no-such-compiler'" in info.compiler()["detail"]
     text = info.format_text(info.collect())
-    assert "C/C++   no: CXX='no-such-compiler' is not an executable on PATH" in text
+    assert "C/C++       no: CXX='no-such-compiler' is not an executable on PATH" in text
+    cpu_kernel._load.cache_clear()
 
 
 def test_a_compiler_that_fails_is_reported_with_its_message(monkeypatch, tmp_path):

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from . import cpu_kernel
 from .masking import Band
 from .merge import merge_states
 from .philox import dropout_keep
@@ -168,6 +169,10 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     acc = accumulation_dtype(q.dtype)
     h, dv = q.shape[-2], v.shape[-1]
     if not spec.packed:
+        if cpu_kernel.unserved(q, k, v, spec, return_probs=return_probs) is None:
+            result = cpu_kernel.forward(q, k, v, spec)
+            if result is not None:
+                return (*result, q.new_empty(0))
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
         lse = _uninitialized(b, h, nq, dtype=acc, device=q.device)
