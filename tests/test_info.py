@@ -175,3 +175,10 @@ def test_package_ships_its_type_marker_and_license():
     assert (ROOT / "flashattn" / "py.typed").exists() and "py.typed" in project["tool"]["setuptools"][
         "package-data"]["flashattn"]
     assert project["project"]["license"] == "BSD-3-Clause" and "BSD 3-Clause" in (ROOT / "LICENSE").read_text()
+
+
+def test_package_ships_the_kernel_sources_it_compiles_at_first_use():
+    tomllib = pytest.importorskip("tomllib")
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flashattn"]
+    sources = sorted((ROOT / "flashattn" / "csrc").iterdir())
+    assert sources and all(any(p.relative_to(ROOT / "flashattn").match(g) for g in globs) for p in sources)
