@@ -176,6 +176,28 @@ def test_cpu_subcommand_measures_fwd_and_fwd_bwd_and_leaves_big_plain_attention_
     assert (out / "c.png").stat().st_size > 10_000
 
 
+def test_cpu_subcommand_covers_dtypes_causal_and_a_competing_load(tmp_path, capsys):
+    out = tmp_path / "cpu"
+    assert main(["bench", "cpu", "--seqlens", "32", "--heads", "2", "--headdim", "16", "--repeats", "1",
+                 "--dtypes", "float32,bfloat16", "--causal", "both", "--load", "--load-seconds", "60",
+                 "--plain-limit-gib", "0.00004", "--in-process", "--quiet", "--out", str(out), "--name", "c"]) == 0
+    data = json.loads((out / "c.json").read_text())
+    keys = {(r["dtype"], r["causal"], r["mode"], r["impl"]) for r in data["rows"]}
+    assert len(keys) == 2 * 2 * 2 * 3 and all(r["seconds"] > 0 for r in data["rows"])
+    assert data["meta"]["sweep"]["load"] is True and "one competing busy process" in capsys.readouterr().out
+
+
+def test_the_competing_load_is_busy_and_stopped_at_the_end():
+    from flashattn.bench.cpu import competing_load
+
+    with competing_load(60) as busy:
+        assert busy.poll() is None  # running
+    assert busy.poll() is not None  # stopped with the block, long before its own 60 s
+    with competing_load(0.01) as busy:
+        busy.wait(timeout=30)  # and it stops by itself at its deadline
+        assert busy.returncode == 0
+
+
 def test_cpu_model_falls_back_to_platform_without_proc_cpuinfo(monkeypatch):
     def missing(*args, **kwargs):
         raise FileNotFoundError("/proc/cpuinfo")

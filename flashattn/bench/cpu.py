@@ -1,10 +1,13 @@
-"""``flashattn bench cpu``: our tiled CPU path against PyTorch's own CPU scaled_dot_product_attention and plain
+"""``flashattn bench cpu``: our CPU path against PyTorch's own CPU scaled_dot_product_attention and plain
 attention, N = 1k..16k, forward and forward+backward.
 
     flashattn bench cpu                                            # bench-output/cpu-<date>.json and .png
     flashattn bench cpu --out benchmarks/results --seqlens 1024,4096,16384
+    flashattn bench cpu --dtypes float32,bfloat16 --causal both --load   # under one competing busy process
 
-fp32, batch 1, non-causal. Each case runs in its own subprocess (a clean peak-memory reading; see
+Batch 1; fp32 and non-causal unless ``--dtypes``/``--causal`` say otherwise. ``--load`` starts one busy process
+for the whole run (it stops itself after ``--load-seconds`` at the latest, and is stopped when the run ends), so
+ours and SDPA are measured under the same load. Each case runs in its own subprocess (a clean peak-memory reading; see
 ``flashattn.bench.measure``) unless ``--in-process``. Plain attention is left out above ``--plain-limit-gib`` of
 N x N tensors. The table's ``ours/sdpa time`` is ours / SDPA, so above 1 we are slower (the opposite sense of
 ``flashattn bench sweep``'s ``ours/best``).
@@ -14,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,10 +33,27 @@ IMPLS = (OURS, "sdpa", "plain")
 MODES = ("fwd", "fwd+bwd")
 
 
-def cases(seqlens: list[int], heads: int, headdim: int, repeats: int) -> list[Case]:
-    """Every (mode, N, implementation) case: fp32 on CPU, batch 1, non-causal."""
-    return [Case(impl, n, heads=heads, headdim=headdim, repeats=repeats, mode=mode)
-            for mode in MODES for n in seqlens for impl in IMPLS]
+CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+# A process that keeps one core busy until its deadline (argv[1], seconds from now).
+_BUSY = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def cases(seqlens: list[int], heads: int, headdim: int, repeats: int, *, dtypes: tuple[str, ...] = ("float32",),
+          causals: tuple[bool, ...] = (False,)) -> list[Case]:
+    """Every (dtype, causal, mode, N, implementation) case on CPU, batch 1."""
+    return [Case(impl, n, heads=heads, headdim=headdim, repeats=repeats, mode=mode, dtype=dtype, causal=causal)
+            for dtype in dtypes for causal in causals for mode in MODES for n in seqlens for impl in IMPLS]
+
+
+@contextmanager
+def competing_load(seconds: float) -> Iterator[subprocess.Popen]:
+    """One busy process for the duration of the block, stopped at its end (and by itself after ``seconds``)."""
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY, str(seconds)])
+    try:
+        yield busy
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def run(todo: list[Case], plain_limit_gib: float, isolate: bool = True, progress: bool = True) -> list[dict]:
@@ -49,11 +72,13 @@ def _ratio(point: dict) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per (mode, N): ms, TFLOP/s and peak extra MiB per implementation, and ours / SDPA time."""
-    points = report.wide(rows, ("mode", "seqlen"))
-    columns = ["mode", report.Col("N", "seqlen"), *report.per_impl(IMPLS, report.MS, report.TFLOPS, report.MIB),
+    """One line per (dtype, causal, mode, N): ms, TFLOP/s and peak extra MiB per implementation, and ours / SDPA
+    time."""
+    points = report.wide(rows, ("dtype", "causal", "mode", "seqlen"))
+    columns = ["dtype", "causal", "mode", report.Col("N", "seqlen"),
+               *report.per_impl(IMPLS, report.MS, report.TFLOPS, report.MIB),
                report.Col("ours/sdpa time", _ratio, ".2f")]
-    return "\n".join([report.table(points, columns), *report.errors(rows, "mode", "seqlen")])
+    return "\n".join([report.table(points, columns), *report.errors(rows, "dtype", "causal", "mode", "seqlen")])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=options.positive_int, default=4, help="attention heads")
     p.add_argument("--headdim", type=options.positive_int, default=64, help="head dimension")
     p.add_argument("--repeats", type=options.positive_int, default=3, help="timed runs per case (the median)")
+    p.add_argument("--dtypes", type=options.choice_list(("float32", "bfloat16", "float16", "float64")),
+                   default="float32", help="comma-separated input dtypes")
+    p.add_argument("--causal", choices=tuple(CAUSAL), default="no", help="causal masking: no, yes or both")
+    p.add_argument("--load", action="store_true", help="run everything under one competing busy process")
+    p.add_argument("--load-seconds", type=options.positive_float, default=3600.0,
+                   help="the busy process stops itself after this long at the latest")
     p.add_argument("--plain-limit-gib", type=options.positive_float, default=12.0,
                    help="leave plain attention out where its N x N tensors would exceed this")
     p.add_argument("--in-process", action="store_true",
@@ -69,17 +100,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    todo = cases(args.seqlens, args.heads, args.headdim, args.repeats)
-    print(f"flashattn bench cpu: {len(todo)} cases, {', '.join(IMPLS)}, fp32, batch 1, {args.heads} heads, "
-          f"headdim {args.headdim}")
-    rows = run(todo, args.plain_limit_gib, isolate=not args.in_process, progress=not args.quiet)
+    todo = cases(args.seqlens, args.heads, args.headdim, args.repeats, dtypes=tuple(args.dtypes),
+                 causals=CAUSAL[args.causal])
+    dtypes = ",".join(args.dtypes)
+    print(f"flashattn bench cpu: {len(todo)} cases, {', '.join(IMPLS)}, {dtypes}, batch 1, {args.heads} heads, "
+          f"headdim {args.headdim}{', under one competing busy process' if args.load else ''}")
+    if args.load:
+        with competing_load(args.load_seconds):
+            rows = run(todo, args.plain_limit_gib, isolate=not args.in_process, progress=not args.quiet)
+    else:
+        rows = run(todo, args.plain_limit_gib, isolate=not args.in_process, progress=not args.quiet)
     print(table(rows))
     meta = report.meta("cpu", args.command_line, {k: getattr(args, k) for k in
                                                  ("seqlens", "heads", "headdim", "repeats", "plain_limit_gib",
-                                                  "in_process")})
-    title = (f"CPU ({meta['cores']} cores, {meta['threads']} threads), fp32, batch 1, {args.heads} heads, headdim "
-             f"{args.headdim}: flashattn vs torch SDPA vs plain")
-    figure = report.Figure(title, ("ms", "mib"), lines=("impl", "mode"))
+                                                  "in_process", "dtypes", "causal", "load")})
+    loaded = ", one competing busy process" if args.load else ""
+    title = (f"CPU ({meta['cores']} cores, {meta['threads']} threads{loaded}), {dtypes}, batch 1, {args.heads} "
+             f"heads, headdim {args.headdim}: flashattn vs torch SDPA vs plain")
+    figure = report.Figure(title, ("ms", "mib"), lines=("impl", "mode"), rows=("dtype", "causal"))
     stem = args.name or f"cpu-{datetime.date.today().isoformat()}"
     for path in report.write(rows, meta, Path(args.out), stem, [figure]):
         print(f"wrote {path}")
