@@ -18,8 +18,13 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/flashattn demo --out demo-output
 
+# The CPU tests run twice: on the C++ kernel (the default), then on the tiled PyTorch path that replaces it where
+# it cannot be built (FLASHATTN_CPU_KERNEL=0), so both paths are held to the same tests on every feature.
+CPU_PATH_TESTS := tests/test_flash_api.py tests/test_varlen.py tests/test_kvcache.py tests/test_sdpa.py \
+                  tests/test_autograd.py tests/test_nn.py
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q
+	FLASHATTN_CPU_KERNEL=0 $(PY) -m pytest -n 2 -q $(CPU_PATH_TESTS)
 
 # On a machine with a GPU: tests, CUDA kernel checks, sweeps against every SDPA backend and FlexAttention, decode,
 # kernel health, into one folder under benchmarks/results (commit it). Uses .venv when there is one, else the

@@ -13,6 +13,7 @@ that ran its forward, wherever and on whatever thread autograd runs it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -104,20 +105,26 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(probs)
 
 
-def _backward(ctx, dout, dlse, _dprobs):
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
-    rest = list(ctx.rest)
-    for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
-        rest[slot] = t
-    spec, backend, _ = _split((*rest, False))
-    if spec.cache is not None:
-        return _cache_backward(ctx, dout, dlse, Saved(q, k, v, out, lse), spec, backend)
-    dq, dk, dv, dmask = _backward_op(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
-    grads = [None] * ctx.n_inputs
-    grads[:3] = dq, dk, dv
-    if ctx.mask_grad:
-        grads[_MASK_GRAD_INDEX] = dmask
-    return tuple(grads)
+def _backward_with(run: Callable) -> Callable:
+    """The autograd backward of the op, running the gradients through ``run`` (the registered backward op, or its
+    implementation directly in eager mode)."""
+
+    def backward(ctx, dout, dlse, _dprobs):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        rest = list(ctx.rest)
+        for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
+            rest[slot] = t
+        spec, backend, _ = _split((*rest, False))
+        if spec.cache is not None:
+            return _cache_backward(ctx, dout, dlse, Saved(q, k, v, out, lse), spec, backend)
+        dq, dk, dv, dmask = run(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
+        grads = [None] * ctx.n_inputs
+        grads[:3] = dq, dk, dv
+        if ctx.mask_grad:
+            grads[_MASK_GRAD_INDEX] = dmask
+        return tuple(grads)
+
+    return backward
 
 
 def _cache_backward(ctx, dout, dlse, saved: Saved, spec: AttentionSpec, backend: str) -> tuple:
@@ -133,7 +140,17 @@ def _cache_backward(ctx, dout, dlse, saved: Saved, spec: AttentionSpec, backend:
     return (dq, *([None] * (ctx.n_inputs - 1)))
 
 
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_op.register_autograd(_backward_with(_backward_op), setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op's autograd without the op's dispatch, for eager training steps: the same forward, context and
+    backward functions. torch.library's autograd wrapper re-reads the whole schema on every call (about 0.3 ms
+    with AttentionSpec's arguments), more than a short sequence's attention costs."""
+
+    forward = staticmethod(_attention)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward_with(_attention_backward))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False,
@@ -146,7 +163,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
     ``flashattn.backends.BACKENDS``) overrides the choice, e.g. to run several blocks of one layer on one backend.
     """
     backend = backend or backends.choose(q, v)
-    return _attention_op(q, k, v, *spec.as_args(), backend, return_probs)
+    if torch.compiler.is_compiling():  # the registered op: a leaf of the graph, with its fake and autograd
+        return _attention_op(q, k, v, *spec.as_args(), backend, return_probs)
+    # Eager: the same code without the op's dispatch (Python, 0.1-0.4 ms a call, more than a decode step's
+    # attention): the backend directly for inference, the op's autograd functions for training.
+    if _records_grad(q, k, v, spec):
+        return _EagerAttention.apply(q, k, v, *spec.as_args(), backend, return_probs)
+    return _runnable(backend, q, k, v, spec, return_probs=return_probs).forward(q, k, v, spec,
+                                                                               return_probs=return_probs)
+
+
+def _records_grad(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, spec.attn_mask, spec.alibi_slopes))
 
 
 def attention_backward(dout: Tensor, dlse: Tensor | None, saved: Saved, spec: AttentionSpec, *,

@@ -159,7 +159,7 @@ def test_cuda_kernel_is_timed_forward_only_and_is_not_a_baseline():
 def test_cpu_subcommand_measures_fwd_and_fwd_bwd_and_leaves_big_plain_attention_out(tmp_path, capsys):
     out = tmp_path / "cpu"
     # 4e-5 GiB admits plain attention's N x N tensors at N = 32 (16 and 32 KiB) but not at N = 64 (64, 128 KiB).
-    assert main(["bench", "cpu", "--seqlens", "32,64", "--heads", "2", "--headdim", "16", "--repeats", "1",
+    assert main(["bench", "cpu", "--seqlens", "32,64", "--heads", "2", "--headdims", "16", "--repeats", "1",
                  "--plain-limit-gib", "0.00004", "--in-process", "--quiet", "--out", str(out), "--name", "c"]) == 0
     text = capsys.readouterr().out
     assert "ours/sdpa time" in text and "TFLOP/s" in text and "MiB" in text
@@ -178,7 +178,7 @@ def test_cpu_subcommand_measures_fwd_and_fwd_bwd_and_leaves_big_plain_attention_
 
 def test_cpu_subcommand_covers_dtypes_causal_and_a_competing_load(tmp_path, capsys):
     out = tmp_path / "cpu"
-    assert main(["bench", "cpu", "--seqlens", "32", "--heads", "2", "--headdim", "16", "--repeats", "1",
+    assert main(["bench", "cpu", "--seqlens", "32", "--heads", "2", "--headdims", "16", "--repeats", "1",
                  "--dtypes", "float32,bfloat16", "--causal", "both", "--load", "--load-seconds", "60",
                  "--plain-limit-gib", "0.00004", "--in-process", "--quiet", "--out", str(out), "--name", "c"]) == 0
     data = json.loads((out / "c.json").read_text())

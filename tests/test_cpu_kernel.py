@@ -102,8 +102,10 @@ def test_the_tiled_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch
 
 
 def test_calls_the_kernel_does_not_serve_say_why():
-    q = k = v = torch.zeros(1, 4, 2, 8)
-    assert "dropout" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0, dropout_p=0.1), return_probs=False)
+    q = k = torch.zeros(1, 4, 2, 8)
+    v = torch.zeros(1, 4, 2, 16)[..., ::2]
+    assert "stride" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0), return_probs=False)
+    v = torch.zeros(1, 4, 2, 8)
     assert "probabilities" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0), return_probs=True)
     with cpu_kernel.use(False):
         assert "turned off" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0), return_probs=False)
@@ -121,3 +123,119 @@ def test_the_kernel_keeps_the_callers_grad_and_inference_modes():
         q2, k2, v2 = (t.detach().clone() for t in (q, k, v))
         out2, _ = cpu_kernel.forward(q2, k2, v2, spec)
     assert torch.equal(out, out2) and not out.requires_grad
+
+
+def _both_paths(fn, *tensors):
+    """fn(*tensors) on the kernel and on the tiled path: (outputs, input gradients) of each, same upstream grads."""
+    results = []
+    for enabled in (True, False):
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and t.requires_grad) for t in tensors]
+        with cpu_kernel.use(enabled), flashattn.use_backend("cpu"):
+            torch.manual_seed(7)  # dropout's seed
+            out = fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        diff = [o for o in outs if o.requires_grad]
+        grads = torch.autograd.grad(diff, [t for t in leaves if t.requires_grad],
+                                    [torch.ones_like(o).mul_(0.5).add_(o.detach().sin()) for o in diff])
+        results.append(([o.detach() for o in outs], grads))
+    return results
+
+
+def _assert_paths_agree(results, tol):
+    (outs_k, grads_k), (outs_t, grads_t) = results
+    for a, b in zip([*outs_k, *grads_k], [*outs_t, *grads_t], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert not torch.isnan(a).any()
+        both_inf = torch.isinf(a) & torch.isinf(b)
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        assert (a.double() - b.double()).masked_fill(both_inf, 0).abs().max() <= tol * max(1.0, b.abs().max())
+
+
+FEATURE_CALLS = {  # a call per feature the kernel serves beyond the dense forward, over (q, k, v) of (2, 70, 4, 24)
+    "dropout": lambda q, k, v: flashattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=True),
+    "dropout varlen": lambda q, k, v: flashattn.flash_attn_varlen_func(
+        q.flatten(0, 1), k.flatten(0, 1)[:130], v.flatten(0, 1)[:130], torch.tensor([0, 70, 140], dtype=torch.int32),
+        torch.tensor([0, 3, 130], dtype=torch.int32), 70, 127, dropout_p=0.2),
+    "varlen window": lambda q, k, v: flashattn.flash_attn_varlen_func(
+        q.flatten(0, 1)[:120], k.flatten(0, 1), v.flatten(0, 1), torch.tensor([0, 0, 50, 120], dtype=torch.int32),
+        torch.tensor([0, 40, 41, 140], dtype=torch.int32), 70, 99, window_size=(16, 3), softcap=2.0),
+    "bool mask": lambda q, k, v: flashattn.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=torch.rand(2, 1, 70, 70, generator=torch.Generator().manual_seed(3)) > 0.3),
+    "additive mask with its gradient": lambda q, k, v, m: flashattn.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m),
+    "lse": lambda q, k, v: flashattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2],
+}
+
+
+@pytest.mark.parametrize("feature", FEATURE_CALLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kernel_and_the_tiled_path_agree(feature, dtype):
+    """The kernel against the tiled path (itself held to the float64 oracle elsewhere): outputs, lse and every input
+    gradient, dropout dropping exactly the same elements (one counter-based generator)."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, 70, 70, 4, 4, 24, dtype)
+    tensors = [q, k, v]
+    if feature.startswith("additive"):
+        tensors.append(torch.randn(1, 4, 70, 1, dtype=dtype, requires_grad=True))
+    results = _both_paths(FEATURE_CALLS[feature], *tensors)
+    _assert_paths_agree(results, 2e-5 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense cache", "paged cache"])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_kv_cache_calls_agree_on_both_paths(paged, seqlen_q):
+    """Decode and short prefill against a cache (GQA 8:1, lengths and left padding per entry, batch_idx, pages of
+    5): the kernel packs the group's query heads into one block; the tiled path runs each entry separately."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(0)
+    b, n_cache, hk, d = 3, 40, 1, 16
+    q = torch.randn(b, seqlen_q, 8, d)
+    k_cache, v_cache = torch.randn(b + 1, n_cache, hk, d), torch.randn(b + 1, n_cache, hk, d)
+    kwargs = {"cache_seqlens": torch.tensor([40, 7, 23], dtype=torch.int32), "causal": True,
+              "cache_leftpad": torch.tensor([0, 2, 5], dtype=torch.int32), "return_softmax_lse": True}
+    if paged:
+        pages = torch.randperm(4 * n_cache // 5)[: b * n_cache // 5].view(b, -1).int()
+        paged_k, paged_v = torch.randn(4 * n_cache // 5, 5, hk, d), torch.randn(4 * n_cache // 5, 5, hk, d)
+        for i in range(b):
+            paged_k[pages[i].long()] = k_cache[i].view(-1, 5, hk, d)
+            paged_v[pages[i].long()] = v_cache[i].view(-1, 5, hk, d)
+        k_cache, v_cache = paged_k, paged_v
+        kwargs["block_table"] = pages
+    else:
+        kwargs["cache_batch_idx"] = torch.tensor([3, 0, 1], dtype=torch.int32)
+    results = []
+    for enabled in (True, False):
+        with cpu_kernel.use(enabled), flashattn.use_backend("cpu"):
+            results.append(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs))
+    for a, b_ in zip(*results, strict=True):
+        assert not torch.isnan(a).any() and (a - b_).abs().max() < 2e-6
+
+
+def test_a_gradient_into_lse_reaches_the_kernels_backward():
+    """dlse folds into delta: the kernel's backward with a gradient on lse only matches the tiled path's, with lse
+    and dlse strided differently."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    from flashattn.backends import cpu
+    from flashattn.backends.spec import Saved
+
+    torch.manual_seed(0)
+    q, k, v = make_inputs(1, 50, 60, 4, 2, 16, torch.float64, requires_grad=False)
+    spec = AttentionSpec(scale=0.25, window_right=0)
+    out, lse, _ = cpu.forward(q, k, v, spec)
+    # lse and dlse as views of longer rows (how context parallelism passes a block's share): strides differ.
+    longer = torch.full((1, 4, 90), float("nan"), dtype=lse.dtype)
+    longer[:, :, 20:70] = lse
+    lse = longer[:, :, 20:70]
+    dout, dlse = torch.zeros_like(out), torch.randn(1, 4, 100, dtype=lse.dtype)[:, :, 30:80]
+    grads = []
+    for enabled in (True, False):
+        with cpu_kernel.use(enabled):
+            grads.append(cpu.backward(dout, dlse, Saved(q, k, v, out, lse), spec)[:3])
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max() < 1e-12
+    assert grads[0][0].abs().max() > 0 and grads[0][1].abs().max() > 0  # dv = P^T dO is 0 here

@@ -1,4 +1,6 @@
-"""Tiled PyTorch attention: FlashAttention-2 written with torch ops, for CPU (and any device torch runs on).
+"""The CPU backend: the C++ kernel (``cpu_kernel.py``) where it is built, else tiled PyTorch attention,
+FlashAttention-2 written with torch ops (which also runs on any device torch runs on). This module is the tiled path
+and the routing.
 
 Never materialises the N x N score matrix: the query rows are cut into blocks (outer loop, FlashAttention-2),
 key/value rows into blocks (inner loop), and each score tile is reduced at once with the online softmax. The
@@ -164,15 +166,15 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
         >>> out.shape, lse.shape
         (torch.Size([1, 5, 2, 8]), torch.Size([1, 2, 5]))
     """
+    if cpu_kernel.unserved(q, k, v, spec, return_probs=return_probs) is None:
+        result = cpu_kernel.forward(q, k, v, spec)
+        if result is not None:
+            return (*result, q.new_empty(0))
     if spec.cache is not None:
         return (*_forward_cache(q, k, v, spec), q.new_empty(0))
     acc = accumulation_dtype(q.dtype)
     h, dv = q.shape[-2], v.shape[-1]
     if not spec.packed:
-        if cpu_kernel.unserved(q, k, v, spec, return_probs=return_probs) is None:
-            result = cpu_kernel.forward(q, k, v, spec)
-            if result is not None:
-                return (*result, q.new_empty(0))
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
         lse = _uninitialized(b, h, nq, dtype=acc, device=q.device)
@@ -336,6 +338,10 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     q, k, v, out, lse = saved
     if spec.cache is not None:
         raise NotImplementedError("the cpu backend has no backward through keys in a KV cache")
+    if cpu_kernel.unserved(q, k, v, spec) is None:
+        result = cpu_kernel.backward(dout, dlse, saved, spec, mask_grad=mask_grad)
+        if result is not None:
+            return result
     grads = tuple(_uninitialized(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if not spec.packed:
         p = _TiledCall(q, k, v, spec)

@@ -1,20 +1,25 @@
-"""The CPU forward kernel (``flashattn/csrc/cpu_flash.cpp``): built with the host C++ compiler at first use, cached,
-and used by the CPU backend where it serves the call; elsewhere, or where it cannot be built, the tiled PyTorch path
-runs (``cpu.py``).
+"""The CPU kernel (``flashattn/csrc/cpu_flash.cpp`` and its headers): FlashAttention-2 forward and backward in C++,
+built with the host C++ compiler at first use, cached, and the CPU backend's default; where it cannot be built the
+tiled PyTorch path runs (``cpu.py``), with one log line saying why.
 
 Why C++: the tiled path issues a dozen torch ops per tile, each its own parallel region that waits for its slowest
-thread, so a busy machine slows it several times over. The kernel runs one parallel region per call over (batch,
-head, query block), each task with its whole key loop and its tiles in cache; the matmuls of a tile go to the BLAS
-torch ships.
+thread, so a busy machine slows it several times over. The kernel runs one parallel region per call whose threads
+pull tasks (sequence, kv head, query block) longest first, so a thread slowed by another process simply takes fewer;
+each task runs its whole key loop with its tiles in cache, the two matmuls of a tile on the BLAS torch ships and the
+online softmax, softcap, ALiBi, masks and dropout (Triton's Philox, bit for bit) fused in one vectorised pass. The
+backward gives each task the dQ of its rows and its own dK/dV partial: no atomics, deterministic.
+
+What it serves: every dense, packed (varlen) and KV-cache call (dense or paged pages of any size; the whole key
+range at once, as split-KV only helps fill a GPU) in fp16, bf16, fp32 (fp32 accumulation) and fp64, with causal or
+window bands at any alignment, softcap, ALiBi, GQA/MQA without copies, SDPA boolean and additive masks (with their
+gradient), dropout and a gradient flowing into the log-sum-exp. Returned probabilities (a testing aid) run on the
+tiled path. Short query blocks (decode) pack the query heads of a kv head into one tile, so the group shares each
+K/V tile.
 
 The build (``torch.utils.cpp_extension.load``) lives in ``$FLASHATTN_CACHE/cpu`` (default ``~/.cache/flashattn``),
-one folder per source, compiler flags and CPU (it is compiled for the host's instruction set); cpp_extension
-rebuilds a changed source and locks the folder, so two processes building at once wait for each other.
-``FLASHATTN_CPU_KERNEL=0`` turns the kernel off.
-
-What it serves today: the forward of dense (B, N, H, D) calls in fp16, bf16, fp32 and fp64, with causal or window
-bands at any alignment, softcap, ALiBi and GQA/MQA. Dropout, user masks, returned probabilities, packed (varlen)
-and KV-cache calls, and every backward, run on the tiled path.
+one folder per sources, compiler flags, CPU (it is compiled for the host's instruction set) and torch version;
+cpp_extension locks the folder, so two processes building at once wait for each other, and a failed or broken
+build falls back to the tiled path instead of raising. ``FLASHATTN_CPU_KERNEL=0`` turns the kernel off.
 """
 
 from __future__ import annotations
@@ -32,15 +37,20 @@ from pathlib import Path
 
 import torch
 
-from .spec import AttentionSpec
+from .spec import AttentionSpec, accumulation_dtype
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_flash.cpp"
+# Every file the build reads: a change to any of them is a new build folder.
+SOURCES = (SOURCE, *(SOURCE.parent / name for name in ("cpu_vec.h", "cpu_common.h", "cpu_forward.h", "cpu_backward.h")))
 # -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
 # opens its own parallel region, which a busy machine slows several times over.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros")
-# Query rows x keys of a task's tile: 128 x 256 measured best of 64-128 x 128-512 on 2 cores (fp32, d = 64, 128).
-BLOCK_M, BLOCK_N = 128, 256
+# Query rows x keys of a task's tile, measured on 2 cores (fp32 and bf16, d = 64 and 128, N = 1k..4k, best of
+# 64..256 x 128..512, benchmarks/NOTES.md): the forward gains from tall tiles (the BLAS packs each K/V tile once per
+# query block), the backward hardly cares and keeps its four tile-sized buffers smaller.
+FORWARD_TILE = (256, 256)
+BACKWARD_TILE = (128, 128)
 _log = logging.getLogger("flashattn")
 _enabled: ContextVar[bool] = ContextVar("flashattn_cpu_kernel", default=True)
 
@@ -72,7 +82,7 @@ def _cpu_signature() -> str:
 
 
 def build_name() -> str:
-    key = "\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_signature(), torch.__version__])
+    key = "\n".join([*(path.read_text() for path in SOURCES), " ".join(FLAGS), _cpu_signature(), torch.__version__])
     return "flashattn_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -115,23 +125,75 @@ def status() -> tuple[bool, str]:
     return (True, f"built in {cache_dir() / build_name()}") if module is not None else (False, why)
 
 
-def unserved(q, k, v, spec: AttentionSpec, *, return_probs: bool) -> str | None:
-    """Why the kernel does not serve this forward (None: it does)."""
+def unserved(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
+    """Why the kernel does not serve this call (None: it does, forward and backward)."""
     if not _enabled.get():
         return "turned off (cpu_kernel.use(False))"
     if q.device.type != "cpu":
         return "not a CPU tensor"
-    if spec.dropout_p > 0 or spec.attn_mask is not None or return_probs:
-        return "dropout, a user mask or returned probabilities"
-    if spec.packed or spec.cache is not None:
-        return "packed or cached keys"
+    if return_probs:
+        return "returned probabilities"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"dtype {q.dtype}"
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "a head dim with a stride"
     return None
 
 
+def _sequences(q, k, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(seqs (S, 7) int64: q batch, q start, nq, k batch, k start, nk, diagonal per sequence; the page table or
+    None), for varlen and KV-cache calls (the kernel derives a dense batch's itself)."""
+    if spec.packed:
+        cq = spec.varlen.cu_seqlens_q.long().cpu()
+        q_batch, q_start, nq = torch.zeros_like(cq[1:]), cq[:-1], cq[1:] - cq[:-1]
+    else:
+        b, n = q.shape[0], q.shape[1]
+        q_batch, q_start, nq = torch.arange(b), torch.zeros(b, dtype=torch.long), torch.full((b,), n)
+    cache, table = spec.cache, None
+    if cache is not None:
+        k_start, nk = cache.k_start.long().cpu(), (cache.k_end - cache.k_start).long().cpu()
+        k_batch = torch.arange(nk.numel()) if cache.batch_idx is None else cache.batch_idx.long().cpu()
+        table = cache.block_table
+    elif spec.packed:
+        ck = spec.varlen.cu_seqlens_k.long().cpu()
+        k_batch, k_start, nk = torch.zeros_like(ck[1:]), ck[:-1], ck[1:] - ck[:-1]
+    else:
+        k_batch, k_start, nk = q_batch, torch.zeros_like(q_start), torch.full_like(nq, k.shape[1])
+    diagonal = (nk - nq if spec.bottom_right else torch.zeros_like(nk)) + spec.diagonal_offset
+    return torch.stack([q_batch, q_start, nq, k_batch, k_start, nk, diagonal], 1).long(), table
+
+
+def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
+    """The kernel's options (``cpu_flash.cpp``) for this call, by name."""
+    if spec.packed or spec.cache is not None:
+        seqs, table = _sequences(q, k, spec)
+        diagonal = 0
+    else:
+        seqs, table, diagonal = None, None, spec.band(q.shape[1], k.shape[1]).diagonal
+    options = {"seqs": seqs, "block_table": table, "diagonal": diagonal, "scale": float(spec.scale),
+               "softcap": float(spec.softcap),
+               "left": int(spec.window_left), "right": int(spec.window_right), "block_m": tile[0],
+               "block_n": tile[1], "alibi": spec.alibi_slopes, "dropout_p": float(spec.dropout_p), "mask": None}
+    if spec.dropout_p > 0:
+        rows, cols = ((spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k) if spec.packed
+                      else (q.shape[1], k.shape[1]))
+        options.update(seed=int(spec.seed.item()), counter_rows=int(rows), counter_cols=int(cols))
+    mask = spec.attn_mask
+    if mask is not None:  # (B|1, H|1, Nq|1, Nk|1) -> a (B, H, Nq, Nk) view; additive masks in the accumulation type
+        if mask.dtype != torch.bool:
+            mask = mask.to(accumulation_dtype(q.dtype))
+        options["mask"] = mask.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    return options
+
+
+def _as_batch(t: torch.Tensor, spec: AttentionSpec, *, keys: bool) -> torch.Tensor:
+    """Packed (total, H, D) tensors as a batch of one (1, total, H, D); KV caches are already 4-D."""
+    return t[None] if spec.packed and not (keys and spec.cache is not None) else t
+
+
 def forward(q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(out, lse) from the kernel, or None when it is not available (the caller runs the tiled path).
+    """(out, lse) from the kernel, or None when it is not available (the caller runs the tiled path). Shapes as
+    the CPU backend's forward: dense, packed (varlen) or keys in a KV cache.
 
     Example::
 
@@ -143,10 +205,37 @@ def forward(q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor] |
     module, _ = _load()
     if module is None:
         return None
-    band = spec.band(q.shape[1], k.shape[1])
-    alibi = spec.alibi_slopes
-    if alibi is not None:
-        alibi = alibi.reshape(-1, q.shape[2])
-    out, lse = module.forward(q, k, v, alibi, float(spec.scale), float(spec.softcap), band.left, band.right,
-                              band.diagonal, BLOCK_M, BLOCK_N)
+    h, dv = q.shape[-2], v.shape[-1]
+    out = torch.empty(*q.shape[:-1], dv, dtype=q.dtype)
+    lse_shape = (h, q.shape[0]) if spec.packed else (q.shape[0], h, q.shape[1])
+    lse = torch.empty(lse_shape, dtype=accumulation_dtype(q.dtype))
+    q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
+    module.forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,
+                   _options(q4, k4, spec, tile=FORWARD_TILE))
     return out, lse
+
+
+def backward(dout, dlse, saved, spec: AttentionSpec, *, mask_grad: bool = False):
+    """(dq, dk, dv, dmask) from the kernel, or None when it is not available; as the CPU backend's backward (no
+    KV cache)."""
+    module, _ = _load()
+    if module is None:
+        return None
+    q, k, v, out, lse = saved
+    acc = accumulation_dtype(q.dtype)
+    # The kernel reads rows through strides with a unit last one (views of longer sequences are fine).
+    out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (out, dout))
+    lse = lse.to(acc) if lse.stride(-1) == 1 else lse.to(acc).contiguous()
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    batch = functools.partial(_as_batch, spec=spec, keys=False)
+    mask = spec.attn_mask
+    dmask = torch.zeros(q.shape[0], q.shape[2], q.shape[1], k.shape[1], dtype=acc) if mask_grad else None
+    if dlse is not None:
+        dlse = dlse[None] if spec.packed else dlse
+    module.backward(batch(q), batch(k), batch(v), batch(out), batch(dout),
+                    lse[None] if spec.packed else lse, dlse, batch(dq), batch(dk), batch(dv), dmask,
+                    _options(batch(q), batch(k), spec, tile=BACKWARD_TILE))
+    if dmask is not None:
+        dims = [i for i, n in enumerate(mask.shape) if n == 1 and dmask.shape[i] != 1]
+        dmask = (dmask.sum(dim=dims, keepdim=True) if dims else dmask).to(mask.dtype)
+    return dq, dk, dv, dmask

@@ -247,16 +247,17 @@ def _flatten(obj: object, cls: type) -> Iterator[object]:
 
 def _unflatten(cls: type, values: Iterator) -> object:
     fields = {}
-    for name, kind, _ in _FIELDS[cls]:
-        fields[name] = _unflatten_nested(kind, values) if dataclasses.is_dataclass(kind) else next(values)
+    for name, nested in _FIELDS[cls]:
+        fields[name] = next(values) if nested is None else _unflatten_nested(nested, values)
     return cls(**fields)
 
 
 def _unflatten_nested(cls: type, values: Iterator) -> object | None:
     nested = _unflatten(cls, values)
-    first = dataclasses.fields(cls)[0].name
-    return None if getattr(nested, first) is None else nested
+    return None if getattr(nested, _FIELDS[cls][0][0]) is None else nested
 
 
-_FIELDS = {cls: tuple(_field_types(cls)) for cls in (AttentionSpec, Varlen, KeyCache)}
+# (field name, its dataclass type or None) per class, computed once: every op call rebuilds a spec.
+_FIELDS = {cls: tuple((name, kind if dataclasses.is_dataclass(kind) else None) for name, kind, _ in _field_types(cls))
+           for cls in (AttentionSpec, Varlen, KeyCache)}
 _PLANS = {AttentionSpec: _plan(AttentionSpec)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,11 +27,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import options, report
-from .measure import OURS, Case, measure
+from .measure import FEATURES, OURS, Case, measure
 
 HELP = "our CPU path vs torch SDPA vs plain attention on CPU, fwd and fwd+bwd, each case in a subprocess"
 IMPLS = (OURS, "sdpa", "plain")
 MODES = ("fwd", "fwd+bwd")
+FEATURE_IMPLS = tuple(f"{OURS}+{feature}" for feature in FEATURES)
 
 
 CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
@@ -38,11 +40,15 @@ CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
 _BUSY = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 
-def cases(seqlens: list[int], heads: int, headdim: int, repeats: int, *, dtypes: tuple[str, ...] = ("float32",),
-          causals: tuple[bool, ...] = (False,)) -> list[Case]:
-    """Every (dtype, causal, mode, N, implementation) case on CPU, batch 1."""
-    return [Case(impl, n, heads=heads, headdim=headdim, repeats=repeats, mode=mode, dtype=dtype, causal=causal)
-            for dtype in dtypes for causal in causals for mode in MODES for n in seqlens for impl in IMPLS]
+def cases(seqlens: list[int], heads: int, headdims: list[int], repeats: int, *,
+          dtypes: tuple[str, ...] = ("float32",), causals: tuple[bool, ...] = (False,),
+          features: bool = False) -> list[Case]:
+    """Every (dtype, head dim, causal, mode, N, implementation) case on CPU, batch 1; with ``features``, ours
+    with each feature of ``measure.FEATURES`` too (forward)."""
+    impls = {mode: IMPLS + (FEATURE_IMPLS if features and mode == "fwd" else ()) for mode in MODES}
+    return [Case(impl, n, heads=heads, headdim=d, repeats=repeats, mode=mode, dtype=dtype, causal=causal)
+            for dtype in dtypes for d in headdims for causal in causals for mode in MODES for n in seqlens
+            for impl in impls[mode]]
 
 
 @contextmanager
@@ -71,24 +77,55 @@ def _ratio(point: dict) -> float | None:
     return ours / sdpa if ours and sdpa else None
 
 
+KEYS = ("dtype", "headdim", "causal", "mode", "seqlen")
+
+
 def table(rows: list[dict]) -> str:
-    """One line per (dtype, causal, mode, N): ms, TFLOP/s and peak extra MiB per implementation, and ours / SDPA
-    time."""
-    points = report.wide(rows, ("dtype", "causal", "mode", "seqlen"))
-    columns = ["dtype", "causal", "mode", report.Col("N", "seqlen"),
+    """One line per (dtype, head dim, causal, mode, N): ms, TFLOP/s and peak extra MiB per implementation, and
+    ours / SDPA time; then the median and the worst of that ratio over the grid."""
+    points = report.wide(rows, KEYS)
+    columns = ["dtype", report.Col("d", "headdim"), "causal", "mode", report.Col("N", "seqlen"),
                *report.per_impl(IMPLS, report.MS, report.TFLOPS, report.MIB),
                report.Col("ours/sdpa time", _ratio, ".2f")]
-    return "\n".join([report.table(points, columns), *report.errors(rows, "dtype", "causal", "mode", "seqlen")])
+    lines = [report.table(points, columns), summary(rows)]
+    if any(row["impl"] in FEATURE_IMPLS for row in rows):
+        feature_columns = ["dtype", report.Col("d", "headdim"), "causal", report.Col("N", "seqlen"),
+                           *(report.Col(f"{impl.split('+')[1]}/plain", _feature_ratio(impl), ".2f")
+                             for impl in FEATURE_IMPLS)]
+        lines += ["", "ours with a feature / ours plain, forward time:",
+                  report.table([p for p in points if p["mode"] == "fwd"], feature_columns)]
+    return "\n".join([*lines, *report.errors(rows, *KEYS)])
+
+
+def _feature_ratio(impl: str):
+    def ratio(point: dict) -> float | None:
+        with_it, plain = point.get((impl, "seconds")), point.get((OURS, "seconds"))
+        return with_it / plain if with_it and plain else None
+
+    return ratio
+
+
+def summary(rows: list[dict]) -> str:
+    """'ours/sdpa time over N cells: median m, worst w (where)'."""
+    ratios = sorted((r, tuple(p[k] for k in KEYS)) for p in report.wide(rows, KEYS) if (r := _ratio(p)))
+    if not ratios:
+        return "ours/sdpa time: no cell has both"
+    median = statistics.median(r for r, _ in ratios)
+    worst, where = ratios[-1]
+    return (f"ours/sdpa time over {len(ratios)} cells: median {median:.2f}, worst {worst:.2f} "
+            f"({', '.join(map(str, where))})")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlens", type=options.int_list, default="1024,4096,16384", help="comma-separated")
     p.add_argument("--heads", type=options.positive_int, default=4, help="attention heads")
-    p.add_argument("--headdim", type=options.positive_int, default=64, help="head dimension")
+    p.add_argument("--headdims", type=options.int_list, default="64", help="comma-separated head dimensions")
     p.add_argument("--repeats", type=options.positive_int, default=3, help="timed runs per case (the median)")
     p.add_argument("--dtypes", type=options.choice_list(("float32", "bfloat16", "float16", "float64")),
                    default="float32", help="comma-separated input dtypes")
     p.add_argument("--causal", choices=tuple(CAUSAL), default="no", help="causal masking: no, yes or both")
+    p.add_argument("--features", action="store_true",
+                   help=f"also time ours with each of {', '.join(FEATURES)} (forward), against ours plain")
     p.add_argument("--load", action="store_true", help="run everything under one competing busy process")
     p.add_argument("--load-seconds", type=options.positive_float, default=3600.0,
                    help="the busy process stops itself after this long at the latest")
@@ -100,11 +137,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    todo = cases(args.seqlens, args.heads, args.headdim, args.repeats, dtypes=tuple(args.dtypes),
-                 causals=CAUSAL[args.causal])
+    todo = cases(args.seqlens, args.heads, args.headdims, args.repeats, dtypes=tuple(args.dtypes),
+                 causals=CAUSAL[args.causal], features=args.features)
     dtypes = ",".join(args.dtypes)
     print(f"flashattn bench cpu: {len(todo)} cases, {', '.join(IMPLS)}, {dtypes}, batch 1, {args.heads} heads, "
-          f"headdim {args.headdim}{', under one competing busy process' if args.load else ''}")
+          f"headdim {','.join(map(str, args.headdims))}{', under one competing busy process' if args.load else ''}")
     if args.load:
         with competing_load(args.load_seconds):
             rows = run(todo, args.plain_limit_gib, isolate=not args.in_process, progress=not args.quiet)
@@ -112,12 +149,12 @@ def command(args: argparse.Namespace) -> int:
         rows = run(todo, args.plain_limit_gib, isolate=not args.in_process, progress=not args.quiet)
     print(table(rows))
     meta = report.meta("cpu", args.command_line, {k: getattr(args, k) for k in
-                                                 ("seqlens", "heads", "headdim", "repeats", "plain_limit_gib",
-                                                  "in_process", "dtypes", "causal", "load")})
+                                                 ("seqlens", "heads", "headdims", "repeats", "plain_limit_gib",
+                                                  "features", "in_process", "dtypes", "causal", "load")})
     loaded = ", one competing busy process" if args.load else ""
     title = (f"CPU ({meta['cores']} cores, {meta['threads']} threads{loaded}), {dtypes}, batch 1, {args.heads} "
-             f"heads, headdim {args.headdim}: flashattn vs torch SDPA vs plain")
-    figure = report.Figure(title, ("ms", "mib"), lines=("impl", "mode"), rows=("dtype", "causal"))
+             f"heads: flashattn vs torch SDPA vs plain")
+    figure = report.Figure(title, ("ms", "mib"), lines=("impl", "mode"), rows=("dtype", "headdim", "causal"))
     stem = args.name or f"cpu-{datetime.date.today().isoformat()}"
     for path in report.write(rows, meta, Path(args.out), stem, [figure]):
         print(f"wrote {path}")

@@ -97,10 +97,28 @@ def ours_cuda(q, k, v, causal):
         return flash_attn_func(q, k, v, causal=causal)
 
 
+def _ours_with(feature: str):
+    """Ours with one feature on, measured against ours plain (the per-feature cost)."""
+
+    def run(q, k, v, causal):
+        h = q.shape[2]
+        kwargs = {"dropout": {"dropout_p": 0.1}, "softcap": {"softcap": 30.0},
+                  "alibi": {"alibi_slopes": torch.linspace(0.01, 0.3, h, device=q.device)},
+                  "window": {"window_size": (256, 256)}, "gqa8": {}}[feature]
+        if feature == "gqa8":  # 8 query heads per key/value head: views of the first heads, no copies
+            k, v = k[:, :, : max(1, h // 8)], v[:, :, : max(1, h // 8)]
+        return flash_attn_func(q, k, v, causal=causal, **kwargs)
+
+    run.__doc__ = f"flashattn with {feature}"
+    return run
+
+
 OURS = "flashattn"
 OURS_CUDA = "flashattn-cuda"  # our CUDA C++ kernel: timed beside the others, never a baseline for the ratio
+FEATURES = ("dropout", "softcap", "alibi", "window", "gqa8")
 IMPLEMENTATIONS: dict[str, Callable] = {
     OURS: ours,
+    **{f"{OURS}+{feature}": _ours_with(feature) for feature in FEATURES},
     OURS_CUDA: ours_cuda,
     "sdpa": _sdpa(None),
     "sdpa-math": _sdpa("MATH"),

@@ -1,0 +1,146 @@
+// FlashAttention-2 backward on CPU, deterministic and without atomics. A task is (sequence, kv head, split): it
+// owns dQ of its query rows (every head of the group) and its own partial dK/dV of the sequence's keys, reduced in
+// a fixed order afterwards (one split unless there are fewer (sequence, kv head) pairs than threads). Per tile it
+// recomputes P from the saved lse, then dV += P^T dO, dP = dO V^T, dS = P (dP - delta), dQ += dS K, dK += dS^T Q.
+#pragma once
+
+#include "cpu_forward.h"
+
+namespace flash_cpu {
+
+template <typename acc_t>
+struct BackwardScratch {
+  Buffer<acc_t> q, dout, s, dp, tanh, dq, k, v, z, delta, lse;
+  Buffer<int64_t> g, i;
+  BackwardScratch(const Problem& p)
+      : q(p.block_m * p.dim), dout(p.block_m * p.dim_v), s(p.block_m * p.block_n), dp(p.block_m * p.block_n),
+        tanh(p.softcap > 0 ? p.block_m * p.block_n : 0), dq(p.block_m * p.dim), k(p.block_n * p.dim),
+        v(p.block_n * p.dim_v), z(p.block_n), delta(p.block_m), lse(p.block_m), g(p.block_m), i(p.block_m) {}
+};
+
+// What the backward reads and writes besides q, k, v: dK/dV partials are (splits, B, Nk, Hk, D) in acc_t, zeroed.
+struct BackwardIo {
+  const at::Tensor &out, &dout, &lse;
+  const at::Tensor* dlse;  // or nullptr
+  at::Tensor &dq, &dk_part, &dv_part;
+  at::Tensor* dmask;  // (B, H, Nq, Nk) in acc_t, zeroed; or nullptr
+};
+
+template <typename scalar_t, typename acc_t>
+void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const BackwardIo& io, int64_t splits) {
+  const Rows<scalar_t> qr = rows_of<scalar_t>(q), kr = rows_of<scalar_t>(k), vr = rows_of<scalar_t>(v);
+  const Rows<scalar_t> orows = rows_of<scalar_t>(io.out), dorows = rows_of<scalar_t>(io.dout);
+  const Rows<scalar_t> dqrows = rows_of<scalar_t>(io.dq);
+  const acc_t* lse_p = io.lse.data_ptr<acc_t>();
+  const acc_t* dlse_p = io.dlse != nullptr ? io.dlse->data_ptr<acc_t>() : nullptr;
+  const int64_t lse_b = io.lse.stride(0), lse_h = io.lse.stride(1);
+  const int64_t dlse_b = io.dlse != nullptr ? io.dlse->stride(0) : 0, dlse_h = io.dlse != nullptr ? io.dlse->stride(1) : 0;
+  const int64_t D = p.dim, DV = p.dim_v, BN = p.block_n;
+  const int64_t part_split = io.dk_part.stride(0), part_b = io.dk_part.stride(1), part_row = io.dk_part.stride(2);
+  const int64_t vpart_split = io.dv_part.stride(0), vpart_b = io.dv_part.stride(1), vpart_row = io.dv_part.stride(2);
+  acc_t* dk_p = io.dk_part.data_ptr<acc_t>();
+  acc_t* dv_p = io.dv_part.data_ptr<acc_t>();
+  acc_t* dmask_p = io.dmask != nullptr ? io.dmask->data_ptr<acc_t>() : nullptr;
+  const int64_t nq_max = io.dmask != nullptr ? io.dmask->size(2) : 0, nk_max = io.dmask != nullptr ? io.dmask->size(3) : 0;
+  const acc_t q_factor = query_factor<acc_t>(p), dq_factor = static_cast<acc_t>(p.scale);
+  const acc_t l2e = static_cast<acc_t>(kLog2e), inf = std::numeric_limits<acc_t>::infinity();
+
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost;
+  {
+    Buffer<int64_t> g(p.block_m), i(p.block_m);
+    for (int64_t si = 0; si < static_cast<int64_t>(p.seqs.size()); ++si) {
+      const Sequence& s = p.seqs[si];
+      std::vector<int64_t> split_cost(splits, 0);
+      for (int64_t blk = 0; blk < p.blocks(s); ++blk) {
+        const int64_t n = p.block_rows(s, blk, g.data(), i.data());
+        int64_t lo, hi;
+        p.block_columns(s, i.data(), n, &lo, &hi);
+        split_cost[blk % splits] += n * std::max<int64_t>(hi - lo, 1);
+      }
+      for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
+        for (int64_t part = 0; part < splits; ++part) {
+          tasks.push_back({si, hk, part});
+          cost.push_back(split_cost[part]);
+        }
+      }
+    }
+  }
+  run_tasks(longest_first(cost), [&] { return BackwardScratch<acc_t>(p); }, [&](int64_t t, BackwardScratch<acc_t>& sc) {
+    const Task& task = tasks[t];
+    const Sequence& s = p.seqs[task.seq];
+    const int64_t hk = task.kv_head;
+    int64_t* g = sc.g.data();
+    int64_t* i = sc.i.data();
+    acc_t* dk_seq = dk_p + task.part * part_split + s.kb * part_b + s.k0 * part_row + hk * D;
+    acc_t* dv_seq = dv_p + task.part * vpart_split + s.kb * vpart_b + s.k0 * vpart_row + hk * DV;
+    for (int64_t blk = task.part; blk < p.blocks(s); blk += splits) {
+      const int64_t n = p.block_rows(s, blk, g, i);
+      int64_t lo, hi;
+      p.block_columns(s, i, n, &lo, &hi);
+      load_queries(p, qr, s, hk, g, i, n, q_factor, sc.q.data(), D);
+      load_queries(p, dorows, s, hk, g, i, n, acc_t(1), sc.dout.data(), DV);
+      for (int64_t r = 0; r < n; ++r) {  // delta = rowsum(dO * O) - dlse; lse in log2 units, -inf -> +inf (P = 0)
+        const int64_t h = hk * p.group + g[r];
+        const scalar_t* o = orows.data + s.qb * orows.batch_stride + (s.q0 + i[r]) * orows.row_stride +
+                            h * orows.head_stride;
+        acc_t dot = 0;
+        for (int64_t d = 0; d < DV; ++d) dot += sc.dout[r * DV + d] * static_cast<acc_t>(o[d]);
+        const int64_t at = s.qb * lse_b + h * lse_h + s.q0 + i[r];  // lse and dlse may be views of longer rows
+        sc.delta[r] = dot - (dlse_p != nullptr ? dlse_p[s.qb * dlse_b + h * dlse_h + s.q0 + i[r]] : acc_t(0));
+        sc.lse[r] = lse_p[at] == -inf ? inf : lse_p[at] * l2e;
+      }
+      std::fill_n(sc.dq.data(), n * D, acc_t(0));
+      for (int64_t c0 = (std::max<int64_t>(lo, 0) / BN) * BN; c0 < hi; c0 += BN) {
+        const int64_t cols = std::min(BN, s.nk - c0);
+        int64_t ldk, ldv;
+        const acc_t* kt = key_tile(p, kr, task.seq, s, hk, c0, cols, D, sc.k.data(), &ldk);
+        const acc_t* vt = key_tile(p, vr, task.seq, s, hk, c0, cols, DV, sc.v.data(), &ldv);
+        gemm<acc_t>(false, true, n, cols, D, sc.q.data(), D, kt, ldk, acc_t(0), sc.s.data(), BN);
+        gemm<acc_t>(false, true, n, cols, DV, sc.dout.data(), DV, vt, ldv, acc_t(0), sc.dp.data(), BN);
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t h = hk * p.group + g[r];
+          acc_t* srow = sc.s.data() + r * BN;
+          acc_t* dprow = sc.dp.data() + r * BN;
+          acc_t* trow = p.softcap > 0 ? sc.tanh.data() + r * BN : nullptr;
+          p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, trow);
+          const acc_t row_lse = sc.lse[r], delta = sc.delta[r];
+          if (p.dropout_p > 0) {  // dV takes the dropped P (in s), dS the undropped one (in dp)
+            p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
+            for (int64_t j = 0; j < cols; ++j) {
+              const acc_t pj = exp2_neg(srow[j] - row_lse);
+              srow[j] = pj * sc.z[j];
+              dprow[j] = pj * (dprow[j] * sc.z[j] - delta);
+            }
+          } else {
+            for (int64_t j = 0; j < cols; ++j) {
+              const acc_t pj = exp2_neg(srow[j] - row_lse);
+              srow[j] = pj;
+              dprow[j] = pj * (dprow[j] - delta);
+            }
+          }
+          if (dmask_p != nullptr) {  // an additive mask's gradient is dS itself
+            acc_t* dm = dmask_p + ((task.seq * p.heads + h) * nq_max + i[r]) * nk_max + c0;
+            std::copy(dprow, dprow + cols, dm);
+          }
+          if (trow != nullptr) {
+            for (int64_t j = 0; j < cols; ++j) dprow[j] *= acc_t(1) - trow[j] * trow[j];
+          }
+        }
+        gemm<acc_t>(true, false, cols, DV, n, sc.s.data(), BN, sc.dout.data(), DV, acc_t(1),
+                    dv_seq + c0 * vpart_row, vpart_row);
+        gemm<acc_t>(false, false, n, D, cols, sc.dp.data(), BN, kt, ldk, acc_t(1), sc.dq.data(), D);
+        gemm<acc_t>(true, false, cols, D, n, sc.dp.data(), BN, sc.q.data(), D, acc_t(1), dk_seq + c0 * part_row,
+                    part_row);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        scalar_t* dst = const_cast<scalar_t*>(dqrows.data) + s.qb * dqrows.batch_stride +
+                        (s.q0 + i[r]) * dqrows.row_stride + (hk * p.group + g[r]) * dqrows.head_stride;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(sc.dq[r * D + d] * dq_factor);
+      }
+    }
+  });
+}
+
+}  // namespace flash_cpu

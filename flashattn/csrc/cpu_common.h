@@ -1,0 +1,244 @@
+// Pieces shared by the CPU forward and backward kernels (cpu_forward.h, cpu_backward.h): the problem description,
+// how a task's query rows are chosen, the one score-tile transform (softcap, ALiBi, user mask, band), the dropout
+// generator's use, the BLAS call and the scheduler. The arithmetic of a row lives in cpu_vec.h.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+// Fortran BLAS from the library torch links (MKL, OpenBLAS): weak, so a torch without them still loads the module
+// and takes at::mm instead.
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
+            const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+}
+
+namespace flash_cpu {
+
+// C (m x n, row-major, leading dim ldc) = beta * C + op(A) op(B), A (m x k) or with trans_a (k x m), B (k x n) or
+// with trans_b (n x k), all row-major. Single-threaded inside a parallel region (the BLAS sees it is nested).
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  // Row-major C is column-major C^T = op(B)^T op(A)^T.
+  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const T one = 1;
+  if constexpr (std::is_same_v<T, float>) {
+    if (sgemm_ != nullptr) return sgemm_(&ta, &tb, &M, &N, &K, &one, b, &la, a, &lb, &beta, c, &lc);
+  } else {
+    if (dgemm_ != nullptr) return dgemm_(&ta, &tb, &M, &N, &K, &one, b, &la, a, &lb, &beta, c, &lc);
+  }
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  at::Tensor ta_ = trans_a ? at::from_blob(const_cast<T*>(a), {k, m}, {lda, 1}, opts).t()
+                           : at::from_blob(const_cast<T*>(a), {m, k}, {lda, 1}, opts);
+  at::Tensor tb_ = trans_b ? at::from_blob(const_cast<T*>(b), {n, k}, {ldb, 1}, opts).t()
+                           : at::from_blob(const_cast<T*>(b), {k, n}, {ldb, 1}, opts);
+  at::Tensor tc = at::from_blob(c, {m, n}, {ldc, 1}, opts);
+  if (beta == T(0)) {
+    at::mm_out(tc, ta_, tb_);
+  } else {
+    at::addmm_out(tc, tc, ta_, tb_, beta, 1);
+  }
+}
+
+// Uninitialised scratch (a task writes before it reads): no zero-fill per thread and call.
+template <typename T>
+struct Buffer {
+  std::unique_ptr<T[]> data_;
+  explicit Buffer(int64_t n) : data_(new T[std::max<int64_t>(n, 1)]) {}
+  T* data() const { return data_.get(); }
+  T& operator[](int64_t j) const { return data_[j]; }
+};
+
+// One sequence of the call: its query rows q[qb, q0 : q0 + nq] and key rows k[kb, k0 : k0 + nk] (a dense batch
+// entry, a varlen sequence or a KV-cache entry; with pages, key row p lives at the page table's entry).
+struct Sequence {
+  int64_t qb, q0, nq, kb, k0, nk, diagonal;
+};
+
+// Everything a task reads besides q/k/v: the options, in the log2 units the kernels compute in.
+struct Problem {
+  int64_t heads, kv_heads, group, dim, dim_v;
+  std::vector<Sequence> seqs;
+  const int64_t* block_table = nullptr;  // (S, pages per sequence) with paged keys
+  int64_t block_table_stride = 0, page_size = 0;
+  double scale = 1, softcap = 0;
+  int64_t left = -1, right = -1;
+  const float* alibi = nullptr;  // (1 or S, H)
+  int64_t alibi_stride = 0;
+  float dropout_p = 0;  // compared with the float32 uniform, as tl.rand's callers do
+  double dropout_scale = 1;  // 1 / (1 - p) from the caller's double p
+  uint64_t seed = 0;
+  int64_t counter_rows = 0, counter_cols = 0;  // dropout counter ((s * H + h) * rows + i) * cols + j
+  const void* mask = nullptr;  // (S, H, Nq, Nk) broadcast view, bool or the accumulation type
+  bool mask_is_bool = false;
+  int64_t mask_stride[4] = {0, 0, 0, 0};
+  int64_t block_m = 128, block_n = 256;
+
+  // Columns [lo, hi) row i of sequence s may see, clipped to [0, nk).
+  void visible(const Sequence& s, int64_t i, int64_t* lo, int64_t* hi) const {
+    *lo = left < 0 ? 0 : std::max<int64_t>(0, i + s.diagonal - left);
+    *hi = right < 0 ? s.nk : std::min<int64_t>(s.nk, i + s.diagonal + right + 1);
+  }
+
+  // Query heads of one kv head packed per block: short sequences (decode) share each K/V tile among the group.
+  int64_t heads_per_block(const Sequence& s) const {
+    return s.nq == 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(group, block_m / s.nq));
+  }
+  int64_t blocks(const Sequence& s) const {
+    if (s.nq == 0) return 0;
+    const int64_t hp = heads_per_block(s);
+    return hp > 1 ? (group + hp - 1) / hp : group * ((s.nq + block_m - 1) / block_m);
+  }
+  // Rows of block `blk` of (sequence s, one kv head): query head in the group and row index; returns the count.
+  int64_t block_rows(const Sequence& s, int64_t blk, int64_t* g, int64_t* i) const {
+    const int64_t hp = heads_per_block(s);
+    int64_t n = 0;
+    if (hp > 1) {
+      for (int64_t gg = blk * hp; gg < std::min(group, (blk + 1) * hp); ++gg) {
+        for (int64_t ii = 0; ii < s.nq; ++ii, ++n) g[n] = gg, i[n] = ii;
+      }
+      return n;
+    }
+    const int64_t per_head = (s.nq + block_m - 1) / block_m, gg = blk / per_head, i0 = (blk % per_head) * block_m;
+    for (int64_t ii = i0; ii < std::min(s.nq, i0 + block_m); ++ii, ++n) g[n] = gg, i[n] = ii;
+    return n;
+  }
+  // Key columns [lo, hi) any row of the block may see (rows come in increasing i per head).
+  void block_columns(const Sequence& s, const int64_t* i, int64_t n, int64_t* lo, int64_t* hi) const {
+    int64_t imin = i[0], imax = i[0];
+    for (int64_t r = 1; r < n; ++r) imin = std::min(imin, i[r]), imax = std::max(imax, i[r]);
+    int64_t unused;
+    visible(s, imin, lo, &unused);
+    visible(s, imax, &unused, hi);
+  }
+
+  // The one score transform, forward and backward: row `srow` of the tile (columns c0 .. c0 + cols) holds
+  // q.k * scale * log2e (with softcap: q.k * scale / softcap); afterwards it holds the score in log2 units, -inf
+  // where row i may not look. With `tanh_row` the softcap's tanh is kept for the chain rule.
+  template <typename acc_t>
+  void transform_row(int64_t s_idx, const Sequence& s, int64_t h, int64_t i, int64_t c0, int64_t cols, acc_t* srow,
+                     acc_t* tanh_row) const {
+    const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    int64_t j0, j1;
+    visible(s, i, &j0, &j1);
+    j0 = std::clamp<int64_t>(j0 - c0, 0, cols);
+    j1 = std::clamp<int64_t>(j1 - c0, j0, cols);
+    if (softcap > 0) tanh_scaled(srow + j0, tanh_row != nullptr ? tanh_row + j0 : nullptr, j1 - j0,
+                                 static_cast<acc_t>(softcap * kLog2e));
+    if (alibi != nullptr) {  // -slope * |i + diagonal - j|
+      const acc_t slope = static_cast<acc_t>(alibi[s_idx * alibi_stride + h] * kLog2e);
+      const acc_t at = static_cast<acc_t>(i + s.diagonal - c0);
+      for (int32_t j = static_cast<int32_t>(j0); j < static_cast<int32_t>(j1); ++j) {
+        srow[j] -= slope * std::abs(at - static_cast<acc_t>(j));  // exact below 2^24 keys (fp32)
+      }
+    }
+    if (mask != nullptr) {
+      const int64_t base = s_idx * mask_stride[0] + h * mask_stride[1] + i * mask_stride[2] + c0 * mask_stride[3];
+      const int64_t st = mask_stride[3];
+      if (mask_is_bool) {
+        const bool* m = static_cast<const bool*>(mask) + base;
+        for (int64_t j = j0; j < j1; ++j) srow[j] = m[j * st] ? srow[j] : neg_inf;
+      } else {
+        const acc_t* m = static_cast<const acc_t*>(mask) + base;
+        const acc_t l2e = static_cast<acc_t>(kLog2e);
+        for (int64_t j = j0; j < j1; ++j) srow[j] += l2e * m[j * st];
+      }
+    }
+    for (int64_t j = 0; j < j0; ++j) srow[j] = neg_inf;
+    for (int64_t j = j1; j < cols; ++j) srow[j] = neg_inf;
+    if (tanh_row != nullptr) {  // finite where P = 0, so the chain rule gives 0 there, not NaN
+      std::fill(tanh_row, tanh_row + j0, acc_t(0));
+      std::fill(tanh_row + j1, tanh_row + cols, acc_t(0));
+    }
+  }
+
+  // Row i's dropout factors for columns c0 .. c0 + cols: 0 where dropped, 1 / (1 - p) where kept.
+  template <typename acc_t>
+  void dropout_row(int64_t s_idx, int64_t h, int64_t i, int64_t c0, int64_t cols, acc_t* z) const {
+    const uint64_t base = static_cast<uint64_t>(((s_idx * heads + h) * counter_rows + i) * counter_cols + c0);
+    dropout_factors(seed, base, cols, dropout_p, static_cast<acc_t>(dropout_scale), z);
+  }
+};
+
+// Row r of an (N, H, D) slab as a pointer: for key tiles the rows of a sequence, through the page table if paged.
+template <typename scalar_t>
+struct Rows {
+  const scalar_t* data;
+  int64_t batch_stride, row_stride, head_stride;
+
+  const scalar_t* row(const Problem& p, int64_t s_idx, const Sequence& s, int64_t head, int64_t pos) const {
+    if (p.block_table != nullptr) {
+      const int64_t page = p.block_table[s_idx * p.block_table_stride + pos / p.page_size];
+      return data + page * batch_stride + (pos % p.page_size) * row_stride + head * head_stride;
+    }
+    return data + s.kb * batch_stride + pos * row_stride + head * head_stride;
+  }
+};
+
+template <typename scalar_t>
+Rows<scalar_t> rows_of(const at::Tensor& t) {
+  return {t.data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Keys (or values) [c0, c0 + cols) of sequence s, head hk as a (cols x dim) matrix: a pointer into the tensor when
+// it already is one in the accumulation type, else converted into `buffer`. Returns the leading dimension.
+template <typename scalar_t, typename acc_t>
+const acc_t* key_tile(const Problem& p, const Rows<scalar_t>& src, int64_t s_idx, const Sequence& s, int64_t hk,
+                      int64_t c0, int64_t cols, int64_t dim, acc_t* buffer, int64_t* ld) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    if (p.block_table == nullptr) {
+      *ld = src.row_stride;
+      return src.row(p, s_idx, s, hk, s.k0 + c0);
+    }
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    const scalar_t* r = src.row(p, s_idx, s, hk, s.k0 + c0 + j);
+    for (int64_t d = 0; d < dim; ++d) buffer[j * dim + d] = static_cast<acc_t>(r[d]);
+  }
+  *ld = dim;
+  return buffer;
+}
+
+// Runs task(t, scratch) for t in order[0..n) on at::parallel_for's threads, each with its own scratch (from
+// make_scratch) and taking the next task when it finishes one: a thread slowed by another process takes fewer
+// tasks instead of holding the others up.
+template <typename MakeScratch, typename Fn>
+void run_tasks(const std::vector<int64_t>& order, const MakeScratch& make_scratch, const Fn& task) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    c10::InferenceMode inference_mode(inference);  // thread-local modes: the region's threads take the caller's
+    at::NoGradGuard no_grad;
+    auto scratch = make_scratch();
+    for (int64_t t = next++; t < n; t = next++) task(order[t], scratch);
+  });
+}
+
+// Task indices sorted by decreasing cost (longest first keeps the last tasks short).
+inline std::vector<int64_t> longest_first(const std::vector<int64_t>& cost) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
+}  // namespace flash_cpu

@@ -1,0 +1,128 @@
+// FlashAttention-2 forward on CPU. A task is (sequence, kv head, block of query rows); it runs its whole key loop
+// with its tiles in cache: S = Q K^T on the BLAS, the online softmax (and dropout) in one vectorised pass over the
+// tile, O += P V on the BLAS, and one division per row at the end.
+#pragma once
+
+#include "cpu_common.h"
+
+namespace flash_cpu {
+
+template <typename acc_t>
+struct ForwardScratch {
+  Buffer<acc_t> q, s, acc, k, v, z, row_max, row_sum;
+  Buffer<int64_t> g, i;
+  ForwardScratch(const Problem& p)
+      : q(p.block_m * p.dim), s(p.block_m * p.block_n), acc(p.block_m * p.dim_v), k(p.block_n * p.dim),
+        v(p.block_n * p.dim_v), z(p.block_n), row_max(p.block_m), row_sum(p.block_m), g(p.block_m), i(p.block_m) {}
+};
+
+// Unit of work of the forward and of the backward's dK/dV: (sequence, kv head, block or split).
+struct Task {
+  int64_t seq, kv_head, part;
+};
+
+template <typename scalar_t, typename acc_t>
+void load_queries(const Problem& p, const Rows<scalar_t>& q, const Sequence& s, int64_t hk, const int64_t* g,
+                  const int64_t* i, int64_t n, acc_t factor, acc_t* dst, int64_t dim) {
+  for (int64_t r = 0; r < n; ++r) {
+    const scalar_t* src = q.data + s.qb * q.batch_stride + (s.q0 + i[r]) * q.row_stride +
+                          (hk * p.group + g[r]) * q.head_stride;
+    for (int64_t d = 0; d < dim; ++d) dst[r * dim + d] = static_cast<acc_t>(src[d]) * factor;
+  }
+}
+
+// Scores become log2 units in the matmul: q is scaled by scale * log2e (with softcap, by scale / softcap).
+template <typename acc_t>
+acc_t query_factor(const Problem& p) {
+  return static_cast<acc_t>(p.softcap > 0 ? p.scale / p.softcap : p.scale * kLog2e);
+}
+
+// out (B, Nq, H, Dv) in q's dtype; lse (B, H, Nq) in acc_t (rows that see no key: out 0, lse -inf).
+template <typename scalar_t, typename acc_t>
+void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                    at::Tensor& lse) {
+  const Rows<scalar_t> qr = rows_of<scalar_t>(q), kr = rows_of<scalar_t>(k), vr = rows_of<scalar_t>(v);
+  const Rows<scalar_t> orows = rows_of<scalar_t>(out);
+  acc_t* lse_p = lse.data_ptr<acc_t>();
+  const int64_t lse_b = lse.stride(0), lse_h = lse.stride(1);
+  const int64_t D = p.dim, DV = p.dim_v, BN = p.block_n;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const acc_t q_factor = query_factor<acc_t>(p);
+
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost;
+  {
+    Buffer<int64_t> g(p.block_m), i(p.block_m);
+    for (int64_t si = 0; si < static_cast<int64_t>(p.seqs.size()); ++si) {
+      const Sequence& s = p.seqs[si];
+      for (int64_t blk = 0; blk < p.blocks(s); ++blk) {
+        const int64_t n = p.block_rows(s, blk, g.data(), i.data());
+        int64_t lo, hi;
+        p.block_columns(s, i.data(), n, &lo, &hi);
+        for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
+          tasks.push_back({si, hk, blk});
+          cost.push_back(n * std::max<int64_t>(hi - lo, 1));
+        }
+      }
+    }
+  }
+  run_tasks(longest_first(cost), [&] { return ForwardScratch<acc_t>(p); }, [&](int64_t t, ForwardScratch<acc_t>& sc) {
+    const Task& task = tasks[t];
+    const Sequence& s = p.seqs[task.seq];
+    const int64_t hk = task.kv_head;
+    int64_t* g = sc.g.data();
+    int64_t* i = sc.i.data();
+    const int64_t n = p.block_rows(s, task.part, g, i);
+    int64_t lo, hi;
+    p.block_columns(s, i, n, &lo, &hi);
+    load_queries(p, qr, s, hk, g, i, n, q_factor, sc.q.data(), D);
+    std::fill_n(sc.acc.data(), n * DV, acc_t(0));
+    std::fill_n(sc.row_max.data(), n, neg_inf);
+    std::fill_n(sc.row_sum.data(), n, acc_t(0));
+    for (int64_t c0 = (std::max<int64_t>(lo, 0) / BN) * BN; c0 < hi; c0 += BN) {
+      const int64_t cols = std::min(BN, s.nk - c0);
+      int64_t ldk, ldv;
+      const acc_t* kt = key_tile(p, kr, task.seq, s, hk, c0, cols, D, sc.k.data(), &ldk);
+      gemm<acc_t>(false, true, n, cols, D, sc.q.data(), D, kt, ldk, acc_t(0), sc.s.data(), BN);
+      for (int64_t r = 0; r < n; ++r) {
+        acc_t* srow = sc.s.data() + r * BN;
+        const int64_t h = hk * p.group + g[r];
+        p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr);
+        const acc_t m = max_of(srow, cols, sc.row_max[r]);
+        if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
+          std::fill(srow, srow + cols, acc_t(0));
+          continue;
+        }
+        const acc_t alpha = exp2_neg(sc.row_max[r] - m);
+        const acc_t sum = exp2_shift_sum(srow, cols, m);
+        // The denominator sums the undropped weights: dropout acts on normalised probabilities.
+        sc.row_sum[r] = sc.row_sum[r] * alpha + sum;
+        sc.row_max[r] = m;
+        if (p.dropout_p > 0) {
+          p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
+          for (int64_t j = 0; j < cols; ++j) srow[j] *= sc.z[j];
+        }
+        if (alpha != acc_t(1)) {
+          acc_t* ar = sc.acc.data() + r * DV;
+          for (int64_t d = 0; d < DV; ++d) ar[d] *= alpha;
+        }
+      }
+      const acc_t* vt = key_tile(p, vr, task.seq, s, hk, c0, cols, DV, sc.v.data(), &ldv);
+      gemm<acc_t>(false, false, n, DV, cols, sc.s.data(), BN, vt, ldv, acc_t(1), sc.acc.data(), DV);
+    }
+    // Deferred normalisation: one division per row.
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t h = hk * p.group + g[r];
+      const acc_t l = sc.row_sum[r];
+      const acc_t inv = l > 0 ? acc_t(1) / l : acc_t(0);
+      const acc_t* ar = sc.acc.data() + r * DV;
+      scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i[r]) * orows.row_stride +
+                      h * orows.head_stride;
+      for (int64_t d = 0; d < DV; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+      lse_p[s.qb * lse_b + h * lse_h + s.q0 + i[r]] =
+          l > 0 ? static_cast<acc_t>((sc.row_max[r] + std::log2(l)) / kLog2e) : neg_inf;
+    }
+  });
+}
+
+}  // namespace flash_cpu
