@@ -76,7 +76,8 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(path):
 
 
 @pytest.mark.parametrize("reason", ["FLASHATTN_CPU_KERNEL=0", "a failed build"])
-def test_the_tiled_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch, caplog):
+def test_the_tiled_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("FLASHATTN_CACHE", str(tmp_path))  # a failed first load removes its build folder
     cpu_kernel._load.cache_clear()
     if reason == "a failed build":
         from torch.utils import cpp_extension
@@ -97,6 +98,33 @@ def test_the_tiled_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch
         assert not built and ("FLASHATTN_CPU_KERNEL" in detail if reason != "a failed build" else "c++" in detail)
         warned = [r for r in caplog.records if "tiled PyTorch path" in r.getMessage()]
         assert len(warned) == (1 if reason == "a failed build" else 0)
+    finally:
+        cpu_kernel._load.cache_clear()
+
+
+def test_a_build_that_does_not_load_is_rebuilt(monkeypatch, tmp_path, caplog):
+    """A library left broken in the cache (a killed build, a full disk) makes the import fail: the folder is removed
+    and built again, not a crash and not the fallback for good. The build itself is stubbed: the first attempt
+    leaves a broken library and fails as its import would, the second finds the folder gone."""
+    monkeypatch.setenv("FLASHATTN_CACHE", str(tmp_path))
+    seen = []
+
+    def build(folder):
+        seen.append(sorted(p.name for p in folder.glob("*")) if folder.exists() else None)
+        if len(seen) == 1:
+            folder.mkdir(parents=True)
+            (folder / f"{folder.name}.so").write_bytes(b"not a shared library")
+            raise ImportError(f"{folder.name}.so: invalid ELF header")
+        return "module"
+
+    monkeypatch.setattr(cpu_kernel, "_build", build)
+    cpu_kernel._load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="flashattn"):
+            built, detail = cpu_kernel.status()
+        assert built, detail
+        assert seen == [None, None]  # the broken folder was removed before the second build
+        assert any("rebuilding" in r.getMessage() for r in caplog.records)
     finally:
         cpu_kernel._load.cache_clear()
 

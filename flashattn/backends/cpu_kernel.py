@@ -100,23 +100,32 @@ def _put_ninja_on_path() -> None:
 
 @functools.cache
 def _load():
-    """(module, None) or (None, why not); logged once."""
+    """(module, None) or (None, why not); logged once. A build folder that fails to load (a truncated or foreign
+    library left by a killed build) is removed and built once more before giving up."""
     if os.environ.get("FLASHATTN_CPU_KERNEL", "1").strip() == "0":
         return None, "FLASHATTN_CPU_KERNEL=0"
-    try:
-        from torch.utils.cpp_extension import load
+    folder = cache_dir() / build_name()
+    for attempt in (1, 2):
+        try:
+            return _build(folder), None
+        except Exception as exc:  # no compiler, a failed build, a broken cache: the tiled path runs instead
+            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            if attempt == 1 and folder.is_dir() and any(folder.glob("*.so")):
+                _log.info("flashattn: the CPU kernel's build in %s did not load (%s); rebuilding it", folder, why)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            _log.warning("flashattn: the CPU kernel could not be built (%s); using the tiled PyTorch path", why)
+            return None, why
+    raise AssertionError("unreachable")
 
-        _put_ninja_on_path()
-        folder = cache_dir() / build_name()
-        folder.mkdir(parents=True, exist_ok=True)
-        module = load(name=build_name(), sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                      build_directory=str(folder),
-                      verbose=False)
-        return module, None
-    except Exception as exc:  # no compiler, a failed build, a broken cache: the tiled path runs instead
-        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        _log.warning("flashattn: the CPU kernel could not be built (%s); using the tiled PyTorch path", why)
-        return None, why
+
+def _build(folder: Path):
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    folder.mkdir(parents=True, exist_ok=True)
+    return load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), verbose=False)
 
 
 def status() -> tuple[bool, str]:

@@ -181,19 +181,34 @@ inline void mul_hi_lo8(__m256i c, __m256i m, __m256i* hi, __m256i* lo) {
 template <int G>
 inline void philox_uniform8(uint64_t seed, uint64_t offset, float* u) {
   __m256i c0[G], c1[G], c2[G], c3[G];
-  for (int g = 0; g < G; ++g) {
-    alignas(32) uint32_t lo[8], hi[8];
-    for (int l = 0; l < 8; ++l) {
-      const uint64_t c = offset + 8 * g + l;
-      lo[l] = static_cast<uint32_t>(c), hi[l] = static_cast<uint32_t>(c >> 32);
-    }
-    c0[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
-    c1[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
-    c2[g] = c3[g] = _mm256_setzero_si256();
-  }
   const __m256i ma = _mm256_set1_epi32(static_cast<int>(kPhiloxA)), mb = _mm256_set1_epi32(static_cast<int>(kPhiloxB));
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
+  const bool no_carry = (offset & 0xFFFFFFFFu) + 8 * G - 1 <= 0xFFFFFFFFu;  // the low words do not wrap
+  for (int g = 0; g < G; ++g) {
+    if (no_carry) {
+      c0[g] = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset + 8 * g))),
+                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      c1[g] = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
+    } else {
+      alignas(32) uint32_t lo[8], hi[8];
+      for (int l = 0; l < 8; ++l) {
+        const uint64_t c = offset + 8 * g + l;
+        lo[l] = static_cast<uint32_t>(c), hi[l] = static_cast<uint32_t>(c >> 32);
+      }
+      c0[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+      c1[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+    }
+    // Round 0 with c2 = c3 = 0: the B product is 0, so one multiply.
+    __m256i ha, la;
+    mul_hi_lo8(c0[g], ma, &ha, &la);
+    c0[g] = _mm256_xor_si256(c1[g], _mm256_set1_epi32(static_cast<int>(k0)));
+    c2[g] = _mm256_xor_si256(ha, _mm256_set1_epi32(static_cast<int>(k1)));
+    c1[g] = _mm256_setzero_si256();
+    c3[g] = la;
+  }
+  k0 += kKeyA;
+  k1 += kKeyB;
+  for (int round = 1; round < 10; ++round) {
     const __m256i key0 = _mm256_set1_epi32(static_cast<int>(k0)), key1 = _mm256_set1_epi32(static_cast<int>(k1));
     for (int g = 0; g < G; ++g) {
       __m256i hb, lb, ha, la;
