@@ -56,7 +56,8 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
 
     Args:
         q: (batch, seqlen_q, nheads, headdim).
-        k, v: (batch, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 gives GQA/MQA.
+        k, v: (batch, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 gives GQA/MQA. v's head dim may
+            differ from q's and k's (as in FlashAttention-3: MLA prefill uses 192 and 128); out then has v's.
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation). Reproducible under
             ``torch.manual_seed``.
         softmax_scale: defaults to headdim ** -0.5.
@@ -144,9 +145,9 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
 
     Args:
         q: (total_q, nheads, headdim), the batch's queries one sequence after another.
-        k, v: (total_k, nheads_k, headdim); with ``block_table``, paged caches (num_pages, page_size, nheads_k,
-            headdim) where sequence b's key at position p is row ``p % page_size`` of page
-            ``block_table[b, p // page_size]`` (any page size).
+        k, v: (total_k, nheads_k, headdim) (v's head dim may differ, as in flash_attn_func); with
+            ``block_table``, paged caches (num_pages, page_size, nheads_k, headdim) where sequence b's key at
+            position p is row ``p % page_size`` of page ``block_table[b, p // page_size]`` (any page size).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b owns rows
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise for k, v). Empty sequences are allowed.
         max_seqlen_q, max_seqlen_k: at least the longest sequence (they size the kernels' grid).
@@ -235,7 +236,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
 
     Args:
         q: (batch, seqlen_q, nheads, headdim): the new tokens' queries (seqlen_q = 1 when decoding).
-        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged with ``block_table``:
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim) (v_cache's head dim may differ, as in
+            flash_attn_func; k and v then follow the caches'), or paged with ``block_table``:
             (num_pages, page_size, nheads_k, headdim), any page size >= 1.
         k, v: optional (batch, seqlen_new, nheads_k, headdim), written into the caches in place at positions
             ``cache_seqlens[b] ..`` (after rotary on k) before attending.

@@ -27,7 +27,7 @@ FLASH_CASES = [
     ({"q": torch.ones(2, 8, 4, 16, dtype=torch.int32)}, TypeError, ["q", "torch.int32", "float16"]),
     ({"k": torch.randn(2, 8, 2, 16).to(torch.float8_e4m3fn)}, TypeError, ["k", "float8"]),
     ({"q": torch.randn(2, 8, 4, 16, dtype=torch.float64)}, TypeError, ["k", "float32", "q", "float64"]),
-    ({"v": torch.randn(2, 9, 2, 16)}, ValueError, ["k", "v", "same shape"]),
+    ({"v": torch.randn(2, 9, 2, 16)}, ValueError, ["k", "v", "must agree on (batch, seqlen_k, nheads_k)"]),
     ({"k": torch.randn(2, 8, 3, 16), "v": torch.randn(2, 8, 3, 16)}, ValueError, ["heads", "4", "3"]),
     ({"k": torch.randn(3, 8, 2, 16), "v": torch.randn(3, 8, 2, 16)}, ValueError, ["batch", "2", "3"]),
     ({"k": torch.randn(2, 8, 2, 8), "v": torch.randn(2, 8, 2, 8)}, ValueError, ["head dims", "16", "8"]),

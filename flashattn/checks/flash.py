@@ -39,15 +39,19 @@ class CheckedCall:
 
 
 def flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")) -> tuple[torch.Tensor, ...]:
-    """q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim) of one dtype and device."""
-    layouts = ("(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)")
+    """q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim) and v (batch, seqlen_k, nheads_k,
+    headdim_v) of one dtype and device. v's head dim may differ (FlashAttention-3 and SDPA allow it: MLA prefill
+    uses 192 for q/k and 128 for v); out then has v's."""
+    layouts = ("(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)",
+               "(batch, seqlen_k, nheads_k, headdim_v)")
     q = validate_tensor(fn, names[0], q, 4, layouts[0])
     k = validate_tensor(fn, names[1], k, 4, layouts[1])
-    v = validate_tensor(fn, names[2], v, 4, layouts[1])
+    v = validate_tensor(fn, names[2], v, 4, layouts[2])
     validate_same(fn, dict(zip(names, (q, k, v), strict=True)))
-    if k.shape != v.shape:
-        raise fail(fn, f"{names[1]} and {names[2]} must have the same shape, got {tuple(k.shape)} and "
-                       f"{tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise fail(fn, f"{names[1]} and {names[2]} must agree on (batch, seqlen_k, nheads_k), got "
+                       f"{tuple(k.shape)} and {tuple(v.shape)}")
+    validate_head_dim(fn, names[2], v.shape[3])
     if q.shape[0] != k.shape[0]:
         raise fail(fn, f"batch sizes differ: {names[0]} has {q.shape[0]}, {names[1]} has {k.shape[0]}")
     if q.shape[3] != k.shape[3]:

@@ -54,7 +54,7 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)."""
     a = arguments
     q, k_cache, v_cache = _cache_layout(fn, a["q"], a["k_cache"], a["v_cache"], paged=a["block_table"] is not None)
-    k, v = _new_keys(fn, q, k_cache, a["k"], a["v"], cache_seqlens=a["cache_seqlens"])
+    k, v = _new_keys(fn, q, k_cache, v_cache, a["k"], a["v"], cache_seqlens=a["cache_seqlens"])
     indices = _indices(fn, q, k_cache, **{n: a[n] for n in ("cache_seqlens", "cache_batch_idx", "cache_leftpad",
                                                             "block_table")})
     num_splits = validate_count(fn, "num_splits", a["num_splits"])
@@ -121,9 +121,10 @@ def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.T
     k_cache = validate_tensor(fn, "k_cache", k_cache, 4, cache_layout)
     v_cache = validate_tensor(fn, "v_cache", v_cache, 4, cache_layout)
     validate_same(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
-    if k_cache.shape != v_cache.shape:
-        raise fail(fn, f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+    if k_cache.shape[:3] != v_cache.shape[:3]:  # v's head dim may differ (as in flash_attn_func)
+        raise fail(fn, f"k_cache and v_cache must agree on all but the head dim, got {tuple(k_cache.shape)} and "
                        f"{tuple(v_cache.shape)}")
+    validate_head_dim(fn, "v_cache", v_cache.shape[3])
     if q.shape[3] != k_cache.shape[3]:
         raise fail(fn, f"head dims differ: q has {q.shape[3]}, k_cache has {k_cache.shape[3]}")
     validate_head_dim(fn, "q", q.shape[3])
@@ -131,7 +132,8 @@ def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.T
     return q, k_cache, v_cache
 
 
-def _new_keys(fn: str, q, k_cache, k, v, *, cache_seqlens) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _new_keys(fn: str, q, k_cache, v_cache, k, v, *,
+              cache_seqlens) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if (k is None) != (v is None):
         raise fail(fn, "pass both k and v (the new keys and values to append) or neither")
     if k is None:
@@ -140,9 +142,11 @@ def _new_keys(fn: str, q, k_cache, k, v, *, cache_seqlens) -> tuple[torch.Tensor
     k, v = validate_tensor(fn, "k", k, 4, layout), validate_tensor(fn, "v", v, 4, layout)
     validate_same(fn, {"q": q, "k": k, "v": v})
     expected = (q.shape[0], k.shape[1], *k_cache.shape[2:])
-    if tuple(k.shape) != expected or tuple(v.shape) != expected:
-        raise fail(fn, f"k and v must have shape (batch, seqlen_new, nheads_k, headdim) = {expected}, got "
-                       f"{tuple(k.shape)} and {tuple(v.shape)}")
+    expected_v = (*expected[:3], v_cache.shape[3])
+    if tuple(k.shape) != expected or tuple(v.shape) != expected_v:
+        raise fail(fn, f"k and v must have shapes (batch, seqlen_new, nheads_k, headdim) = {expected} and "
+                       f"(batch, seqlen_new, nheads_k, headdim_v) = {expected_v}, got {tuple(k.shape)} and "
+                       f"{tuple(v.shape)}")
     if cache_seqlens is None:
         raise fail(fn, "k and v are appended at cache_seqlens: pass cache_seqlens (the cache lengths before the "
                        "append)")

@@ -46,6 +46,7 @@ class Health(KernelCounts):
     kernel: str = ""
     arch: int = 0
     head_dim: int = 0
+    head_dim_v: int = 0  # v's head dim (the same as head_dim unless the entry is a (d, dv) pair)
     variant: str = ""  # the table's weight: plain, light, heavy, fp32-light, fp32-heavy
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -64,8 +65,18 @@ def _spec(table: str, weight: str, tensors: dict) -> AttentionSpec:
     return spec
 
 
-def _inputs(table: str, weight: str, head_dim: int):
+HeadDims = int | tuple[int, int]  # a padded table head dim, or a (q/k, v) pair served by its padded maximum's entry
+
+
+def _dims(head_dim: HeadDims) -> tuple[int, int, int]:
+    """(d, dv, the table key) of an entry's head dims."""
+    d, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+    return d, dv, configs.padded_head_dim(max(d, dv))
+
+
+def _inputs(table: str, weight: str, head_dim: HeadDims):
     """(q, k, v, spec) of a representative call: 2 sequences of 256 tokens (1 query for decode), 4:2 heads."""
+    d, dv, _ = _dims(head_dim)
     dtype = torch.float32 if weight.startswith("fp32") else torch.float16
     b, h, hk, n = 2, 4, 2, 256
     nq = 1 if table == "decode" else n
@@ -81,15 +92,15 @@ def _inputs(table: str, weight: str, head_dim: int):
     }
     spec = _spec(table, weight, tensors)
     if spec.varlen is not None:  # packed q; a paged cache of (pages, page size, heads, dim)
-        q = torch.empty(b * nq, h, head_dim, dtype=dtype)
-        k, v = (torch.empty(b * n // page, page, hk, head_dim, dtype=dtype) for _ in range(2))
+        q = torch.empty(b * nq, h, d, dtype=dtype)
+        k, v = (torch.empty(b * n // page, page, hk, dim, dtype=dtype) for dim in (d, dv))
     else:
-        q = torch.empty(b, nq, h, head_dim, dtype=dtype)
-        k, v = (torch.empty(b, n, hk, head_dim, dtype=dtype) for _ in range(2))
+        q = torch.empty(b, nq, h, d, dtype=dtype)
+        k, v = (torch.empty(b, n, hk, dim, dtype=dtype) for dim in (d, dv))
     return q, k, v, spec
 
 
-def _compile(table: str, weight: str, head_dim: int, arch: int) -> object:
+def _compile(table: str, weight: str, head_dim: HeadDims, arch: int) -> object:
     """The compiled kernel that serves (table, head dim, weight) on sm_``arch``, through the backend's own launch
     path."""
     q, k, v, spec = _inputs(table, weight, head_dim)
@@ -109,9 +120,12 @@ def _table_of(kernel: str) -> str:
     return next(t for t, name in KERNEL_OF.items() if name == kernel)
 
 
-def check_one(table: str, head_dim: int, variant: str, arch: int, cfg: configs.KernelConfig | None = None) -> Health:
-    """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it."""
-    cfg = cfg or configs.lookup(table, arch, head_dim, variant)
+def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
+              cfg: configs.KernelConfig | None = None) -> Health:
+    """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it.
+    ``head_dim`` is a padded head dim, or a (q/k, v) pair of head dims served by its padded maximum's entry."""
+    d, dv, key = _dims(head_dim)
+    cfg = cfg or configs.lookup(table, arch, key, variant)
     with configs.use(cfg):  # through the real launch path, with this tile
         counts = kernel_counts(_compile(table, variant, head_dim, arch))
     problems = []
@@ -121,9 +135,9 @@ def check_one(table: str, head_dim: int, variant: str, arch: int, cfg: configs.K
         problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
     # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
     if (arch == 90 and not variant.startswith("fp32") and not counts.hgmma
-            and (table, head_dim, variant) not in HGMMA_EXEMPT):
+            and (table, key, variant) not in HGMMA_EXEMPT):
         problems.append("no HGMMA (wgmma) instructions on sm_90")
-    return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=head_dim,
+    return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
                   variant=variant, problems=problems)
 
 
@@ -138,9 +152,9 @@ def _candidates(cfg: configs.KernelConfig) -> list[configs.KernelConfig]:
             if configs.KernelConfig(m, n, w, s) != cfg]
 
 
-def search(table: str, head_dim: int, variant: str, arch: int) -> configs.KernelConfig | None:
+def search(table: str, head_dim: HeadDims, variant: str, arch: int) -> configs.KernelConfig | None:
     """The first of ``_candidates`` healthy on sm_``arch``, for an entry whose shipped config is not."""
-    for cfg in _candidates(configs.lookup(table, arch, head_dim, variant)):
+    for cfg in _candidates(configs.lookup(table, arch, _dims(head_dim)[2], variant)):
         if not check_one(table, head_dim, variant, arch, cfg).problems:
             return cfg
     return None
@@ -163,18 +177,20 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
         return pool.map(fn, entries, chunksize=1)
 
 
-def report(head_dims=(16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS, jobs: int = 1) -> list[Health]:
+def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,
+           jobs: int = 1) -> list[Health]:
     entries = [(table, d, variant, arch) for table in tables for d in head_dims for variant in variants
                for arch in TARGETS]
     return _map(_check, entries, jobs)
 
 
 def format_rows(rows: list[Health]) -> str:
-    lines = [f"{'kernel':34} {'sm':>3} {'d':>4} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
+    lines = [f"{'kernel':34} {'sm':>3} {'d':>7} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
              f"{'spill':>5} {'in loop':>7} {'smem':>7} {'hgmma':>5} {'at once':>7} {'tma':>3} {'inst/score':>10}  "
              "problems"]
     for r in rows:
-        lines.append(f"{r.kernel:34} {r.arch:3d} {r.head_dim:4d} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
+        dims = str(r.head_dim) if r.head_dim_v in (0, r.head_dim) else f"{r.head_dim}/{r.head_dim_v}"
+        lines.append(f"{r.kernel:34} {r.arch:3d} {dims:>7} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
                      f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.loop_spills:7d} "
                      f"{r.shared_bytes:7d} "
                      f"{r.hgmma:5d} {r.hgmma_waited_at_once:7d} {r.tma_loads:3d} {r.per_score:10.3f}  "
@@ -182,19 +198,25 @@ def format_rows(rows: list[Health]) -> str:
     return "\n".join(lines)
 
 
+def _parse_dims(text: str) -> HeadDims:
+    d, _, dv = text.partition(":")
+    return (int(d), int(dv)) if dv else int(d)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Compile the shipped Triton kernels for sm_80/sm_90 and report health.")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--head-dims", default="16,32,64,128,256", help="comma-separated padded head dims")
+    p.add_argument("--head-dims", default="16,32,64,128,256",
+                   help="comma-separated padded head dims, or q/k:v pairs such as 192:128")
     p.add_argument("--tables", default=",".join(TABLES), help="comma-separated tables")
     p.add_argument("--variants", default=",".join(configs.WEIGHTS), help="comma-separated weights")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--search", action="store_true", help="for each unhealthy entry, find a healthy config")
     a = p.parse_args(argv)
-    rows = report(tuple(int(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
+    rows = report(tuple(_parse_dims(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
                   variants=a.variants.split(","), jobs=a.jobs)
     if a.search:
-        unhealthy = [(_table_of(r.kernel), r.head_dim, r.variant, r.arch) for r in rows if r.problems]
+        unhealthy = [(_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch) for r in rows if r.problems]
         for (table, d, variant, arch), found in _map(_search, unhealthy, a.jobs):
             print(f"{table} sm_{arch} d={d} {variant}: {found}", flush=True)
     print(format_rows(rows))

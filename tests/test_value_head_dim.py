@@ -1,0 +1,89 @@
+"""A value head dim that differs from the query/key head dim (FlashAttention-3 takes it; MLA prefill uses 192 for
+q/k and 128 for v) through every entry point: dense, varlen and KV cache, on the CPU kernel, the tiled path and
+the Triton kernels (interpreter), against the float64 oracle."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from oracle import attention_ref, check_against_oracle
+
+import flashattn
+from flashattn.backends import cpu_kernel
+
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def _inputs(b, nq, nk, h, hk, d, dv, dtype=torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(b, nq, h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, nk, hk, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, nk, hk, dv, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+@pytest.fixture(params=["kernel", "tiled"])
+def cpu_path(request):
+    if request.param == "kernel" and not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    with cpu_kernel.use(request.param == "kernel"), flashattn.use_backend("cpu"):
+        yield
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (96, 64), (40, 72)])
+@pytest.mark.parametrize("kwargs", [{}, {"causal": True, "softcap": 5.0}, {"window_size": (7, 3), "dropout_p": 0.0}],
+                         ids=["plain", "causal softcap", "window"])
+def test_dense_calls_on_both_cpu_paths(cpu_path, d, dv, kwargs):
+    q, k, v = _inputs(2, 37, 45, 4, 2, d, dv)
+    out = flashattn.flash_attn_func(q, k, v, **kwargs)
+    assert out.shape == (2, 37, 4, dv)
+    check_against_oracle(q, k, v, kwargs, out)
+
+
+def test_varlen_and_kv_cache_take_it(cpu_path):
+    q, k, v = _inputs(1, 30, 30, 4, 2, 96, 64)
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    out = flashattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 18, 18, causal=True)
+    assert out.shape == (30, 4, 64)
+    for sq, eq in ((0, 12), (12, 30)):
+        ref, _ = attention_ref(q[:, sq:eq], k[:, sq:eq], v[:, sq:eq], causal=True)
+        assert (out[sq:eq].double() - ref[0]).abs().max() < 1e-5
+    out.sum().backward()
+    assert v.grad.shape == v.shape and k.grad.shape == k.shape
+
+    k_cache, v_cache = torch.zeros(2, 16, 2, 96), torch.zeros(2, 16, 2, 64)
+    k_new, v_new = torch.randn(2, 5, 2, 96), torch.randn(2, 5, 2, 64)
+    q1 = torch.randn(2, 1, 4, 96)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    out = flashattn.flash_attn_with_kvcache(q1, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens)
+    assert out.shape == (2, 1, 4, 64)
+    for i, n in enumerate((8, 12)):  # the appended rows are attended
+        ref, _ = attention_ref(q1[i : i + 1], k_cache[i : i + 1, :n], v_cache[i : i + 1, :n])
+        assert (out[i : i + 1].double() - ref).abs().max() < 1e-5
+
+
+def test_triton_kernels_take_it():
+    """The Triton kernels (interpreter on CPU) pad each head dim to its own block: forward and gradients."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    q, k, v = _inputs(1, 20, 24, 2, 1, 96, 64)
+    if torch.cuda.is_available():
+        q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    with flashattn.use_backend("triton"):
+        out = flashattn.flash_attn_func(q, k, v, causal=True)
+    check_against_oracle(q, k, v, {"causal": True}, out)
+
+
+def test_bad_value_shapes_say_what_is_allowed():
+    q, k, v = _inputs(1, 8, 8, 2, 2, 32, 16)
+    with pytest.raises(ValueError, match=r"must agree on \(batch, seqlen_k, nheads_k\)"):
+        flashattn.flash_attn_func(q, k, v[:, :7])
+    with pytest.raises(ValueError, match="v has head dim 0"):
+        flashattn.flash_attn_func(q, k, v[..., :0])
+    with pytest.raises(ValueError, match=r"headdim_v\) = \(1, 2, 2, 16\)"):
+        flashattn.flash_attn_with_kvcache(q[:, :1].detach(), k.detach(), v.detach(), torch.zeros(1, 2, 2, 32),
+                                          torch.zeros(1, 2, 2, 32), cache_seqlens=torch.tensor([3], dtype=torch.int32))
