@@ -51,12 +51,12 @@ def flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")
     if k.shape[:3] != v.shape[:3]:
         raise fail(fn, f"{names[1]} and {names[2]} must agree on (batch, seqlen_k, nheads_k), got "
                        f"{tuple(k.shape)} and {tuple(v.shape)}")
-    validate_head_dim(fn, names[2], v.shape[3])
     if q.shape[0] != k.shape[0]:
         raise fail(fn, f"batch sizes differ: {names[0]} has {q.shape[0]}, {names[1]} has {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
         raise fail(fn, f"head dims differ: {names[0]} has {q.shape[3]}, {names[1]} has {k.shape[3]}")
     validate_head_dim(fn, names[0], q.shape[3])
+    validate_head_dim(fn, names[2], v.shape[3])
     validate_heads(fn, nheads=q.shape[2], nheads_k=k.shape[2], names=(names[0], names[1]))
     return q, k, v
 

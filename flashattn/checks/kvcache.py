@@ -124,10 +124,10 @@ def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.T
     if k_cache.shape[:3] != v_cache.shape[:3]:  # v's head dim may differ (as in flash_attn_func)
         raise fail(fn, f"k_cache and v_cache must agree on all but the head dim, got {tuple(k_cache.shape)} and "
                        f"{tuple(v_cache.shape)}")
-    validate_head_dim(fn, "v_cache", v_cache.shape[3])
     if q.shape[3] != k_cache.shape[3]:
         raise fail(fn, f"head dims differ: q has {q.shape[3]}, k_cache has {k_cache.shape[3]}")
     validate_head_dim(fn, "q", q.shape[3])
+    validate_head_dim(fn, "v_cache", v_cache.shape[3])
     validate_heads(fn, nheads=q.shape[2], nheads_k=k_cache.shape[2], names=("q", "k_cache"))
     return q, k_cache, v_cache
 

@@ -113,6 +113,17 @@ _SM90 = {
     }),
 }
 TABLES = {"sm80": _SM80, "sm90": _SM90}
+# Calls whose v head dim pads differently from q/k's (MLA's 192/128, 96/64) use the entry of the larger one, except
+# where that config spills with the pair's shapes: the health report's first healthy config for the pair.
+PAIRS: dict[str, dict[str, dict[tuple[tuple[int, int], str], KernelConfig]]] = {
+    "sm80": {},
+    "sm90": {
+        "dkdv": {((128, 64), "plain"): C(32, 64, 8, 1), ((128, 64), "fp32-heavy"): C(32, 16, 8, 1)},
+        "dq": {((256, 128), "plain"): C(64, 32, 8, 3), ((256, 128), "light"): C(64, 16, 8, 3),
+               ((128, 64), "heavy"): C(64, 32, 8, 3), ((128, 64), "fp32-light"): C(16, 64, 4, 3),
+               ((128, 64), "fp32-heavy"): C(16, 64, 8, 3)},
+    },
+}
 DECODE_MAX_ROWS = 16
 del C
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
@@ -121,14 +132,28 @@ PREPROCESS_BLOCK_M = 64
 MERGE_BLOCK_M = 16
 
 
-def lookup(kernel: str, arch: int, head_dim: int, weight: str) -> KernelConfig:
-    """The config of ``kernel`` for a call of padded ``head_dim`` and ``weight`` on sm_``arch``."""
+def table_key(d: int, dv: int) -> int | tuple[int, int]:
+    """The padded head dim a call of q/k head dim ``d`` and v head dim ``dv`` is looked up by, or the padded pair
+    when they pad differently."""
+    pd, pdv = padded_head_dim(d), padded_head_dim(dv)
+    return pd if pd == pdv else (pd, pdv)
+
+
+def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str) -> KernelConfig:
+    """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on sm_``arch``: a padded
+    pair has its own entry where ``PAIRS`` has one, else the entry of its larger head dim."""
+    if isinstance(head_dim, tuple):
+        pair = PAIRS[family(arch)].get(kernel, {}).get((head_dim, weight))
+        if pair is not None:
+            return pair
+        head_dim = max(head_dim)
     return TABLES[family(arch)][kernel][(head_dim, weight)]
 
 
 def shipped() -> set[KernelConfig]:
     """Every distinct config of every table."""
-    return {cfg for kernels in TABLES.values() for table in kernels.values() for cfg in table.values()}
+    return {cfg for tables in (TABLES, PAIRS) for kernels in tables.values() for table in kernels.values()
+            for cfg in table.values()}
 
 
 _forced: ContextVar[KernelConfig | None] = ContextVar("flashattn_triton_config", default=None)

@@ -71,7 +71,7 @@ HeadDims = int | tuple[int, int]  # a padded table head dim, or a (q/k, v) pair 
 def _dims(head_dim: HeadDims) -> tuple[int, int, int]:
     """(d, dv, the table key) of an entry's head dims."""
     d, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
-    return d, dv, configs.padded_head_dim(max(d, dv))
+    return d, dv, configs.table_key(d, dv)
 
 
 def _inputs(table: str, weight: str, head_dim: HeadDims):
@@ -135,7 +135,7 @@ def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
         problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
     # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
     if (arch == 90 and not variant.startswith("fp32") and not counts.hgmma
-            and (table, key, variant) not in HGMMA_EXEMPT):
+            and (table, max(key) if isinstance(key, tuple) else key, variant) not in HGMMA_EXEMPT):
         problems.append("no HGMMA (wgmma) instructions on sm_90")
     return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
                   variant=variant, problems=problems)

@@ -188,7 +188,7 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
         weight = "fp32-heavy" if heavy else "fp32-light"
     else:
         weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
-    return configs.lookup(kernel, target_arch(), configs.padded_head_dim(max(shape.d, shape.dv)), weight)
+    return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight)
 
 
 @functools.lru_cache
