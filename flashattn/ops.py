@@ -183,5 +183,6 @@ def attention_backward(dout: Tensor, dlse: Tensor | None, saved: Saved, spec: At
     """(dq, dk, dv) of one call given its saved inputs and results (``Saved``) and the gradients of its out and
     lse. Used for blocks of a longer sequence: with the whole attention's ``out`` and ``lse`` (the final
     statistics), P = exp(S - lse) of the block is exact, so the block's gradients are its exact share."""
-    dq, dk, dv, _ = _backward_op(dout, dlse, *saved, *spec.as_args(), backend, False)
+    run = _backward_op if torch.compiler.is_compiling() else _attention_backward  # eager: no dispatch, as above
+    dq, dk, dv, _ = run(dout, dlse, *saved, *spec.as_args(), backend, False)
     return dq, dk, dv

@@ -341,7 +341,9 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     if cpu_kernel.unserved(q, k, v, spec) is None:
         result = cpu_kernel.backward(dout, dlse, saved, spec, mask_grad=mask_grad)
         if result is not None:
-            return result
+            dq, dk, dv, dmask = result
+            mask = spec.attn_mask
+            return dq, dk, dv, None if dmask is None else _sum_to(dmask, mask.shape).to(mask.dtype)
     grads = tuple(_uninitialized(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if not spec.packed:
         p = _TiledCall(q, k, v, spec)

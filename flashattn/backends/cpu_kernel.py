@@ -105,18 +105,24 @@ def _load():
     if os.environ.get("FLASHATTN_CPU_KERNEL", "1").strip() == "0":
         return None, "FLASHATTN_CPU_KERNEL=0"
     folder = cache_dir() / build_name()
-    for attempt in (1, 2):
+    try:
+        return _build(folder), None
+    except Exception as exc:  # no compiler, a failed build, a broken cache: the tiled path runs instead
+        error = exc
+    if any(folder.glob("*.so")):
+        _log.info("flashattn: the CPU kernel's build in %s did not load (%s); rebuilding it", folder, _why(error))
+        shutil.rmtree(folder, ignore_errors=True)
         try:
             return _build(folder), None
-        except Exception as exc:  # no compiler, a failed build, a broken cache: the tiled path runs instead
-            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            if attempt == 1 and folder.is_dir() and any(folder.glob("*.so")):
-                _log.info("flashattn: the CPU kernel's build in %s did not load (%s); rebuilding it", folder, why)
-                shutil.rmtree(folder, ignore_errors=True)
-                continue
-            _log.warning("flashattn: the CPU kernel could not be built (%s); using the tiled PyTorch path", why)
-            return None, why
-    raise AssertionError("unreachable")
+        except Exception as exc:
+            error = exc
+    _log.warning("flashattn: the CPU kernel could not be built (%s); using the tiled PyTorch path", _why(error))
+    return None, _why(error)
+
+
+def _why(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
 def _build(folder: Path):
@@ -149,33 +155,29 @@ def unserved(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str
     return None
 
 
-def _sequences(q, k, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _sequences(q, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(seqs (S, 7) int64: q batch, q start, nq, k batch, k start, nk, diagonal per sequence; the page table or
-    None), for varlen and KV-cache calls (the kernel derives a dense batch's itself)."""
+    None), for varlen and KV-cache calls (the kernel derives a dense batch's itself). One host read of the
+    offsets, as the tiled path's ``bounds()``."""
     if spec.packed:
-        cq = spec.varlen.cu_seqlens_q.long().cpu()
-        q_batch, q_start, nq = torch.zeros_like(cq[1:]), cq[:-1], cq[1:] - cq[:-1]
+        queries = [(0, sq, eq - sq) for sq, eq, _, _ in spec.varlen.bounds()]
     else:
-        b, n = q.shape[0], q.shape[1]
-        q_batch, q_start, nq = torch.arange(b), torch.zeros(b, dtype=torch.long), torch.full((b,), n)
-    cache, table = spec.cache, None
+        queries = [(b, 0, q.shape[1]) for b in range(q.shape[0])]
+    cache = spec.cache
     if cache is not None:
-        k_start, nk = cache.k_start.long().cpu(), (cache.k_end - cache.k_start).long().cpu()
-        k_batch = torch.arange(nk.numel()) if cache.batch_idx is None else cache.batch_idx.long().cpu()
-        table = cache.block_table
-    elif spec.packed:
-        ck = spec.varlen.cu_seqlens_k.long().cpu()
-        k_batch, k_start, nk = torch.zeros_like(ck[1:]), ck[:-1], ck[1:] - ck[:-1]
-    else:
-        k_batch, k_start, nk = q_batch, torch.zeros_like(q_start), torch.full_like(nq, k.shape[1])
-    diagonal = (nk - nq if spec.bottom_right else torch.zeros_like(nk)) + spec.diagonal_offset
-    return torch.stack([q_batch, q_start, nq, k_batch, k_start, nk, diagonal], 1).long(), table
+        entries = range(len(queries)) if cache.batch_idx is None else cache.batch_idx.tolist()
+        keys = [(kb, start, end - start) for kb, (start, end) in zip(entries, cache.bounds(), strict=True)]
+    else:  # packed: a dense batch never comes here
+        keys = [(0, sk, ek - sk) for _, _, sk, ek in spec.varlen.bounds()]
+    rows = [(*qs, *ks, spec.band(qs[2], ks[2]).diagonal) for qs, ks in zip(queries, keys, strict=True)]
+    seqs = torch.tensor(rows, dtype=torch.long).view(-1, 7)
+    return seqs, None if cache is None else cache.block_table
 
 
 def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
     """The kernel's options (``cpu_flash.cpp``) for this call, by name."""
     if spec.packed or spec.cache is not None:
-        seqs, table = _sequences(q, k, spec)
+        seqs, table = _sequences(q, spec)
         diagonal = 0
     else:
         seqs, table, diagonal = None, None, spec.band(q.shape[1], k.shape[1]).diagonal
@@ -226,7 +228,7 @@ def forward(q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor] |
 
 def backward(dout, dlse, saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """(dq, dk, dv, dmask) from the kernel, or None when it is not available; as the CPU backend's backward (no
-    KV cache)."""
+    KV cache), but dmask (with ``mask_grad``) is dS over the whole (B, H, Nq, Nk) in the accumulation dtype."""
     module, _ = _load()
     if module is None:
         return None
@@ -237,14 +239,10 @@ def backward(dout, dlse, saved, spec: AttentionSpec, *, mask_grad: bool = False)
     lse = lse.to(acc) if lse.stride(-1) == 1 else lse.to(acc).contiguous()
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     batch = functools.partial(_as_batch, spec=spec, keys=False)
-    mask = spec.attn_mask
     dmask = torch.zeros(q.shape[0], q.shape[2], q.shape[1], k.shape[1], dtype=acc) if mask_grad else None
     if dlse is not None:
         dlse = dlse[None] if spec.packed else dlse
     module.backward(batch(q), batch(k), batch(v), batch(out), batch(dout),
                     lse[None] if spec.packed else lse, dlse, batch(dq), batch(dk), batch(dv), dmask,
                     _options(batch(q), batch(k), spec, tile=BACKWARD_TILE))
-    if dmask is not None:
-        dims = [i for i, n in enumerate(mask.shape) if n == 1 and dmask.shape[i] != 1]
-        dmask = (dmask.sum(dim=dims, keepdim=True) if dims else dmask).to(mask.dtype)
     return dq, dk, dv, dmask
