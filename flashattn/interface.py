@@ -49,7 +49,7 @@ def _flash_result(call: checks.CheckedCall, return_attn_probs: bool) -> FlashRes
 def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-    deterministic: bool = False, return_attn_probs: bool = False,
+    deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
 ) -> FlashResult:
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile; a drop-in for
     ``flash_attn.flash_attn_func``.
@@ -70,13 +70,16 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         return_attn_probs: also return ``softmax_lse`` and, with dropout, ``S_dmask`` (testing only: it
             materialises a (batch, nheads, seqlen_q, seqlen_k) tensor; without dropout it is None and costs
             nothing).
+        learnable_sink: (nheads,), any float dtype: a learned logit per head that joins every query's softmax
+            denominator and takes no value (gpt-oss's attention sinks, FlashAttention-4's ``learnable_sink``):
+            weights are ``exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``. Differentiable; softmax_lse includes it.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) when ``return_attn_probs``:
         softmax_lse (batch, nheads, seqlen_q) is the natural-log log-sum-exp of the scaled scores (float32;
-        float64 for float64 inputs; -inf for a query that sees no key); S_dmask holds the probabilities, negated
-        where dropout dropped them, or is None when ``dropout_p == 0`` (as in flash_attn). A query that sees no
-        key outputs 0.
+        float64 for float64 inputs; -inf for a query that sees no key, the sink with ``learnable_sink``);
+        S_dmask holds the probabilities, negated where dropout dropped them, or is None when ``dropout_p == 0`` (as
+        in flash_attn). A query that sees no key outputs 0.
 
     Example::
 
@@ -85,7 +88,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         torch.Size([2, 128, 8, 64])
     """
     call = checks.check_flash(
-        "flash_attn_func", q, k, v, **checks.flash_arguments(locals()),
+        "flash_attn_func", q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
     )
     return _flash_result(call, return_attn_probs)
 
@@ -93,7 +96,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
 def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-    deterministic: bool = False, return_attn_probs: bool = False,
+    deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed qkv of shape (batch, seqlen, 3, nheads, headdim); gradients flow back
     into ``qkv``. Same arguments and returns as ``flash_attn_func``.
@@ -108,7 +111,8 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3)
     call = checks.check_flash(
-        fn, q, k, v, **checks.flash_arguments(locals()), names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -116,7 +120,7 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
 def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-    deterministic: bool = False, return_attn_probs: bool = False,
+    deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` with k and v packed as kv (batch, seqlen_k, 2, nheads_k, headdim).
 
@@ -129,7 +133,8 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2)
     call = checks.check_flash(
-        fn, q, k, v, **checks.flash_arguments(locals()), names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -139,6 +144,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, block_table: Tensor | None = None,
+    learnable_sink: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed batch of sequences of different lengths, without padding; a drop-in for
     ``flash_attn.flash_attn_varlen_func``.
@@ -172,6 +178,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_table=block_table, **checks.flash_arguments(locals()),
+        learnable_sink=learnable_sink,
     )
     return _flash_result(call, return_attn_probs)
 
@@ -180,6 +187,7 @@ def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
+    learnable_sink: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_varlen_func`` with q, k, v packed as qkv (total, 3, nheads, headdim) and one set of offsets.
 
@@ -194,7 +202,8 @@ def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q, k, v = checks.unpack(fn, "qkv", qkv, 3, varlen=True)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, **checks.flash_arguments(locals()), names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+        max_seqlen_k=max_seqlen, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -203,7 +212,7 @@ def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-    deterministic: bool = False, return_attn_probs: bool = False,
+    deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_varlen_func`` with k and v packed as kv (total_k, 2, nheads_k, headdim).
 
@@ -218,7 +227,8 @@ def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     k, v = checks.unpack(fn, "kv", kv, 2, varlen=True)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, **checks.flash_arguments(locals()), names=("q", "kv[:, 0]", "kv[:, 1]"),
+        max_seqlen_k=max_seqlen_k, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
 
@@ -229,7 +239,7 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
     cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None, block_table: Tensor | None = None,
     softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None, num_splits: int = 0,
-    return_softmax_lse: bool = False,
+    return_softmax_lse: bool = False, learnable_sink: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention for inference against a KV cache, appending the new keys and values in place first; a drop-in
     for ``flash_attn.flash_attn_with_kvcache``. No gradients (inference only, as in flash_attn).
@@ -250,8 +260,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         cache_leftpad: int32 (batch,): the first valid cache position of each sequence (default 0).
         block_table: int32 (batch, max_pages_per_seq): position p of sequence b is row p % page_size of page
             block_table[b, p // page_size].
-        causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``, over the keys
-            [cache_leftpad, cache_seqlens + seqlen_new) aligned bottom-right.
+        causal, window_size, softcap, alibi_slopes, softmax_scale, learnable_sink: as in ``flash_attn_func``,
+            over the keys [cache_leftpad, cache_seqlens + seqlen_new) aligned bottom-right.
         rotary_interleaved: GPT-J pairs (x[2i], x[2i+1]) if True, GPT-NeoX halves if False.
         num_splits: split each sequence's keys into this many chunks on the GPU (flash-decoding) and merge by
             log-sum-exp; 0 chooses from batch, heads, cache length and the number of multiprocessors.

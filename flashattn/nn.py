@@ -257,8 +257,8 @@ class KVCache:
 class SelfAttention(nn.Module):
     """The attention of a decoder block: x (batch, seqlen, dim) -> (batch, seqlen, dim), with rotary position
     embeddings (GPT-NeoX halves, or GPT-J pairs with ``rotary_interleaved``), grouped-query attention
-    (``num_kv_heads`` < ``num_heads``), an optional sliding window and logit softcap, and a KV cache for
-    generation (``new_cache``; inference only).
+    (``num_kv_heads`` < ``num_heads``), an optional sliding window, logit softcap and learnable attention sinks,
+    and a KV cache for generation (``new_cache``; inference only).
 
     Args:
         dim: model width. num_heads: query heads. num_kv_heads: key/value heads (default num_heads; must divide
@@ -266,7 +266,15 @@ class SelfAttention(nn.Module):
         causal: decoder attention (default True). window_size, softcap: as in ``flash_attn_func``.
         rotary: rotate q and k by position (default True); rotary_dim (default head_dim, even), rotary_base.
         dropout: attention dropout while training. bias: biases in the projections.
+        learnable_sink: give each head a learned sink logit (the parameter ``sink`` (num_heads,), initialised to
+            0) that joins the softmax denominator and takes no value, as gpt-oss does.
         max_seqlen: positions the rotary table starts with (it grows on demand).
+
+    Example::
+
+        >>> layer = SelfAttention(64, 4, 2, learnable_sink=True)
+        >>> layer(torch.randn(2, 10, 64)).shape, layer.sink.shape
+        (torch.Size([2, 10, 64]), torch.Size([4]))
     """
 
     def __init__(self, dim: int, num_heads: int,  # noqa: PLR0913 (a module's options, keyword-only after the sizes)
@@ -274,7 +282,7 @@ class SelfAttention(nn.Module):
                  causal: bool = True, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  rotary: bool = True, rotary_dim: int | None = None, rotary_base: float = 10000.0,
                  rotary_interleaved: bool = False, dropout: float = 0.0, bias: bool = False,
-                 max_seqlen: int = 2048, device=None, dtype=None) -> None:
+                 learnable_sink: bool = False, max_seqlen: int = 2048, device=None, dtype=None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = checks.check_self_attention_config("SelfAttention", dim=dim, heads=(num_heads, num_kv_heads),
@@ -289,6 +297,7 @@ class SelfAttention(nn.Module):
         self.rotary_interleaved = rotary_interleaved
         self.qkv = nn.Linear(dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * head_dim, dim, bias=bias, **factory)
+        self.sink = nn.Parameter(torch.zeros(num_heads, **factory)) if learnable_sink else None
         self._cos = self._sin = None
         self._rotary_table(max_seqlen, device)
 
@@ -320,7 +329,7 @@ class SelfAttention(nn.Module):
         num_kv_heads, head_dim), already rotated, -> (batch, seqlen, num_heads, head_dim). A subclass may override
         it to swap the kernel, e.g. for a baseline run with torch's SDPA (examples/train_gpt.py)."""
         return flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal,
-                               window_size=self.window_size, softcap=self.softcap)
+                               window_size=self.window_size, softcap=self.softcap, learnable_sink=self.sink)
 
     def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
         """x (batch, seqlen, dim). With ``cache``, the seqlen new tokens follow the ones already stored: their
@@ -328,7 +337,8 @@ class SelfAttention(nn.Module):
         b, n, _ = x.shape
         qkv = self.qkv(x).view(b, n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        options = {"causal": self.causal, "window_size": self.window_size, "softcap": self.softcap}
+        options = {"causal": self.causal, "window_size": self.window_size, "softcap": self.softcap,
+                   "learnable_sink": self.sink}
         if cache is None:
             if self.rotary:
                 cos, sin = self._rotary_table(n, x.device, accumulation_dtype(x.dtype))

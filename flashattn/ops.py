@@ -23,6 +23,7 @@ from .backends.spec import AttentionSpec, Saved, accumulation_dtype
 
 _SPEC = AttentionSpec.op_schema()
 _MASK_GRAD_INDEX = 3 + AttentionSpec.arg_index("attn_mask")  # of attn_mask among the forward op's inputs
+_SINK_GRAD_INDEX = 3 + AttentionSpec.arg_index("sink")
 
 
 def _split(rest: tuple) -> tuple[AttentionSpec, str, bool]:
@@ -116,12 +117,15 @@ def _backward_with(run: Callable) -> Callable:
             rest[slot] = t
         spec, backend, _ = _split((*rest, False))
         if spec.cache is not None:
-            return _cache_backward(ctx, dout, dlse, Saved(q, k, v, out, lse), spec, backend)
-        dq, dk, dv, dmask = run(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
-        grads = [None] * ctx.n_inputs
-        grads[:3] = dq, dk, dv
-        if ctx.mask_grad:
-            grads[_MASK_GRAD_INDEX] = dmask
+            grads = _cache_backward(ctx, dout, dlse, Saved(q, k, v, out, lse), spec, backend)
+        else:
+            dq, dk, dv, dmask = run(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
+            grads = [None] * ctx.n_inputs
+            grads[:3] = dq, dk, dv
+            if ctx.mask_grad:
+                grads[_MASK_GRAD_INDEX] = dmask
+        if ctx.needs_input_grad[_SINK_GRAD_INDEX]:
+            grads[_SINK_GRAD_INDEX] = sink_grad(dout, dlse, out, lse, spec.sink)
         return tuple(grads)
 
     return backward
@@ -137,7 +141,21 @@ def _cache_backward(ctx, dout, dlse, saved: Saved, spec: AttentionSpec, backend:
     varlen = dataclasses.replace(spec.varlen, cu_seqlens_k=cu_seqlens_k)
     packed = dataclasses.replace(spec, cache=None, varlen=varlen)
     dq, _, _ = attention_backward(dout, dlse, saved._replace(k=k, v=v), packed, backend=backend)
-    return (dq, *([None] * (ctx.n_inputs - 1)))
+    return [dq, *([None] * (ctx.n_inputs - 1))]
+
+
+def sink_grad(dout: Tensor, dlse: Tensor | None, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """The gradient of the learnable sink logits (H,), from the results alone: with P_sink = exp(sink - lse) the
+    sink's weight in each row, d out_i / d sink = -P_sink O_i and d lse_i / d sink = P_sink, so
+    d sink_h = -sum over h's rows of P_sink (rowsum(dO * O) - dlse). Dropout does not change it (it scales the
+    weights P_ij, not their sum). out (B, Nq, H, Dv) or packed (total, H, Dv); lse (B, H, Nq) or (H, total)."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # lse's layout
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    weight = torch.exp(sink.to(acc)[:, None] - lse)
+    weight = torch.where(lse == float("-inf"), torch.zeros_like(weight), weight)  # sink = -inf: never taken
+    return -(weight * delta).sum(-1).reshape(-1, sink.shape[0]).sum(0).to(sink.dtype)
 
 
 _attention_op.register_autograd(_backward_with(_backward_op), setup_context=_setup_context)
@@ -175,7 +193,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
 
 def _records_grad(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> bool:
     return torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, spec.attn_mask, spec.alibi_slopes))
+        isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, spec.attn_mask, spec.alibi_slopes, spec.sink))
 
 
 def attention_backward(dout: Tensor, dlse: Tensor | None, saved: Saved, spec: AttentionSpec, *,

@@ -11,12 +11,13 @@ import torch
 
 def attention_ref(
     q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, mask=None,
-    bottom_right=True, dropped=None, dropout_p=0.0, upcast=True,
+    bottom_right=True, dropped=None, dropout_p=0.0, upcast=True, sink=None,
 ):
     """Attention in the flash layout q (B, Nq, H, D), k/v (B, Nk, Hk, D) by the textbook formula.
 
     ``upcast`` computes in float64; otherwise in the inputs' dtype (the same-precision PyTorch baseline).
-    ``dropped`` (B, H, Nq, Nk) bool marks weights removed by dropout. Returns (out, lse) with out in float64 or
+    ``dropped`` (B, H, Nq, Nk) bool marks weights removed by dropout. ``sink`` (H,): one more score per row, in
+    the denominator only (learnable attention sinks). Returns (out, lse) with out in float64 or
     the input dtype, rows that see no key giving out 0 and lse -inf.
     """
     dtype = torch.float64 if upcast else q.dtype
@@ -45,8 +46,12 @@ def attention_ref(
     if mask is not None:
         mask = mask.to(q.device)
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.to(dtype)
+    if sink is not None:
+        s = torch.cat([s, sink.to(device=q.device, dtype=dtype).view(1, h, 1, 1).expand(*s.shape[:-1], 1)], -1)
     lse = torch.logsumexp(s.to(torch.float64) if not upcast else s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sink is not None:
+        p = p[..., :-1]
     if dropped is not None:
         p = p.masked_fill(dropped.to(p.device), 0.0) / (1 - dropout_p)
     out = (p @ vt).transpose(1, 2)
@@ -59,21 +64,24 @@ def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref.double()).abs().max().item()
 
 
-def assert_close(name, ours, ref64, baseline, factor=2.0, magnitude=None):
+def assert_close(name, ours, ref64, baseline, factor=2.0, magnitude=None, precision=None):
     """The rule: |ours - ref64| <= factor * |baseline - ref64| for low precision; fp32/fp64 near 1e-5 relative.
 
     ``magnitude`` is the size of the quantities in the problem (default max |ref64|), for the tolerance floor.
+    ``precision``: the dtype the computation ran in, when it differs from the result's (a float32 sink's
+    gradient computed from bf16 attention is judged as bf16).
     """
+    precision = precision or ours.dtype
     err = max_err(ours, ref64)
     if magnitude is None:
         magnitude = ref64.abs().max().item() if ref64.numel() else 0.0
     scale = 1.0 + magnitude
-    if ours.dtype in (torch.float32, torch.float64):
-        bound = 1e-5 * scale if ours.dtype == torch.float32 else 1e-10 * scale
+    if precision in (torch.float32, torch.float64):
+        bound = 1e-5 * scale if precision == torch.float32 else 1e-10 * scale
     else:
         # Plus half an ulp at the result's scale: it matters only where the baseline is exact by luck (dq with a
         # single key is 0 in theory; the kernel's delta = rowsum(dO * O) carries O's rounding, as in FlashAttention).
-        bound = factor * max_err(baseline, ref64) + 0.5 * torch.finfo(ours.dtype).eps * scale
+        bound = factor * max_err(baseline, ref64) + 0.5 * torch.finfo(precision).eps * scale
     assert err <= bound, f"{name}: max error {err:.3g} > allowed {bound:.3g}"
     assert not torch.isnan(ours).any(), f"{name}: NaN in output"
 
@@ -99,6 +107,7 @@ def oracle_kwargs(kwargs):
         "softcap": kwargs.get("softcap", 0.0),
         "alibi": kwargs.get("alibi_slopes"),
         "scale": kwargs.get("softmax_scale"),
+        "sink": kwargs.get("learnable_sink"),
     }
 
 
@@ -110,10 +119,14 @@ def check_against_oracle(q, k, v, kwargs, out, grads=True, dropped=None, dropout
     if not grads:
         return
     g = torch.randn_like(out)
-    ours = torch.autograd.grad(out, (q, k, v), g)
-    ref_g = torch.autograd.grad(ref, (q, k, v), g.double())
-    base_g = torch.autograd.grad(base, (q, k, v), g)
+    sink = kwargs.get("learnable_sink")
+    inputs, names = (q, k, v), ("dq", "dk", "dv")
+    if sink is not None and sink.requires_grad:
+        inputs, names = (*inputs, sink), (*names, "dsink")
+    ours = torch.autograd.grad(out, inputs, g)
+    ref_g = torch.autograd.grad(ref, inputs, g.double())
+    base_g = torch.autograd.grad(base, inputs, g)
     magnitude = max(r.abs().max().item() if r.numel() else 0.0 for r in ref_g)
-    for name, x, r, bl in zip(("dq", "dk", "dv"), ours, ref_g, base_g, strict=True):
-        assert x.dtype == q.dtype and x.shape == r.shape
-        assert_close(name, x, r, bl, factor=3.0, magnitude=magnitude)
+    for name, x, r, bl, t in zip(names, ours, ref_g, base_g, inputs, strict=True):
+        assert x.dtype == t.dtype and x.shape == r.shape
+        assert_close(name, x, r, bl, factor=3.0, magnitude=magnitude, precision=q.dtype)

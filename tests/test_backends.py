@@ -100,6 +100,7 @@ def _options_one_at_a_time():
         "deterministic": {"deterministic": True},
         "seed": {"dropout_p": 0.3, "seed": torch.tensor([11])},
         "alibi_slopes": {"alibi_slopes": torch.rand(1, 4)},
+        "sink": {"sink": torch.randn(4)},
         "attn_mask": {"attn_mask": torch.randn(2, 1, 6, 9)},
         "varlen": {"varlen": Varlen(cu_q, cu_k, 7, 9)},
         "cache": {"cache": KeyCache(torch.tensor([1, 0], dtype=t32), torch.tensor([8, 9], dtype=t32), 9)},

@@ -44,8 +44,17 @@ def _gemma2():  # logit softcap, and sliding/global layers alternating
                                      attn_logit_softcapping=20.0, max_position_embeddings=128)
 
 
+def _gpt_oss():  # learnable attention sinks (s_aux), sliding/full layers alternating, mixture of experts
+    return transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                     experts_implementation="eager")  # grouped_mm has no float64
+
+
 CONFIGS = {"llama": (_llama, "sdpa"), "gpt2": (_gpt2, "sdpa"), "mistral": (_mistral, "sdpa"),
-           "gemma2": (_gemma2, "eager")}
+           "gemma2": (_gemma2, "eager"), "gpt_oss": (_gpt_oss, "eager")}
 
 
 def _models(kind, dtypes=(torch.float64, torch.float32)):
@@ -55,6 +64,10 @@ def _models(kind, dtypes=(torch.float64, torch.float32)):
     torch.manual_seed(0)
     first = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=baseline,
                                                           dtype=torch.float64)
+    with torch.no_grad():  # gpt-oss initialises its sinks near 0; trained ones are not
+        for name, param in first.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0.0, 2.0)
     state = first.state_dict()
     models = {"exact": baseline == "sdpa"}
     for impl in (baseline, NAME):
@@ -102,7 +115,7 @@ def test_logits_and_gradients_match(kind):
 
 
 # Not gemma2: its eager reference turns fully masked padded rows into NaN, which then reach the real tokens.
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral", "gpt_oss"])
 def test_padding_mask_uses_varlen(kind):
     ids = torch.randint(0, VOCAB, (3, 19))
     mask = torch.ones(3, 19, dtype=torch.long)
@@ -157,7 +170,7 @@ def test_packed_cu_seqlens_kwargs():
     torch.testing.assert_close(packed, _split_runs(base, ids, lengths), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt_oss"])
 def test_greedy_generation_with_cache_matches(kind):
     """Prefill then one-token decode steps through transformers' DynamicCache, with left padding."""
     models = _models(kind, dtypes=(torch.float64,))
@@ -199,7 +212,7 @@ def test_refusals_are_clear():
     module = torch.nn.Module()
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="s_aux"):
-        attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+        attention_forward(module, q, q, q, torch.zeros(1, 1, 5, 5), s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="attention_mask"):
         attention_forward(module, q, q, q, torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="name"):

@@ -20,7 +20,7 @@ import torch
 
 from . import cpu_kernel
 from .masking import Band
-from .merge import merge_states
+from .merge import merge_states, with_sink
 from .philox import dropout_keep
 from .spec import AttentionSpec, Saved, accumulation_dtype
 
@@ -70,6 +70,7 @@ class _TiledCall:
         self.band = spec.band(nq, nk) if band is None else band
         alibi, mask = spec.alibi_slopes, spec.attn_mask
         self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
+        self.sink = None if spec.sink is None else spec.sink.to(self.acc).view(1, hk, g, 1)
         self.mask = None if mask is None else self._heads5(mask)
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
         self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
@@ -254,6 +255,7 @@ def _split_forward(q, k, v, spec: AttentionSpec, *, splits: int) -> tuple[torch.
     chunk = max(1, -(-nk // splits))
     merged = None
     whole = spec.band(q.shape[1], nk)
+    sink, spec = spec.sink, dataclasses.replace(spec, sink=None)  # joins once, after the chunks merge
     for c0, c1 in [(c0, min(c0 + chunk, nk)) for c0 in range(0, nk, chunk)] or [(0, 0)]:
         part_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=accumulation_dtype(q.dtype), device=q.device)
         part_lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=part_out.dtype, device=q.device)
@@ -261,7 +263,7 @@ def _split_forward(q, k, v, spec: AttentionSpec, *, splits: int) -> tuple[torch.
         band = dataclasses.replace(whole, diagonal=whole.diagonal - c0)
         _forward_into(_TiledCall(q, k[:, c0:c1], v[:, c0:c1], spec, band=band), part_out, part_lse, None)
         merged = (part_out, part_lse) if merged is None else merge_states(*merged, part_out, part_lse)
-    return merged
+    return merged if sink is None else with_sink(*merged, sink)
 
 
 def _forward_into(p: _TiledCall, out: torch.Tensor, lse: torch.Tensor, probs: torch.Tensor | None) -> None:
@@ -290,6 +292,13 @@ def _forward_into(p: _TiledCall, out: torch.Tensor, lse: torch.Tensor, probs: to
             if keep is not None:
                 e.mul_(keep)
             acc = acc * rescale[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", e, vb)
+            row_max = new_max
+        if p.sink is not None:  # one more score in the denominator, with no value: only l and the scale move
+            new_max = torch.maximum(row_max, p.sink)
+            safe_max = torch.where(new_max == -math.inf, 0.0, new_max)
+            rescale = torch.exp(row_max - safe_max)
+            row_sum = row_sum * rescale + torch.exp(p.sink - safe_max)
+            acc = acc * rescale[..., None]
             row_max = new_max
         # Deferred normalisation (FlashAttention-2): one division per row, at the end; empty rows give 0.
         out5[:, :, :, r0:r1] = (acc / _nonzero_or(row_sum, 1.0)[..., None]).to(out.dtype)

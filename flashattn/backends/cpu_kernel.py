@@ -9,12 +9,11 @@ each task runs its whole key loop with its tiles in cache, the two matmuls of a 
 online softmax, softcap, ALiBi, masks and dropout (Triton's Philox, bit for bit) fused in one vectorised pass. The
 backward gives each task the dQ of its rows and its own dK/dV partial: no atomics, deterministic.
 
-What it serves: every dense, packed (varlen) and KV-cache call (dense or paged pages of any size; the whole key
-range at once, as split-KV only helps fill a GPU) in fp16, bf16, fp32 (fp32 accumulation) and fp64, with causal or
-window bands at any alignment, softcap, ALiBi, GQA/MQA without copies, SDPA boolean and additive masks (with their
-gradient), dropout and a gradient flowing into the log-sum-exp. Returned probabilities (a testing aid) run on the
-tiled path. Short query blocks (decode) pack the query heads of a kv head into one tile, so the group shares each
-K/V tile.
+What it serves: every dense, packed (varlen) and KV-cache call (dense or paged pages of any size; the whole key range at
+once, as split-KV only helps fill a GPU) in fp16, bf16, fp32 (fp32 accumulation) and fp64, with causal or window bands
+at any alignment, softcap, ALiBi, learnable sinks, GQA/MQA without copies, SDPA boolean and additive masks (with their
+gradient), dropout and a gradient flowing into the log-sum-exp. Returned probabilities (a testing aid) run on the tiled
+path. Short query blocks (decode) pack the query heads of a kv head into one tile, so the group shares each K/V tile.
 
 The build (``torch.utils.cpp_extension.load``) lives in ``$FLASHATTN_CACHE/cpu`` (default ``~/.cache/flashattn``),
 one folder per sources, compiler flags, CPU (it is compiled for the host's instruction set) and torch version;
@@ -184,7 +183,8 @@ def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
     options = {"seqs": seqs, "block_table": table, "diagonal": diagonal, "scale": float(spec.scale),
                "softcap": float(spec.softcap),
                "left": int(spec.window_left), "right": int(spec.window_right), "block_m": tile[0],
-               "block_n": tile[1], "alibi": spec.alibi_slopes, "dropout_p": float(spec.dropout_p), "mask": None}
+               "block_n": tile[1], "alibi": spec.alibi_slopes, "sink": spec.sink, "dropout_p": float(spec.dropout_p),
+               "mask": None}
     if spec.dropout_p > 0:
         rows, cols = ((spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k) if spec.packed
                       else (q.shape[1], k.shape[1]))

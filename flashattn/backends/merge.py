@@ -27,3 +27,10 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     wb = torch.where(empty, torch.zeros_like(diff), torch.sigmoid(-diff))
     out = wa.transpose(-1, -2).unsqueeze(-1) * out_a.to(acc) + wb.transpose(-1, -2).unsqueeze(-1) * out_b.to(acc)
     return out.to(out_a.dtype), lse
+
+
+def with_sink(out: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) with learnable sink logits (nheads,) joined to the denominator: the sink is a partial result
+    whose value is 0 and whose lse is the sink, so it merges like any other. out (..., seqlen, nheads, headdim),
+    lse (..., nheads, seqlen)."""
+    return merge_states(out, lse, torch.zeros_like(out), sink.to(lse.dtype)[:, None].expand_as(lse))

@@ -128,6 +128,9 @@ class AttentionSpec:
         seed: one-element int64 tensor on the inputs' device, the key of the counter-based dropout generator
             (``flashattn.backends.philox``); None without dropout. A tensor, so GPU kernels read it without a sync.
         alibi_slopes: (1 or B, H) in the accumulation dtype; adds ``-slope * |i + diagonal - j|``.
+        sink: (H,) in the accumulation dtype, a learnable logit per head that joins every row's softmax
+            denominator and takes no value (gpt-oss, FlashAttention-4's ``learnable_sink``): lse becomes
+            ``log(exp(sink) + sum_j exp(S_ij))``, and a row that sees no key outputs 0 with lse = sink.
         attn_mask: (B or 1, H or 1, Nq or 1, Nk or 1), boolean (True = may attend) or additive in q's dtype.
         varlen: q (and k, v unless ``cache``) are packed sequences: q (total_q, H, D), lse (H, total_q).
         cache: keys and values live in a KV cache (dense or paged): forward only.
@@ -143,6 +146,7 @@ class AttentionSpec:
     deterministic: bool = False
     seed: Tensor | None = None
     alibi_slopes: Tensor | None = None
+    sink: Tensor | None = None
     attn_mask: Tensor | None = None
     varlen: Varlen | None = None
     cache: KeyCache | None = None

@@ -159,3 +159,20 @@ def validate_alibi(fn: str, slopes: object, *, batch: int, nheads: int, ref: tor
         raise fail(fn, f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, "
                        f"{nheads}), got {tuple(slopes.shape)}")
     return slopes.reshape(-1, nheads).to(accumulation_dtype(ref.dtype))
+
+
+def validate_sink(fn: str, sink: object, *, nheads: int, ref: torch.Tensor) -> torch.Tensor | None:
+    """A learnable sink logit per head, (nheads,) of any float dtype (it may require grad) -> the accumulation
+    dtype; the conversion stays in the autograd graph, so the gradient reaches the caller's tensor."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise fail(fn, f"learnable_sink must be a torch.Tensor of shape (nheads,) or None, got {type(sink).__name__}",
+                   TypeError)
+    if not sink.is_floating_point():
+        raise fail(fn, f"learnable_sink must be a floating-point tensor, got dtype {sink.dtype}", TypeError)
+    if sink.device != ref.device:
+        raise fail(fn, f"learnable_sink is on {sink.device} but q is on {ref.device}")
+    if tuple(sink.shape) != (nheads,):
+        raise fail(fn, f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
+    return sink.to(accumulation_dtype(ref.dtype))

@@ -19,6 +19,7 @@ from ._base import (
     validate_int,
     validate_same,
     validate_scale,
+    validate_sink,
     validate_softcap,
     validate_tensor,
     validate_window,
@@ -71,9 +72,11 @@ def flash_arguments(arguments: dict) -> dict:
     return {name: arguments[name] for name in FLASH_OPTIONS}
 
 
-def flash_options(fn: str, q: torch.Tensor, *, batch: int, **options) -> AttentionSpec:
+def flash_options(fn: str, q: torch.Tensor, *, batch: int, learnable_sink: object = None,
+                  **options) -> AttentionSpec:
     """The options shared by the dense, varlen and KV-cache ``flash_attn_*`` functions (bottom-right causal):
-    ``options`` are ``flash_attn_func``'s keyword arguments after q, k, v (``FLASH_OPTIONS``), all of them."""
+    ``options`` are ``flash_attn_func``'s keyword arguments after q, k, v (``FLASH_OPTIONS``), all of them, and
+    ``learnable_sink`` FlashAttention-4's sink logits (nheads,), which the context-parallel functions do not take."""
     if set(options) != set(FLASH_OPTIONS):  # a programming error inside the library, never the user's
         raise TypeError(f"flash_options: expected the options {FLASH_OPTIONS}, got {tuple(options)}")
     causal = validate_flag(fn, "causal", options["causal"])
@@ -89,6 +92,7 @@ def flash_options(fn: str, q: torch.Tensor, *, batch: int, **options) -> Attenti
         dropout_p=validate_dropout(fn, options["dropout_p"]),
         deterministic=deterministic,
         alibi_slopes=validate_alibi(fn, options["alibi_slopes"], batch=batch, nheads=q.shape[-2], ref=q),
+        sink=validate_sink(fn, learnable_sink, nheads=q.shape[-2], ref=q),
     )
 
 

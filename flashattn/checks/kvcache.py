@@ -51,7 +51,7 @@ class KVCacheCall:
 def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments, given by name (``arguments``: q, k_cache, v_cache, k, v,
     rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-    window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)."""
+    window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink)."""
     a = arguments
     q, k_cache, v_cache = _cache_layout(fn, a["q"], a["k_cache"], a["v_cache"], paged=a["block_table"] is not None)
     k, v = _new_keys(fn, q, k_cache, v_cache, a["k"], a["v"], cache_seqlens=a["cache_seqlens"])
@@ -61,7 +61,8 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     validate_flag(fn, "return_softmax_lse", a["return_softmax_lse"])
     # flash_attn_with_kvcache takes flash_attn_func's options but dropout and the probabilities (inference).
     inference = {"dropout_p": 0.0, "deterministic": False, "return_attn_probs": False}
-    spec = flash_options(fn, q, batch=q.shape[0], **{n: a[n] if n in a else inference[n] for n in FLASH_OPTIONS})
+    spec = flash_options(fn, q, batch=q.shape[0], learnable_sink=a["learnable_sink"],
+                         **{n: a[n] if n in a else inference[n] for n in FLASH_OPTIONS})
     local = spec.window_left >= 0 or spec.window_right >= 0
     interleaved = validate_flag(fn, "rotary_interleaved", a["rotary_interleaved"])
     rotary = _rotary(fn, a["rotary_cos"], a["rotary_sin"], q)

@@ -185,18 +185,19 @@ def check_generation(fn: str, *, causal: bool = True, wants_grad: bool = False) 
 
 def check_transformers_call(fn: str, *, attention_mask: Tensor | None, softcap: float | None, extra: dict,
                             lengths: tuple[int, int]) -> None:
-    """What the transformers integration cannot serve: attention sinks, a paged continuous-batching cache, a mask
-    that is neither (batch, kv_len) nor 4-D, a softcap with a 4-D mask (SDPA has no softcap), and a padding mask
+    """What the transformers integration cannot serve: a paged continuous-batching cache, a mask that is neither
+    (batch, kv_len) nor 4-D, a softcap or attention sinks with a 4-D mask (SDPA has neither), and a padding mask
     that does not cover every query, or covers more positions than there are keys (``lengths`` = (q_len,
     kv_len))."""
-    if extra.get("s_aux") is not None:
-        raise fail(fn, "s_aux (attention sinks) is not supported; use attn_implementation='eager'")
     if extra.get("cache") is not None:
         raise fail(fn, "cache (a paged continuous-batching cache) is not supported; use 'paged|sdpa'")
     if attention_mask is None:
         return
     if attention_mask.dim() == 4 and softcap:
         raise fail(fn, "softcap cannot be combined with a 4-D attention_mask")
+    if attention_mask.dim() == 4 and extra.get("s_aux") is not None:
+        raise fail(fn, "s_aux (attention sinks) cannot be combined with a 4-D attention_mask; pass a (batch, "
+                       "kv_len) padding mask or none")
     if attention_mask.dim() not in (2, 4):
         raise fail(fn, f"attention_mask must be (batch, kv_len) or 4-D, got shape {tuple(attention_mask.shape)}")
     nq, nk = lengths

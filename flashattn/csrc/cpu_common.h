@@ -83,6 +83,7 @@ struct Problem {
   int64_t left = -1, right = -1;
   const float* alibi = nullptr;  // (1 or S, H)
   int64_t alibi_stride = 0;
+  std::vector<double> sink;  // (H,) learnable sink logits, natural units; empty without
   float dropout_p = 0;  // compared with the float32 uniform, as tl.rand's callers do
   double dropout_scale = 1;  // 1 / (1 - p) from the caller's double p
   uint64_t seed = 0;

@@ -69,6 +69,11 @@ Problem make_problem(const pybind11::dict& o, const at::Tensor& q, const at::Ten
     p.alibi = keep.back().data_ptr<float>();
     p.alibi_stride = keep.back().size(0) > 1 ? keep.back().stride(0) : 0;
   }
+  if (auto sink = tensor_option(o, "sink")) {
+    const at::Tensor values = sink->to(at::kDouble).contiguous();
+    TORCH_CHECK(values.numel() == p.heads, "sink must have one logit per query head");
+    p.sink.assign(values.data_ptr<double>(), values.data_ptr<double>() + p.heads);
+  }
   const double dropout_p = option<double>(o, "dropout_p");
   p.dropout_p = static_cast<float>(dropout_p);
   if (dropout_p > 0) {

@@ -110,17 +110,26 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
       const acc_t* vt = key_tile(p, vr, task.seq, s, hk, c0, cols, DV, sc.v.data(), &ldv);
       gemm<acc_t>(false, false, n, DV, cols, sc.s.data(), BN, vt, ldv, acc_t(1), sc.acc.data(), DV);
     }
-    // Deferred normalisation: one division per row.
+    // Deferred normalisation: one division per row. A sink is one more score in the denominator, with no value.
     for (int64_t r = 0; r < n; ++r) {
       const int64_t h = hk * p.group + g[r];
-      const acc_t l = sc.row_sum[r];
-      const acc_t inv = l > 0 ? acc_t(1) / l : acc_t(0);
+      acc_t l = sc.row_sum[r], m = sc.row_max[r], kept = 1;
+      if (!p.sink.empty()) {
+        const acc_t sink = static_cast<acc_t>(p.sink[h] * kLog2e);
+        const acc_t top = std::max(m, sink);
+        if (top != neg_inf) {
+          kept = std::exp2(m - top);
+          l = l * kept + std::exp2(sink - top);
+          m = top;
+        }
+      }
+      const acc_t inv = l > 0 ? kept / l : acc_t(0);
       const acc_t* ar = sc.acc.data() + r * DV;
       scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i[r]) * orows.row_stride +
                       h * orows.head_stride;
       for (int64_t d = 0; d < DV; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
       lse_p[s.qb * lse_b + h * lse_h + s.q0 + i[r]] =
-          l > 0 ? static_cast<acc_t>((sc.row_max[r] + std::log2(l)) / kLog2e) : neg_inf;
+          l > 0 ? static_cast<acc_t>((m + std::log2(l)) / kLog2e) : neg_inf;
     }
   });
 }

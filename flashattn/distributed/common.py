@@ -31,9 +31,10 @@ def block_spec(spec: AttentionSpec, q_start: int, k_start: int) -> AttentionSpec
 
 
 def head_spec(spec: AttentionSpec, heads: slice) -> AttentionSpec:
-    """Options for the query heads ``heads`` alone (their ALiBi slopes)."""
-    alibi = spec.alibi_slopes
-    return spec if alibi is None else dataclasses.replace(spec, alibi_slopes=alibi[:, heads].contiguous())
+    """Options for the query heads ``heads`` alone (their ALiBi slopes and sinks)."""
+    alibi, sink = spec.alibi_slopes, spec.sink
+    return dataclasses.replace(spec, alibi_slopes=None if alibi is None else alibi[:, heads].contiguous(),
+                               sink=None if sink is None else sink[heads].contiguous())
 
 
 def visible(spec: AttentionSpec, nq: int, nk: int) -> bool:

@@ -15,6 +15,9 @@ What the attention function does with the inputs it gets:
   ``position_ids`` that restart within a row: ``flash_attn_varlen_func``, so no token sees another sequence;
 - a 4-D mask passed by the caller (taken as-is by transformers): our ``scaled_dot_product_attention`` with it.
 
+Value head dims that differ from the query's pass through, and gpt-oss's attention sinks (``s_aux``) become
+``learnable_sink``, with their gradient.
+
 Example::
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -100,6 +103,27 @@ def _serve_flash_functions(name: str) -> None:
 
     _lazy_imports._flashattn = True
     fa_utils._lazy_imports = _lazy_imports
+    _join_compatible_lists()
+
+
+def _join_compatible_lists() -> None:
+    """Models that need FlashAttention-3/4 features (gpt-oss: attention sinks) list the flash implementations they
+    accept (``_compatible_flash_implementations``) and swap any other "flash" name for the first of them, a hub
+    kernel. Ours has those features, so when such a model checks its implementation, our names join its list."""
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is None or getattr(check, "_flashattn", False):  # pragma: no cover - versions without the lists
+        return
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        listed = getattr(type(self), "_compatible_flash_implementations", None)
+        if attn_implementation in _NAMES and listed is not None and attn_implementation not in listed:
+            type(self)._compatible_flash_implementations = [*listed, attn_implementation]
+        return check(self, attn_implementation, *args, **kwargs)
+
+    _check_and_adjust_attn_implementation._flashattn = True
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
 def padding_mask(
@@ -124,18 +148,6 @@ def padding_mask(
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
-
-
-def _same_head_dim(q: Tensor, k: Tensor, v: Tensor, scaling: float | None):
-    """flash_attn needs one head dim for q, k and v; zero-pad the smaller (exact: padded columns add 0 to the
-    scores, and padded value columns are cropped from the output)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if d == dv:
-        return q, k, v, scaling
-    width = max(d, dv)
-    scaling = d**-0.5 if scaling is None else scaling
-    q, k = (F.pad(t, (0, width - d)) for t in (q, k))
-    return q, k, F.pad(v, (0, width - dv)), scaling
 
 
 class _PerTensor:
@@ -225,7 +237,6 @@ def attention_forward(  # noqa: PLR0913 (transformers' attention-interface signa
         warnings.warn("attn_implementation='flashattn' never materialises attention weights; they are returned as "
                       "None. Use attn_implementation='eager' to inspect them.", stacklevel=2)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    dv = value.shape[-1]
 
     if attention_mask is not None and attention_mask.dim() == 4:
         out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -233,10 +244,10 @@ def attention_forward(  # noqa: PLR0913 (transformers' attention-interface signa
         return out.transpose(1, 2), None
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # the flash layout (batch, seqlen, heads, dim)
-    q, k, v, scaling = _same_head_dim(q, k, v, scaling)
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window,
-                   softcap=float(softcap or 0.0), deterministic=bool(kwargs.get("deterministic") or False))
+                   softcap=float(softcap or 0.0), deterministic=bool(kwargs.get("deterministic") or False),
+                   learnable_sink=kwargs.get("s_aux"))
 
     if attention_mask is not None:
         out = _unpadded(q, k, v, attention_mask.bool(), options)
@@ -250,4 +261,4 @@ def attention_forward(  # noqa: PLR0913 (transformers' attention-interface signa
             out = _varlen(q, k, v, packed[0], packed[0], packed[1], packed[1], options)
         else:
             out = flash_attn_func(q, k, v, **options)
-    return out[..., :dv], None
+    return out, None

@@ -32,6 +32,7 @@ def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> 
         "varlen (packed sequences)": spec.varlen is not None,
         "a KV cache (flash_attn_with_kvcache, paged varlen)": spec.cache is not None,
         "ALiBi": spec.alibi_slopes is not None,
+        "learnable sinks": spec.sink is not None,
         "attn_mask": spec.attn_mask is not None,
         "dropout": spec.dropout_p > 0,
         "softcap": spec.softcap > 0,

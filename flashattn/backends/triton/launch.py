@@ -161,6 +161,11 @@ class QueryRows:
         # lse (B, H, 1): head h = kv head * G + row.
         self.lse = {"stride_lb": lse.stride(0), "stride_lh": g * lse.stride(1)}
 
+    def sink(self, sink: torch.Tensor | None) -> dict:
+        """The sink logits (H,) and how a program finds its rows' (head h, row m: h * stride_sh + m * stride_sm;
+        swapped, the rows are the group's query heads)."""
+        return {"sink": sink, "stride_sh": self.nq if self.swapped else 1, "stride_sm": 1 if self.swapped else 0}
+
 
 def target_arch() -> int:
     """The architecture Triton compiles for, 10 x major + minor (the offline target under ``compile_only``); 0
@@ -264,6 +269,7 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
         out_strides, lse_strides = {"stride_os": 0, **rows.out}, {"stride_ls": 0, **rows.lse}
     return dict(
         q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=shape.cu_seqlens_q, **shape.keys,
+        **rows.sink(None if split else spec.sink),
         **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
         **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),
         **_descriptors(q, k, v, shape=shape, rows=rows, blocks=(cfg.block_m, cfg.block_n)),
@@ -334,7 +340,7 @@ def merge_splits(partials, results, *, shape: CallShape, rows: QueryRows) -> Non
     out_strides = dict(rows.out, stride_ob=0) if shape.q_packed else rows.out
     launch(
         merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M) * batch * rows.h,),
-        out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse,
+        out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse, **rows.sink(rows.spec.sink),
         **CallShape.strides("po", out_acc, "sbnhd"),
         **dict(zip(("stride_pls", "stride_plb", "stride_plh"), lse_acc.stride()[:3], strict=True)),
         **out_strides, **rows.lse,

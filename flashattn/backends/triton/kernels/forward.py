@@ -93,8 +93,8 @@ def _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, 
 
 @triton.jit
 def attention_forward_kernel(
-    q, k, v, out, lse, probs, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch, block_table,
-    q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
+    q, k, v, out, lse, probs, alibi, mask, seed, sink, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch,
+    block_table, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -102,6 +102,7 @@ def attention_forward_kernel(
     stride_ls, stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_sh, stride_sm,
     stride_bt, page_size, split_keys,
     num_heads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
@@ -110,14 +111,15 @@ def attention_forward_kernel(
 ):
     """O and lse of one query block of one head over the keys of split ``program_id(2)``.
 
-    ``seqlen_q``/``seqlen_k`` lay out the dropout counters and ``probs`` (the maxima with varlen); the lengths of
-    this program's sequence come from ``sequence``. With split-KV, split s sees only keys
-    [s * split_keys, (s + 1) * split_keys) and writes its partial O and lse at ``s * stride_os``/``stride_ls``
-    for ``merge_splits_kernel``; one split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs``
-    (None unless asked for) receives P = exp(S - lse), dropped entries negated: a testing aid, never with a cache
-    or splits. ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``). ``*_desc``
-    are TMA descriptors (None: pointer loads) with ``*_tma`` = (rows per batch, rows per head, columns per head)
-    saying where a head's rows are in them (``flashattn.backends.triton.tma``).
+    ``seqlen_q``/``seqlen_k`` lay out the dropout counters and ``probs`` (the maxima with varlen); the lengths of this
+    program's sequence come from ``sequence``. With split-KV, split s sees only keys [s * split_keys, (s + 1) *
+    split_keys) and writes its partial O and lse at ``s * stride_os``/``stride_ls`` for ``merge_splits_kernel``; one
+    split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs`` (None unless asked for) receives P = exp(S -
+    lse), dropped entries negated: a testing aid, never with a cache or splits. ``sink`` (None without): the learnable
+    sink logit of query head ``h * stride_sh + row * stride_sm`` joins the denominator in the epilogue (never with
+    splits: the merge adds it). ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
+    ``*_desc`` are TMA descriptors (None: pointer loads) with ``*_tma`` = (rows per batch, rows per head, columns per
+    head) saying where a head's rows are in them (``flashattn.backends.triton.tma``).
     """
     start_m, bh = program_tile(seqlen_q, BLOCK_M, True)
     split = tl.program_id(2)
@@ -173,12 +175,21 @@ def attention_forward_kernel(
     b_acc, b_l, b_m = _attend(b_q, state, o_m, (full_hi, hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
                               dropout, BLOCK_N, UPCAST, True, PLAIN)
 
-    # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf.
+    # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf (the sink
+    # with one: it is one more score in the denominator, with no value, so only l and the output's scale move).
+    b_kept = tl.full([BLOCK_M], 1.0, tl.float32)
+    if sink is not None:
+        b_sink = tl.load(sink + h * stride_sh + o_m * stride_sm, mask=o_m < nq, other=0.0) * LOG2E
+        b_top = tl.maximum(b_m, b_sink)
+        b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
+        b_kept = tl.math.exp2(b_m - b_top)
+        b_l = b_l * b_kept + tl.math.exp2(b_sink - b_top)
+        b_m = b_top
     m_empty = b_l == 0.0
     b_norm = tl.where(m_empty, 1.0, b_l)
     if b_seed is not None:
         b_norm = b_norm * (1.0 - dropout_p)
-    b_out = b_acc * fast_div(1.0, b_norm)[:, None]
+    b_out = b_acc * fast_div(b_kept, b_norm)[:, None]
     b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(tl.where(m_empty, 1.0, b_l))) * LN2)
     p_out = (out + split.to(tl.int64) * stride_os + b * stride_ob + (q0 + o_m[:, None].to(tl.int64)) * stride_on
              + h * stride_oh + o_dv[None, :] * stride_od)
@@ -204,11 +215,11 @@ def attention_forward_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    out_splits, lse_splits, out, lse,
+    out_splits, lse_splits, out, lse, sink,
     stride_pos, stride_pob, stride_pon, stride_poh, stride_pod,
     stride_pls, stride_plb, stride_plh,
     stride_ob, stride_on, stride_oh, stride_od,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_sh, stride_sm,
     num_heads, seqlen_q, head_dim_v, n_splits,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -217,7 +228,8 @@ def merge_splits_kernel(
 
     Weights are taken relative to the largest lse_s, so nothing overflows; splits that saw no key (lse_s = -inf)
     weigh 0, and a row no split saw gets O = 0, lse = -inf. Query positions have unit stride in ``lse_splits``
-    and ``lse``.
+    and ``lse``. A learnable ``sink`` (None without; indexed as in the forward kernel) is one more split, of
+    value 0 and lse the sink.
     """
     start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
@@ -232,8 +244,13 @@ def merge_splits_kernel(
     for _ in range(0, n_splits):
         b_top = tl.maximum(b_top, tl.load(p_lse_s, mask=m_rows, other=float("-inf")))
         p_lse_s += stride_pls
+    if sink is not None:
+        b_sink = tl.load(sink + h * stride_sh + o_m * stride_sm, mask=m_rows, other=float("-inf"))
+        b_top = tl.maximum(b_top, b_sink)
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
     b_total = tl.zeros([BLOCK_M], tl.float32)
+    if sink is not None:
+        b_total = tl.exp(b_sink - b_top)
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     o_rows = o_m[:, None].to(tl.int64)
     p_tile = out_splits + b * stride_pob + h * stride_poh + o_rows * stride_pon + o_dv[None, :] * stride_pod
