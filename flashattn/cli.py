@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, info, reference
-from .bench import context_parallel, cpu, cuda_kernel, decode, gpu_check, load, options, report, sweep
+from .bench import blocks, context_parallel, cpu, cuda_kernel, decode, gpu_check, load, options, report, sweep
 from .bench.measure import OURS, Case, measure
 
 BENCH_COMMANDS = {"sweep": sweep, "decode": decode, "cpu": cpu, "context-parallel": context_parallel,
-                  "cuda-kernel": cuda_kernel}
+                  "cuda-kernel": cuda_kernel, "block-mask": blocks}
 
 
 def _ladder_errors(n: int = 97, d: int = 40, seed: int = 0) -> list[list[str]]:

@@ -7,6 +7,7 @@ Every function checks its arguments (``flashattn.checks``), then runs the one au
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -14,6 +15,9 @@ from torch import Tensor
 from . import checks, kvcache
 from .ops import attention
 from .rotary import apply_rotary, positions
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 FlashResult = Tensor | tuple[Tensor, Tensor, Tensor]
 
@@ -50,6 +54,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> FlashResult:
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile; a drop-in for
     ``flash_attn.flash_attn_func``.
@@ -73,6 +78,11 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         learnable_sink: (nheads,), any float dtype: a learned logit per head that joins every query's softmax
             denominator and takes no value (gpt-oss's attention sinks, FlashAttention-4's ``learnable_sink``):
             weights are ``exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``. Differentiable; softmax_lse includes it.
+        block_mask: a FlexAttention ``BlockMask`` (``create_block_mask(mask_mod, B, H, seqlen_q, seqlen_k)``, B
+            and H may be None): documents packed in one sequence, prefix-LM, sliding chunks and other patterns
+            without an N x N mask. Blocks it marks empty are skipped (forward and backward), full ones run without
+            mask code, and partial ones take ``mask_mod``, evaluated once on those blocks only; its block size is
+            the kernels' tile. Combines with the other options (causal, window, ...) as an intersection.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) when ``return_attn_probs``:
@@ -89,6 +99,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
     """
     call = checks.check_flash(
         "flash_attn_func", q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        block_mask=block_mask,
     )
     return _flash_result(call, return_attn_probs)
 
@@ -97,6 +108,7 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed qkv of shape (batch, seqlen, 3, nheads, headdim); gradients flow back
     into ``qkv``. Same arguments and returns as ``flash_attn_func``.
@@ -111,7 +123,7 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3)
     call = checks.check_flash(
-        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink, block_mask=block_mask,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -121,6 +133,7 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` with k and v packed as kv (batch, seqlen_k, 2, nheads_k, headdim).
 
@@ -133,7 +146,7 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     fn = "flash_attn_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2)
     call = checks.check_flash(
-        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink, block_mask=block_mask,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -311,7 +324,8 @@ def scaled_dot_product_attention(
             leading dimensions (none too: (L, E)), broadcast against each other as PyTorch does; heads_kv differs
             from heads only with ``enable_gqa``.
         attn_mask: boolean (True = may attend) or additive float mask, broadcastable to (..., heads, L, S).
-            An additive mask that requires grad gets its gradient.
+            An additive mask that requires grad gets its gradient. Or a FlexAttention ``BlockMask`` (as
+            ``flash_attn_func``'s ``block_mask``): block-sparse, no L x S tensor, empty blocks skipped.
         dropout_p: dropout on the attention weights (always applied when > 0, as in PyTorch).
         is_causal: top-left aligned causal mask (query i sees keys j <= i), PyTorch's convention.
         scale: defaults to E ** -0.5.

@@ -180,7 +180,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
     (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k). ``backend`` (a name from
     ``flashattn.backends.BACKENDS``) overrides the choice, e.g. to run several blocks of one layer on one backend.
     """
-    backend = backend or backends.choose(q, v)
+    backend = backend or backends.choose(q, v, spec)
     if torch.compiler.is_compiling():  # the registered op: a leaf of the graph, with its fake and autograd
         return _attention_op(q, k, v, *spec.as_args(), backend, return_probs)
     # Eager: the same code without the op's dispatch (Python, 0.1-0.4 ms a call, more than a decode step's

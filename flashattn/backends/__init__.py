@@ -84,17 +84,17 @@ def _triton_installed() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def explain(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+def explain(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: bool = False) -> tuple[str, str]:
     """(backend name, why) for a call on ``device_type`` tensors of ``dtype`` whose largest head dim (of q/k and
-    of v) is ``head_dim``: the forced backend, else the automatic choice. Each distinct answer is logged once at
-    debug level on the ``flashattn`` logger.
+    of v) is ``head_dim`` (``block_sparse``: with a block mask): the forced backend, else the automatic choice.
+    Each distinct answer is logged once at debug level on the ``flashattn`` logger.
 
     Example::
 
         >>> explain("cpu", torch.float32, 64)  # doctest: +ELLIPSIS
         ('cpu', 'auto: ...')
     """
-    answer = _decide(device_type, dtype, head_dim)
+    answer = _decide(device_type, dtype, head_dim, block_sparse)
     if answer not in _logged:
         _logged.add(answer)
         _log.debug("backend %s: %s", *answer)
@@ -104,7 +104,7 @@ def explain(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, s
 _logged: set[tuple[str, str]] = set()
 
 
-def _decide(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+def _decide(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: bool) -> tuple[str, str]:
     name = requested()
     if name != "auto":
         source = "use_backend()" if _forced.get() is not None else "FLASHATTN_BACKEND"
@@ -113,6 +113,8 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, s
         return "cpu", f"auto: {device_type} tensors run on the tiled PyTorch path"
     if dtype == torch.float64:
         return "cpu", "auto: float64 has no Triton kernel; the tiled PyTorch path runs it"
+    if block_sparse:
+        return "cpu", "auto: block masks run on the tiled PyTorch path (not yet in the Triton kernels)"
     if head_dim > TRITON_MAX_HEAD_DIM:
         return "cpu", f"auto: head dim {head_dim} exceeds the Triton kernels' {TRITON_MAX_HEAD_DIM}"
     if not _triton_installed():
@@ -120,9 +122,10 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, s
     return "triton", "auto: CUDA tensors run on the Triton kernels"
 
 
-def choose(q: Tensor, v: Tensor) -> str:
-    """The name of the backend a call with query ``q`` and value ``v`` runs on (see ``explain``)."""
-    return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]))[0]
+def choose(q: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> str:
+    """The name of the backend a call with query ``q``, value ``v`` and options ``spec`` runs on (``explain``)."""
+    block_sparse = spec is not None and spec.block_sparse is not None
+    return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]), block_sparse)[0]
 
 
 def get(name: str) -> Backend:

@@ -74,6 +74,12 @@ class _TiledCall:
         self.mask = None if mask is None else self._heads5(mask)
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
         self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
+        self.blocks = spec.block_sparse
+        if self.blocks is not None:  # the tiles are the block mask's; which are visited is read once, on the host
+            self.block_q, self.block_k = self.blocks.q_block, self.blocks.kv_block
+            kind = self.blocks.tile_kind
+            self.tile_visited = (kind != 0).flatten(0, 1).any(0).cpu()
+            self.tile_full = (kind == 2).flatten(0, 1).all(0).cpu()
         if spec.dropout_p > 0:
             self.seed = int(spec.seed.item())
             b0, self.counter_rows, self.counter_cols = dropout_origin or (0, nq, nk)
@@ -90,7 +96,22 @@ class _TiledCall:
         lo, hi = self.band.key_range(r0, r1, self.shape[2])
         start = (lo // self.block_k) * self.block_k
         for c0 in range(start, hi, self.block_k):
-            yield c0, min(c0 + self.block_k, self.shape[2])
+            if self.blocks is None or self.tile_visited[r0 // self.block_q, c0 // self.block_k]:
+                yield c0, min(c0 + self.block_k, self.shape[2])
+
+    def block_tile(self, r0, r1, c0, c1) -> torch.Tensor | None:
+        """The block mask's element mask of tile [r0, r1) x [c0, c1), (Bm, Hk|1, G|1, rows, cols) bool, or None
+        when the tile is full for every batch entry and head."""
+        qi, kj = r0 // self.block_q, c0 // self.block_k
+        if self.tile_full[qi, kj]:
+            return None
+        blocks = self.blocks
+        kind = blocks.tile_kind[:, :, qi, kj, None, None]
+        tile = (kind == 2).expand(*kind.shape[:2], r1 - r0, c1 - c0)
+        if blocks.partial_masks.shape[0] > 0:
+            ids = blocks.partial_id[:, :, qi, kj].clamp(min=0).long()
+            tile = torch.where(kind == 1, blocks.partial_masks[ids][..., : r1 - r0, : c1 - c0], tile)
+        return self._heads5(tile)
 
     def q_block(self, r0: int, r1: int) -> torch.Tensor:
         """Q_i * scale in the accumulation dtype: scaling the (rows x D) block, not the (rows x cols) tile."""
@@ -123,6 +144,10 @@ class _TiledCall:
                 s.sub_(self.alibi * dist)
             if band_mask:
                 s.masked_fill_(~self.band.visible(rows, cols), -math.inf)
+        if self.blocks is not None:
+            m = self.block_tile(r0, r1, c0, c1)
+            if m is not None:
+                s.masked_fill_(~m, -math.inf)
         if self.mask is not None:
             m = self.mask_tile(self.mask, r0, r1, c0, c1)
             if m.dtype == torch.bool:

@@ -189,6 +189,10 @@ def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
         rows, cols = ((spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k) if spec.packed
                       else (q.shape[1], k.shape[1]))
         options.update(seed=int(spec.seed.item()), counter_rows=int(rows), counter_cols=int(cols))
+    blocks = spec.block_sparse
+    if blocks is not None:  # the tiles are the block mask's
+        options.update(tile_kind=blocks.tile_kind, partial_id=blocks.partial_id, partial_masks=blocks.partial_masks,
+                       block_m=blocks.q_block, block_n=blocks.kv_block)
     mask = spec.attn_mask
     if mask is not None:  # (B|1, H|1, Nq|1, Nk|1) -> a (B, H, Nq, Nk) view; additive masks in the accumulation type
         if mask.dtype != torch.bool:

@@ -111,6 +111,25 @@ class KeyCache:
 
 
 @dataclass(frozen=True, eq=False)
+class BlockSparse:
+    """A block-sparse mask (from FlexAttention's ``BlockMask``, ``flashattn.checks.blocks``): the (Nq, Nk) score
+    matrix cut into ``q_block`` x ``kv_block`` tiles, each empty (skipped), full (run without a mask) or partial
+    (run with its element mask). The backends' tiles are exactly these tiles.
+
+    ``tile_kind`` (Bm, Hm, Nq / q_block, Nk / kv_block) uint8, rounded up: 0 empty, 1 partial, 2 full; Bm and Hm are
+    the batch or 1 and the query heads or 1 (broadcast). ``partial_id`` (same shape) int32: partial tile t's element
+    mask is ``partial_masks[t]`` ((P, q_block, kv_block) bool, True = may attend), -1 elsewhere. Memory: the tile
+    map plus the partial tiles, never Nq x Nk.
+    """
+
+    tile_kind: Tensor
+    partial_id: Tensor
+    partial_masks: Tensor
+    q_block: int = 128
+    kv_block: int = 128
+
+
+@dataclass(frozen=True, eq=False)
 class AttentionSpec:
     """Options of one attention call, already checked by ``flashattn.checks``.
 
@@ -132,6 +151,8 @@ class AttentionSpec:
             denominator and takes no value (gpt-oss, FlashAttention-4's ``learnable_sink``): lse becomes
             ``log(exp(sink) + sum_j exp(S_ij))``, and a row that sees no key outputs 0 with lse = sink.
         attn_mask: (B or 1, H or 1, Nq or 1, Nk or 1), boolean (True = may attend) or additive in q's dtype.
+        block_sparse: tiles the scores are cut into, each skipped, run unmasked or masked (``BlockSparse``);
+            dense q, k, v only.
         varlen: q (and k, v unless ``cache``) are packed sequences: q (total_q, H, D), lse (H, total_q).
         cache: keys and values live in a KV cache (dense or paged): forward only.
     """
@@ -148,6 +169,7 @@ class AttentionSpec:
     alibi_slopes: Tensor | None = None
     sink: Tensor | None = None
     attn_mask: Tensor | None = None
+    block_sparse: BlockSparse | None = None
     varlen: Varlen | None = None
     cache: KeyCache | None = None
 
@@ -263,5 +285,5 @@ def _unflatten_nested(cls: type, values: Iterator) -> object | None:
 
 # (field name, its dataclass type or None) per class, computed once: every op call rebuilds a spec.
 _FIELDS = {cls: tuple((name, kind if dataclasses.is_dataclass(kind) else None) for name, kind, _ in _field_types(cls))
-           for cls in (AttentionSpec, Varlen, KeyCache)}
+           for cls in (AttentionSpec, BlockSparse, Varlen, KeyCache)}
 _PLANS = {AttentionSpec: _plan(AttentionSpec)}

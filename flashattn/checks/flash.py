@@ -24,6 +24,7 @@ from ._base import (
     validate_tensor,
     validate_window,
 )
+from .blocks import validate_block_mask
 from .deferred import checked_varlen
 from .values import VarlenSizes, check_pages, check_varlen_values, same_batch
 
@@ -97,11 +98,16 @@ def flash_options(fn: str, q: torch.Tensor, *, batch: int, learnable_sink: objec
 
 
 def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
-                **options) -> CheckedCall:
+                block_mask: object = None, **options) -> CheckedCall:
     """Validate the arguments of the ``flash_attn_*func`` family (flash layout, bottom-right causal); ``options``
-    are the keyword arguments of ``flash_attn_func`` after q, k, v."""
+    are the keyword arguments of ``flash_attn_func`` after q, k, v, and ``block_mask`` a FlexAttention
+    ``BlockMask`` or None."""
     q, k, v = flash_layout(fn, q, k, v, names)
-    return CheckedCall(q, k, v, flash_options(fn, q, batch=q.shape[0], **options))
+    spec = flash_options(fn, q, batch=q.shape[0], **options)
+    if block_mask is not None:
+        spec = dataclasses.replace(spec, block_sparse=validate_block_mask(
+            fn, "block_mask", block_mask, batch=q.shape[0], nheads=q.shape[2], nq=q.shape[1], nk=k.shape[1], ref=q))
+    return CheckedCall(q, k, v, spec)
 
 
 def _validate_offsets(fn: str, name: str, cu: object, ref: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ._base import (
     validate_scale,
     validate_tensor,
 )
+from .blocks import is_block_mask, validate_block_mask
 from .flash import CheckedCall
 
 SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -28,7 +29,8 @@ def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, ...
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise fail(fn, f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}", TypeError)
+        raise fail(fn, f"attn_mask must be a torch.Tensor, a flex_attention BlockMask or None, got "
+                       f"{type(mask).__name__}", TypeError)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:
         raise fail(fn, f"attn_mask must be boolean or of the query's dtype {q.dtype}, got {mask.dtype}", TypeError)
     if mask.device != q.device:
@@ -120,6 +122,11 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
     if is_causal and attn_mask is not None:
         raise fail(fn, "pass either attn_mask or is_causal=True, not both")
     length_q, length_k = q.shape[-2], k.shape[-2]
+    block_sparse = None
+    if is_block_mask(attn_mask):  # FlexAttention's block-sparse mask: tiles skipped, unmasked or masked
+        block_sparse = validate_block_mask(fn, "attn_mask", attn_mask, batch=math.prod(shapes.batch),
+                                           nheads=shapes.heads_q, nq=length_q, nk=length_k, ref=q)
+        attn_mask = None
     mask = _validate_mask(fn, attn_mask, q, (*shapes.batch, shapes.heads_q, length_q, length_k))
     spec = AttentionSpec(
         scale=validate_scale(fn, "scale", options.get("scale"), q.shape[-1]),
@@ -128,6 +135,7 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
         bottom_right=False,
         dropout_p=validate_dropout(fn, options.get("dropout_p", 0.0)),
         attn_mask=_mask_four_dims(mask, shapes, (length_q, length_k)),
+        block_sparse=block_sparse,
     )
     q4 = _as_four_dims(q, shapes.batch, shapes.heads_q)
     k4, v4 = (_as_four_dims(t, shapes.batch, shapes.heads_k) for t in (k, v))

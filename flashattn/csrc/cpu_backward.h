@@ -57,7 +57,9 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
         const int64_t n = p.block_rows(s, blk, g.data(), i.data());
         int64_t lo, hi;
         p.block_columns(s, i.data(), n, &lo, &hi);
-        split_cost[blk % splits] += n * std::max<int64_t>(hi - lo, 1);
+        for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
+          split_cost[blk % splits] += n * std::max<int64_t>(p.visited_columns(si, hk * p.group + g[0], i[0], lo, hi), 1);
+        }
       }
       for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
         for (int64_t part = 0; part < splits; ++part) {
@@ -92,7 +94,7 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
         sc.lse[r] = lse_p[at] == -inf ? inf : lse_p[at] * l2e;
       }
       std::fill_n(sc.dq.data(), n * D, acc_t(0));
-      for (int64_t c0 = (std::max<int64_t>(lo, 0) / BN) * BN; c0 < hi; c0 += BN) {
+      p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
         int64_t ldk, ldv;
         const acc_t* kt = key_tile(p, kr, task.seq, s, hk, c0, cols, D, sc.k.data(), &ldk);
@@ -104,7 +106,7 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
           acc_t* srow = sc.s.data() + r * BN;
           acc_t* dprow = sc.dp.data() + r * BN;
           acc_t* trow = p.softcap > 0 ? sc.tanh.data() + r * BN : nullptr;
-          p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, trow);
+          p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, trow, p.tile_row(tile, i[r]));
           const acc_t row_lse = sc.lse[r], delta = sc.delta[r];
           if (p.dropout_p > 0) {  // dV takes the dropped P (in s), dS the undropped one (in dp)
             p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
@@ -133,7 +135,7 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
         gemm<acc_t>(false, false, n, D, cols, sc.dp.data(), BN, kt, ldk, acc_t(1), sc.dq.data(), D);
         gemm<acc_t>(true, false, cols, D, n, sc.dp.data(), BN, sc.q.data(), D, acc_t(1), dk_seq + c0 * part_row,
                     part_row);
-      }
+      });
       for (int64_t r = 0; r < n; ++r) {
         scalar_t* dst = const_cast<scalar_t*>(dqrows.data) + s.qb * dqrows.batch_stride +
                         (s.q0 + i[r]) * dqrows.row_stride + (hk * p.group + g[r]) * dqrows.head_stride;

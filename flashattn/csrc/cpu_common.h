@@ -92,6 +92,13 @@ struct Problem {
   bool mask_is_bool = false;
   int64_t mask_stride[4] = {0, 0, 0, 0};
   int64_t block_m = 128, block_n = 256;
+  // A block mask: per (sequence, head, query block, key block) tile, 0 empty (skipped), 1 partial (its element
+  // mask is partial_masks[partial_id]), 2 full; broadcast dims have stride 0. block_m/block_n are its tiles.
+  const uint8_t* tile_kind = nullptr;
+  const int32_t* partial_id = nullptr;
+  const bool* partial_masks = nullptr;
+  int64_t tile_stride[4] = {0, 0, 0, 0};
+  int64_t tile_rows = 1, tile_cols = 1;
 
   // Columns [lo, hi) row i of sequence s may see, clipped to [0, nk).
   void visible(const Sequence& s, int64_t i, int64_t* lo, int64_t* hi) const {
@@ -101,6 +108,7 @@ struct Problem {
 
   // Query heads of one kv head packed per block: short sequences (decode) share each K/V tile among the group.
   int64_t heads_per_block(const Sequence& s) const {
+    if (tile_kind != nullptr) return 1;  // a block mask's tiles are one head's
     return s.nq == 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(group, block_m / s.nq));
   }
   int64_t blocks(const Sequence& s) const {
@@ -131,12 +139,39 @@ struct Problem {
     visible(s, imax, &unused, hi);
   }
 
+  // Calls fn(c0, tile mask or nullptr) for each key tile [c0, c0 + block_n) among columns [lo, hi) that the query
+  // block of head h starting at row i0 visits: every tile, or with a block mask its non-empty ones (a full tile
+  // has no mask of its own). The one tile walk of the forward and the backward.
+  template <typename Fn>
+  void for_each_tile(int64_t s_idx, int64_t h, int64_t i0, int64_t lo, int64_t hi, const Fn& fn) const {
+    for (int64_t kj = std::max<int64_t>(lo, 0) / block_n; kj * block_n < hi; ++kj) {
+      const bool* tile = nullptr;
+      if (tile_kind != nullptr) {
+        const int64_t at = s_idx * tile_stride[0] + h * tile_stride[1] + (i0 / tile_rows) * tile_stride[2] +
+                           kj * tile_stride[3];
+        if (tile_kind[at] == 0) continue;
+        if (tile_kind[at] == 1) tile = partial_masks + static_cast<int64_t>(partial_id[at]) * tile_rows * tile_cols;
+      }
+      fn(kj * block_n, tile);
+    }
+  }
+  // Row i's part of a tile mask from for_each_tile (nullptr stays nullptr).
+  const bool* tile_row(const bool* tile, int64_t i) const {
+    return tile == nullptr ? nullptr : tile + (i % tile_rows) * tile_cols;
+  }
+  // Key columns the query block visits, for the scheduler's cost.
+  int64_t visited_columns(int64_t s_idx, int64_t h, int64_t i0, int64_t lo, int64_t hi) const {
+    int64_t n = 0;
+    for_each_tile(s_idx, h, i0, lo, hi, [&](int64_t, const bool*) { n += block_n; });
+    return n;
+  }
+
   // The one score transform, forward and backward: row `srow` of the tile (columns c0 .. c0 + cols) holds
   // q.k * scale * log2e (with softcap: q.k * scale / softcap); afterwards it holds the score in log2 units, -inf
   // where row i may not look. With `tanh_row` the softcap's tanh is kept for the chain rule.
   template <typename acc_t>
   void transform_row(int64_t s_idx, const Sequence& s, int64_t h, int64_t i, int64_t c0, int64_t cols, acc_t* srow,
-                     acc_t* tanh_row) const {
+                     acc_t* tanh_row, const bool* block_row = nullptr) const {
     const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
     int64_t j0, j1;
     visible(s, i, &j0, &j1);
@@ -162,6 +197,9 @@ struct Problem {
         const acc_t l2e = static_cast<acc_t>(kLog2e);
         for (int64_t j = j0; j < j1; ++j) srow[j] += l2e * m[j * st];
       }
+    }
+    if (block_row != nullptr) {
+      for (int64_t j = j0; j < j1; ++j) srow[j] = block_row[j] ? srow[j] : neg_inf;
     }
     for (int64_t j = 0; j < j0; ++j) srow[j] = neg_inf;
     for (int64_t j = j1; j < cols; ++j) srow[j] = neg_inf;

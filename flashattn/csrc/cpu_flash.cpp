@@ -82,6 +82,19 @@ Problem make_problem(const pybind11::dict& o, const at::Tensor& q, const at::Ten
     p.counter_rows = option<int64_t>(o, "counter_rows");
     p.counter_cols = option<int64_t>(o, "counter_cols");
   }
+  if (auto kind = tensor_option(o, "tile_kind")) {  // (S or 1, H or 1, query blocks, key blocks)
+    const at::Tensor id = *tensor_option(o, "partial_id"), masks = *tensor_option(o, "partial_masks");
+    TORCH_CHECK(kind->dim() == 4 && kind->scalar_type() == at::kByte && id.scalar_type() == at::kInt &&
+                    masks.scalar_type() == at::kBool && kind->strides() == id.strides() && masks.is_contiguous(),
+                "tile_kind, partial_id and partial_masks must be uint8, int32 and bool with matching layouts");
+    keep.insert(keep.end(), {*kind, id, masks});
+    p.tile_kind = kind->data_ptr<uint8_t>();
+    p.partial_id = id.data_ptr<int32_t>();
+    p.partial_masks = masks.data_ptr<bool>();
+    for (int d = 0; d < 4; ++d) p.tile_stride[d] = kind->size(d) > 1 ? kind->stride(d) : 0;
+    p.tile_rows = option<int64_t>(o, "block_m");
+    p.tile_cols = option<int64_t>(o, "block_n");
+  }
   if (auto mask = tensor_option(o, "mask")) {  // (S, H, Nq, Nk), broadcast dims with stride 0
     TORCH_CHECK(mask->dim() == 4, "mask must be 4-D");
     keep.push_back(*mask);

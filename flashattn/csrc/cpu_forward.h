@@ -61,7 +61,7 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
         p.block_columns(s, i.data(), n, &lo, &hi);
         for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
           tasks.push_back({si, hk, blk});
-          cost.push_back(n * std::max<int64_t>(hi - lo, 1));
+          cost.push_back(n * std::max<int64_t>(p.visited_columns(si, hk * p.group + g[0], i[0], lo, hi), 1));
         }
       }
     }
@@ -79,7 +79,7 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
     std::fill_n(sc.acc.data(), n * DV, acc_t(0));
     std::fill_n(sc.row_max.data(), n, neg_inf);
     std::fill_n(sc.row_sum.data(), n, acc_t(0));
-    for (int64_t c0 = (std::max<int64_t>(lo, 0) / BN) * BN; c0 < hi; c0 += BN) {
+    p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
       const int64_t cols = std::min(BN, s.nk - c0);
       int64_t ldk, ldv;
       const acc_t* kt = key_tile(p, kr, task.seq, s, hk, c0, cols, D, sc.k.data(), &ldk);
@@ -87,7 +87,7 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
       for (int64_t r = 0; r < n; ++r) {
         acc_t* srow = sc.s.data() + r * BN;
         const int64_t h = hk * p.group + g[r];
-        p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr);
+        p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr, p.tile_row(tile, i[r]));
         const acc_t m = max_of(srow, cols, sc.row_max[r]);
         if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
           std::fill(srow, srow + cols, acc_t(0));
@@ -109,7 +109,7 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
       }
       const acc_t* vt = key_tile(p, vr, task.seq, s, hk, c0, cols, DV, sc.v.data(), &ldv);
       gemm<acc_t>(false, false, n, DV, cols, sc.s.data(), BN, vt, ldv, acc_t(1), sc.acc.data(), DV);
-    }
+    });
     // Deferred normalisation: one division per row. A sink is one more score in the denominator, with no value.
     for (int64_t r = 0; r < n; ++r) {
       const int64_t h = hk * p.group + g[r];

@@ -34,6 +34,7 @@ def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> 
         "ALiBi": spec.alibi_slopes is not None,
         "learnable sinks": spec.sink is not None,
         "attn_mask": spec.attn_mask is not None,
+        "a block mask (BlockMask)": spec.block_sparse is not None,
         "dropout": spec.dropout_p > 0,
         "softcap": spec.softcap > 0,
         "a sliding window": spec.window_left >= 0 or spec.window_right > 0,

@@ -47,6 +47,8 @@ def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> 
         return "it supports float16, bfloat16 and float32; use the cpu backend for float64"
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"it supports head dims up to {MAX_HEAD_DIM}, got {max(q.shape[-1], v.shape[-1])}"
+    if spec.block_sparse is not None:
+        return "block masks (BlockMask) are not in its kernels yet; the cpu backend runs them on any device"
     return None
 
 

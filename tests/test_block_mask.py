@@ -1,0 +1,170 @@
+"""FlexAttention's ``BlockMask`` in ``flash_attn_func`` and ``scaled_dot_product_attention``: empty tiles skipped,
+full tiles unmasked, partial tiles masked by ``mask_mod`` evaluated on them alone; against the float64 oracle given
+the same mask densely, on the CPU kernel and the tiled path."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from oracle import assert_close, attention_ref, oracle_kwargs
+
+import flashattn
+from flashattn import checks
+from flashattn.backends import cpu_kernel, explain
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+@pytest.fixture(params=["kernel", "tiled"])
+def cpu_path(request):
+    if request.param == "kernel" and not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    with cpu_kernel.use(request.param == "kernel"), flashattn.use_backend("cpu"):
+        yield
+
+
+def _documents(n: int, cuts: list[int]) -> torch.Tensor:
+    doc = torch.zeros(n, dtype=torch.long)
+    for c in cuts:
+        doc[c:] += 1
+    return doc
+
+
+def _mask_mods(nq: int, nk: int):
+    doc = _documents(max(nq, nk), [nk // 5, nk // 2, nk // 2 + 3])
+    return {
+        "document causal": (lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k), None),
+        "prefix-LM per head": (lambda b, h, q, k: (k < 17 + 9 * h) | (q >= k), 4),
+        "sliding chunks": (lambda b, h, q, k: (q // 48 == k // 48) | ((q // 48) - 1 == k // 48), None),
+        "dilated": (lambda b, h, q, k: ((q - k) % 3 == 0) & (k <= q), None),
+    }
+
+
+def _dense(mask_mod, heads, nq, nk):
+    return flex.create_mask(mask_mod, 1, heads or 1, nq, nk, device="cpu")
+
+
+@pytest.mark.parametrize("pattern", ["document causal", "prefix-LM per head", "sliding chunks", "dilated"])
+@pytest.mark.parametrize("block_size", [(128, 128), (64, 32)], ids=["128x128", "64x32"])
+def test_patterns_against_float64(cpu_path, pattern, block_size):
+    nq = nk = 300
+    mask_mod, heads = _mask_mods(nq, nk)[pattern]
+    block_mask = flex.create_block_mask(mask_mod, None, heads, nq, nk, device="cpu", BLOCK_SIZE=block_size)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, n, h, 40, requires_grad=True) for n, h in ((nq, 4), (nk, 2), (nk, 2)))
+    out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask)
+    ref, _ = attention_ref(q, k, v, mask=_dense(mask_mod, heads, nq, nk))
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    for x, r in zip(ours, want, strict=True):
+        assert (x.double() - r).abs().max() < 1e-5 * (1 + r.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_by_the_rule(cpu_path, dtype):
+    """Odd lengths (113 queries, 1025 keys) with a per-batch document mask and other options on top."""
+    nq, nk = 113, 1025
+    doc_q, doc_k = torch.arange(nq) * 4 // nq, torch.arange(nk) * 4 // nk
+
+    def mask_mod(b, h, q, k):
+        return (doc_q[q] == doc_k[k]) | (k < 8 * (b + 1))
+
+    block_mask = flex.create_block_mask(mask_mod, 2, None, nq, nk, device="cpu")
+    dense = flex.create_mask(mask_mod, 2, 1, nq, nk, device="cpu")
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, n, h, 59, dtype=dtype, requires_grad=True) for n, h in ((nq, 4), (nk, 4), (nk, 4)))
+    sink = torch.randn(4, requires_grad=True)
+    kwargs = {"softcap": 6.0, "learnable_sink": sink}
+    out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, **kwargs)
+    ref, _ = attention_ref(q, k, v, mask=dense, **oracle_kwargs(kwargs))
+    base, _ = attention_ref(q, k, v, mask=dense, upcast=False, **oracle_kwargs(kwargs))
+    assert_close("out", out, ref, base)
+
+
+def test_sdpa_takes_it_as_attn_mask(cpu_path):
+    nq, nk = 200, 260
+    mask_mod, _ = _mask_mods(nq, nk)["document causal"]
+    block_mask = flex.create_block_mask(mask_mod, None, None, nq, nk, device="cpu")
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, nq, 32), torch.randn(2, 2, nk, 32), torch.randn(2, 2, nk, 32)
+    out = flashattn.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, enable_gqa=True)
+    dense = _dense(mask_mod, None, nq, nk)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=dense,
+                                                            enable_gqa=True).nan_to_num(0.0)
+    assert (out.double() - want).abs().max() < 1e-5
+
+
+def test_rows_that_see_nothing_output_zero(cpu_path):
+    def mask_mod(b, h, q, k):
+        return (q >= 50) & (k <= q)  # queries 0..49 see no key
+
+    block_mask = flex.create_block_mask(mask_mod, None, None, 130, 130, device="cpu", BLOCK_SIZE=32)
+    q, k, v = (torch.randn(1, 130, 2, 16, requires_grad=True) for _ in range(3))
+    out, lse, _ = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, return_attn_probs=True)
+    assert torch.equal(out[:, :50], torch.zeros_like(out[:, :50]))
+    assert torch.isneginf(lse[..., :50]).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_with_causal_and_dropout_it_is_the_intersection(cpu_path):
+    def mask_mod(b, h, q, k):
+        return (q // 40) != (k // 40) + 1  # every block but the one just below the diagonal band
+
+    block_mask = flex.create_block_mask(mask_mod, None, None, 160, 160, device="cpu", BLOCK_SIZE=32)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 160, 2, 16, requires_grad=True) for _ in range(3))
+    out, _, s_dmask = flashattn.flash_attn_func(q, k, v, causal=True, dropout_p=0.25, block_mask=block_mask,
+                                                return_attn_probs=True)
+    dense = _dense(mask_mod, None, 160, 160)
+    ref, _ = attention_ref(q, k, v, causal=True, mask=dense, dropped=torch.signbit(s_dmask), dropout_p=0.25)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_only_partial_tiles_are_evaluated():
+    """The conversion keeps a tile map and the partial tiles' element masks: for a document mask, a few tiles per
+    query block, never Nq x Nk."""
+    n, docs = 4096, 16
+    doc = torch.arange(n) * docs // n
+    block_mask = flex.create_block_mask(lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k), None, None, n, n,
+                                        device="cpu")
+    q = torch.randn(1, n, 2, 16)
+    blocks = checks.check_flash("f", q, q, q, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                block_mask=block_mask).spec.block_sparse
+    kind = blocks.tile_kind
+    assert kind.shape == (1, 1, n // 128, n // 128)
+    partial = int((kind == 1).sum())
+    assert blocks.partial_masks.shape == (partial, 128, 128)
+    assert partial <= 3 * (n // 128)  # the diagonal and the document boundaries
+    assert int((kind == 0).sum()) > kind.numel() // 2  # most tiles are skipped
+
+
+def test_triton_is_not_chosen_for_block_masks():
+    assert explain("cuda", torch.bfloat16, 64, block_sparse=True)[0] == "cpu"
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: "dense", TypeError, "BlockMask"),
+    (lambda: flex.create_block_mask(lambda b, h, q, k: q >= k, None, None, 64, 64, device="cpu"), ValueError,
+     r"\(Q_LEN, KV_LEN\) = \(64, 64\)"),
+    (lambda: flex.create_block_mask(lambda b, h, q, k: q >= k, 3, None, 96, 96, device="cpu"), ValueError,
+     r"\(B, H\) = \(3, 1\)"),
+])
+def test_bad_block_masks_are_named(make, error, match):
+    q = torch.randn(2, 96, 4, 16)
+    with pytest.raises(error, match=match):
+        flashattn.flash_attn_func(q, q, q, block_mask=make())
+
+
+def test_a_mask_mod_that_returns_no_booleans_is_named():
+    block_mask = flex.create_block_mask(lambda b, h, q, k: q >= k, None, None, 96, 96, device="cpu")
+    block_mask.mask_mod = lambda b, h, q, k: (q - k).float()
+    q = torch.randn(1, 96, 2, 16)
+    with pytest.raises(TypeError, match="boolean"):
+        flashattn.flash_attn_func(q, q, q, block_mask=block_mask)
