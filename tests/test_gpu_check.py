@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-STEPS = ["info", "health", "profile", "tests", "cuda-kernel", "sweep-d16", "decode"]
+STEPS = ["info", "health", "profile", "tests", "cuda-kernel", "sweep-d16", "decode", "block-mask"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the health and profile steps need triton")
@@ -28,11 +28,13 @@ def test_smoke_runs_every_step(tmp_path):
     if "cuda-kernel" in not_ok and "nvrtc" in not_ok["cuda-kernel"][1].lower():
         not_ok.pop("cuda-kernel")  # no NVRTC on this machine: the CUDA backend's own tests say so
     assert not not_ok, not_ok
-    for name in ("info.json", "health.json", "profile.json", "tests.xml", "sweep-d16.json", "decode.json"):
+    for name in ("info.json", "health.json", "profile.json", "tests.xml", "sweep-d16.json", "decode.json",
+                 "block-mask.json"):
         assert (out / name).stat().st_size > 0, name
     assert steps["tests"]["headline"].endswith("0 failed, 0 skipped")
     assert steps["health"]["headline"] == "2 configs, 0 with problems"
     assert "forward <=" in steps["profile"]["headline"]
+    assert steps["block-mask"]["headline"].startswith("N=512: fwd")
     # The table names every step and its status.
     table = done.stdout[done.stdout.index("step"):]
     assert all(name in table for name in STEPS)

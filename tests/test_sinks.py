@@ -176,3 +176,15 @@ def test_the_cuda_backend_refuses_them():
 
     q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
     assert "learnable sinks" in cuda.unsupported(q, q, q, AttentionSpec(scale=0.125, sink=torch.zeros(2)))
+
+
+def test_compiles_without_graph_breaks():
+    """The sink is one more tensor of the op's schema and its gradient plain torch ops: fullgraph traces both."""
+    q, k, v, sink = _inputs(1, 24, 24, 4, 2, 16)
+    step = torch.compile(lambda *t: flashattn.flash_attn_func(*t[:3], causal=True, learnable_sink=t[3]),
+                         fullgraph=True)
+    compiled = torch.autograd.grad(step(q, k, v, sink).square().sum(), (q, k, v, sink))
+    eager = torch.autograd.grad(flashattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink).square().sum(),
+                                (q, k, v, sink))
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b)

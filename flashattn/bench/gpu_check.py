@@ -12,7 +12,9 @@ Steps, each a subprocess with its own time limit, its output in ``<out>/<step>.l
 - ``cuda-kernel``: the CUDA C++ kernel's compile, accuracy and timing (``cuda-kernel-*.json``);
 - ``sweep-d64``, ``sweep-d128``: ours against SDPA's flash, efficient and cuDNN backends and compiled
   FlexAttention, forward and backward, causal and not, N 512-16k at 16k tokens (``sweep-d*.json`` and plots);
-- ``decode``: one decode step against a KV cache, as a fraction of copy bandwidth (``decode.json``).
+- ``decode``: one decode step against a KV cache, as a fraction of copy bandwidth (``decode.json``);
+- ``block-mask``: 16 documents in one sequence as a FlexAttention ``BlockMask``, against varlen and a dense mask
+  (``block-mask.json``).
 
 Then one table: each step's status, seconds and headline, also written to ``gpu-check.json``. ``--smoke`` runs
 every step at toy sizes on the CPU (the tests cover it); without ``--smoke`` a machine without CUDA is refused.
@@ -37,11 +39,12 @@ import torch
 
 from . import report
 
-HELP = "run everything a GPU session must: tests, CUDA kernel checks, sweeps, decode, kernel health (--smoke: CPU)"
+HELP = ("run everything a GPU session must: tests, CUDA kernel checks, sweeps, decode, block masks, kernel health "
+        "(--smoke: CPU)")
 # The suites that run kernels on the GPU; the rest (docs, examples, offline compiles) need no GPU.
 GPU_TESTS = ("test_triton.py", "test_cuda_backend.py", "test_kvcache.py", "test_varlen.py", "test_dropin.py",
              "test_flash_api.py", "test_sdpa.py", "test_autograd.py", "test_nn.py", "test_backends.py",
-             "test_merge.py")
+             "test_merge.py", "test_sinks.py", "test_value_head_dim.py")
 SWEEP_BASELINES = "sdpa-flash,sdpa-efficient,sdpa-cudnn,flex"
 
 
@@ -80,6 +83,9 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
             Step("decode", [*bench, "decode", "--device", "cpu", "--batches", "1", "--cache-lens", "64",
                             "--heads-q", "2", "--heads-kv", "1", "--headdim", "16", "--repeats", "1", "--quiet",
                             "--out", str(out), "--name", "decode"], 300),
+            Step("block-mask", [*bench, "block-mask", "--device", "cpu", "--seqlens", "512", "--docs", "4",
+                                "--heads", "2", "--headdim", "16", "--repeats", "1", "--quiet", "--out", str(out),
+                                "--name", "block-mask"], 300),
         ]
     sweep = [*bench, "sweep", "--modes", "fwd,bwd", "--baselines", SWEEP_BASELINES, "--quiet", "--out", str(out)]
     return [
@@ -94,6 +100,8 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
         Step("sweep-d64", [*sweep, "--headdims", "64", "--name", "sweep-d64"], 150),
         Step("sweep-d128", [*sweep, "--headdims", "128", "--name", "sweep-d128"], 150),
         Step("decode", [*bench, "decode", "--quiet", "--out", str(out), "--name", "decode"], 90),
+        Step("block-mask", [*bench, "block-mask", "--dtype", "bfloat16", "--quiet", "--out", str(out),
+                            "--name", "block-mask"], 150),
     ]
 
 
@@ -186,6 +194,17 @@ def _decode(out: Path, step: Step) -> str:
     return text
 
 
+def _block_mask(out: Path, step: Step) -> str:
+    data = json.loads((out / "block-mask.json").read_text())
+    points = [p for p in data["summary"] if p.get("vs_varlen") is not None or p.get("vs_dense") is not None]
+    if not points:
+        return "no complete case"
+    top = max(p["seqlen"] for p in points)
+    parts = [f"{p['mode']} {p['vs_varlen'] or float('nan'):.2f}x varlen, {p['vs_dense'] or float('nan'):.3f}x dense"
+             for p in points if p["seqlen"] == top]
+    return f"N={top}: " + "; ".join(parts) + " (targets <= 1.2x, <= 0.125x)"
+
+
 def _cuda_kernel(out: Path, step: Step) -> str:
     found = sorted(out.glob("cuda-kernel-*.json"))
     data = json.loads(found[-1].read_text())
@@ -198,7 +217,7 @@ def _cuda_kernel(out: Path, step: Step) -> str:
 
 
 HEADLINES = {"tests": _tests, "health": _health, "profile": _profile, "sweep": _sweep, "decode": _decode,
-             "cuda": _cuda_kernel, "info": lambda out, step: "info.json"}
+             "block": _block_mask, "cuda": _cuda_kernel, "info": lambda out, step: "info.json"}
 
 
 def run(out: Path, *, smoke: bool, jobs: int) -> list[Step]:
