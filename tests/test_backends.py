@@ -84,6 +84,16 @@ def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def _block_sparse(mask_mod):
+    """A block mask of 16 x 16 blocks over the (6, 9) scores below, per head, as the checker converts it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from flashattn.checks.blocks import validate_block_mask
+
+    mask = create_block_mask(mask_mod, None, 4, 6, 9, device="cpu", BLOCK_SIZE=16)
+    return validate_block_mask("test", "block_mask", mask, batch=2, nheads=4, nq=6, nk=9, ref=torch.zeros(1))
+
+
 def _options_one_at_a_time():
     """A non-default value for every field of AttentionSpec, on a (2, 6, 4, 16) q and (2, 9, 2, 16) k/v; adding a
     field without adding it here fails ``test_every_option_is_served_or_refused``."""
@@ -102,6 +112,7 @@ def _options_one_at_a_time():
         "alibi_slopes": {"alibi_slopes": torch.rand(1, 4)},
         "sink": {"sink": torch.randn(4)},
         "attn_mask": {"attn_mask": torch.randn(2, 1, 6, 9)},
+        "block_sparse": {"block_sparse": _block_sparse(lambda b, h, q, k: (q + h) % 3 != k % 2)},
         "varlen": {"varlen": Varlen(cu_q, cu_k, 7, 9)},
         "cache": {"cache": KeyCache(torch.tensor([1, 0], dtype=t32), torch.tensor([8, 9], dtype=t32), 9)},
     }

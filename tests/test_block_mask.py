@@ -4,6 +4,7 @@ the same mask densely, on the CPU kernel and the tiled path."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ from flashattn.backends import cpu_kernel, explain
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(params=["kernel", "tiled"])
@@ -33,8 +35,8 @@ def _documents(n: int, cuts: list[int]) -> torch.Tensor:
     return doc
 
 
-def _mask_mods(nq: int, nk: int):
-    doc = _documents(max(nq, nk), [nk // 5, nk // 2, nk // 2 + 3])
+def _mask_mods(nq: int, nk: int, device: str = "cpu"):
+    doc = _documents(max(nq, nk), [nk // 5, nk // 2, nk // 2 + 3]).to(device)
     return {
         "document causal": (lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k), None),
         "prefix-LM per head": (lambda b, h, q, k: (k < 17 + 9 * h) | (q >= k), 4),
@@ -43,8 +45,8 @@ def _mask_mods(nq: int, nk: int):
     }
 
 
-def _dense(mask_mod, heads, nq, nk):
-    return flex.create_mask(mask_mod, 1, heads or 1, nq, nk, device="cpu")
+def _dense(mask_mod, heads, nq, nk, device="cpu"):
+    return flex.create_mask(mask_mod, 1, heads or 1, nq, nk, device=device)
 
 
 @pytest.mark.parametrize("pattern", ["document causal", "prefix-LM per head", "sliding chunks", "dilated"])
@@ -145,8 +147,34 @@ def test_only_partial_tiles_are_evaluated():
     assert int((kind == 0).sum()) > kind.numel() // 2  # most tiles are skipped
 
 
-def test_triton_is_not_chosen_for_block_masks():
-    assert explain("cuda", torch.bfloat16, 64, block_sparse=True)[0] == "cpu"
+@pytest.mark.parametrize("pattern", ["document causal", "prefix-LM per head", "dilated"])
+def test_triton_kernels(pattern):
+    """The Triton forward, dK/dV and dQ kernels walk the block lists (dK/dV the transposed ones), their tiles
+    dividing the mask's blocks; interpreter on CPU, the GPU when there is one."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and not INTERPRETING:
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    nq, nk = 150, 170
+    mask_mod, heads = _mask_mods(nq, nk, device)[pattern]
+    block_mask = flex.create_block_mask(mask_mod, None, heads, nq, nk, device=device, BLOCK_SIZE=(64, 32))
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, n, h, 24, device=device, requires_grad=True) for n, h in ((nq, 4), (nk, 2), (nk, 2)))
+    sink = torch.randn(4, device=device, requires_grad=True)
+    with flashattn.use_backend("triton"):
+        out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, learnable_sink=sink)
+    ref, _ = attention_ref(q, k, v, mask=_dense(mask_mod, heads, nq, nk, device), sink=sink)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v, sink), g)
+    want = torch.autograd.grad(ref, (q, k, v, sink), g.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    for x, r in zip(ours, want, strict=True):
+        assert (x.double() - r).abs().max() < 1e-5 * (1 + r.abs().max())
+
+
+def test_blocks_the_triton_tiles_cannot_divide_go_to_the_cpu_backend():
+    assert explain("cuda", torch.bfloat16, 64, odd_blocks=True)[0] == "cpu"
+    assert explain("cuda", torch.bfloat16, 64)[0] in ("triton", "cpu")  # cpu where triton is not installed
 
 
 @pytest.mark.parametrize("make,error,match", [

@@ -1,9 +1,9 @@
 """Backends behind the one attention op, each a module satisfying ``Backend``; ``choose`` picks one by name.
 
-Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256) -> ``triton``, anything else -> ``cpu``
-(tiled PyTorch, which runs on every device). Force one with the environment variable
-``FLASHATTN_BACKEND=cpu|triton|cuda|auto`` or, taking precedence, the context manager
-``flashattn.use_backend("cpu")``. ``cuda`` (a fused CUDA C++ forward kernel, inference only, fp16/bf16, head dim 64
+Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256, block masks of blocks that are multiples of
+16) -> ``triton``, anything else -> ``cpu`` (the C++ kernel on CPU tensors, tiled PyTorch on every device).
+Force one with the environment variable ``FLASHATTN_BACKEND=cpu|triton|cuda|auto`` or, taking precedence, the
+context manager ``flashattn.use_backend("cpu")``. ``cuda`` (a fused CUDA C++ forward kernel, inference only, fp16/bf16, head dim 64
 or 128, causal or not) is never chosen automatically.
 Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
 checks the kernels without a GPU.
@@ -84,9 +84,10 @@ def _triton_installed() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def explain(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: bool = False) -> tuple[str, str]:
+def explain(device_type: str, dtype: torch.dtype, head_dim: int, odd_blocks: bool = False) -> tuple[str, str]:
     """(backend name, why) for a call on ``device_type`` tensors of ``dtype`` whose largest head dim (of q/k and
-    of v) is ``head_dim`` (``block_sparse``: with a block mask): the forced backend, else the automatic choice.
+    of v) is ``head_dim`` (``odd_blocks``: with a block mask whose blocks are not multiples of 16, which the Triton
+    tiles cannot divide): the forced backend, else the automatic choice.
     Each distinct answer is logged once at debug level on the ``flashattn`` logger.
 
     Example::
@@ -94,7 +95,7 @@ def explain(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: b
         >>> explain("cpu", torch.float32, 64)  # doctest: +ELLIPSIS
         ('cpu', 'auto: ...')
     """
-    answer = _decide(device_type, dtype, head_dim, block_sparse)
+    answer = _decide(device_type, dtype, head_dim, odd_blocks)
     if answer not in _logged:
         _logged.add(answer)
         _log.debug("backend %s: %s", *answer)
@@ -104,7 +105,7 @@ def explain(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: b
 _logged: set[tuple[str, str]] = set()
 
 
-def _decide(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: bool) -> tuple[str, str]:
+def _decide(device_type: str, dtype: torch.dtype, head_dim: int, odd_blocks: bool) -> tuple[str, str]:
     name = requested()
     if name != "auto":
         source = "use_backend()" if _forced.get() is not None else "FLASHATTN_BACKEND"
@@ -113,8 +114,8 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: b
         return "cpu", f"auto: {device_type} tensors run on the tiled PyTorch path"
     if dtype == torch.float64:
         return "cpu", "auto: float64 has no Triton kernel; the tiled PyTorch path runs it"
-    if block_sparse:
-        return "cpu", "auto: block masks run on the tiled PyTorch path (not yet in the Triton kernels)"
+    if odd_blocks:
+        return "cpu", "auto: a block mask whose blocks are not multiples of 16 runs on the tiled PyTorch path"
     if head_dim > TRITON_MAX_HEAD_DIM:
         return "cpu", f"auto: head dim {head_dim} exceeds the Triton kernels' {TRITON_MAX_HEAD_DIM}"
     if not _triton_installed():
@@ -124,8 +125,9 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int, block_sparse: b
 
 def choose(q: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> str:
     """The name of the backend a call with query ``q``, value ``v`` and options ``spec`` runs on (``explain``)."""
-    block_sparse = spec is not None and spec.block_sparse is not None
-    return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]), block_sparse)[0]
+    blocks = None if spec is None else spec.block_sparse
+    odd_blocks = blocks is not None and bool(blocks.q_block % 16 or blocks.kv_block % 16)
+    return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]), odd_blocks)[0]
 
 
 def get(name: str) -> Backend:

@@ -44,7 +44,7 @@ HELP = ("run everything a GPU session must: tests, CUDA kernel checks, sweeps, d
 # The suites that run kernels on the GPU; the rest (docs, examples, offline compiles) need no GPU.
 GPU_TESTS = ("test_triton.py", "test_cuda_backend.py", "test_kvcache.py", "test_varlen.py", "test_dropin.py",
              "test_flash_api.py", "test_sdpa.py", "test_autograd.py", "test_nn.py", "test_backends.py",
-             "test_merge.py", "test_sinks.py", "test_value_head_dim.py")
+             "test_merge.py", "test_sinks.py", "test_value_head_dim.py", "test_block_mask.py")
 SWEEP_BASELINES = "sdpa-flash,sdpa-efficient,sdpa-cudnn,flex"
 
 

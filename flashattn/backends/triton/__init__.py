@@ -31,6 +31,8 @@ from .launch import (
     interpreting,
     launch,
     merge_splits,
+    sparse_blocks,
+    sparse_tiles,
     split_count,
 )
 
@@ -47,8 +49,10 @@ def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> 
         return "it supports float16, bfloat16 and float32; use the cpu backend for float64"
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"it supports head dims up to {MAX_HEAD_DIM}, got {max(q.shape[-1], v.shape[-1])}"
-    if spec.block_sparse is not None:
-        return "block masks (BlockMask) are not in its kernels yet; the cpu backend runs them on any device"
+    blocks = spec.block_sparse
+    if blocks is not None and (blocks.q_block % 16 or blocks.kv_block % 16):
+        return (f"its tiles must divide the block mask's blocks, which must be multiples of 16, got "
+                f"{blocks.q_block} x {blocks.kv_block}")
     return None
 
 
@@ -75,10 +79,12 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
 def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
     """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs)."""
     out, lse, probs = results
-    plain = spec.alibi_slopes is None and spec.attn_mask is None and probs is None and spec.dropout_p == 0
+    plain = (spec.alibi_slopes is None and spec.attn_mask is None and spec.block_sparse is None and probs is None
+             and spec.dropout_p == 0)
     rows = QueryRows(q, out, lse, shape, spec, plain=plain)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
     cfg = config("decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward", q, shape, rows.spec, heavy=heavy)
+    cfg = sparse_tiles(cfg, spec)
     splits, split_keys = split_count(shape, rows, cfg, q.device)
     if splits == 1:
         targets = (out, lse)
@@ -111,15 +117,16 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     delta = _delta(dout, dlse, out, shape)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
     common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, shape=shape)
-    cfg = config("dkdv", q, shape, spec, heavy=heavy)
+    cfg = sparse_tiles(config("dkdv", q, shape, spec, heavy=heavy), spec)
     launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
-           **common, dk=dk, dv=dv, **shape.strides("dk", dk), **shape.strides("dv", dv), num_heads_k=shape.hk,
+           **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
+           **shape.strides("dv", dv), num_heads_k=shape.hk,
            **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
                                   matmul_rows=cfg.block_n),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cfg = config("dq", q, shape, spec, heavy=heavy)
+    cfg = sparse_tiles(config("dq", q, shape, spec, heavy=heavy), spec)
     launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m) * shape.b * shape.h,),
-           **common, dq=dq, **shape.strides("dq", dq),
+           **common, blocks=sparse_blocks(spec, by_keys=False), dq=dq, **shape.strides("dq", dq),
            **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
                                   matmul_rows=cfg.block_m),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

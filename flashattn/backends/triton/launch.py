@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -243,6 +244,40 @@ def _optional_tensors(spec: AttentionSpec) -> dict:
     return args
 
 
+def sparse_blocks(spec: AttentionSpec, *, by_keys: bool) -> tuple | None:
+    """A block mask as the kernels walk it (``tiles.sparse_lists``), or None without one: per query block the full
+    and the partial key blocks (forward, dQ), or with ``by_keys`` per key block the query blocks (dK/dV), as counts
+    and index lists, with the partial blocks' ids and element masks. Broadcast batch or head dims get stride 0."""
+    blocks = spec.block_sparse
+    if blocks is None:
+        return None
+    kind = blocks.tile_kind.transpose(-1, -2) if by_keys else blocks.tile_kind
+    lists = []
+    for value in (2, 1):  # full, partial
+        listed = kind == value
+        # A stable sort puts the listed blocks first, in order: the first `count` entries are the list.
+        order = torch.argsort((~listed).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
+        lists += [listed.sum(-1, dtype=torch.int32).contiguous(), order]  # the kernels step lists by 1
+    counts, index = lists[0], lists[1]
+
+    def strides(t: torch.Tensor, dims: int) -> tuple[int, ...]:
+        return tuple(0 if n == 1 and d < 2 else st for d, (n, st) in enumerate(zip(t.shape[:dims], t.stride()[:dims],
+                                                                                  strict=True)))
+
+    ids = blocks.partial_id
+    return (*lists, ids, blocks.partial_masks.view(torch.uint8), strides(counts, 3), strides(index, 3),
+            strides(ids, 4), (blocks.q_block, blocks.kv_block))
+
+
+def sparse_tiles(cfg: configs.KernelConfig, spec: AttentionSpec) -> configs.KernelConfig:
+    """The config with tiles that divide a block mask's blocks (a kernel tile never straddles two mask blocks)."""
+    blocks = spec.block_sparse
+    if blocks is None:
+        return cfg
+    return dataclasses.replace(cfg, block_m=math.gcd(cfg.block_m, blocks.q_block),
+                               block_n=math.gcd(cfg.block_n, blocks.kv_block))
+
+
 def _sizes(q, shape: CallShape, rows: QueryRows | None = None) -> dict:
     """The sizes by kernel argument name: with ``rows``, the queries as the forward kernel walks them."""
     return dict(num_heads=rows.h if rows else shape.h, group_size=rows.g if rows else shape.h // shape.hk,
@@ -269,7 +304,7 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
         out_strides, lse_strides = {"stride_os": 0, **rows.out}, {"stride_ls": 0, **rows.lse}
     return dict(
         q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=shape.cu_seqlens_q, **shape.keys,
-        **rows.sink(None if split else spec.sink),
+        **rows.sink(None if split else spec.sink), blocks=sparse_blocks(spec, by_keys=False),
         **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
         **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),
         **_descriptors(q, k, v, shape=shape, rows=rows, blocks=(cfg.block_m, cfg.block_n)),

@@ -20,11 +20,13 @@ from .tiles import (
     key_range,
     load_tile,
     load_tile_t,
+    partial_tile,
     program_tile,
     query_range,
     score_grads,
     score_tile,
     sequence,
+    sparse_lists,
     tma_origin,
 )
 
@@ -106,8 +108,31 @@ def _key_grads(b_k, b_v, grads, o_n, span, queries, descriptors, scoring, b_slop
 
 
 @triton.jit
+def _key_grads_blocks(b_k, b_v, grads, o_n, span, kj, bh, blocks, queries, descriptors, scoring, b_slope, b_seed,
+                      dropout, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``_key_grads`` over the query blocks a block mask lists for key block ``kj`` of (batch, head) ``bh``,
+    clipped to ``span``: full blocks with no element mask, partial ones with theirs."""
+    b, h = bh
+    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, kj)
+    q_block = blocks[9][0]
+    seqlens, band, scale, softcap, _ = scoring
+    for t in range(0, n_full):
+        q0 = tl.load(p_full + t) * q_block
+        grads = _key_grads(b_k, b_v, grads, o_n, (tl.maximum(q0, span[0]), tl.minimum(q0 + q_block, span[1])),
+                           queries, descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_M, UPCAST, True, PLAIN)
+    tile_scoring = (seqlens, band, scale, softcap, (blocks[9][1], 1))
+    for t in range(0, n_part):
+        qi = tl.load(p_part + t)
+        q0 = qi * q_block
+        grads = _key_grads(b_k, b_v, grads, o_n, (tl.maximum(q0, span[0]), tl.minimum(q0 + q_block, span[1])),
+                           queries, descriptors, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj), b_seed,
+                           dropout, BLOCK_M, UPCAST, True, False)
+    return grads
+
+
+@triton.jit
 def attention_backward_dkdv_kernel(
-    q, k, v, dout, lse, delta, dk, dv, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, dout, lse, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
     q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -165,12 +190,16 @@ def attention_backward_dkdv_kernel(
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
         dropout = ((b * num_heads + h) * seqlen_q, (seqlen_q, seqlen_k), dropout_p)
-        grads = _key_grads(b_k, b_v, grads, o_n, (lo, full_lo), queries, descriptors, scoring, b_slope, p_mask, b_seed,
-                           dropout, BLOCK_M, UPCAST, True, PLAIN)
-        grads = _key_grads(b_k, b_v, grads, o_n, (full_lo, full_hi), queries, descriptors, scoring, b_slope, p_mask,
-                           b_seed, dropout, BLOCK_M, UPCAST, False, PLAIN)
-        grads = _key_grads(b_k, b_v, grads, o_n, (full_hi, hi), queries, descriptors, scoring, b_slope, p_mask, b_seed,
-                           dropout, BLOCK_M, UPCAST, True, PLAIN)
+        if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
+            grads = _key_grads_blocks(b_k, b_v, grads, o_n, (lo, hi), start_n // blocks[9][1], (b, h), blocks,
+                                      queries, descriptors, scoring, b_slope, b_seed, dropout, BLOCK_M, UPCAST, PLAIN)
+        else:
+            grads = _key_grads(b_k, b_v, grads, o_n, (lo, full_lo), queries, descriptors, scoring, b_slope, p_mask,
+                               b_seed, dropout, BLOCK_M, UPCAST, True, PLAIN)
+            grads = _key_grads(b_k, b_v, grads, o_n, (full_lo, full_hi), queries, descriptors, scoring, b_slope,
+                               p_mask, b_seed, dropout, BLOCK_M, UPCAST, False, PLAIN)
+            grads = _key_grads(b_k, b_v, grads, o_n, (full_hi, hi), queries, descriptors, scoring, b_slope, p_mask,
+                               b_seed, dropout, BLOCK_M, UPCAST, True, PLAIN)
     b_dk, b_dv = grads
     b_dk = b_dk * scale
     o_rows = k0 + o_n[:, None].to(tl.int64)
@@ -221,8 +250,31 @@ def _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, descriptors, scoring, 
 
 
 @triton.jit
+def _query_grads_blocks(b_q, b_do, b_dq, o_m, span, qi, bh, blocks, stats, keys, descriptors, scoring, b_slope,
+                        b_seed, dropout, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``_query_grads`` over the key blocks a block mask lists for query block ``qi``, as the forward walks them."""
+    b, h = bh
+    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, qi)
+    kv_block = blocks[9][1]
+    seqlens, band, scale, softcap, _ = scoring
+    for t in range(0, n_full):
+        k0 = tl.load(p_full + t) * kv_block
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])),
+                            stats, keys, descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_N, UPCAST, True,
+                            PLAIN)
+    tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
+    for t in range(0, n_part):
+        kj = tl.load(p_part + t)
+        k0 = kj * kv_block
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])),
+                            stats, keys, descriptors, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj),
+                            b_seed, dropout, BLOCK_N, UPCAST, True, False)
+    return b_dq
+
+
+@triton.jit
 def attention_backward_dq_kernel(
-    q, k, v, dout, lse, delta, dq, alibi, mask, seed, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, dout, lse, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
     q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -278,15 +330,19 @@ def attention_backward_dq_kernel(
     full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     stats = (b_lse2, b_delta)
-    if window_left is not None:
-        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (lo, full_lo), stats, keys, descriptors, scoring, b_slope, p_mask,
-                            b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
+    if blocks is not None:  # a block mask: its listed key blocks only, as in the forward
+        b_dq = _query_grads_blocks(b_q, b_do, b_dq, o_m, (lo, hi), start_m // blocks[9][0], (b, h), blocks, stats,
+                                   keys, descriptors, scoring, b_slope, b_seed, dropout, BLOCK_N, UPCAST, PLAIN)
     else:
-        full_lo = lo
-    b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_lo, full_hi), stats, keys, descriptors, scoring, b_slope, p_mask,
-                        b_seed, dropout, BLOCK_N, UPCAST, False, PLAIN)
-    b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_hi, hi), stats, keys, descriptors, scoring, b_slope, p_mask,
-                        b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
+        if window_left is not None:
+            b_dq = _query_grads(b_q, b_do, b_dq, o_m, (lo, full_lo), stats, keys, descriptors, scoring, b_slope,
+                                p_mask, b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
+        else:
+            full_lo = lo
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_lo, full_hi), stats, keys, descriptors, scoring, b_slope,
+                            p_mask, b_seed, dropout, BLOCK_N, UPCAST, False, PLAIN)
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (full_hi, hi), stats, keys, descriptors, scoring, b_slope, p_mask,
+                            b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
     b_dq = b_dq * scale
     o_rows = q0 + o_m[:, None].to(tl.int64)
     tl.store(dq + b * stride_dqb + o_rows * stride_dqn + h * stride_dqh + o_d[None, :] * stride_dqd,

@@ -27,9 +27,11 @@ from .tiles import (
     load_rows,
     load_tile,
     load_tile_t,
+    partial_tile,
     program_tile,
     score_tile,
     sequence,
+    sparse_lists,
     tma_origin,
 )
 
@@ -92,8 +94,32 @@ def _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, 
 
 
 @triton.jit
+def _attend_blocks(b_q, state, o_m, span, qi, bh, blocks, keys, descriptors, scoring, b_slope, b_seed, dropout,
+                   BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``_attend`` over the key blocks a block mask lists for query block ``qi`` of (batch, head) ``bh``, each
+    clipped to ``span`` (the band): full blocks with no element mask, partial ones with theirs; empty blocks are
+    never visited."""
+    b, h = bh
+    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, qi)
+    kv_block = blocks[9][1]
+    seqlens, band, scale, softcap, _ = scoring
+    for t in range(0, n_full):
+        k0 = tl.load(p_full + t) * kv_block
+        state = _attend(b_q, state, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])), keys,
+                        descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
+    tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
+    for t in range(0, n_part):
+        kj = tl.load(p_part + t)
+        k0 = kj * kv_block
+        state = _attend(b_q, state, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])), keys,
+                        descriptors, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj), b_seed, dropout,
+                        BLOCK_N, UPCAST, True, False)
+    return state
+
+
+@triton.jit
 def attention_forward_kernel(
-    q, k, v, out, lse, probs, alibi, mask, seed, sink, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch,
+    q, k, v, out, lse, probs, alibi, mask, seed, sink, blocks, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch,
     block_table, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -117,7 +143,8 @@ def attention_forward_kernel(
     split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs`` (None unless asked for) receives P = exp(S -
     lse), dropped entries negated: a testing aid, never with a cache or splits. ``sink`` (None without): the learnable
     sink logit of query head ``h * stride_sh + row * stride_sm`` joins the denominator in the epilogue (never with
-    splits: the merge adds it). ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
+    splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``sparse_lists``).
+    ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
     ``*_desc`` are TMA descriptors (None: pointer loads) with ``*_tma`` = (rows per batch, rows per head, columns per
     head) saying where a head's rows are in them (``flashattn.backends.triton.tma``).
     """
@@ -165,15 +192,19 @@ def attention_forward_kernel(
     full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     state = (tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), tl.zeros([BLOCK_M], tl.float32),
              tl.full([BLOCK_M], float("-inf"), tl.float32))
-    if window_left is not None:
-        state = _attend(b_q, state, o_m, (lo, full_lo), keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
-                        BLOCK_N, UPCAST, True, PLAIN)
+    if blocks is not None:  # a block mask: its listed key blocks only (BLOCK_M divides its query block)
+        b_acc, b_l, b_m = _attend_blocks(b_q, state, o_m, (lo, hi), start_m // blocks[9][0], (b, h), blocks, keys,
+                                         descriptors, scoring, b_slope, b_seed, dropout, BLOCK_N, UPCAST, PLAIN)
     else:
-        full_lo = lo
-    state = _attend(b_q, state, o_m, (full_lo, full_hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
-                    dropout, BLOCK_N, UPCAST, False, PLAIN)
-    b_acc, b_l, b_m = _attend(b_q, state, o_m, (full_hi, hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
-                              dropout, BLOCK_N, UPCAST, True, PLAIN)
+        if window_left is not None:
+            state = _attend(b_q, state, o_m, (lo, full_lo), keys, descriptors, scoring, b_slope, p_mask, b_seed,
+                            dropout, BLOCK_N, UPCAST, True, PLAIN)
+        else:
+            full_lo = lo
+        state = _attend(b_q, state, o_m, (full_lo, full_hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
+                        dropout, BLOCK_N, UPCAST, False, PLAIN)
+        b_acc, b_l, b_m = _attend(b_q, state, o_m, (full_hi, hi), keys, descriptors, scoring, b_slope, p_mask,
+                                  b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
 
     # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf (the sink
     # with one: it is one more score in the denominator, with no value, so only l and the output's scale move).

@@ -280,3 +280,27 @@ def query_range(start_n, nq, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
     if window_left is not None:
         hi = tl.minimum(start_n + BLOCK_N - 1 - diagonal + window_left + 1, nq)
     return lo, hi
+
+
+@triton.jit
+def sparse_lists(blocks, b, h, x):
+    """A block mask's lists for row-block ``x`` of (batch b, head h): (full count, pointer to the full blocks'
+    indices, partial count, pointer to the partial blocks' indices). ``blocks`` = (full counts, full indices,
+    partial counts, partial indices, partial ids, partial masks, count strides (b, h, x), index strides (b, h, x),
+    id strides (b, h, query block, key block), (query block, key block) sizes); a row-block is a query block for
+    the forward and dQ (listing key blocks) and a key block for dK/dV (listing query blocks)."""
+    counts_full, index_full, counts_part, index_part = blocks[0], blocks[1], blocks[2], blocks[3]
+    sc, si = blocks[6], blocks[7]
+    at_count = b * sc[0] + h * sc[1] + x * sc[2]
+    at_index = b * si[0] + h * si[1] + x * si[2]
+    return (tl.load(counts_full + at_count), index_full + at_index, tl.load(counts_part + at_count),
+            index_part + at_index)
+
+
+@triton.jit
+def partial_tile(blocks, b, h, qi, kj):
+    """The element mask of partial block (qi, kj) of (b, h) as ``score_tile`` reads a user mask: a uint8 pointer
+    that ``+ i * kv_block + j`` takes to the element of query i, key j (strides (kv_block, 1))."""
+    ids, masks, sp, sizes = blocks[4], blocks[5], blocks[8], blocks[9]
+    tile = tl.load(ids + b * sp[0] + h * sp[1] + qi * sp[2] + kj * sp[3]).to(tl.int64)
+    return masks + (tile * sizes[0] - qi * sizes[0]) * sizes[1] - kj * sizes[1]
