@@ -3,8 +3,8 @@
 Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256, block masks of blocks that are multiples of
 16) -> ``triton``, anything else -> ``cpu`` (the C++ kernel on CPU tensors, tiled PyTorch on every device).
 Force one with the environment variable ``FLASHATTN_BACKEND=cpu|triton|cuda|auto`` or, taking precedence, the
-context manager ``flashattn.use_backend("cpu")``. ``cuda`` (a fused CUDA C++ forward kernel, inference only, fp16/bf16, head dim 64
-or 128, causal or not) is never chosen automatically.
+context manager ``flashattn.use_backend("cpu")``. ``cuda`` (a fused CUDA C++ forward kernel, inference only,
+fp16/bf16, head dim 64 or 128, causal or not) is never chosen automatically.
 Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
 checks the kernels without a GPU.
 
