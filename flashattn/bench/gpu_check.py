@@ -90,7 +90,8 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     sweep = [*bench, "sweep", "--modes", "fwd,bwd", "--baselines", SWEEP_BASELINES, "--quiet", "--out", str(out)]
     return [
         Step("info", [*py, "info", "--json"], 60, stdout_to="info.json"),
-        Step("health", ["flashattn.backends.triton.health", "--jobs", str(jobs), "--json", str(out / "health.json")],
+        Step("health", ["flashattn.backends.triton.health", "--jobs", str(jobs), "--head-dims",
+                        "16,32,64,128,256,192:128,96:64", "--json", str(out / "health.json")],
              420, background=True, interpreter_off=True),
         Step("profile", ["flashattn.backends.triton.profile", "--json", str(out / "profile.json")], 300,
              background=True, interpreter_off=True),
