@@ -5,7 +5,6 @@ tiled path and the Triton kernels (interpreter), forward and gradients (the sink
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -13,9 +12,7 @@ from oracle import assert_close, attention_ref, check_against_oracle
 
 import flashattn
 import flashattn.nn
-from flashattn.backends import cpu_kernel
 
-HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -25,14 +22,6 @@ def _inputs(b, nq, nk, h, hk, d, dtype=torch.float32, seed=0):
                for n, heads in ((nq, h), (nk, hk), (nk, hk)))
     sink = (2 * torch.randn(h, generator=gen)).requires_grad_()
     return q, k, v, sink
-
-
-@pytest.fixture(params=["kernel", "tiled"])
-def cpu_path(request):
-    if request.param == "kernel" and not HAS_COMPILER:
-        pytest.skip("no C++ compiler")
-    with cpu_kernel.use(request.param == "kernel"), flashattn.use_backend("cpu"):
-        yield
 
 
 FEATURES = {"plain": {}, "causal": {"causal": True}, "window softcap": {"window_size": (9, 2), "softcap": 4.0},

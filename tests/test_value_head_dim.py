@@ -5,16 +5,12 @@ the Triton kernels (interpreter), against the float64 oracle."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 from oracle import attention_ref, check_against_oracle
 
 import flashattn
-from flashattn.backends import cpu_kernel
-
-HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
 
 def _inputs(b, nq, nk, h, hk, d, dv, dtype=torch.float32):
@@ -23,14 +19,6 @@ def _inputs(b, nq, nk, h, hk, d, dv, dtype=torch.float32):
     k = torch.randn(b, nk, hk, d, dtype=dtype, requires_grad=True)
     v = torch.randn(b, nk, hk, dv, dtype=dtype, requires_grad=True)
     return q, k, v
-
-
-@pytest.fixture(params=["kernel", "tiled"])
-def cpu_path(request):
-    if request.param == "kernel" and not HAS_COMPILER:
-        pytest.skip("no C++ compiler")
-    with cpu_kernel.use(request.param == "kernel"), flashattn.use_backend("cpu"):
-        yield
 
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (96, 64), (40, 72)])

@@ -35,6 +35,7 @@ __all__ = ["BACKENDS", "Backend", "choose", "explain", "get", "use_backend"]
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
 TRITON_MAX_HEAD_DIM = 256
+TRITON_BLOCK_MULTIPLE = 16  # a block mask's blocks must be multiples of this for the Triton tiles to divide them
 _forced: ContextVar[str | None] = ContextVar("flashattn_backend", default=None)
 _log = logging.getLogger("flashattn")
 
@@ -126,7 +127,8 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int, odd_blocks: boo
 def choose(q: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> str:
     """The name of the backend a call with query ``q``, value ``v`` and options ``spec`` runs on (``explain``)."""
     blocks = None if spec is None else spec.block_sparse
-    odd_blocks = blocks is not None and bool(blocks.q_block % 16 or blocks.kv_block % 16)
+    odd_blocks = blocks is not None and bool(blocks.q_block % TRITON_BLOCK_MULTIPLE
+                                             or blocks.kv_block % TRITON_BLOCK_MULTIPLE)
     return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]), odd_blocks)[0]
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import flashattn
 
 from . import options, report
-from .measure import _proc_status, _reset_peak_rss, time_calls  # noqa: PLC2701 (the one RSS reader)
+from .measure import peak_bytes, time_calls
 
 HELP = "a document mask three ways: BlockMask vs varlen vs a dense N x N mask, time and memory"
 IMPLS = ("block-mask", "varlen", "dense-mask")
@@ -89,14 +89,6 @@ def run_case(case: DocumentCase) -> dict:
     shape = (1, case.seqlen, case.heads, case.headdim)
     q, k, v = (torch.randn(shape, dtype=dtype, device=case.device, requires_grad=grad) for _ in range(3))
     call, mask_seconds = _call(case, q, k, v)  # the mask (torch's create_block_mask is its own cost) is input
-    cuda = case.device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        exact = _reset_peak_rss()
-        before = _proc_status("VmRSS")
     if grad:
         g = torch.randn(shape, dtype=dtype, device=case.device)
 
@@ -106,14 +98,9 @@ def run_case(case: DocumentCase) -> dict:
         def step():
             with torch.inference_mode():
                 call()
-    step()
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        peak = (_proc_status("VmHWM") if exact else 0) - before
+    peak = peak_bytes(step, case.device)  # also the warm-up
     seconds = statistics.median(time_calls(step, case.repeats, case.device))
-    return {**asdict(case), "seconds": seconds, "mask_seconds": mask_seconds, "peak_bytes": max(0, peak)}
+    return {**asdict(case), "seconds": seconds, "mask_seconds": mask_seconds, "peak_bytes": peak}
 
 
 @dataclass

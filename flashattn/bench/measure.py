@@ -212,9 +212,19 @@ def run_here(case: Case) -> dict:
     shape = (case.batch, case.seqlen, case.heads, case.headdim)
     grad = case.mode != "fwd"
     q, k, v = (torch.randn(shape, dtype=dtype, device=case.device, requires_grad=grad) for _ in range(3))
-    cuda = case.device.startswith("cuda")
     tiny = [t.detach()[:, : min(case.seqlen, 16)].requires_grad_(grad) for t in (q, k, v)]
     _make_step(fn, *tiny, case.causal, case.mode)()  # load code and start thread pools outside the measurement
+    step = _make_step(fn, q, k, v, case.causal, case.mode)
+    peak = peak_bytes(step, case.device)  # also the warm-up of the timing loop
+    times = time_calls(step, case.repeats, case.device)
+    seconds = statistics.median(times)
+    return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": peak}
+
+
+def peak_bytes(step: Callable[[], object], device: str) -> int:
+    """Run ``step`` once and return the most memory it held above what was in use before: the allocator's peak on
+    CUDA, the resident set's high-water mark on CPU (``ru_maxrss`` where the mark cannot be reset)."""
+    cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -222,17 +232,12 @@ def run_here(case: Case) -> dict:
     else:
         exact = _reset_peak_rss()
         before = _proc_status("VmRSS")
-    step = _make_step(fn, q, k, v, case.causal, case.mode)
-    step()  # the measured call for memory; also the warm-up of the timing loop
+    step()
     if cuda:
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        high = _proc_status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        peak = high - before
-    times = time_calls(step, case.repeats, case.device)
-    seconds = statistics.median(times)
-    return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": max(0, peak)}
+        return max(0, torch.cuda.max_memory_allocated() - before)
+    high = _proc_status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(0, high - before)
 
 
 def time_calls(step: Callable[[], object], repeats: int, device: str, flush_l2: bool = True,

@@ -7,15 +7,19 @@ backends' tile, so an empty block is a skipped tile and a full one runs without 
 here once, on the partial blocks only: memory is the tile map plus those blocks, never Nq x Nk.
 
 A batch or head dimension of 1 in the ``BlockMask`` is broadcast, and ``mask_mod`` is then evaluated at index 0
-of it (the block lists were built that way too): it must not depend on that index.
+of it (the block lists were built that way too): it must not depend on that index. The conversion is kept per
+``BlockMask`` (``PerTensor``), so the layers of a model that share one convert it once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..backends.memo import PerTensor
 from ..backends.spec import BlockSparse
 from ._base import fail
+
+_CONVERTED = PerTensor()
 
 
 def _block_mask_type() -> type | None:
@@ -50,6 +54,15 @@ def validate_block_mask(fn: str, name: str, mask: object, *, batch: int, nheads:
     q_block, kv_block = (int(b) for b in mask.BLOCK_SIZE)
     if qb != -(-nq // q_block) or kb != -(-nk // kv_block):
         raise fail(fn, f"{name} has {qb} x {kb} blocks of {q_block} x {kv_block}, which do not tile ({nq}, {nk})")
+    if torch.compiler.is_compiling():  # traced into the graph: no Python-side cache
+        return _convert(fn, name, mask, nq=nq, nk=nk)
+    # The same mask (its block lists and mask_mod) converts to the same tiles: once per model forward, not per layer.
+    extra = (id(mask.full_kv_indices), mask.mask_mod, tuple(mask.BLOCK_SIZE))
+    return _CONVERTED.get(mask.kv_indices, extra, lambda: _convert(fn, name, mask, nq=nq, nk=nk))
+
+
+def _convert(fn: str, name: str, mask, *, nq: int, nk: int) -> BlockSparse:
+    q_block, kv_block = (int(b) for b in mask.BLOCK_SIZE)
     kind = _tile_kind(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
     partial = kind == 1
     partial_id = torch.where(partial, partial.flatten().cumsum(0).view(partial.shape) - 1, -1).to(torch.int32)

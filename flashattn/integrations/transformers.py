@@ -32,13 +32,13 @@ Example::
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checks
+from ..backends.memo import PerTensor
 from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, scaled_dot_product_attention
 from ..padding import pad_input, plan_unpad, unpad_input
 
@@ -150,29 +150,12 @@ def padding_mask(
     return attention_mask
 
 
-class _PerTensor:
-    """Answers kept for the few tensors seen last. Every layer of a model receives the same position_ids and the
-    same padding mask, so the device reads that plan a varlen call happen once per forward, not once per layer.
-    An in-place write bumps a tensor's version counter, which invalidates its answer."""
-
-    def __init__(self, slots: int = 4) -> None:
-        self.slots, self.entries = slots, []  # (weakref, version, extra, value), newest first
-
-    def get(self, tensor: Tensor, extra, compute):
-        for ref, version, seen, value in self.entries:
-            if ref() is tensor and version == tensor._version and seen == extra:
-                return value
-        value = compute()
-        self.entries = [(weakref.ref(tensor), tensor._version, extra, value), *self.entries[: self.slots - 1]]
-        return value
-
-
-_PLANS = _PerTensor()  # a few slots: models alternate full and sliding-window masks between layers
+_PLANS = PerTensor()  # a few slots: models alternate full and sliding-window masks between layers
 
 
 def _packed_offsets(position_ids: Tensor, batch: int) -> tuple[Tensor, int] | None:
     """Sequence offsets of packed rows: a sequence starts at each row start and wherever the position does not
-    advance by one. None when every row holds one sequence. Kept per position_ids tensor (``_PerTensor``)."""
+    advance by one. None when every row holds one sequence. Kept per position_ids tensor (``PerTensor``)."""
     return _PLANS.get(position_ids, ("packing", batch), lambda: _find_packing(position_ids, batch))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import TRITON_BLOCK_MULTIPLE
 from .. import TRITON_MAX_HEAD_DIM as MAX_HEAD_DIM
 from ..spec import AttentionSpec, Saved
 from . import configs
@@ -50,9 +51,9 @@ def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> 
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"it supports head dims up to {MAX_HEAD_DIM}, got {max(q.shape[-1], v.shape[-1])}"
     blocks = spec.block_sparse
-    if blocks is not None and (blocks.q_block % 16 or blocks.kv_block % 16):
-        return (f"its tiles must divide the block mask's blocks, which must be multiples of 16, got "
-                f"{blocks.q_block} x {blocks.kv_block}")
+    if blocks is not None and (blocks.q_block % TRITON_BLOCK_MULTIPLE or blocks.kv_block % TRITON_BLOCK_MULTIPLE):
+        return (f"its tiles must divide the block mask's blocks, which must be multiples of "
+                f"{TRITON_BLOCK_MULTIPLE}, got {blocks.q_block} x {blocks.kv_block}")
     return None
 
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..spec import AttentionSpec
+from ..memo import PerTensor
+from ..spec import AttentionSpec, BlockSparse
 from . import configs, tma
 from .kernels import merge_splits_kernel
 
@@ -247,10 +248,18 @@ def _optional_tensors(spec: AttentionSpec) -> dict:
 def sparse_blocks(spec: AttentionSpec, *, by_keys: bool) -> tuple | None:
     """A block mask as the kernels walk it (``tiles.sparse_lists``), or None without one: per query block the full
     and the partial key blocks (forward, dQ), or with ``by_keys`` per key block the query blocks (dK/dV), as counts
-    and index lists, with the partial blocks' ids and element masks. Broadcast batch or head dims get stride 0."""
+    and index lists, with the partial blocks' ids and element masks. Broadcast batch or head dims get stride 0.
+    Kept per tile map (``PerTensor``): the layers sharing a mask, and a forward and its dQ, build the lists once."""
     blocks = spec.block_sparse
     if blocks is None:
         return None
+    return _SPARSE_LISTS.get(blocks.tile_kind, by_keys, lambda: _sparse_lists(blocks, by_keys))
+
+
+_SPARSE_LISTS = PerTensor()
+
+
+def _sparse_lists(blocks: BlockSparse, by_keys: bool) -> tuple:
     kind = blocks.tile_kind.transpose(-1, -2) if by_keys else blocks.tile_kind
     lists = []
     for value in (2, 1):  # full, partial

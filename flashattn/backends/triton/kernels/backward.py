@@ -18,6 +18,7 @@ from .tiles import (
     full_key_range,
     full_query_range,
     key_range,
+    listed_span,
     load_tile,
     load_tile_t,
     partial_tile,
@@ -117,16 +118,14 @@ def _key_grads_blocks(b_k, b_v, grads, o_n, span, kj, bh, blocks, queries, descr
     q_block = blocks[9][0]
     seqlens, band, scale, softcap, _ = scoring
     for t in range(0, n_full):
-        q0 = tl.load(p_full + t) * q_block
-        grads = _key_grads(b_k, b_v, grads, o_n, (tl.maximum(q0, span[0]), tl.minimum(q0 + q_block, span[1])),
-                           queries, descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_M, UPCAST, True, PLAIN)
+        qi, rows_t = listed_span(p_full, t, q_block, span)
+        grads = _key_grads(b_k, b_v, grads, o_n, rows_t, queries, descriptors, scoring, b_slope, None, b_seed, dropout,
+                           BLOCK_M, UPCAST, True, PLAIN)
     tile_scoring = (seqlens, band, scale, softcap, (blocks[9][1], 1))
     for t in range(0, n_part):
-        qi = tl.load(p_part + t)
-        q0 = qi * q_block
-        grads = _key_grads(b_k, b_v, grads, o_n, (tl.maximum(q0, span[0]), tl.minimum(q0 + q_block, span[1])),
-                           queries, descriptors, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj), b_seed,
-                           dropout, BLOCK_M, UPCAST, True, False)
+        qi, rows_t = listed_span(p_part, t, q_block, span)
+        grads = _key_grads(b_k, b_v, grads, o_n, rows_t, queries, descriptors, tile_scoring, b_slope,
+                           partial_tile(blocks, b, h, qi, kj), b_seed, dropout, BLOCK_M, UPCAST, True, False)
     return grads
 
 
@@ -258,17 +257,14 @@ def _query_grads_blocks(b_q, b_do, b_dq, o_m, span, qi, bh, blocks, stats, keys,
     kv_block = blocks[9][1]
     seqlens, band, scale, softcap, _ = scoring
     for t in range(0, n_full):
-        k0 = tl.load(p_full + t) * kv_block
-        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])),
-                            stats, keys, descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_N, UPCAST, True,
-                            PLAIN)
+        kj, keys_t = listed_span(p_full, t, kv_block, span)
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, keys_t, stats, keys, descriptors, scoring, b_slope, None, b_seed,
+                            dropout, BLOCK_N, UPCAST, True, PLAIN)
     tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
     for t in range(0, n_part):
-        kj = tl.load(p_part + t)
-        k0 = kj * kv_block
-        b_dq = _query_grads(b_q, b_do, b_dq, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])),
-                            stats, keys, descriptors, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj),
-                            b_seed, dropout, BLOCK_N, UPCAST, True, False)
+        kj, keys_t = listed_span(p_part, t, kv_block, span)
+        b_dq = _query_grads(b_q, b_do, b_dq, o_m, keys_t, stats, keys, descriptors, tile_scoring, b_slope,
+                            partial_tile(blocks, b, h, qi, kj), b_seed, dropout, BLOCK_N, UPCAST, True, False)
     return b_dq
 
 

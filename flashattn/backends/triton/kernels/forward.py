@@ -24,6 +24,7 @@ from .tiles import (
     full_key_range,
     key_range,
     key_slots,
+    listed_span,
     load_rows,
     load_tile,
     load_tile_t,
@@ -104,16 +105,14 @@ def _attend_blocks(b_q, state, o_m, span, qi, bh, blocks, keys, descriptors, sco
     kv_block = blocks[9][1]
     seqlens, band, scale, softcap, _ = scoring
     for t in range(0, n_full):
-        k0 = tl.load(p_full + t) * kv_block
-        state = _attend(b_q, state, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])), keys,
-                        descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
+        kj, keys_t = listed_span(p_full, t, kv_block, span)
+        state = _attend(b_q, state, o_m, keys_t, keys, descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_N,
+                        UPCAST, True, PLAIN)
     tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
     for t in range(0, n_part):
-        kj = tl.load(p_part + t)
-        k0 = kj * kv_block
-        state = _attend(b_q, state, o_m, (tl.maximum(k0, span[0]), tl.minimum(k0 + kv_block, span[1])), keys,
-                        descriptors, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj), b_seed, dropout,
-                        BLOCK_N, UPCAST, True, False)
+        kj, keys_t = listed_span(p_part, t, kv_block, span)
+        state = _attend(b_q, state, o_m, keys_t, keys, descriptors, tile_scoring, b_slope,
+                        partial_tile(blocks, b, h, qi, kj), b_seed, dropout, BLOCK_N, UPCAST, True, False)
     return state
 
 

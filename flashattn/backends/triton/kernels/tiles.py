@@ -304,3 +304,10 @@ def partial_tile(blocks, b, h, qi, kj):
     ids, masks, sp, sizes = blocks[4], blocks[5], blocks[8], blocks[9]
     tile = tl.load(ids + b * sp[0] + h * sp[1] + qi * sp[2] + kj * sp[3]).to(tl.int64)
     return masks + (tile * sizes[0] - qi * sizes[0]) * sizes[1] - kj * sizes[1]
+
+
+@triton.jit
+def listed_span(p_list, t, size, span):
+    """Entry t of a block list: (the block's index, the rows or keys [lo, hi) it covers, clipped to ``span``)."""
+    x = tl.load(p_list + t)
+    return x, (tl.maximum(x * size, span[0]), tl.minimum(x * size + size, span[1]))
