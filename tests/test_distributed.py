@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 
@@ -28,10 +27,29 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _spawn(body, world: int, tmp_path, *args) -> list:
+    """Run ``body(rank, world, *args)`` on ``world`` gloo ranks and return rank 0's answer (a JSON list)."""
+    out_path = tmp_path / "answer.json"
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "store"), str(out_path), body, args), nprocs=world, join=True)
+    return json.loads(out_path.read_text())
+
+
+def _rank_main(rank, world, store_path, out_path, body, args):
+    sys.path.insert(0, os.path.dirname(__file__))
+    torch.set_num_threads(1)
+    # A file store, not TCP: no free-port race with the other test worker, no store server thread in rank 0.
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    answer = body(rank, world, *args)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(answer, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Leave without interpreter finalization: gloo's threads can abort the process there (seen once in CI as
+    # "terminate called without an active exception" after every check had passed), which is not ours to test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _reference(q, k, v, kwargs):
@@ -42,11 +60,7 @@ def _reference(q, k, v, kwargs):
                          softcap=kwargs.get("softcap", 0.0), alibi=kwargs.get("alibi_slopes"))
 
 
-def _worker(rank, world, port, out_path, dtype_name):
-    sys.path.insert(0, os.path.dirname(__file__))
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _layouts_body(rank, world, dtype_name):
     import flashattn.distributed as fd
 
     failures = []
@@ -88,24 +102,16 @@ def _worker(rank, world, port, out_path, dtype_name):
                                         f"{same_inf})")
     except Exception:
         failures.append(traceback.format_exc())
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(failures, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return failures
 
 
 @pytest.mark.parametrize("world,dtype", [(2, "float64"), (4, "float64"), (2, "float32")])
 def test_every_layout_matches_one_device(world, dtype, tmp_path):
-    out_path = tmp_path / "failures.json"
-    mp.spawn(_worker, args=(world, _free_port(), str(out_path), dtype), nprocs=world, join=True)
-    failures = json.loads(out_path.read_text())
+    failures = _spawn(_layouts_body, world, tmp_path, dtype)
     assert not failures, "\n".join(failures)
 
 
-def _errors_worker(rank, world, port, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _errors_body(rank, world):
     import flashattn.distributed as fd
 
     messages = []
@@ -122,17 +128,11 @@ def _errors_worker(rank, world, port, out_path):
             messages.append("no error")
         except ValueError as e:
             messages.append(str(e))
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(messages, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return messages
 
 
 def test_refused_combinations_get_clear_errors(tmp_path):
-    out_path = tmp_path / "messages.json"
-    mp.spawn(_errors_worker, args=(2, _free_port(), str(out_path)), nprocs=2, join=True)
-    messages = json.loads(out_path.read_text())
+    messages = _spawn(_errors_body, 2, tmp_path)
     expected = ["same number of tokens, got [4, 5]", "dropout_p must be 0", "must be multiples of the world size",
                 "length must be even", "does not split into 4 equal chunks"]
     for got, want in zip(messages, expected, strict=True):
