@@ -24,6 +24,7 @@ CASES = [
     {"causal": True},
     {"causal": True, "window_size": (5, 0), "softcap": 2.0, "alibi": True},
     {"window_size": (3, 4)},
+    {"causal": True, "window_size": (4, 0), "sink": True},  # learnable_sink: its gradient summed over the ranks
 ]
 
 
@@ -57,7 +58,8 @@ def _reference(q, k, v, kwargs):
 
     window = kwargs.get("window_size", (-1, -1))
     return attention_ref(q, k, v, causal=kwargs.get("causal", False), window=window,
-                         softcap=kwargs.get("softcap", 0.0), alibi=kwargs.get("alibi_slopes"))
+                         softcap=kwargs.get("softcap", 0.0), alibi=kwargs.get("alibi_slopes"),
+                         sink=kwargs.get("learnable_sink"))
 
 
 def _layouts_body(rank, world, dtype_name):
@@ -73,22 +75,30 @@ def _layouts_body(rank, world, dtype_name):
                 q, k, v = (torch.randn(b, n, heads, d, dtype=torch.float64) for heads in (h, hk, hk))
                 dout = torch.randn(b, n, h, d, dtype=torch.float64)
                 dlse = torch.randn(b, h, n, dtype=torch.float64)
-                kwargs = {key: val for key, val in case.items() if key != "alibi"}
+                kwargs = {key: val for key, val in case.items() if key not in ("alibi", "sink")}
                 if case.get("alibi"):
                     kwargs["alibi_slopes"] = (torch.rand(h) * 0.5).double()  # values exact in float32 too
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref_out, ref_lse = _reference(*leaves, kwargs)
+                sink = torch.randn(h, dtype=torch.float64) if case.get("sink") else None
+                leaves = [t.clone().requires_grad_() for t in (q, k, v, sink) if t is not None]
+                ref_out, ref_lse = _reference(*leaves[:3], {**kwargs, "learnable_sink": (leaves[3:] or [None])[0]})
                 ref_grads = torch.autograd.grad((ref_out, ref_lse), leaves, (dout, dlse))
 
                 local = [fd.shard(t.to(dtype), layout).requires_grad_() for t in (q, k, v)]
                 if "alibi_slopes" in kwargs:
                     kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(torch.float32)
-                out, lse, _ = getattr(fd, fn_name)(*local, return_attn_probs=True, **kwargs)
+                if sink is not None:
+                    kwargs["learnable_sink"] = sink.detach().to(dtype).requires_grad_()
+                    local.append(kwargs["learnable_sink"])
+                out, lse, _ = getattr(fd, fn_name)(*local[:3], return_attn_probs=True, **kwargs)
                 grads = torch.autograd.grad((out, lse), local, (fd.shard(dout.to(dtype), layout),
                                                                  fd.shard(dlse, layout, dim=2).to(lse.dtype)))
                 got = {"out": fd.unshard(out.detach(), layout), "lse": fd.unshard(lse.detach(), layout, dim=2)}
-                got.update({g: fd.unshard(x, layout) for g, x in zip(("dq", "dk", "dv"), grads, strict=True)})
+                got.update({g: fd.unshard(x, layout) for g, x in zip(("dq", "dk", "dv"), grads, strict=False)})
                 want = {"out": ref_out, "lse": ref_lse, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
+                if sink is not None:  # each rank's share of the replicated sink's gradient; DDP would sum them
+                    got["dsink"] = grads[3].clone()
+                    dist.all_reduce(got["dsink"])
+                    want["dsink"] = ref_grads[3]
                 tol = 1e-9 if dtype == torch.float64 else 2e-5
                 for key, x in got.items():
                     w = want[key]

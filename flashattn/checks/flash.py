@@ -77,7 +77,7 @@ def flash_options(fn: str, q: torch.Tensor, *, batch: int, learnable_sink: objec
                   **options) -> AttentionSpec:
     """The options shared by the dense, varlen and KV-cache ``flash_attn_*`` functions (bottom-right causal):
     ``options`` are ``flash_attn_func``'s keyword arguments after q, k, v (``FLASH_OPTIONS``), all of them, and
-    ``learnable_sink`` FlashAttention-4's sink logits (nheads,), which the context-parallel functions do not take."""
+    ``learnable_sink`` FlashAttention-4's sink logits (nheads,)."""
     if set(options) != set(FLASH_OPTIONS):  # a programming error inside the library, never the user's
         raise TypeError(f"flash_options: expected the options {FLASH_OPTIONS}, got {tuple(options)}")
     causal = validate_flag(fn, "causal", options["causal"])

@@ -14,7 +14,7 @@ from .. import checks
 from ..backends import choose
 from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
 from ..ops import attention, attention_backward
-from .common import block_spec, check, head_spec, visible
+from .common import block_spec, check, head_spec, sink_grad_of, visible
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _head_groups(hk: int, step: int):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec: AttentionSpec, heads_per_step: int, group):
+    def forward(ctx, q, k, v, sink, spec: AttentionSpec, heads_per_step: int, group):
         rank, n = dist.get_rank(group), q.shape[1]
         g = q.shape[2] // k.shape[2]
         bspec = block_spec(spec, rank * n, 0)
@@ -44,13 +44,13 @@ class _AllGatherAttention(torch.autograd.Function):
                 heads = slice(h0 * g, h1 * g)
                 o, lse[:, heads], _ = attention(q[:, :, heads], kf, vf, head_spec(bspec, heads), backend=backend)
                 out[:, :, heads] = o
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.spec, ctx.heads_per_step, ctx.group, ctx.backend = bspec, heads_per_step, group, backend
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         bspec, group = ctx.spec, ctx.group
         world, n = dist.get_world_size(group), q.shape[1]
         g = q.shape[2] // k.shape[2]
@@ -69,17 +69,19 @@ class _AllGatherAttention(torch.autograd.Function):
                 part = torch.empty_like(mine[:, :, h0:h1])
                 dist.reduce_scatter(part, [c.contiguous() for c in full.chunk(world, 1)], group=group)
                 mine[:, :, h0:h1] = part
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, sink_grad_of(ctx, 3, dout, dlse, out, lse, sink), None, None, None
 
 
 def allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
                               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False, group=None, kv_heads_per_step=None):
+                              deterministic=False, return_attn_probs=False, group=None, kv_heads_per_step=None,
+                              learnable_sink=None):
     """``flash_attn_func`` over a contiguously sharded sequence by gathering K/V (``kv_heads_per_step`` key/value
     heads at a time; default all) instead of passing it around a ring. Same arguments and returns as
     ``ring_flash_attn_func``."""
     fn = "allgather_flash_attn_func"
-    call = check(fn, q, k, v, group=group, **checks.flash_arguments(locals()))
+    call = check(fn, q, k, v, group=group, learnable_sink=learnable_sink,
+                 **checks.flash_arguments(locals()))
     step = checks.check_heads_per_step(fn, kv_heads_per_step, default=call.k.shape[2])
-    out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.spec, step, group)
+    out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.spec.sink, call.spec, step, group)
     return (out, lse, None) if return_attn_probs else out

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .. import checks
 from ..backends.merge import merge_states
 from ..backends.spec import AttentionSpec, accumulation_dtype
-from ..ops import attention
+from ..ops import attention, sink_grad
 
 
 def check(fn: str, q, k, v, *, group, layout: str = "contiguous", **options) -> checks.CheckedCall:
@@ -35,6 +35,15 @@ def head_spec(spec: AttentionSpec, heads: slice) -> AttentionSpec:
     alibi, sink = spec.alibi_slopes, spec.sink
     return dataclasses.replace(spec, alibi_slopes=None if alibi is None else alibi[:, heads].contiguous(),
                                sink=None if sink is None else sink[heads].contiguous())
+
+
+def sink_grad_of(ctx, index: int, dout, dlse, out, lse, sink) -> torch.Tensor | None:
+    """The gradient of the sink logits from this rank's rows (or None when input ``index`` needs none): each rank
+    holds its share, and summing over the group, as DDP and FSDP do for every replicated parameter, gives the
+    whole."""
+    if sink is None or not ctx.needs_input_grad[index]:
+        return None
+    return sink_grad(dout, dlse, out, lse, sink)
 
 
 def visible(spec: AttentionSpec, nq: int, nk: int) -> bool:

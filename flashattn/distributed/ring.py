@@ -9,14 +9,17 @@ The zigzag layout is the same ring over ranks holding two chunks each (one early
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from .. import checks
 from ..backends import choose
+from ..backends.merge import with_sink
 from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
 from ..ops import attention_backward
-from .common import Partial, block_spec, check, exchange, visible
+from .common import Partial, block_spec, check, exchange, sink_grad_of, visible
 from .layout import segments
 
 
@@ -31,7 +34,8 @@ def _pairs(layout, rank, src, world, n, spec):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec: AttentionSpec, layout: str, group):
+    def forward(ctx, q, k, v, sink, spec: AttentionSpec, layout: str, group):
+        spec = dataclasses.replace(spec, sink=None)  # the sink joins once, after every block has merged
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         n = q.shape[1]
         backend = choose(q, v)  # one backend for every block, forward and backward
@@ -46,15 +50,18 @@ class _RingAttention(torch.autograd.Function):
                 for r in requests:
                     r.wait()
         parts = [runs[sq].result(q[:, sq : sq + lq], v.shape[-1]) for _, sq, lq in segments(layout, rank, world, n)]
-        out = torch.cat([o for o, _ in parts], 1).to(q.dtype)
+        out = torch.cat([o for o, _ in parts], 1)
         lse = torch.cat([lse for _, lse in parts], 2).to(accumulation_dtype(q.dtype))
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sink is not None:
+            out, lse = with_sink(out, lse, sink)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.spec, ctx.layout, ctx.group, ctx.backend = spec, layout, group, backend
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         spec, layout, group = ctx.spec, ctx.layout, ctx.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         n = q.shape[1]
@@ -77,31 +84,36 @@ class _RingAttention(torch.autograd.Function):
             for r in requests:
                 r.wait()
             held = received if step < world - 1 else [None, None, *received]
-        return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype), None, None, None
+        dsink = sink_grad_of(ctx, 3, dout, dlse, out, lse, sink)
+        return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype), dsink, None, None, None
 
 
 def _ring(fn: str, layout: str, q, k, v, *, group, **options):
     call = check(fn, q, k, v, group=group, layout=layout, **options)
-    out, lse = _RingAttention.apply(call.q, call.k, call.v, call.spec, layout, group)
+    out, lse = _RingAttention.apply(call.q, call.k, call.v, call.spec.sink, call.spec, layout, group)
     return (out, lse, None) if options["return_attn_probs"] else out
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,  # noqa: PLR0913 (flash_attn's)
                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                         return_attn_probs=False, group=None):
+                         return_attn_probs=False, group=None, learnable_sink=None):
     """``flash_attn_func`` over a sequence sharded contiguously across ``group`` (rank r holds tokens
     [r N/w, (r + 1) N/w) of q, k and v; ``flashattn.distributed.shard``), by ring attention.
 
     Args are those of ``flash_attn_func`` (dropout_p must be 0) plus ``group`` (default: the whole world).
+    ``learnable_sink`` (nheads,) joins every row's denominator once; its gradient on each rank is the share of this
+    rank's rows: summed over the group, as DDP and FSDP do for replicated parameters, it is one device's.
     Returns this rank's rows of the output, or (out, softmax_lse (batch, nheads, local_len), None) with
     ``return_attn_probs``: exactly what one device computes for these rows. Differentiable.
     """
-    return _ring("ring_flash_attn_func", "contiguous", q, k, v, group=group, **checks.flash_arguments(locals()))
+    return _ring("ring_flash_attn_func", "contiguous", q, k, v, group=group, learnable_sink=learnable_sink,
+                 **checks.flash_arguments(locals()))
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
                                 causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                deterministic=False, return_attn_probs=False, group=None):
+                                deterministic=False, return_attn_probs=False, group=None, learnable_sink=None):
     """``ring_flash_attn_func`` on the zigzag layout (``shard(x, "zigzag")``: rank r holds chunks r and
     2w - 1 - r of 2w), which gives every rank the same causal work."""
-    return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, group=group, **checks.flash_arguments(locals()))
+    return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, group=group, learnable_sink=learnable_sink,
+                 **checks.flash_arguments(locals()))

@@ -36,11 +36,12 @@ class _AllToAll(torch.autograd.Function):
 
 def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
                             causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                            deterministic=False, return_attn_probs=False, group=None):
+                            deterministic=False, return_attn_probs=False, group=None, learnable_sink=None):
     """``flash_attn_func`` over a contiguously sharded sequence by head parallelism (all-to-all). Same arguments
     and returns as ``ring_flash_attn_func``; nheads and nheads_k must be multiples of the world size."""
     fn = "ulysses_flash_attn_func"
-    call = check(fn, q, k, v, group=group, **checks.flash_arguments(locals()))
+    call = check(fn, q, k, v, group=group, learnable_sink=learnable_sink,
+                 **checks.flash_arguments(locals()))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     checks.check_head_parallel(fn, nheads=call.q.shape[2], nheads_k=call.k.shape[2], world=world)
     qh, kh, vh = (_AllToAll.apply(t, 2, 1, group) for t in (call.q, call.k, call.v))
