@@ -164,6 +164,51 @@ def test_triton_kernels(pattern):
         assert (x.double() - r).abs().max() < 1e-5 * (1 + r.abs().max())
 
 
+def test_triton_probabilities_follow_the_block_mask():
+    """``return_attn_probs`` (dropout's S_dmask) walks the same block lists as the output: zero where the mask
+    hides, the CPU backend's values elsewhere."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and not INTERPRETING:
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mask_mod, _ = _mask_mods(96, 96, device)["document causal"]
+    block_mask = flex.create_block_mask(mask_mod, None, None, 96, 96, device=device, BLOCK_SIZE=32)
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 96, 2, 16, device=device) for _ in range(3))
+    probs = {}
+    for backend in ("cpu", "triton"):
+        with flashattn.use_backend(backend):
+            torch.manual_seed(6)  # the same dropout seed
+            probs[backend] = flashattn.flash_attn_func(q, k, v, dropout_p=0.2, block_mask=block_mask,
+                                                       return_attn_probs=True)[2]
+    hidden = ~_dense(mask_mod, None, 96, 96, device)[0, 0]
+    assert torch.equal(probs["triton"][..., hidden], torch.zeros_like(probs["triton"][..., hidden]))
+    torch.testing.assert_close(probs["triton"], probs["cpu"], atol=1e-5, rtol=1e-4)
+
+
+def test_masks_that_share_block_lists_convert_apart():
+    """Two hand-built masks sharing one index tensor but listing different counts are two masks (the conversion
+    cache keys every list); indices past a row's count may be -1 padding, which FlexAttention never reads."""
+    n, bs = 64, 16
+    blocks = n // bs
+    order = torch.arange(blocks, dtype=torch.int32).expand(1, 1, blocks, blocks).contiguous()
+    none = torch.zeros(1, 1, blocks, dtype=torch.int32)
+    every = flex.BlockMask.from_kv_blocks(none, order, torch.full((1, 1, blocks), blocks, dtype=torch.int32), order,
+                                          BLOCK_SIZE=bs)
+    causal_count = torch.arange(1, blocks + 1, dtype=torch.int32).view(1, 1, blocks)
+    block_causal = flex.BlockMask.from_kv_blocks(none, order, causal_count, order, BLOCK_SIZE=bs)
+    padded = order.masked_fill(order >= causal_count[..., None], -1)
+    padded_causal = flex.BlockMask.from_kv_blocks(none, torch.zeros_like(padded), causal_count, padded,
+                                                  BLOCK_SIZE=bs)
+    q, k, v = (torch.randn(1, n, 2, 16, dtype=torch.float64) for _ in range(3))
+    dense_causal = (torch.arange(n)[:, None] // bs) >= (torch.arange(n)[None, :] // bs)
+    ref_every, _ = attention_ref(q, k, v)
+    ref_causal, _ = attention_ref(q, k, v, mask=dense_causal)
+    assert (flashattn.flash_attn_func(q, k, v, block_mask=every) - ref_every).abs().max() < 1e-12
+    for mask in (block_causal, padded_causal):
+        assert (flashattn.flash_attn_func(q, k, v, block_mask=mask) - ref_causal).abs().max() < 1e-12
+
+
 def test_blocks_the_triton_tiles_cannot_divide_go_to_the_cpu_backend():
     assert explain("cuda", torch.bfloat16, 64, odd_blocks=True)[0] == "cpu"
     assert explain("cuda", torch.bfloat16, 64)[0] in ("triton", "cpu")  # cpu where triton is not installed

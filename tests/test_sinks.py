@@ -128,6 +128,10 @@ def test_triton_kernels():
             for b, n in enumerate(lengths.tolist()):
                 ref, _ = attention_ref(qd[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], sink=s)
                 assert (out[b : b + 1].double() - ref).abs().max() < 1e-5
+        # No key at all: out 0, lse the sink (the launcher answers without a kernel).
+        out, lse, _ = flashattn.flash_attn_func(q, k[:, :0], v[:, :0], learnable_sink=sink, return_attn_probs=True)
+        assert torch.equal(out, torch.zeros_like(out))
+        torch.testing.assert_close(lse, sink.detach()[None, :, None].expand_as(lse))
 
 
 def test_self_attention_learns_its_sinks():

@@ -57,7 +57,10 @@ def validate_block_mask(fn: str, name: str, mask: object, *, batch: int, nheads:
     if torch.compiler.is_compiling():  # traced into the graph: no Python-side cache
         return _convert(fn, name, mask, nq=nq, nk=nk)
     # The same mask (its block lists and mask_mod) converts to the same tiles: once per model forward, not per layer.
-    extra = (id(mask.full_kv_indices), mask.mask_mod, tuple(mask.BLOCK_SIZE))
+    # Keyed on kv_indices; the other lists by identity and version, since masks may share some of them.
+    lists = (mask.kv_num_blocks, mask.full_kv_num_blocks, mask.full_kv_indices)
+    extra = (*((id(t), t._version) if t is not None else None for t in lists), mask.mask_mod,
+             tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths))
     return _CONVERTED.get(mask.kv_indices, extra, lambda: _convert(fn, name, mask, nq=nq, nk=nk))
 
 
@@ -77,7 +80,9 @@ def _tile_kind(num: torch.Tensor, indices: torch.Tensor, full_num: torch.Tensor 
         if count is None:
             continue
         listed = torch.arange(idx.shape[-1], device=idx.device) < count[..., None]
-        kind.scatter_reduce_(-1, idx.long(), (listed * value).to(torch.uint8), reduce="amax")
+        # Entries past a row's count are padding (any value, -1 in hand-built masks): scatter them as 0 at 0.
+        at = torch.where(listed, idx.long(), 0)
+        kind.scatter_reduce_(-1, at, (listed * value).to(torch.uint8), reduce="amax")
     return kind
 
 

@@ -7,6 +7,8 @@ built by name (``launch.py``); a feature a call does not use is passed as None a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import TRITON_BLOCK_MULTIPLE
@@ -70,8 +72,10 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     out = empty(shape.out_shape, q.dtype, q.device)
     lse = torch.empty(shape.lse_shape, dtype=torch.float32, device=q.device)
     probs = empty((shape.b, shape.h, shape.nq, shape.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
-    if out.numel() == 0 or shape.nq == 0 or (spec.cache is not None and shape.nk == 0):
-        lse.fill_(float("-inf"))
+    if out.numel() == 0 or shape.nq == 0 or shape.nk == 0:  # no key: out 0, lse -inf (the sink with one)
+        lse.fill_(-math.inf)
+        if spec.sink is not None:
+            lse.copy_(spec.sink[:, None].expand_as(lse))
         return as_dtype(out.zero_(), q.dtype), lse, as_dtype(probs, q.dtype)
     _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
     return as_dtype(out, q.dtype), lse, as_dtype(probs, q.dtype)

@@ -228,19 +228,57 @@ def attention_forward_kernel(
 
     if probs is not None:
         # P = exp(S - lse) recomputed, dropped entries negated. probs was zero-filled by the launcher, so hidden
-        # key blocks need no store.
+        # key blocks (and a block mask's empty ones) need no store.
         b_lse2 = tl.where(m_empty, float("inf"), b_lse * LOG2E)
-        for start_n in range(lo, hi, BLOCK_N):
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            b_kt = load_tile_t(p_k, o_n, o_d, (stride_kn, stride_kd), (nk, head_dim), UPCAST)
-            b_s, _ = score_tile(b_q, b_kt, o_m, o_n, (nq, nk), band, scale, softcap, b_slope, p_mask,
-                                (stride_mq, stride_mk), True, False)
-            b_p = tl.math.exp2(b_s - b_lse2[:, None])
-            if b_seed is not None:
-                m_keep = dropout_keep(b_seed, counter_row0, o_m[:, None], o_n[None, :], (seqlen_q, seqlen_k), dropout_p)
-                b_p = tl.where(m_keep, b_p, -b_p)
-            p_probs = probs + (counter_row0 + o_m[:, None]) * seqlen_k + o_n[None, :]
-            tl.store(p_probs, b_p.to(probs.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_n[None, :] < nk))
+        p_rows = probs + (counter_row0 + o_m[:, None]) * seqlen_k
+        k_tiles = (p_k, (stride_kn, stride_kd), head_dim)
+        if blocks is not None:
+            _store_probs_blocks(b_q, b_lse2, o_m, (lo, hi), start_m // blocks[9][0], (b, h), blocks, k_tiles,
+                                scoring, b_slope, b_seed, dropout, p_rows, BLOCK_N, UPCAST)
+        else:
+            _store_probs(b_q, b_lse2, o_m, (lo, hi), k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows,
+                         BLOCK_N, UPCAST)
+
+
+@triton.jit
+def _store_probs(b_q, b_lse2, o_m, span, k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows,
+                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """``return_attn_probs``'s P = exp(S - lse) (``b_lse2`` in log2 units) for the key tiles in ``span``, dropped
+    entries negated, stored at ``p_rows`` (each query row's start) plus the key index."""
+    p_k, k_strides, head_dim = k_tiles
+    seqlens, band, scale, softcap, mask_strides = scoring
+    counter_row0, layout, dropout_p = dropout
+    o_d = tl.arange(0, b_q.shape[1])
+    for start_n in range(span[0], span[1], BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        b_kt = load_tile_t(p_k, o_n, o_d, k_strides, (seqlens[1], head_dim), UPCAST)
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, seqlens, band, scale, softcap, b_slope, p_mask, mask_strides,
+                            True, False)
+        b_p = tl.math.exp2(b_s - b_lse2[:, None])
+        if b_seed is not None:
+            m_keep = dropout_keep(b_seed, counter_row0, o_m[:, None], o_n[None, :], layout, dropout_p)
+            b_p = tl.where(m_keep, b_p, -b_p)
+        tl.store(p_rows + o_n[None, :], b_p.to(p_rows.dtype.element_ty),
+                 mask=(o_m[:, None] < seqlens[0]) & (o_n[None, :] < seqlens[1]))
+
+
+@triton.jit
+def _store_probs_blocks(b_q, b_lse2, o_m, span, qi, bh, blocks, k_tiles, scoring, b_slope, b_seed, dropout, p_rows,
+                        BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """``_store_probs`` over the key blocks a block mask lists for query block ``qi``, as ``_attend_blocks``."""
+    b, h = bh
+    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, qi)
+    kv_block = blocks[9][1]
+    seqlens, band, scale, softcap, _ = scoring
+    for t in range(0, n_full):
+        kj, keys_t = listed_span(p_full, t, kv_block, span)
+        _store_probs(b_q, b_lse2, o_m, keys_t, k_tiles, scoring, b_slope, None, b_seed, dropout, p_rows, BLOCK_N,
+                     UPCAST)
+    tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
+    for t in range(0, n_part):
+        kj, keys_t = listed_span(p_part, t, kv_block, span)
+        _store_probs(b_q, b_lse2, o_m, keys_t, k_tiles, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj),
+                     b_seed, dropout, p_rows, BLOCK_N, UPCAST)
 
 
 @triton.jit
