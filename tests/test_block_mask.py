@@ -263,15 +263,17 @@ from flashattn.backends.triton import offline
 n = 1024
 doc = torch.arange(n) * 4 // n
 mask = create_block_mask(lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k), None, None, n, n, device="cpu")
-q = torch.zeros(1, n, 4, 64, dtype=torch.bfloat16)
-spec = checks.check_flash("f", q, q, q, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                          softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                          block_mask=mask).spec
-def run():
-    backend.forward(q, q, q, spec)
-    backend.backward(q, None, Saved(q, q, q, q, torch.zeros(1, 4, n)), spec)
-rows = {c.name: offline.kernel_counts(c).__dict__ for c in offline.compiled_launches(90, run)
-        if "preprocess" not in c.name}
+rows = {}
+for d in (64, 128):
+    q = torch.zeros(1, n, 4, d, dtype=torch.bfloat16)
+    spec = checks.check_flash("f", q, q, q, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              block_mask=mask).spec
+    def run():
+        backend.forward(q, q, q, spec)
+        backend.backward(q, None, Saved(q, q, q, q, torch.zeros(1, 4, n)), spec)
+    rows.update({f"{c.name} d={d}": offline.kernel_counts(c).__dict__ for c in offline.compiled_launches(90, run)
+                 if "preprocess" not in c.name})
 print(json.dumps(rows))
 """
 
@@ -288,6 +290,7 @@ def test_triton_block_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _OFFLINE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {"attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel"} <= set(rows)
+    assert {f"attention_{k}_kernel d={d}" for k in ("forward", "backward_dkdv", "backward_dq")
+            for d in (64, 128)} <= set(rows)
     for name, counts in rows.items():
         assert counts["loop_spills"] == 0 and counts["hgmma"] > 0, (name, counts)

@@ -45,3 +45,22 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
     # padded to a power of two, would read the next head's columns (tma.view).
     assert all(r["tma_loads"] > 0 for r in hopper if r["hgmma"] > 0 and r["head_dim"] & (r["head_dim"] - 1) == 0
                and r["head_dim_v"] & (r["head_dim_v"] - 1) == 0)
+
+
+# The kernels as they walk a block mask (forward, dK/dV, dQ): `make health` and gpu-check's health step.
+@pytest.mark.health
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256, "192:128", "96:64"])
+def test_block_mask_configs_are_healthy(head_dim, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "health.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "flashattn.backends.triton.health", "--head-dims", str(head_dim), "--block-masks",
+         "with", "--tables", "forward,dkdv,dq", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert out.exists(), done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 3 * 5 * 2 and all(r["block_mask"] for r in rows)
+    bad = [f"{r['kernel']} sm_{r['arch']} {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
+    assert not bad, "\n".join(bad)
+    assert done.returncode == 0

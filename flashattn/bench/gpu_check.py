@@ -91,8 +91,8 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     return [
         Step("info", [*py, "info", "--json"], 60, stdout_to="info.json"),
         Step("health", ["flashattn.backends.triton.health", "--jobs", str(jobs), "--head-dims",
-                        "16,32,64,128,256,192:128,96:64", "--json", str(out / "health.json")],
-             420, background=True, interpreter_off=True),
+                        "16,32,64,128,256,192:128,96:64", "--block-masks", "both", "--json",
+                        str(out / "health.json")], 540, background=True, interpreter_off=True),
         Step("profile", ["flashattn.backends.triton.profile", "--json", str(out / "profile.json")], 300,
              background=True, interpreter_off=True),
         Step("tests", ["pytest", "-q", "-n", str(min(jobs, 8)), "-p", "no:cacheprovider",
@@ -150,7 +150,8 @@ def _tests(out: Path, step: Step) -> str:
 def _health(out: Path, step: Step) -> str:
     rows = json.loads((out / "health.json").read_text())
     bad = [r for r in rows if r["problems"]]
-    step.extra["problems"] = [f"{r['kernel']} sm_{r['arch']} d{r['head_dim']} {r['variant']}: "
+    step.extra["problems"] = [f"{r['kernel']}{' [block mask]' if r.get('block_mask') else ''} sm_{r['arch']} "
+                              f"d{r['head_dim']} {r['variant']}: "
                               f"{'; '.join(r['problems'])}" for r in bad]
     return f"{len(rows)} configs, {len(bad)} with problems"
 

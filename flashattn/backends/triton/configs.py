@@ -124,6 +124,28 @@ PAIRS: dict[str, dict[str, dict[tuple[tuple[int, int], str], KernelConfig]]] = {
                ((128, 64), "fp32-heavy"): C(16, 64, 8, 3)},
     },
 }
+# The kernels walking a block mask carry its list pointers and spans through the loops: where the family's entry
+# then spills (``health --block-masks with``), fp16/bf16 entries take the healthy candidate with the fewest main-loop
+# instructions per score element, fp32 ones the first healthy (``--search``).
+BLOCK_MASK: dict[str, dict[str, dict[tuple[int | tuple[int, int], str], KernelConfig]]] = {
+    "sm80": {
+        "forward": {(128, "plain"): C(128, 64, 8, 2)},
+        "dkdv": {(16, "fp32-light"): C(32, 16, 8, 3), (16, "fp32-heavy"): C(16, 64, 8, 3),
+                 (32, "fp32-light"): C(16, 32, 8, 3), (32, "fp32-heavy"): C(16, 32, 8, 3),
+                 (64, "fp32-light"): C(16, 64, 8, 2), (64, "fp32-heavy"): C(16, 16, 4, 3),
+                 (128, "fp32-heavy"): C(16, 32, 8, 3), (256, "fp32-light"): C(16, 16, 8, 1),
+                 ((128, 64), "fp32-heavy"): C(32, 16, 4, 3), ((256, 128), "fp32-light"): C(16, 16, 8, 3)},
+    },
+    "sm90": {
+        "forward": {(128, "plain"): C(128, 64, 8, 2), (128, "fp32-heavy"): C(16, 16, 4, 3),
+                    ((128, 64), "fp32-heavy"): C(16, 16, 4, 3)},
+        "dkdv": {(16, "fp32-light"): C(32, 16, 4, 1), (16, "fp32-heavy"): C(32, 32, 4, 3),
+                 (32, "fp32-heavy"): C(16, 32, 4, 3), (128, "plain"): C(16, 64, 4, 1), (128, "light"): C(16, 64, 8, 1),
+                 ((256, 128), "fp32-heavy"): C(16, 16, 4, 3)},
+        "dq": {(64, "light"): C(128, 64, 8, 1), (128, "heavy"): C(64, 32, 4, 1), (256, "plain"): C(64, 16, 4, 2),
+               (256, "light"): C(64, 16, 8, 2)},
+    },
+}
 DECODE_MAX_ROWS = 16
 del C
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
@@ -139,9 +161,15 @@ def table_key(d: int, dv: int) -> int | tuple[int, int]:
     return pd if pd == pdv else (pd, pdv)
 
 
-def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str) -> KernelConfig:
+def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str, *,
+           block_mask: bool = False) -> KernelConfig:
     """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on sm_``arch``: a padded
-    pair has its own entry where ``PAIRS`` has one, else the entry of its larger head dim."""
+    pair has its own entry where ``PAIRS`` has one, else the entry of its larger head dim; a call with a block mask
+    its ``BLOCK_MASK`` entry where there is one."""
+    if block_mask:
+        override = BLOCK_MASK[family(arch)].get(kernel, {}).get((head_dim, weight))
+        if override is not None:
+            return override
     if isinstance(head_dim, tuple):
         pair = PAIRS[family(arch)].get(kernel, {}).get((head_dim, weight))
         if pair is not None:
@@ -152,7 +180,7 @@ def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str)
 
 def shipped() -> set[KernelConfig]:
     """Every distinct config of every table."""
-    return {cfg for tables in (TABLES, PAIRS) for kernels in tables.values() for table in kernels.values()
+    return {cfg for tables in (TABLES, PAIRS, BLOCK_MASK) for kernels in tables.values() for table in kernels.values()
             for cfg in table.values()}
 
 

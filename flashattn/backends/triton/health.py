@@ -3,6 +3,7 @@ through the real launcher, and read registers, spills and shared memory from the
 tensor-core instructions (HGMMA, from wgmma) are used.
 
     python -m flashattn.backends.triton.health [--json out.json] [--head-dims 64,128] [--jobs 8] [--search]
+                                               [--block-masks without|with|both]
 
 The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
 so the runtime's specialization of aligned pointers, unit strides and divisible sizes), for a representative call
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import triton as backend
-from ..spec import AttentionSpec, KeyCache, Saved, Varlen
+from ..spec import AttentionSpec, BlockSparse, KeyCache, Saved, Varlen
 from . import configs
 from .offline import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
 
@@ -48,16 +49,22 @@ class Health(KernelCounts):
     head_dim: int = 0
     head_dim_v: int = 0  # v's head dim (the same as head_dim unless the entry is a (d, dv) pair)
     variant: str = ""  # the table's weight: plain, light, heavy, fp32-light, fp32-heavy
+    block_mask: bool = False  # the kernel walking a block mask's tile lists (forward, dK/dV, dQ)
     problems: list[str] = dataclasses.field(default_factory=list)
 
 
-def _spec(table: str, weight: str, tensors: dict) -> AttentionSpec:
+def _spec(table: str, weight: str, tensors: dict, block_mask: bool) -> AttentionSpec:
     """Every feature a call of this weight may use: plain calls the band both sides (and, for the forward, keys in
     a paged KV cache or packed); light ones softcap and ALiBi too (fp32-light serves plain calls as well); heavy
-    ones dropout and an additive mask on top."""
+    ones dropout and an additive mask on top. With ``block_mask`` the tiles of a block mask (dense calls; its
+    partial tiles take the additive mask's place)."""
     spec = AttentionSpec(scale=0.125, window_left=64, window_right=0)
     if weight != "plain":
         spec = dataclasses.replace(spec, softcap=30.0, alibi_slopes=tensors["alibi"])
+    if block_mask:
+        spec = dataclasses.replace(spec, block_sparse=tensors["blocks"])
+        heavy = {"dropout_p": 0.1, "seed": tensors["seed"]} if weight.endswith("heavy") else {}
+        return dataclasses.replace(spec, **heavy)
     if weight.endswith("heavy"):
         return dataclasses.replace(spec, dropout_p=0.1, seed=tensors["seed"], attn_mask=tensors["mask"])
     if table in ("forward", "decode"):
@@ -74,7 +81,17 @@ def _dims(head_dim: HeadDims) -> tuple[int, int, int]:
     return d, dv, configs.table_key(d, dv)
 
 
-def _inputs(table: str, weight: str, head_dim: HeadDims):
+def _causal_blocks(n: int, block: int = 128) -> BlockSparse:
+    """A causal block mask of FlexAttention's default 128 x 128 blocks: diagonal tiles partial, those below full."""
+    tiles = n // block
+    rows, cols = torch.meshgrid(torch.arange(tiles), torch.arange(tiles), indexing="ij")
+    kind = torch.where(rows == cols, 1, torch.where(rows > cols, 2, 0)).to(torch.uint8)[None, None]
+    partial_id = torch.where(kind == 1, torch.cumsum((kind == 1).flatten(), 0).view(kind.shape) - 1, -1)
+    masks = torch.ones(block, block, dtype=torch.bool).tril().expand(tiles, block, block)
+    return BlockSparse(kind, partial_id.to(torch.int32), masks, block, block)
+
+
+def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = False):
     """(q, k, v, spec) of a representative call: 2 sequences of 256 tokens (1 query for decode), 4:2 heads."""
     d, dv, _ = _dims(head_dim)
     dtype = torch.float32 if weight.startswith("fp32") else torch.float16
@@ -89,8 +106,9 @@ def _inputs(table: str, weight: str, head_dim: HeadDims):
         "varlen": Varlen(cu_q, cu_q, nq, n),
         "cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n,
                           block_table=torch.arange(b * n // page, dtype=torch.int32).view(b, -1)),
+        "blocks": _causal_blocks(n),
     }
-    spec = _spec(table, weight, tensors)
+    spec = _spec(table, weight, tensors, block_mask)
     if spec.varlen is not None:  # packed q; a paged cache of (pages, page size, heads, dim)
         q = torch.empty(b * nq, h, d, dtype=dtype)
         k, v = (torch.empty(b * n // page, page, hk, dim, dtype=dtype) for dim in (d, dv))
@@ -100,10 +118,10 @@ def _inputs(table: str, weight: str, head_dim: HeadDims):
     return q, k, v, spec
 
 
-def _compile(table: str, weight: str, head_dim: HeadDims, arch: int) -> object:
+def _compile(table: str, weight: str, head_dim: HeadDims, arch: int, block_mask: bool) -> object:
     """The compiled kernel that serves (table, head dim, weight) on sm_``arch``, through the backend's own launch
     path."""
-    q, k, v, spec = _inputs(table, weight, head_dim)
+    q, k, v, spec = _inputs(table, weight, head_dim, block_mask)
 
     def call():
         if table in ("forward", "decode"):
@@ -121,13 +139,14 @@ def _table_of(kernel: str) -> str:
 
 
 def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
-              cfg: configs.KernelConfig | None = None) -> Health:
+              cfg: configs.KernelConfig | None = None, *, block_mask: bool = False) -> Health:
     """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it.
-    ``head_dim`` is a padded head dim, or a (q/k, v) pair of head dims served by its padded maximum's entry."""
+    ``head_dim`` is a padded head dim, or a (q/k, v) pair of head dims served by its padded maximum's entry;
+    ``block_mask``: the kernel as it walks a block mask's tiles."""
     d, dv, key = _dims(head_dim)
-    cfg = cfg or configs.lookup(table, arch, key, variant)
+    cfg = cfg or configs.lookup(table, arch, key, variant, block_mask=block_mask)
     with configs.use(cfg):  # through the real launch path, with this tile
-        counts = kernel_counts(_compile(table, variant, head_dim, arch))
+        counts = kernel_counts(_compile(table, variant, head_dim, arch, block_mask))
     problems = []
     if counts.loop_spills:  # spilled before the loops and reloaded after them is a few instructions, not a problem
         problems.append(f"spills {counts.spill_bytes} bytes, {counts.loop_spills} local loads/stores in loops")
@@ -138,7 +157,7 @@ def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
             and (table, max(key) if isinstance(key, tuple) else key, variant) not in HGMMA_EXEMPT):
         problems.append("no HGMMA (wgmma) instructions on sm_90")
     return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
-                  variant=variant, problems=problems)
+                  variant=variant, block_mask=block_mask, problems=problems)
 
 
 def _candidates(cfg: configs.KernelConfig) -> list[configs.KernelConfig]:
@@ -152,16 +171,19 @@ def _candidates(cfg: configs.KernelConfig) -> list[configs.KernelConfig]:
             if configs.KernelConfig(m, n, w, s) != cfg]
 
 
-def search(table: str, head_dim: HeadDims, variant: str, arch: int) -> configs.KernelConfig | None:
+def search(table: str, head_dim: HeadDims, variant: str, arch: int, block_mask: bool = False
+           ) -> configs.KernelConfig | None:
     """The first of ``_candidates`` healthy on sm_``arch``, for an entry whose shipped config is not."""
-    for cfg in _candidates(configs.lookup(table, arch, _dims(head_dim)[2], variant)):
-        if not check_one(table, head_dim, variant, arch, cfg).problems:
+    shipped = configs.lookup(table, arch, _dims(head_dim)[2], variant, block_mask=block_mask)
+    for cfg in _candidates(shipped):
+        if not check_one(table, head_dim, variant, arch, cfg, block_mask=block_mask).problems:
             return cfg
     return None
 
 
 def _check(entry: tuple) -> Health:
-    return check_one(*entry)
+    *args, block_mask = entry
+    return check_one(*args, block_mask=block_mask)
 
 
 def _search(entry: tuple) -> tuple[tuple, configs.KernelConfig | None]:
@@ -178,19 +200,22 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
 
 
 def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,
-           jobs: int = 1) -> list[Health]:
-    entries = [(table, d, variant, arch) for table in tables for d in head_dims for variant in variants
-               for arch in TARGETS]
+           jobs: int = 1, block_masks: tuple[bool, ...] = (False,)) -> list[Health]:
+    """Health rows of every (table, head dim, variant, target), once per ``block_masks`` entry (False: the plain
+    kernels; True: as they walk a block mask, for the tables that take one)."""
+    entries = [(table, d, variant, arch, sparse) for sparse in block_masks for table in tables for d in head_dims
+               for variant in variants for arch in TARGETS if not (sparse and table == "decode")]
     return _map(_check, entries, jobs)
 
 
 def format_rows(rows: list[Health]) -> str:
-    lines = [f"{'kernel':34} {'sm':>3} {'d':>7} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
+    lines = [f"{'kernel':40} {'sm':>3} {'d':>7} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
              f"{'spill':>5} {'in loop':>7} {'smem':>7} {'hgmma':>5} {'at once':>7} {'tma':>3} {'inst/score':>10}  "
              "problems"]
     for r in rows:
         dims = str(r.head_dim) if r.head_dim_v in (0, r.head_dim) else f"{r.head_dim}/{r.head_dim_v}"
-        lines.append(f"{r.kernel:34} {r.arch:3d} {dims:>7} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
+        kernel = r.kernel + ("[block mask]" if r.block_mask else "")
+        lines.append(f"{kernel:40} {r.arch:3d} {dims:>7} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
                      f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.loop_spills:7d} "
                      f"{r.shared_bytes:7d} "
                      f"{r.hgmma:5d} {r.hgmma_waited_at_once:7d} {r.tma_loads:3d} {r.per_score:10.3f}  "
@@ -212,13 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(configs.WEIGHTS), help="comma-separated weights")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--search", action="store_true", help="for each unhealthy entry, find a healthy config")
+    p.add_argument("--block-masks", choices=("without", "with", "both"), default="without",
+                   help="the plain kernels, the kernels walking a block mask, or both")
     a = p.parse_args(argv)
+    block_masks = {"without": (False,), "with": (True,), "both": (False, True)}[a.block_masks]
     rows = report(tuple(_parse_dims(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
-                  variants=a.variants.split(","), jobs=a.jobs)
+                  variants=a.variants.split(","), jobs=a.jobs, block_masks=block_masks)
     if a.search:
-        unhealthy = [(_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch) for r in rows if r.problems]
-        for (table, d, variant, arch), found in _map(_search, unhealthy, a.jobs):
-            print(f"{table} sm_{arch} d={d} {variant}: {found}", flush=True)
+        unhealthy = [(_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch, r.block_mask)
+                     for r in rows if r.problems]
+        for (table, d, variant, arch, sparse), found in _map(_search, unhealthy, a.jobs):
+            print(f"{table}{' [block mask]' if sparse else ''} sm_{arch} d={d} {variant}: {found}", flush=True)
     print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -195,7 +195,8 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
         weight = "fp32-heavy" if heavy else "fp32-light"
     else:
         weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
-    return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight)
+    return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight,
+                          block_mask=spec.block_sparse is not None)
 
 
 @functools.lru_cache
