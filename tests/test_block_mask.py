@@ -254,7 +254,7 @@ def test_a_mask_shared_by_layers_is_converted_once():
 
 
 _OFFLINE = """
-import json, torch
+import dataclasses, json, torch
 from torch.nn.attention.flex_attention import create_block_mask
 from flashattn import checks
 from flashattn.backends import triton as backend
@@ -274,6 +274,10 @@ for d in (64, 128):
         backend.backward(q, None, Saved(q, q, q, q, torch.zeros(1, 4, n)), spec)
     rows.update({f"{c.name} d={d}": offline.kernel_counts(c).__dict__ for c in offline.compiled_launches(90, run)
                  if "preprocess" not in c.name})
+# return_attn_probs with dropout: the probabilities loop walks the block lists too
+spec = dataclasses.replace(spec, dropout_p=0.1, seed=torch.zeros(1, dtype=torch.int64))
+probs = offline.compiled_launches(90, lambda: backend.forward(q, q, q, spec, return_probs=True))
+print(json.dumps({"probs": [offline.kernel_counts(c).loop_spills for c in probs]}))
 print(json.dumps(rows))
 """
 
@@ -289,7 +293,8 @@ def test_triton_block_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _OFFLINE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    *_, probs, rows = (json.loads(line) for line in done.stdout.strip().splitlines())
+    assert probs == {"probs": [0]}
     assert {f"attention_{k}_kernel d={d}" for k in ("forward", "backward_dkdv", "backward_dq")
             for d in (64, 128)} <= set(rows)
     for name, counts in rows.items():
