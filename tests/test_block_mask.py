@@ -207,6 +207,14 @@ def test_masks_that_share_block_lists_convert_apart():
     assert (flashattn.flash_attn_func(q, k, v, block_mask=every) - ref_every).abs().max() < 1e-12
     for mask in (block_causal, padded_causal):
         assert (flashattn.flash_attn_func(q, k, v, block_mask=mask) - ref_causal).abs().max() < 1e-12
+    # Masks made and dropped in turn: a new count tensor may take a dead one's address, never its conversion.
+    del every, block_causal, padded_causal
+    for i in range(12):
+        counts = causal_count if i % 2 else torch.full((1, 1, blocks), blocks, dtype=torch.int32)
+        mask = flex.BlockMask.from_kv_blocks(none, order, counts.clone(), order, BLOCK_SIZE=bs)
+        ref = ref_causal if i % 2 else ref_every
+        assert (flashattn.flash_attn_func(q, k, v, block_mask=mask) - ref).abs().max() < 1e-12, i
+        del mask
 
 
 def test_blocks_the_triton_tiles_cannot_divide_go_to_the_cpu_backend():

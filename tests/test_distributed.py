@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-FUNCS = {
-    "ring": ("ring_flash_attn_func", "contiguous"),
-    "zigzag": ("zigzag_ring_flash_attn_func", "zigzag"),
-    "allgather": ("allgather_flash_attn_func", "contiguous"),
-    "ulysses": ("ulysses_flash_attn_func", "contiguous"),
+FUNCS = {  # name: (function, layout, its own keyword arguments)
+    "ring": ("ring_flash_attn_func", "contiguous", {}),
+    "zigzag": ("zigzag_ring_flash_attn_func", "zigzag", {}),
+    "allgather": ("allgather_flash_attn_func", "contiguous", {}),
+    "allgather by head": ("allgather_flash_attn_func", "contiguous", {"kv_heads_per_step": 1}),
+    "ulysses": ("ulysses_flash_attn_func", "contiguous", {}),
 }
 CASES = [
     {"causal": False},
@@ -62,14 +63,17 @@ def _reference(q, k, v, kwargs):
                          sink=kwargs.get("learnable_sink"))
 
 
-def _layouts_body(rank, world, dtype_name):
+def _layouts_body(rank, world, dtype_name, backend="auto", names=tuple(FUNCS), cases=None):
+    import flashattn
     import flashattn.distributed as fd
 
     failures = []
     dtype = getattr(torch, dtype_name)
     try:
-        for name, (fn_name, layout) in FUNCS.items():
-            for i, case in enumerate(CASES):
+        for name in names:
+            fn_name, layout, own = FUNCS[name]
+            for i in range(len(CASES)) if cases is None else cases:
+                case = CASES[i]
                 torch.manual_seed(1000 + i)  # the same global inputs on every rank
                 b, n, h, hk, d = 2, 8 * world, 4, 4 if name == "ulysses" and world == 4 else 2, 16
                 q, k, v = (torch.randn(b, n, heads, d, dtype=torch.float64) for heads in (h, hk, hk))
@@ -89,9 +93,10 @@ def _layouts_body(rank, world, dtype_name):
                 if sink is not None:
                     kwargs["learnable_sink"] = sink.detach().to(dtype).requires_grad_()
                     local.append(kwargs["learnable_sink"])
-                out, lse, _ = getattr(fd, fn_name)(*local[:3], return_attn_probs=True, **kwargs)
-                grads = torch.autograd.grad((out, lse), local, (fd.shard(dout.to(dtype), layout),
-                                                                 fd.shard(dlse, layout, dim=2).to(lse.dtype)))
+                with flashattn.use_backend(backend):
+                    out, lse, _ = getattr(fd, fn_name)(*local[:3], return_attn_probs=True, **kwargs, **own)
+                    grads = torch.autograd.grad((out, lse), local, (fd.shard(dout.to(dtype), layout),
+                                                                     fd.shard(dlse, layout, dim=2).to(lse.dtype)))
                 got = {"out": fd.unshard(out.detach(), layout), "lse": fd.unshard(lse.detach(), layout, dim=2)}
                 got.update({g: fd.unshard(x, layout) for g, x in zip(("dq", "dk", "dv"), grads, strict=False)})
                 want = {"out": ref_out, "lse": ref_lse, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
@@ -118,6 +123,15 @@ def _layouts_body(rank, world, dtype_name):
 @pytest.mark.parametrize("world,dtype", [(2, "float64"), (4, "float64"), (2, "float32")])
 def test_every_layout_matches_one_device(world, dtype, tmp_path):
     failures = _spawn(_layouts_body, world, tmp_path, dtype)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need TRITON_INTERPRET")
+def test_triton_blocks_match_one_device(tmp_path):
+    """The Triton backward on the blocks the layouts hand it: slices of the whole attention's lse (zigzag's two
+    chunks, all-gather's head groups)."""
+    pytest.importorskip("triton")
+    failures = _spawn(_layouts_body, 2, tmp_path, "float32", "triton", ("zigzag", "allgather by head"), (1, 4))
     assert not failures, "\n".join(failures)
 
 

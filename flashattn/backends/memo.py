@@ -14,9 +14,10 @@ T = TypeVar("T")
 
 
 class PerTensor:
-    """The answers for the few tensors seen last, each with an ``extra`` key compared by ``==``. An in-place write
-    bumps a tensor's version counter, which invalidates its answer; a tensor that died cannot be confused with a
-    new one at the same address (the entry holds a weak reference).
+    """The answers for the few tensors seen last, each with an ``extra`` key compared by ``==`` and ``also``
+    tensors (None allowed) that must be the same objects at the same versions. An in-place write bumps a tensor's
+    version counter, which invalidates its answer; a tensor that died cannot be confused with a new one at the
+    same address (the entry holds weak references).
 
     Example::
 
@@ -26,12 +27,18 @@ class PerTensor:
     """
 
     def __init__(self, slots: int = 4) -> None:
-        self.slots, self.entries = slots, []  # (weakref, version, extra, value), newest first
+        self.slots, self.entries = slots, []  # (weak references, versions, extra, value), newest first
 
-    def get(self, tensor: torch.Tensor, extra: object, compute: Callable[[], T]) -> T:
-        for ref, version, seen, value in self.entries:
-            if ref() is tensor and version == tensor._version and seen == extra:
+    def get(self, tensor: torch.Tensor, extra: object, compute: Callable[[], T], *,
+            also: tuple[torch.Tensor | None, ...] = ()) -> T:
+        keys = (tensor, *also)
+        versions = tuple(None if t is None else t._version for t in keys)
+        for refs, seen_versions, seen, value in self.entries:
+            if (len(refs) == len(keys) and all((r is None and t is None) or (r is not None and r() is t)
+                                               for r, t in zip(refs, keys, strict=True))
+                    and seen_versions == versions and seen == extra):
                 return value
         value = compute()
-        self.entries = [(weakref.ref(tensor), tensor._version, extra, value), *self.entries[: self.slots - 1]]
+        refs = tuple(None if t is None else weakref.ref(t) for t in keys)
+        self.entries = [(refs, versions, extra, value), *self.entries[: self.slots - 1]]
         return value

@@ -57,11 +57,10 @@ def validate_block_mask(fn: str, name: str, mask: object, *, batch: int, nheads:
     if torch.compiler.is_compiling():  # traced into the graph: no Python-side cache
         return _convert(fn, name, mask, nq=nq, nk=nk)
     # The same mask (its block lists and mask_mod) converts to the same tiles: once per model forward, not per layer.
-    # Keyed on kv_indices; the other lists by identity and version, since masks may share some of them.
-    lists = (mask.kv_num_blocks, mask.full_kv_num_blocks, mask.full_kv_indices)
-    extra = (*((id(t), t._version) if t is not None else None for t in lists), mask.mask_mod,
-             tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths))
-    return _CONVERTED.get(mask.kv_indices, extra, lambda: _convert(fn, name, mask, nq=nq, nk=nk))
+    # Every list is part of the key (identity and version, held weakly): masks may share some of them.
+    extra = (mask.mask_mod, tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths))
+    return _CONVERTED.get(mask.kv_indices, extra, lambda: _convert(fn, name, mask, nq=nq, nk=nk),
+                          also=(mask.kv_num_blocks, mask.full_kv_num_blocks, mask.full_kv_indices))
 
 
 def _convert(fn: str, name: str, mask, *, nq: int, nk: int) -> BlockSparse:

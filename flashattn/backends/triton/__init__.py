@@ -109,6 +109,9 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """Same contract as ``flashattn.backends.cpu.backward``; deterministic (no atomics) in every mode."""
     q, k, v, out, lse = saved
+    # The kernels read lse and delta (allocated dense) at the same offsets: lse must be dense too (a block of a
+    # longer sequence may hand over a slice of one).
+    lse = lse.contiguous()
     if mask_grad:
         raise ValueError("the triton backend does not compute gradients for attn_mask; detach the mask or use "
                          "the cpu backend (flashattn.use_backend('cpu'))")
