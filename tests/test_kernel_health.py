@@ -47,20 +47,34 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
                and r["head_dim_v"] & (r["head_dim_v"] - 1) == 0)
 
 
-# The kernels as they walk a block mask (forward, dK/dV, dQ): `make health` and gpu-check's health step.
+# The kernels as they walk a block mask (decode's tiles too: a forward of <= 16 query rows), including the pairs
+# that share a padded entry with the MLA ones: `make health` and gpu-check's health step.
 @pytest.mark.health
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256, "192:128", "96:64"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256, "192:128", "256:128", "96:64", "128:64"])
 def test_block_mask_configs_are_healthy(head_dim, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "health.json"
     done = subprocess.run(
         [sys.executable, "-m", "flashattn.backends.triton.health", "--head-dims", str(head_dim), "--block-masks",
-         "with", "--tables", "forward,dkdv,dq", "--json", str(out)],
+         "with", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert out.exists(), done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 3 * 5 * 2 and all(r["block_mask"] for r in rows)
+    assert len(rows) == 4 * 5 * 2 and all(r["block_mask"] for r in rows)
     bad = [f"{r['kernel']} sm_{r['arch']} {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
     assert not bad, "\n".join(bad)
     assert done.returncode == 0
+
+
+def test_block_mask_entries_come_first_for_pairs_too():
+    """A call with a block mask takes ``BLOCK_MASK``'s entry for its pair, then for the larger head dim, before
+    the plain tables (a (128, 64) forward would otherwise get the 128 x 128 tile that spills with a block mask)."""
+    from flashattn.backends.triton import configs
+
+    override = configs.BLOCK_MASK["sm90"]["forward"][(128, "plain")]
+    assert configs.lookup("forward", 90, (128, 64), "plain", block_mask=True) == override
+    assert configs.lookup("forward", 90, 128, "plain", block_mask=True) == override
+    assert configs.lookup("forward", 90, 128, "plain") == configs.TABLES["sm90"]["forward"][(128, "plain")] != override
+    pair = configs.BLOCK_MASK["sm90"]["decode"][((256, 128), "fp32-heavy")]
+    assert configs.lookup("decode", 90, (256, 128), "fp32-heavy", block_mask=True) == pair

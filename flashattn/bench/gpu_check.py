@@ -91,7 +91,7 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     return [
         Step("info", [*py, "info", "--json"], 60, stdout_to="info.json"),
         Step("health", ["flashattn.backends.triton.health", "--jobs", str(jobs), "--head-dims",
-                        "16,32,64,128,256,192:128,96:64", "--block-masks", "both", "--json",
+                        "16,32,64,128,256,192:128,256:128,96:64,128:64", "--block-masks", "both", "--json",
                         str(out / "health.json")], 540, background=True, interpreter_off=True),
         Step("profile", ["flashattn.backends.triton.profile", "--json", str(out / "profile.json")], 300,
              background=True, interpreter_off=True),

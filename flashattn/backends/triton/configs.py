@@ -125,11 +125,16 @@ PAIRS: dict[str, dict[str, dict[tuple[tuple[int, int], str], KernelConfig]]] = {
     },
 }
 # The kernels walking a block mask carry its list pointers and spans through the loops: where the family's entry
-# then spills (``health --block-masks with``), fp16/bf16 entries take the healthy candidate with the fewest main-loop
-# instructions per score element, fp32 ones the first healthy (``--search``).
+# then spills (``health --block-masks with``), fp16/bf16 forward/backward entries take the healthy candidate with the
+# fewest main-loop instructions per score element, decode (bound by reading K/V) and fp32 ones the first healthy
+# (``--search``).
 BLOCK_MASK: dict[str, dict[str, dict[tuple[int | tuple[int, int], str], KernelConfig]]] = {
     "sm80": {
         "forward": {(128, "plain"): C(128, 64, 8, 2)},
+        "decode": {(16, "fp32-light"): C(16, 64, 4, 3), (64, "light"): C(16, 128, 8, 3),
+                   (128, "plain"): C(16, 64, 4, 3), (256, "fp32-heavy"): C(16, 16, 4, 3),
+                   ((128, 64), "fp32-light"): C(16, 16, 4, 3),
+                   ((256, 128), "heavy"): C(16, 32, 4, 3), ((256, 128), "fp32-heavy"): C(16, 16, 8, 3)},
         "dkdv": {(16, "fp32-light"): C(32, 16, 8, 3), (16, "fp32-heavy"): C(16, 64, 8, 3),
                  (32, "fp32-light"): C(16, 32, 8, 3), (32, "fp32-heavy"): C(16, 32, 8, 3),
                  (64, "fp32-light"): C(16, 64, 8, 2), (64, "fp32-heavy"): C(16, 16, 4, 3),
@@ -139,6 +144,7 @@ BLOCK_MASK: dict[str, dict[str, dict[tuple[int | tuple[int, int], str], KernelCo
     "sm90": {
         "forward": {(128, "plain"): C(128, 64, 8, 2), (128, "fp32-heavy"): C(16, 16, 4, 3),
                     ((128, 64), "fp32-heavy"): C(16, 16, 4, 3)},
+        "decode": {(256, "fp32-heavy"): C(16, 16, 4, 3), ((256, 128), "fp32-heavy"): C(16, 16, 4, 3)},
         "dkdv": {(16, "fp32-light"): C(32, 16, 4, 1), (16, "fp32-heavy"): C(32, 32, 4, 3),
                  (32, "fp32-heavy"): C(16, 32, 4, 3), (128, "plain"): C(16, 64, 4, 1), (128, "light"): C(16, 64, 8, 1),
                  ((256, 128), "fp32-heavy"): C(16, 16, 4, 3)},
@@ -165,17 +171,19 @@ def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str,
            block_mask: bool = False) -> KernelConfig:
     """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on sm_``arch``: a padded
     pair has its own entry where ``PAIRS`` has one, else the entry of its larger head dim; a call with a block mask
-    its ``BLOCK_MASK`` entry where there is one."""
+    takes a ``BLOCK_MASK`` entry first, for the pair and then for the larger head dim."""
+    fam = family(arch)
+    if isinstance(head_dim, tuple):
+        for table in (BLOCK_MASK[fam], PAIRS[fam]) if block_mask else (PAIRS[fam],):
+            pair = table.get(kernel, {}).get((head_dim, weight))
+            if pair is not None:
+                return pair
+        head_dim = max(head_dim)
     if block_mask:
-        override = BLOCK_MASK[family(arch)].get(kernel, {}).get((head_dim, weight))
+        override = BLOCK_MASK[fam].get(kernel, {}).get((head_dim, weight))
         if override is not None:
             return override
-    if isinstance(head_dim, tuple):
-        pair = PAIRS[family(arch)].get(kernel, {}).get((head_dim, weight))
-        if pair is not None:
-            return pair
-        head_dim = max(head_dim)
-    return TABLES[family(arch)][kernel][(head_dim, weight)]
+    return TABLES[fam][kernel][(head_dim, weight)]
 
 
 def shipped() -> set[KernelConfig]:

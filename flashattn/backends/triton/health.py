@@ -81,14 +81,16 @@ def _dims(head_dim: HeadDims) -> tuple[int, int, int]:
     return d, dv, configs.table_key(d, dv)
 
 
-def _causal_blocks(n: int, block: int = 128) -> BlockSparse:
-    """A causal block mask of FlexAttention's default 128 x 128 blocks: diagonal tiles partial, those below full."""
-    tiles = n // block
-    rows, cols = torch.meshgrid(torch.arange(tiles), torch.arange(tiles), indexing="ij")
-    kind = torch.where(rows == cols, 1, torch.where(rows > cols, 2, 0)).to(torch.uint8)[None, None]
+def _causal_blocks(nq: int, nk: int, block: int = 128) -> BlockSparse:
+    """A bottom-right causal block mask of FlexAttention's default 128 x 128 blocks: tiles the diagonal crosses
+    partial, those below it full."""
+    rows, cols = -(-nq // block) * block, -(-nk // block) * block
+    allowed = torch.arange(rows)[:, None] + nk - nq >= torch.arange(cols)[None, :]
+    tiles = allowed.view(rows // block, block, cols // block, block).transpose(1, 2)
+    kind = torch.where(tiles.all((-1, -2)), 2, torch.where(tiles.any((-1, -2)), 1, 0)).to(torch.uint8)
     partial_id = torch.where(kind == 1, torch.cumsum((kind == 1).flatten(), 0).view(kind.shape) - 1, -1)
-    masks = torch.ones(block, block, dtype=torch.bool).tril().expand(tiles, block, block)
-    return BlockSparse(kind, partial_id.to(torch.int32), masks, block, block)
+    return BlockSparse(kind[None, None], partial_id[None, None].to(torch.int32), tiles[kind == 1].contiguous(),
+                       block, block)
 
 
 def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = False):
@@ -106,7 +108,7 @@ def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = Fals
         "varlen": Varlen(cu_q, cu_q, nq, n),
         "cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n,
                           block_table=torch.arange(b * n // page, dtype=torch.int32).view(b, -1)),
-        "blocks": _causal_blocks(n),
+        "blocks": _causal_blocks(nq, n),
     }
     spec = _spec(table, weight, tensors, block_mask)
     if spec.varlen is not None:  # packed q; a paged cache of (pages, page size, heads, dim)
@@ -202,9 +204,9 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
 def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,
            jobs: int = 1, block_masks: tuple[bool, ...] = (False,)) -> list[Health]:
     """Health rows of every (table, head dim, variant, target), once per ``block_masks`` entry (False: the plain
-    kernels; True: as they walk a block mask, for the tables that take one)."""
+    kernels; True: as they walk a block mask)."""
     entries = [(table, d, variant, arch, sparse) for sparse in block_masks for table in tables for d in head_dims
-               for variant in variants for arch in TARGETS if not (sparse and table == "decode")]
+               for variant in variants for arch in TARGETS]
     return _map(_check, entries, jobs)
 
 
