@@ -38,6 +38,8 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full((q.shape[0], q.shape[2], n), float("-inf"), dtype=acc, device=q.device)
+        if sink is not None:  # a head group that sees no key keeps out 0 and lse = the sink
+            lse.copy_(sink.detach().to(acc)[None, :, None].expand_as(lse))
         for h0, h1 in _head_groups(k.shape[2], heads_per_step):
             kf, vf = _gather(k[:, :, h0:h1], group), _gather(v[:, :, h0:h1], group)
             if visible(bspec, n, kf.shape[1]):
