@@ -18,17 +18,15 @@ from .tiles import (
     full_key_range,
     full_query_range,
     key_range,
-    listed_span,
     load_tile,
     load_tile_t,
-    partial_tile,
     program_tile,
     query_range,
     score_grads,
     score_tile,
     sequence,
-    sparse_lists,
     tma_origin,
+    walk_listed,
 )
 
 
@@ -109,24 +107,12 @@ def _key_grads(b_k, b_v, grads, o_n, span, queries, descriptors, scoring, b_slop
 
 
 @triton.jit
-def _key_grads_blocks(b_k, b_v, grads, o_n, span, kj, bh, blocks, queries, descriptors, scoring, b_slope, b_seed,
-                      dropout, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
-    """``_key_grads`` over the query blocks a block mask lists for key block ``kj`` of (batch, head) ``bh``,
-    clipped to ``span``: full blocks with no element mask, partial ones with theirs."""
-    b, h = bh
-    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, kj)
-    q_block = blocks[9][0]
-    seqlens, band, scale, softcap, _ = scoring
-    for t in range(0, n_full):
-        qi, rows_t = listed_span(p_full, t, q_block, span)
-        grads = _key_grads(b_k, b_v, grads, o_n, rows_t, queries, descriptors, scoring, b_slope, None, b_seed, dropout,
-                           BLOCK_M, UPCAST, True, PLAIN)
-    tile_scoring = (seqlens, band, scale, softcap, (blocks[9][1], 1))
-    for t in range(0, n_part):
-        qi, rows_t = listed_span(p_part, t, q_block, span)
-        grads = _key_grads(b_k, b_v, grads, o_n, rows_t, queries, descriptors, tile_scoring, b_slope,
-                           partial_tile(blocks, b, h, qi, kj), b_seed, dropout, BLOCK_M, UPCAST, True, False)
-    return grads
+def _key_grads_span(grads, args, span, scoring, b_slope, p_mask, b_seed, BLOCK_M: tl.constexpr,
+                    UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``_key_grads`` over one listed query block (``walk_listed``'s visit)."""
+    b_k, b_v, o_n, queries, descriptors, dropout = args
+    return _key_grads(b_k, b_v, grads, o_n, span, queries, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
+                      BLOCK_M, UPCAST, True, PLAIN)
 
 
 @triton.jit
@@ -190,8 +176,9 @@ def attention_backward_dkdv_kernel(
         scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
         dropout = ((b * num_heads + h) * seqlen_q, (seqlen_q, seqlen_k), dropout_p)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
-            grads = _key_grads_blocks(b_k, b_v, grads, o_n, (lo, hi), start_n // blocks[9][1], (b, h), blocks,
-                                      queries, descriptors, scoring, b_slope, b_seed, dropout, BLOCK_M, UPCAST, PLAIN)
+            grads = walk_listed(_key_grads_span, grads, (b_k, b_v, o_n, queries, descriptors, dropout), b_slope,
+                                b_seed, (lo, hi), start_n // blocks[9][1], (b, h), blocks, scoring, True, BLOCK_M,
+                                UPCAST, PLAIN)
         else:
             grads = _key_grads(b_k, b_v, grads, o_n, (lo, full_lo), queries, descriptors, scoring, b_slope, p_mask,
                                b_seed, dropout, BLOCK_M, UPCAST, True, PLAIN)
@@ -249,23 +236,12 @@ def _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, descriptors, scoring, 
 
 
 @triton.jit
-def _query_grads_blocks(b_q, b_do, b_dq, o_m, span, qi, bh, blocks, stats, keys, descriptors, scoring, b_slope,
-                        b_seed, dropout, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
-    """``_query_grads`` over the key blocks a block mask lists for query block ``qi``, as the forward walks them."""
-    b, h = bh
-    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, qi)
-    kv_block = blocks[9][1]
-    seqlens, band, scale, softcap, _ = scoring
-    for t in range(0, n_full):
-        kj, keys_t = listed_span(p_full, t, kv_block, span)
-        b_dq = _query_grads(b_q, b_do, b_dq, o_m, keys_t, stats, keys, descriptors, scoring, b_slope, None, b_seed,
-                            dropout, BLOCK_N, UPCAST, True, PLAIN)
-    tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
-    for t in range(0, n_part):
-        kj, keys_t = listed_span(p_part, t, kv_block, span)
-        b_dq = _query_grads(b_q, b_do, b_dq, o_m, keys_t, stats, keys, descriptors, tile_scoring, b_slope,
-                            partial_tile(blocks, b, h, qi, kj), b_seed, dropout, BLOCK_N, UPCAST, True, False)
-    return b_dq
+def _query_grads_span(b_dq, args, span, scoring, b_slope, p_mask, b_seed, BLOCK_N: tl.constexpr,
+                      UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``_query_grads`` over one listed key block (``walk_listed``'s visit)."""
+    b_q, b_do, o_m, stats, keys, descriptors, dropout = args
+    return _query_grads(b_q, b_do, b_dq, o_m, span, stats, keys, descriptors, scoring, b_slope, p_mask, b_seed,
+                        dropout, BLOCK_N, UPCAST, True, PLAIN)
 
 
 @triton.jit
@@ -327,8 +303,9 @@ def attention_backward_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     stats = (b_lse2, b_delta)
     if blocks is not None:  # a block mask: its listed key blocks only, as in the forward
-        b_dq = _query_grads_blocks(b_q, b_do, b_dq, o_m, (lo, hi), start_m // blocks[9][0], (b, h), blocks, stats,
-                                   keys, descriptors, scoring, b_slope, b_seed, dropout, BLOCK_N, UPCAST, PLAIN)
+        b_dq = walk_listed(_query_grads_span, b_dq, (b_q, b_do, o_m, stats, keys, descriptors, dropout), b_slope,
+                           b_seed, (lo, hi), start_m // blocks[9][0], (b, h), blocks, scoring, False, BLOCK_N, UPCAST,
+                           PLAIN)
     else:
         if window_left is not None:
             b_dq = _query_grads(b_q, b_do, b_dq, o_m, (lo, full_lo), stats, keys, descriptors, scoring, b_slope,

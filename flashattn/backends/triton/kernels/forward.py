@@ -24,16 +24,14 @@ from .tiles import (
     full_key_range,
     key_range,
     key_slots,
-    listed_span,
     load_rows,
     load_tile,
     load_tile_t,
-    partial_tile,
     program_tile,
     score_tile,
     sequence,
-    sparse_lists,
     tma_origin,
+    walk_listed,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -95,25 +93,12 @@ def _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, 
 
 
 @triton.jit
-def _attend_blocks(b_q, state, o_m, span, qi, bh, blocks, keys, descriptors, scoring, b_slope, b_seed, dropout,
-                   BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
-    """``_attend`` over the key blocks a block mask lists for query block ``qi`` of (batch, head) ``bh``, each
-    clipped to ``span`` (the band): full blocks with no element mask, partial ones with theirs; empty blocks are
-    never visited."""
-    b, h = bh
-    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, qi)
-    kv_block = blocks[9][1]
-    seqlens, band, scale, softcap, _ = scoring
-    for t in range(0, n_full):
-        kj, keys_t = listed_span(p_full, t, kv_block, span)
-        state = _attend(b_q, state, o_m, keys_t, keys, descriptors, scoring, b_slope, None, b_seed, dropout, BLOCK_N,
-                        UPCAST, True, PLAIN)
-    tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
-    for t in range(0, n_part):
-        kj, keys_t = listed_span(p_part, t, kv_block, span)
-        state = _attend(b_q, state, o_m, keys_t, keys, descriptors, tile_scoring, b_slope,
-                        partial_tile(blocks, b, h, qi, kj), b_seed, dropout, BLOCK_N, UPCAST, True, False)
-    return state
+def _attend_span(state, args, span, scoring, b_slope, p_mask, b_seed, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                 PLAIN: tl.constexpr):
+    """``_attend`` over one listed block (``walk_listed``'s visit)."""
+    b_q, o_m, keys, descriptors, dropout = args
+    return _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout, BLOCK_N,
+                   UPCAST, True, PLAIN)
 
 
 @triton.jit
@@ -192,8 +177,9 @@ def attention_forward_kernel(
     state = (tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), tl.zeros([BLOCK_M], tl.float32),
              tl.full([BLOCK_M], float("-inf"), tl.float32))
     if blocks is not None:  # a block mask: its listed key blocks only (BLOCK_M divides its query block)
-        b_acc, b_l, b_m = _attend_blocks(b_q, state, o_m, (lo, hi), start_m // blocks[9][0], (b, h), blocks, keys,
-                                         descriptors, scoring, b_slope, b_seed, dropout, BLOCK_N, UPCAST, PLAIN)
+        b_acc, b_l, b_m = walk_listed(_attend_span, state, (b_q, o_m, keys, descriptors, dropout), b_slope, b_seed,
+                                      (lo, hi), start_m // blocks[9][0], (b, h), blocks, scoring, False, BLOCK_N,
+                                      UPCAST, PLAIN)
     else:
         if window_left is not None:
             state = _attend(b_q, state, o_m, (lo, full_lo), keys, descriptors, scoring, b_slope, p_mask, b_seed,
@@ -233,8 +219,8 @@ def attention_forward_kernel(
         p_rows = probs + (counter_row0 + o_m[:, None]) * seqlen_k
         k_tiles = (p_k, (stride_kn, stride_kd), head_dim)
         if blocks is not None:
-            _store_probs_blocks(b_q, b_lse2, o_m, (lo, hi), start_m // blocks[9][0], (b, h), blocks, k_tiles,
-                                scoring, b_slope, b_seed, dropout, p_rows, BLOCK_N, UPCAST)
+            walk_listed(_store_probs_span, b_lse2, (b_q, o_m, k_tiles, dropout, p_rows), b_slope, b_seed, (lo, hi),
+                        start_m // blocks[9][0], (b, h), blocks, scoring, False, BLOCK_N, UPCAST, False)
         else:
             _store_probs(b_q, b_lse2, o_m, (lo, hi), k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows,
                          BLOCK_N, UPCAST)
@@ -263,22 +249,12 @@ def _store_probs(b_q, b_lse2, o_m, span, k_tiles, scoring, b_slope, p_mask, b_se
 
 
 @triton.jit
-def _store_probs_blocks(b_q, b_lse2, o_m, span, qi, bh, blocks, k_tiles, scoring, b_slope, b_seed, dropout, p_rows,
-                        BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """``_store_probs`` over the key blocks a block mask lists for query block ``qi``, as ``_attend_blocks``."""
-    b, h = bh
-    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, qi)
-    kv_block = blocks[9][1]
-    seqlens, band, scale, softcap, _ = scoring
-    for t in range(0, n_full):
-        kj, keys_t = listed_span(p_full, t, kv_block, span)
-        _store_probs(b_q, b_lse2, o_m, keys_t, k_tiles, scoring, b_slope, None, b_seed, dropout, p_rows, BLOCK_N,
-                     UPCAST)
-    tile_scoring = (seqlens, band, scale, softcap, (kv_block, 1))
-    for t in range(0, n_part):
-        kj, keys_t = listed_span(p_part, t, kv_block, span)
-        _store_probs(b_q, b_lse2, o_m, keys_t, k_tiles, tile_scoring, b_slope, partial_tile(blocks, b, h, qi, kj),
-                     b_seed, dropout, p_rows, BLOCK_N, UPCAST)
+def _store_probs_span(b_lse2, args, span, scoring, b_slope, p_mask, b_seed, BLOCK_N: tl.constexpr,
+                      UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``_store_probs`` over one listed block (``walk_listed``'s visit; the carry, lse, passes through)."""
+    b_q, o_m, k_tiles, dropout, p_rows = args
+    _store_probs(b_q, b_lse2, o_m, span, k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows, BLOCK_N, UPCAST)
+    return b_lse2
 
 
 @triton.jit

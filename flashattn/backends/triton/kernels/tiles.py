@@ -311,3 +311,26 @@ def listed_span(p_list, t, size, span):
     """Entry t of a block list: (the block's index, the rows or keys [lo, hi) it covers, clipped to ``span``)."""
     x = tl.load(p_list + t)
     return x, (tl.maximum(x * size, span[0]), tl.minimum(x * size + size, span[1]))
+
+
+@triton.jit
+def walk_listed(visit: tl.constexpr, carry, args, b_slope, b_seed, span, x, bh, blocks, scoring,
+                BY_KEYS: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``visit`` over the blocks a block mask lists for row-block ``x`` of (batch, head) ``bh``, each clipped to
+    ``span`` (the band): full blocks with no element mask, partial ones with theirs (and general scoring); empty
+    blocks are never visited. ``BY_KEYS``: x is a key block listing query blocks (dK/dV), else a query block
+    listing key blocks. ``visit(carry, args, span, scoring, b_slope, p_mask, b_seed, BLOCK, UPCAST, PLAIN)``
+    returns the new carry; the slope, mask and seed come apart from ``args`` (a tuple cannot hold a derived None)."""
+    b, h = bh
+    n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, x)
+    size = blocks[9][0] if BY_KEYS else blocks[9][1]
+    seqlens, band, scale, softcap, _ = scoring
+    for t in range(0, n_full):
+        piece = listed_span(p_full, t, size, span)[1]
+        carry = visit(carry, args, piece, scoring, b_slope, None, b_seed, BLOCK, UPCAST, PLAIN)
+    tile_scoring = (seqlens, band, scale, softcap, (blocks[9][1], 1))
+    for t in range(0, n_part):
+        y, piece = listed_span(p_part, t, size, span)
+        p_mask = partial_tile(blocks, b, h, y, x) if BY_KEYS else partial_tile(blocks, b, h, x, y)
+        carry = visit(carry, args, piece, tile_scoring, b_slope, p_mask, b_seed, BLOCK, UPCAST, False)
+    return carry
