@@ -7,6 +7,9 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
 .PHONY: demo test health lint clean gpu-check
+# The newest numpy, apart from the venv's: the Triton interpreter the tests use needs numpy < 2.4, the library does
+# not (tests/test_info.py runs flashattn with this one).
+NEWEST_NUMPY := $(VENV)/newest-numpy
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,20 +21,21 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/flashattn demo --out demo-output
 
-# The CPU tests run twice: on the C++ kernel (the default), then on the tiled PyTorch path that replaces it where
-# it cannot be built (FLASHATTN_CPU_KERNEL=0), so both paths are held to the same tests on every feature.
-CPU_PATH_TESTS := tests/test_flash_api.py tests/test_varlen.py tests/test_kvcache.py tests/test_sdpa.py \
-                  tests/test_autograd.py tests/test_nn.py
-test: $(VENV)/.installed
+# Every feature test runs on every execution path (the triton kernels under Triton's interpreter, the C++ kernel,
+# the tiled torch path) through one fixture, tests/conftest.py's ``path``.
+test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed
 	$(PY) -m pytest -n 2 -q -m "not health"
-	FLASHATTN_CPU_KERNEL=0 $(PY) -m pytest -n 2 -q $(CPU_PATH_TESTS)
+
+$(NEWEST_NUMPY)/.installed: pyproject.toml
+	$(PIP) install -q --upgrade --no-deps --target $(NEWEST_NUMPY) numpy
+	touch $@
 
 # On a machine with a GPU: tests, CUDA kernel checks, sweeps against every SDPA backend and FlexAttention, decode,
 # kernel health, into one folder under benchmarks/results (commit it). Uses .venv when there is one, else the
 # system python (a GPU image with torch and triton and no network).
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
-	PYTHONPATH=. $(GPU_PY) -m flashattn gpu-check --out "benchmarks/results/gpu-check-{device}-{date}"
+	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check --out "benchmarks/results/gpu-check-{device}-{date}"
 
 # Every shipped Triton config, plain and walking a block mask, compiled offline for sm_80 and sm_90 (no GPU; ~25
 # minutes on 2 cores from a cold cache).

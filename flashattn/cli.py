@@ -6,8 +6,8 @@
     flashattn bench cpu                   # the CPU path against torch's CPU SDPA and plain attention
     flashattn bench context-parallel      # context-parallel layouts across ranks (starts torchrun)
     flashattn bench cuda-kernel           # the CUDA C++ kernel: compile, accuracy, forward timing
-    flashattn info [--json]               # versions, devices, compilers, the backend auto picks and why
-    flashattn gpu-check [--smoke]         # everything a GPU session must run, into one folder, one summary table
+    flashattn bench block-mask            # a FlexAttention BlockMask against varlen and a dense mask
+    flashattn info [--json]               # versions, devices, compilers, the path each call takes and why
 
 ``flashattn bench <subcommand> --help`` lists each one's options with their defaults.
 """
@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, info, reference
-from .bench import blocks, context_parallel, cpu, cuda_kernel, decode, gpu_check, load, options, report, sweep
+from .bench import block_mask, context_parallel, cpu, cuda_kernel, decode, load, options, report, sweep
 from .bench.measure import OURS, Case, measure
 
 BENCH_COMMANDS = {"sweep": sweep, "decode": decode, "cpu": cpu, "context-parallel": context_parallel,
-                  "cuda-kernel": cuda_kernel, "block-mask": blocks}
+                  "cuda-kernel": cuda_kernel, "block-mask": block_mask}
 
 
 def _ladder_errors(n: int = 97, d: int = 40, seed: int = 0) -> list[list[str]]:
@@ -144,7 +144,7 @@ def _add_demo(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: sweep, decode, cpu, context-parallel, cuda-kernel",
+    bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCH_COMMANDS)}",
                            description="Benchmarks. Each subcommand writes <out>/<name>.json (rows, and a meta "
                                        "block: device, torch, date, command, threads, CPU model) and its plots.")
     commands = bench.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCH_COMMANDS) + "}",
@@ -169,13 +169,6 @@ def _add_info(sub) -> None:
     p.set_defaults(func=show_info, timed=False)
 
 
-def _add_gpu_check(sub) -> None:
-    p = sub.add_parser("gpu-check", help=gpu_check.HELP, description=options.plain(gpu_check.__doc__),
-                       formatter_class=options.HelpFormatter)
-    gpu_check.add_arguments(p)
-    p.set_defaults(func=gpu_check.command, timed=False)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashattn", description="Exact, IO-aware attention.")
     parser.add_argument("--version", action="version", version=f"flashattn {__version__}")
@@ -183,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_info(sub)
-    _add_gpu_check(sub)
     return parser
 
 

@@ -29,21 +29,21 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .bench import load
-from .bench.report import Col, cpu_model, table
+from .host import cpu_model, load_average, usable_cores
+from .tables import Col, table
 
 __all__ = ["ENVIRONMENT", "backend_choices", "collect", "compiler", "cuda_devices", "environment", "format_text",
            "nvrtc", "system", "torch_build", "triton", "versions"]
 
 # Every environment variable the package reads: (name, meaning, default).
 ENVIRONMENT = (
-    ("FLASHATTN_BACKEND", "force a backend for every call: auto, cpu, triton or cuda (flashattn.use_backend() "
+    ("FLASHATTN_BACKEND", "force a path for every call: auto, triton, cpu, torch or cuda (flashattn.use_backend() "
                           "takes precedence)", "auto"),
     ("FLASHATTN_NVRTC", "path of libnvrtc.so for the cuda backend, tried before torch's and the toolkit's",
      "searched"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
-    ("FLASHATTN_CPU_KERNEL", "0 turns the CPU kernel off (the tiled PyTorch path serves every CPU call)", "1"),
+    ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
     ("TRITON_INTERPRET", "1 runs the Triton kernels in Triton's interpreter on CPU tensors (set before triton is "
                          "imported; slow, for tests)", "unset"),
     ("CUDA_HOME", "CUDA toolkit searched for libnvrtc.so (lib64/) after torch's own", "/usr/local/cuda"),
@@ -93,9 +93,9 @@ def versions() -> dict:
 
 def system() -> dict:
     """The OS, the CPU (model, cores, those this process may use, torch's intra-op threads) and the load now."""
-    load_1m = load.load_average()
+    load_1m = load_average()
     return {"os": platform.platform(), "machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
-            "usable_cores": load.usable_cores(), "torch_threads": torch.get_num_threads(),
+            "usable_cores": usable_cores(), "torch_threads": torch.get_num_threads(),
             "load_1m": None if load_1m is None else round(load_1m, 2)}
 
 
@@ -251,25 +251,25 @@ def compiler() -> dict:
             "detail": f"{name} ({version}): compiled and linked a test program"}
 
 
-# (device type, dtype, head dim) the automatic choice is shown for: typical CPU calls, and on a GPU one call per
-# rule of the choice (half precision, fp32, fp64, a head dim beyond the Triton kernels).
-CPU_CASES = (("cpu", "float32", 64), ("cpu", "bfloat16", 128))
+# (device type, dtype, head dim) the choice is shown for: typical CPU calls, and on a GPU one call per rule of the
+# choice (half precision, fp32, fp64, a head dim beyond the Triton kernels).
+CPU_CASES = (("cpu", "float32", 64), ("cpu", "bfloat16", 128), ("cpu", "float16", 128))
 CUDA_CASES = (("cuda", "bfloat16", 128), ("cuda", "float16", 64), ("cuda", "float32", 64), ("cuda", "float64", 64),
               ("cuda", "bfloat16", 320))
 
 
 def backend_choices(cuda: bool | None = None) -> list[dict]:
-    """The backend each typical call would run on, and why (``flashattn.backends.explain``): CPU calls, and CUDA
-    calls when a GPU is present (``cuda``: None asks torch)."""
-    from .backends import explain
+    """The path each typical call would run on, and why, with the reasons of the paths passed over
+    (``flashattn.backends.explain``): CPU calls, and CUDA calls when a GPU is present (``cuda``: None asks torch)."""
+    from .backends import Request, explain
 
     if cuda is None:
         cuda = torch.cuda.is_available()
     rows = []
     for device, dtype, head_dim in CPU_CASES + (CUDA_CASES if cuda else ()):
         try:
-            name, reason = explain(device, getattr(torch, dtype), head_dim)
-        except Exception as err:  # a bad FLASHATTN_BACKEND, say: every call would raise the same
+            name, reason = explain(Request(device, getattr(torch, dtype), head_dim, head_dim))
+        except Exception as err:  # a bad FLASHATTN_BACKEND, a forced path that declines: every call would raise
             name, reason = None, f"{type(err).__name__}: {err}"
         rows.append({"device": device, "dtype": dtype, "head_dim": head_dim, "backend": name, "reason": reason})
     return rows
@@ -282,11 +282,11 @@ def environment() -> dict:
 
 
 def cpu_kernel() -> dict:
-    """Whether the CPU backend's C++ kernel builds (at first use, then cached) and loads here."""
-    from .backends import cpu_kernel as kernel
+    """Whether the ``cpu`` path's C++ kernel builds (at first use, then cached) and loads here."""
+    from .backends import cpu_build
 
-    usable, detail = kernel.status()
-    return {"usable": usable, "detail": detail if usable else f"{detail}; the tiled PyTorch path serves CPU calls"}
+    usable, detail = cpu_build.status()
+    return {"usable": usable, "detail": detail if usable else f"{detail}; the torch path serves CPU calls"}
 
 
 def _guarded(fn: Callable[[], object]) -> object:

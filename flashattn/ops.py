@@ -6,8 +6,9 @@ through one type: ``attention(q, k, v, spec)`` flattens it, the op's implementat
 rebuild it. Being custom ops with fake (meta) implementations, they are opaque leaves to
 ``torch.compile(fullgraph=True)``: traced without graph breaks, dispatched to a backend at run time.
 
-The backend is chosen before the op and passed to it by name, so the backward of a call always runs on the backend
-that ran its forward, wherever and on whatever thread autograd runs it.
+The path is chosen before the op (``flashattn.backends.choose``, the one place that decides what can run a call)
+and passed to it by name, so the backward of a call always runs on the path that ran its forward, wherever and on
+whatever thread autograd runs it.
 """
 
 from __future__ import annotations
@@ -32,35 +33,21 @@ def _split(rest: tuple) -> tuple[AttentionSpec, str, bool]:
     return AttentionSpec.from_args(spec_args), backend, flag
 
 
-def _runnable(name: str, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,
-              return_probs: bool = False) -> backends.Backend:
-    """The backend ``name``, once it says it can run the call (a forced backend may not)."""
-    backend = backends.get(name)
-    reason = backend.unsupported(q, k, v, spec, return_probs=return_probs)
-    if reason is not None:
-        dims = f"{q.shape[-1]}" if q.shape[-1] == v.shape[-1] else f"{q.shape[-1]} (q, k) and {v.shape[-1]} (v)"
-        raise ValueError(f"flashattn: the {name} backend cannot run this call on {q.device.type} {q.dtype} tensors "
-                         f"of head dim {dims}: {reason}. Let flashattn choose (use_backend('auto'), or unset "
-                         "FLASHATTN_BACKEND), or force a backend that can.")
-    return backend
-
-
 def _attention(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
     spec, backend, return_probs = _split(rest)
-    return _runnable(backend, q, k, v, spec, return_probs=return_probs).forward(q, k, v, spec,
-                                                                               return_probs=return_probs)
+    return backends.get(backend).forward(q, k, v, spec, return_probs=return_probs)
 
 
 def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
     spec, _, return_probs = _split(rest)
-    if spec.packed:  # q (total_q, H, D); lse (H, total_q); probs padded to the maxima
+    if spec.packed:  # q (total_q, H, D); probs padded to the maxima
         h, batch = q.shape[1], spec.varlen.batch
-        nq, nk, lse_shape = spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k, (h, q.shape[0])
+        nq, nk = spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k
     else:
         batch, nq, h = q.shape[:3]
-        nk, lse_shape = k.shape[1], (batch, h, nq)
+        nk = k.shape[1]
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    lse = q.new_empty(lse_shape, dtype=accumulation_dtype(q.dtype))
+    lse = q.new_empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
     probs = q.new_empty(batch, h, nq, nk) if return_probs else q.new_empty(0)
     return out, lse, probs
 
@@ -68,8 +55,8 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Ten
 def _attention_backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec, backend, mask_grad = _split(rest)
-    dq, dk, dv, dmask = _runnable(backend, q, k, v, spec).backward(dout, dlse, Saved(q, k, v, out, lse), spec,
-                                                                   mask_grad=mask_grad)
+    dq, dk, dv, dmask = backends.get(backend).backward(dout, dlse, Saved(q, k, v, out, lse), spec,
+                                                       mask_grad=mask_grad)
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
@@ -178,17 +165,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
 
     Returns (out (B, Nq, H, Dv), lse (B, H, Nq), probs (B, H, Nq, Nk) or an empty tensor); varlen: out
     (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k). ``backend`` (a name from
-    ``flashattn.backends.BACKENDS``) overrides the choice, e.g. to run several blocks of one layer on one backend.
+    ``flashattn.backends.PATHS``) overrides the choice, e.g. to run several blocks of one layer on one backend.
     """
-    backend = backend or backends.choose(q, v, spec)
+    backend = backend or backends.choose(q, k, v, spec, return_probs=return_probs)
     if torch.compiler.is_compiling():  # the registered op: a leaf of the graph, with its fake and autograd
         return _attention_op(q, k, v, *spec.as_args(), backend, return_probs)
     # Eager: the same code without the op's dispatch (Python, 0.1-0.4 ms a call, more than a decode step's
     # attention): the backend directly for inference, the op's autograd functions for training.
     if _records_grad(q, k, v, spec):
         return _EagerAttention.apply(q, k, v, *spec.as_args(), backend, return_probs)
-    return _runnable(backend, q, k, v, spec, return_probs=return_probs).forward(q, k, v, spec,
-                                                                               return_probs=return_probs)
+    return backends.get(backend).forward(q, k, v, spec, return_probs=return_probs)
 
 
 def _records_grad(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> bool:

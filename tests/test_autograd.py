@@ -1,5 +1,5 @@
-"""Gradients by torch.autograd.gradcheck in float64 (every feature, lse included), and torch.compile tracing the
-one op without graph breaks."""
+"""Gradients by torch.autograd.gradcheck in float64 (every feature, lse included) on the paths that take float64,
+and torch.compile tracing the one op without graph breaks on every path."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashattn
+from conftest import FLOAT64_PATHS
 
 CASES = {
     "plain": {},
@@ -17,8 +18,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", FLOAT64_PATHS, indirect=True)
 @pytest.mark.parametrize("case", CASES)
-def test_gradcheck_flash(case):
+def test_gradcheck_flash(path, case):
     kwargs = dict(CASES[case])
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = torch.rand(2, 4, dtype=torch.float64)
@@ -34,7 +36,8 @@ def test_gradcheck_flash(case):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def test_gradcheck_sdpa_with_learned_mask():
+@pytest.mark.parametrize("path", FLOAT64_PATHS, indirect=True)
+def test_gradcheck_sdpa_with_learned_mask(path):
     q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 5, 3, dtype=torch.float64, requires_grad=True)
@@ -44,7 +47,7 @@ def test_gradcheck_sdpa_with_learned_mask():
     )
 
 
-def test_torch_compile_fullgraph_matches_eager():
+def test_torch_compile_fullgraph_matches_eager(path):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -58,8 +61,8 @@ def test_torch_compile_fullgraph_matches_eager():
             return out.reshape(b, n, 32) + sdpa.transpose(1, 2).reshape(b, n, 32)
 
     torch._dynamo.reset()
-    model = Block()
-    x = torch.randn(2, 19, 32)
+    model = Block().to(path.device)
+    x = torch.randn(2, 19, 32, device=path.device)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     eager_out = model(x)
     compiled_out = compiled(x)
@@ -70,12 +73,10 @@ def test_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b)
 
 
-def test_custom_op_passes_torch_library_opcheck():
-    q = torch.randn(1, 5, 2, 8, requires_grad=True)
-    k = torch.randn(1, 6, 1, 8, requires_grad=True)
-    v = torch.randn(1, 6, 1, 8, requires_grad=True)
+def test_custom_op_passes_torch_library_opcheck(path):
+    q, k, v = path.put(*(torch.randn(1, n, h, 8, requires_grad=True) for n, h in ((5, 2), (6, 1), (6, 1))))
     from flashattn.backends.spec import AttentionSpec
 
     spec = AttentionSpec(scale=0.3, window_left=-1, window_right=0, bottom_right=True, diagonal_offset=2)
-    args = (q, k, v, *spec.as_args(), "cpu", False)
+    args = (q, k, v, *spec.as_args(), path.name, False)
     torch.library.opcheck(torch.ops.flashattn.attention.default, args)

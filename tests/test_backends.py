@@ -1,5 +1,7 @@
-"""The backend contract: every backend satisfies ``flashattn.backends.Backend``, the op's schema is the options
-type's, and the backward of a call runs on the backend that ran its forward."""
+"""The paths' contract and the one rule that picks a path: every path's module satisfies
+``flashattn.backends.Backend`` and declares what it serves in the terms of ``Request``; the automatic choice walks
+``ORDER`` and says why it passed paths over; a forced path that cannot serve a call is refused before it runs; the
+op's schema is the options type's; the backward of a call runs on the path that ran its forward."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import torch
 
 import flashattn
 from flashattn import backends
+from flashattn.backends import Request, explain
 from flashattn.backends.spec import AttentionSpec, KeyCache, Varlen
 
 TRITON = importlib.util.find_spec("triton") is not None
-NAMES = ["cpu", "cuda", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="triton missing"))]
+NAMES = ["cpu", "torch", "cuda", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="no triton"))]
 
 
 def _parameters(fn) -> list[tuple[str, object]]:
@@ -23,12 +26,125 @@ def _parameters(fn) -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_backend_satisfies_the_protocol(name):
+def test_every_path_satisfies_the_protocol(name):
     module = backends.get(name)
     assert isinstance(module, backends.Backend)
     assert name == module.NAME
-    for method in ("unsupported", "forward", "backward"):
+    for method in ("forward", "backward"):
         assert _parameters(getattr(module, method)) == _parameters(getattr(backends.Backend, method)), method
+    assert _parameters(backends.PATHS[name].serves) == [("request", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+def test_declarations_do_not_import_triton():
+    """Choosing a path costs nothing where triton is absent: the declarations import no triton (a fresh
+    interpreter, as torch itself may import triton)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashattn.backends as b; b.explain(b.Request('cuda', __import__('torch').float16, 64, 64));"
+            "print(sorted(m for m in sys.modules if m.startswith('flashattn.backends.triton')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "['flashattn.backends.triton']"
+
+
+def _cuda(dtype=torch.float16, head_dim=64, **fields) -> Request:
+    return Request("cuda", dtype, head_dim, fields.pop("head_dim_v", head_dim), **fields)
+
+
+@pytest.mark.skipif(not TRITON, reason="no triton: CUDA calls run on the torch path")
+def test_cuda_calls_walk_triton_then_torch(monkeypatch):
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    assert explain(_cuda()) == ("triton", "auto: triton (the Triton kernels) serves it")
+    for request, why in [(_cuda(torch.float64), "float64"), (_cuda(head_dim=320), "320"),
+                         (_cuda(head_dim=192, head_dim_v=288), "288"),
+                         (_cuda(mask_blocks=(24, 128), features=("block mask",)), "multiples of 16")]:
+        name, reason = explain(request)
+        assert name == "torch" and reason.startswith("auto: triton declines: ") and why in reason, reason
+    assert explain(Request("mps", torch.float16, 64, 64)) == ("torch", "auto: torch (tiled PyTorch) serves it")
+
+
+@pytest.mark.skipif(not TRITON, reason="no triton: CUDA calls run on the torch path")
+def test_a_mask_that_needs_its_gradient_is_not_sent_to_triton(monkeypatch):
+    """The bug of issue 23: on CUDA, SDPA with an additive mask that requires grad went to the Triton kernels,
+    whose backward has no mask gradient, and failed there. The choice now reads the mask gradient."""
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    name, reason = explain(_cuda(features=("attn_mask",), mask_grad=True))
+    assert name == "torch" and "gradient of an additive attn_mask" in reason
+    assert explain(_cuda(features=("attn_mask",)))[0] == "triton"  # the same mask without its gradient
+
+
+@pytest.mark.skipif(not TRITON, reason="no triton")
+def test_a_mask_gradient_end_to_end_where_triton_comes_first(monkeypatch):
+    """The same through the public API: CPU tensors stand in for CUDA ones (triton first in their order, run by
+    the interpreter); SDPA with a learnable additive mask gets the mask's gradient right, from the path that has
+    it, and the same call without the gradient runs on triton."""
+    from oracle import assert_close
+
+    from flashattn.backends.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 to run the triton path on CPU tensors")
+    monkeypatch.setitem(backends.ORDER, "cpu", ("triton", "torch"))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    mask = torch.randn(1, 2, 24, 24, requires_grad=True)
+    out = flashattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    (grad,) = torch.autograd.grad(out.square().sum(), mask)
+    m64 = mask.detach().double().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m64)
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), m64)
+    assert_close("dmask", grad, ref_grad, ref_grad)
+    from flashattn.backends.spec import AttentionSpec as Spec
+
+    frozen = Request.of(q, k, v, Spec(scale=0.25, attn_mask=mask.detach()))
+    assert explain(frozen)[0] == "triton"
+
+
+def test_forcing_a_path_and_its_refusals(monkeypatch):
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    cpu_call = Request("cpu", torch.float32, 16, 16)
+    with flashattn.use_backend("torch"):
+        assert explain(cpu_call) == ("torch", "forced by use_backend()")
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    assert explain(cpu_call) == ("torch", "forced by FLASHATTN_BACKEND")
+    with flashattn.use_backend("auto"):  # the context manager wins over the environment
+        assert explain(cpu_call)[0] in ("cpu", "torch")
+    monkeypatch.setenv("FLASHATTN_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"the cuda path cannot run this call on cpu float16 tensors of head dim 64 "
+                                         r"\(forced by FLASHATTN_BACKEND\): .*CUDA tensors.*Let flashattn choose"):
+        explain(Request("cpu", torch.float16, 64, 64))
+    monkeypatch.setenv("FLASHATTN_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FLASHATTN_BACKEND must be one of auto, triton, cpu, torch, cuda; got 'fast'"):
+        explain(cpu_call)
+    with pytest.raises(ValueError, match="use_backend"):
+        flashattn.use_backend("fast").__enter__()
+
+
+def test_cpu_keeps_its_older_meaning_when_forced(monkeypatch):
+    """Settings made when "cpu" named the kernel and the tiled path both keep running: forced "cpu" takes the
+    torch path for what the kernel does not serve (CUDA tensors, returned probabilities)."""
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    with flashattn.use_backend("cpu"):
+        name, why = explain(Request("cuda", torch.float64, 64, 64))
+        assert name == "torch" and why.startswith("'cpu' forced by use_backend(): cpu declines: ")
+        assert explain(Request("cpu", torch.float32, 64, 64, features=("return_attn_probs",)))[0] == "torch"
+        q = k = v = torch.randn(1, 6, 2, 8)
+        out, _, probs = flashattn.flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+        assert probs.shape == (1, 2, 6, 6)
+
+
+def test_request_names_what_a_call_uses():
+    q = torch.randn(1, 5, 4, 16, requires_grad=True)
+    k, v = torch.randn(1, 7, 2, 16), torch.randn(1, 7, 2, 8)
+    spec = AttentionSpec(scale=0.25, window_left=3, window_right=0, softcap=2.0, dropout_p=0.1,
+                         attn_mask=torch.zeros(1, 1, 5, 7, requires_grad=True))
+    request = Request.of(q, k, v, spec, return_probs=True)
+    assert request == Request("cpu", torch.float32, 16, 8, ("attn_mask", "dropout", "softcap", "window",
+                                                           "return_attn_probs"), None, True, True)
+    with torch.no_grad():
+        assert not Request.of(q, k, v, spec).grad and not Request.of(q, k, v, spec).mask_grad
+    with pytest.raises(ValueError, match="unknown feature 'causal'"):
+        request.uses("causal")
 
 
 def test_options_type_round_trips_through_the_op_arguments():
@@ -67,19 +183,20 @@ def test_the_op_schema_is_derived_from_the_options_type():
 
 
 @pytest.mark.skipif(not TRITON, reason="triton missing")
-def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):
+def test_backward_runs_on_the_path_of_its_forward(monkeypatch):
     """A forward under use_backend("triton") is differentiated by triton even when backward runs outside the block
-    (where the automatic choice for these CPU tensors is cpu)."""
-    from flashattn.backends import cpu
+    (where the automatic choice for these CPU tensors is another path)."""
+    from flashattn.backends import cpu, tiled
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the backward ran on the cpu backend")
+        raise AssertionError("the backward ran on another path")
 
     monkeypatch.setattr(cpu, "backward", refuse)
+    monkeypatch.setattr(tiled, "backward", refuse)
     q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
     with flashattn.use_backend("triton"):
         out = flashattn.flash_attn_func(q, k, v, causal=True)
-    assert backends.choose(q, v) == "cpu"
+    assert backends.choose(q, k, v, AttentionSpec(scale=0.25)) in ("cpu", "torch")
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
@@ -88,7 +205,7 @@ def _block_sparse(mask_mod):
     """A block mask of 16 x 16 blocks over the (6, 9) scores below, per head, as the checker converts it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from flashattn.checks.blocks import validate_block_mask
+    from flashattn.checks.block_mask import validate_block_mask
 
     mask = create_block_mask(mask_mod, None, 4, 6, 9, device="cpu", BLOCK_SIZE=16)
     return validate_block_mask("test", "block_mask", mask, batch=2, nheads=4, nq=6, nk=9, ref=torch.zeros(1))
@@ -120,9 +237,10 @@ def _options_one_at_a_time():
 
 @pytest.mark.skipif(not TRITON, reason="triton missing")
 def test_every_option_is_served_or_refused():
-    """Every option reaches every backend: cpu and triton compute the same result with it, and the CUDA backend,
+    """Every option reaches every path: cpu, torch and triton compute the same result with it, and the cuda path,
     which serves a subset, names it when it cannot."""
-    from flashattn.backends import cpu, cuda, triton
+    from flashattn.backends import cpu, cuda, tiled
+    from flashattn.backends.triton import attend
 
     options = _options_one_at_a_time()
     assert set(options) == {f.name for f in dataclasses.fields(AttentionSpec)}
@@ -132,11 +250,12 @@ def test_every_option_is_served_or_refused():
         if spec.varlen is not None:
             q, k, v = q.flatten(0, 1)[:12], k.flatten(0, 1), v.flatten(0, 1)
         plain = cpu.forward(q, k, v, AttentionSpec(scale=0.25))[0] if spec.varlen is None else None
-        got = [backend.forward(q, k, v, spec)[0] for backend in (cpu, triton)]
-        torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-5, msg=name)
+        got = [path.forward(q, k, v, spec)[0] for path in (cpu, tiled, attend)]
+        for other in got[1:]:
+            torch.testing.assert_close(other, got[0], rtol=1e-5, atol=1e-5, msg=name)
         if plain is not None and name != "deterministic":
             assert not torch.allclose(got[0], plain), f"{name} changed nothing"
         supported = name in ("scale", "bottom_right", "diagonal_offset", "deterministic")
         q64, k64, v64 = (torch.zeros(*t.shape[:-1], 64, dtype=torch.float16) for t in (q, k, v))
-        reason = cuda.unsupported(q64, k64, v64, spec)
+        reason = cuda.serves(Request.of(q64, k64, v64, spec)._replace(device="cuda"))
         assert (reason is None or "CUDA tensors" in reason) if supported else reason is not None, (name, reason)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashattn
+from flashattn import host
 from flashattn.bench import context_parallel, decode, load, report, sweep
 from flashattn.bench.measure import OURS, OURS_CUDA, Case
 from flashattn.cli import main
@@ -20,8 +21,8 @@ from flashattn.cli import main
 def assert_meta_describes_the_machine(meta: dict, in_this_process: bool = True) -> None:
     """What every result file's meta must hold for a reader to judge its timings."""
     assert meta["threads"] == torch.get_num_threads() if in_this_process else meta["threads"] >= 1
-    assert meta["cpu"] == report.cpu_model() and meta["cpu"]
-    assert meta["cores"] == os.cpu_count() and meta["usable_cores"] == load.usable_cores()
+    assert meta["cpu"] == host.cpu_model() and meta["cpu"]
+    assert meta["cores"] == os.cpu_count() and meta["usable_cores"] == host.usable_cores()
     assert set(meta["load"]) == {"load_1m", "other_cpu", "usable_cores"}, meta["load"]
     assert meta["load_warning"] is None or meta["load_warning"].startswith("the machine is busy")
 
@@ -202,9 +203,9 @@ def test_cpu_model_falls_back_to_platform_without_proc_cpuinfo(monkeypatch):
     def missing(*args, **kwargs):
         raise FileNotFoundError("/proc/cpuinfo")
 
-    monkeypatch.setattr(report, "open", missing, raising=False)
-    monkeypatch.setattr(report.platform, "processor", lambda: "test-cpu")
-    assert report.cpu_model() == "test-cpu"
+    monkeypatch.setattr(host, "open", missing, raising=False)
+    monkeypatch.setattr(host.platform, "processor", lambda: "test-cpu")
+    assert host.cpu_model() == "test-cpu"
 
 
 def _nvrtc_available() -> bool:
@@ -319,7 +320,7 @@ def test_a_busy_machine_is_warned_about_before_timing_and_recorded(loadavg, othe
     assert line.endswith("timings may be unreliable")
     meta = json.loads((tmp_path / "c.json").read_text())["meta"]
     assert meta["load_warning"] in line and meta["load"] == {"load_1m": loadavg[0], "other_cpu": other,
-                                                              "usable_cores": load.usable_cores()}
+                                                              "usable_cores": host.usable_cores()}
 
 
 def test_a_quiet_machine_gets_no_warning_but_its_load_is_recorded(tmp_path, capsys, monkeypatch):
@@ -334,7 +335,7 @@ def test_a_quiet_machine_gets_no_warning_but_its_load_is_recorded(tmp_path, caps
 def test_no_load_average_is_not_an_error(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "getloadavg")  # as on Windows
     monkeypatch.setattr(load, "other_processes_cpu", lambda seconds=0: None)
-    assert load.load_average() is None and load.warning(load.reading()) is None
+    assert host.load_average() is None and load.warning(load.reading()) is None
     assert main(_cpu_bench(tmp_path)) == 0
     meta = json.loads((tmp_path / "c.json").read_text())["meta"]
     assert meta["load"]["load_1m"] is None and meta["load_warning"] is None
@@ -344,7 +345,7 @@ def test_other_processes_cpu_is_sampled_from_proc_stat():
     if not os.path.exists("/proc/stat"):
         pytest.skip("Linux only")
     other = load.other_processes_cpu(0.05)
-    assert other is not None and 0 <= other <= load.usable_cores() + 0.5  # tick rounding
+    assert other is not None and 0 <= other <= host.usable_cores() + 0.5  # tick rounding
 
 
 def test_meta_outside_the_command_line_has_no_reading():

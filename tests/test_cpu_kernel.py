@@ -1,6 +1,7 @@
-"""The CPU backend's C++ forward kernel and its fallback, the tiled PyTorch path: both paths on every feature the
-kernel serves, against the float64 oracle with the same-precision rule, gradients included (the backward recomputes
-from the kernel's lse); the build's fallback when it cannot be compiled."""
+"""The ``cpu`` path's C++ kernel and the ``torch`` path that serves CPU calls where it cannot be built: every path on
+odd shapes and features against the float64 oracle with the same-precision rule, gradients included (the backward
+recomputes from the forward's lse); the cpu path against the torch path on everything else it serves; the build and
+what happens when it fails."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from oracle import attention_ref, check_against_oracle, feature_kwargs, make_inputs
 
 import flashattn
-from flashattn.backends import cpu_kernel
-from flashattn.backends.spec import AttentionSpec
+from flashattn.backends import Request, cpu, cpu_build, explain, tiled
+from flashattn.backends.spec import AttentionSpec, Saved
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 FEATURES = {
@@ -30,55 +31,49 @@ SHAPES = [  # (b, nq, nk, h, hk, d): odd lengths, q/k lengths that differ, GQA, 
 ]
 
 
-@pytest.fixture(params=[True, False], ids=["kernel", "tiled"])
-def path(request):
-    if request.param and not HAS_COMPILER:
-        pytest.skip("no C++ compiler: only the tiled path runs here")
-    with cpu_kernel.use(request.param):
-        yield request.param
-
-
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_both_paths_against_float64(path, feature, shape, dtype):
+def test_every_path_against_float64(path, feature, shape, dtype):
     b, nq, nk, h, hk, d = shape
+    path.skip_if_declines(dtype, d)
+    path.skip_if_slow(b * h * nq * nk)
     torch.manual_seed(0)
-    q, k, v = make_inputs(b, nq, nk, h, hk, d, dtype)
+    q, k, v = path.put(*make_inputs(b, nq, nk, h, hk, d, dtype))
     kwargs = feature_kwargs(FEATURES[feature], b, h)
-    with flashattn.use_backend("cpu"):
-        out = flashattn.flash_attn_func(q, k, v, **kwargs)
-        check_against_oracle(q, k, v, kwargs, out, grads=nq < 1000)
+    if "alibi_slopes" in kwargs:
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(path.device)
+    out = flashattn.flash_attn_func(q, k, v, **kwargs)
+    check_against_oracle(q, k, v, kwargs, out, grads=nq < 1000)
 
 
 def test_the_kernel_serves_dense_calls_here():
     """On a machine with a compiler (CI's has gcc) the kernel builds, and a dense call runs on it."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
-    built, detail = cpu_kernel.status()
+    built, detail = cpu_build.status()
     assert built, detail
     q, k, v = make_inputs(1, 7, 9, 2, 1, 16, torch.float32, requires_grad=False)
     spec = AttentionSpec(scale=0.25, window_right=0)
-    assert cpu_kernel.unserved(q, k, v, spec, return_probs=False) is None
-    out, lse = cpu_kernel.forward(q, k, v, spec)
+    assert cpu.serves(Request.of(q, k, v, spec)) is None
+    assert explain(Request.of(q, k, v, spec))[0] == "cpu"
+    out, lse, _ = cpu.forward(q, k, v, spec)
     ref, ref_lse = attention_ref(q, k, v, scale=0.25, causal=True)
     assert (out.double() - ref).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
 
 
 def test_rows_that_see_no_key_give_zero_and_minus_inf(path):
     """Bottom-right causal with more queries than keys: the first rows see nothing (out 0, lse -inf, no NaN)."""
-    from flashattn.backends import cpu
-
-    q, k, v = make_inputs(1, 10, 4, 2, 2, 8, torch.float32, requires_grad=False)
-    out, lse, _ = cpu.forward(q, k, v, AttentionSpec(scale=8**-0.5, window_right=0))
+    q, k, v = path.put(*make_inputs(1, 10, 4, 2, 2, 8, torch.float32, requires_grad=False))
+    out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert not torch.isnan(out).any()
     assert (out[:, :6] == 0).all() and torch.isneginf(lse[:, :, :6]).all() and torch.isfinite(lse[:, :, 6:]).all()
 
 
 @pytest.mark.parametrize("reason", ["FLASHATTN_CPU_KERNEL=0", "a failed build"])
-def test_the_tiled_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch, caplog, tmp_path):
+def test_the_torch_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("FLASHATTN_CACHE", str(tmp_path))  # a failed first load removes its build folder
-    cpu_kernel._load.cache_clear()
+    cpu_build._load.cache_clear()
     if reason == "a failed build":
         from torch.utils import cpp_extension
 
@@ -90,16 +85,20 @@ def test_the_tiled_path_runs_when_the_kernel_cannot_be_built(reason, monkeypatch
         monkeypatch.setenv("FLASHATTN_CPU_KERNEL", "0")
     try:
         with caplog.at_level(logging.WARNING, logger="flashattn"):
-            built, detail = cpu_kernel.status()
+            built, detail = cpu_build.status()
             q, k, v = make_inputs(1, 33, 33, 2, 2, 16, torch.float32)
-            with flashattn.use_backend("cpu"):
+            request = Request.of(q, k, v, AttentionSpec(scale=0.25))
+            with flashattn.use_backend("cpu"):  # "cpu" keeps its older meaning: the kernel, else the torch path
                 out = flashattn.flash_attn_func(q, k, v, causal=True)
+                forced = explain(request)
             check_against_oracle(q, k, v, {"causal": True}, out)
+            name, why = explain(request)
         assert not built and ("FLASHATTN_CPU_KERNEL" in detail if reason != "a failed build" else "c++" in detail)
-        warned = [r for r in caplog.records if "tiled PyTorch path" in r.getMessage()]
+        assert name == forced[0] == "torch" and "C++ kernel is not available" in why and detail in why
+        warned = [r for r in caplog.records if "run on the torch path" in r.getMessage()]
         assert len(warned) == (1 if reason == "a failed build" else 0)
     finally:
-        cpu_kernel._load.cache_clear()
+        cpu_build._load.cache_clear()
 
 
 def test_a_build_that_does_not_load_is_rebuilt(monkeypatch, tmp_path, caplog):
@@ -117,26 +116,35 @@ def test_a_build_that_does_not_load_is_rebuilt(monkeypatch, tmp_path, caplog):
             raise ImportError(f"{folder.name}.so: invalid ELF header")
         return "module"
 
-    monkeypatch.setattr(cpu_kernel, "_build", build)
-    cpu_kernel._load.cache_clear()
+    monkeypatch.setattr(cpu_build, "_build", build)
+    cpu_build._load.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="flashattn"):
-            built, detail = cpu_kernel.status()
+            built, detail = cpu_build.status()
         assert built, detail
         assert seen == [None, None]  # the broken folder was removed before the second build
         assert any("rebuilding" in r.getMessage() for r in caplog.records)
     finally:
-        cpu_kernel._load.cache_clear()
+        cpu_build._load.cache_clear()
 
 
-def test_calls_the_kernel_does_not_serve_say_why():
-    q = k = torch.zeros(1, 4, 2, 8)
-    v = torch.zeros(1, 4, 2, 16)[..., ::2]
-    assert "stride" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0), return_probs=False)
-    v = torch.zeros(1, 4, 2, 8)
-    assert "probabilities" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0), return_probs=True)
-    with cpu_kernel.use(False):
-        assert "turned off" in cpu_kernel.unserved(q, k, v, AttentionSpec(scale=1.0), return_probs=False)
+def test_what_the_cpu_path_declines_it_says_why_and_the_torch_path_serves():
+    q = k = v = torch.zeros(1, 4, 2, 8)
+    probs = Request.of(q, k, v, AttentionSpec(scale=1.0), return_probs=True)
+    assert "probabilities" in cpu.serves(probs)
+    assert explain(probs) == ("torch", "auto: cpu declines: " + cpu.serves(probs) + "; torch (tiled PyTorch) serves it")
+    assert "CPU tensors" in cpu.serves(Request("cuda", torch.float32, 8, 8))
+    assert "float16, bfloat16" in cpu.serves(Request("cpu", torch.int8, 8, 8))
+
+
+def test_a_strided_head_dim_is_served(path):
+    """SDPA accepts any strides: a head dim with a stride (which the C++ kernel copies) gives the same result."""
+    q, k = path.put(*(torch.randn(1, 12, 2, 8) for _ in range(2)))
+    v = path.put(torch.randn(1, 12, 2, 16))[0][..., ::2]
+    assert v.stride(-1) == 2
+    out = flashattn.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert (out.double() - ref).abs().max() < 1e-5
 
 
 def test_the_kernel_keeps_the_callers_grad_and_inference_modes():
@@ -146,19 +154,19 @@ def test_the_kernel_keeps_the_callers_grad_and_inference_modes():
         pytest.skip("no C++ compiler")
     q, k, v = make_inputs(1, 130, 300, 2, 1, 16, torch.float32)
     spec = AttentionSpec(scale=0.25)
-    out, _ = cpu_kernel.forward(q, k, v, spec)
+    out, _, _ = cpu.forward(q, k, v, spec)
     with torch.inference_mode():
         q2, k2, v2 = (t.detach().clone() for t in (q, k, v))
-        out2, _ = cpu_kernel.forward(q2, k2, v2, spec)
+        out2, _, _ = cpu.forward(q2, k2, v2, spec)
     assert torch.equal(out, out2) and not out.requires_grad
 
 
 def _both_paths(fn, *tensors):
-    """fn(*tensors) on the kernel and on the tiled path: (outputs, input gradients) of each, same upstream grads."""
+    """fn(*tensors) on the cpu and on the torch path: (outputs, input gradients) of each, same upstream grads."""
     results = []
-    for enabled in (True, False):
+    for name in ("cpu", "torch"):
         leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and t.requires_grad) for t in tensors]
-        with cpu_kernel.use(enabled), flashattn.use_backend("cpu"):
+        with flashattn.use_backend(name):
             torch.manual_seed(7)  # dropout's seed
             out = fn(*leaves)
         outs = out if isinstance(out, tuple) else (out,)
@@ -198,8 +206,8 @@ FEATURE_CALLS = {  # a call per feature the kernel serves beyond the dense forwa
 
 @pytest.mark.parametrize("feature", FEATURE_CALLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_kernel_and_the_tiled_path_agree(feature, dtype):
-    """The kernel against the tiled path (itself held to the float64 oracle elsewhere): outputs, lse and every input
+def test_the_cpu_and_the_torch_path_agree(feature, dtype):
+    """The C++ kernel against the torch path (itself held to the float64 oracle elsewhere): outputs, lse and every input
     gradient, dropout dropping exactly the same elements (one counter-based generator)."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
@@ -216,7 +224,7 @@ def test_the_kernel_and_the_tiled_path_agree(feature, dtype):
 @pytest.mark.parametrize("seqlen_q", [1, 3])
 def test_kv_cache_calls_agree_on_both_paths(paged, seqlen_q):
     """Decode and short prefill against a cache (GQA 8:1, lengths and left padding per entry, batch_idx, pages of
-    5): the kernel packs the group's query heads into one block; the tiled path runs each entry separately."""
+    5): the kernel packs the group's query heads into one block; the torch path runs each entry separately."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
     torch.manual_seed(0)
@@ -236,21 +244,18 @@ def test_kv_cache_calls_agree_on_both_paths(paged, seqlen_q):
     else:
         kwargs["cache_batch_idx"] = torch.tensor([3, 0, 1], dtype=torch.int32)
     results = []
-    for enabled in (True, False):
-        with cpu_kernel.use(enabled), flashattn.use_backend("cpu"):
+    for name in ("cpu", "torch"):
+        with flashattn.use_backend(name):
             results.append(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs))
     for a, b_ in zip(*results, strict=True):
         assert not torch.isnan(a).any() and (a - b_).abs().max() < 2e-6
 
 
 def test_a_gradient_into_lse_reaches_the_kernels_backward():
-    """dlse folds into delta: the kernel's backward with a gradient on lse only matches the tiled path's, with lse
+    """dlse folds into delta: the kernel's backward with a gradient on lse only matches the torch path's, with lse
     and dlse strided differently."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
-    from flashattn.backends import cpu
-    from flashattn.backends.spec import Saved
-
     torch.manual_seed(0)
     q, k, v = make_inputs(1, 50, 60, 4, 2, 16, torch.float64, requires_grad=False)
     spec = AttentionSpec(scale=0.25, window_right=0)
@@ -260,10 +265,7 @@ def test_a_gradient_into_lse_reaches_the_kernels_backward():
     longer[:, :, 20:70] = lse
     lse = longer[:, :, 20:70]
     dout, dlse = torch.zeros_like(out), torch.randn(1, 4, 100, dtype=lse.dtype)[:, :, 30:80]
-    grads = []
-    for enabled in (True, False):
-        with cpu_kernel.use(enabled):
-            grads.append(cpu.backward(dout, dlse, Saved(q, k, v, out, lse), spec)[:3])
+    grads = [path.backward(dout, dlse, Saved(q, k, v, out, lse), spec)[:3] for path in (cpu, tiled)]
     for a, b in zip(*grads, strict=True):
         assert (a - b).abs().max() < 1e-12
     assert grads[0][0].abs().max() > 0 and grads[0][1].abs().max() > 0  # dv = P^T dO is 0 here

@@ -177,31 +177,40 @@ def _spec(**kwargs):
         ({"d": 96}, "head dim 64 or 128"),
         ({"spec": _spec(softcap=5.0)}, "softcap"),
         ({"spec": _spec(dropout_p=0.1)}, "dropout"),
-        ({"spec": _spec(window_left=8, window_right=0)}, "sliding window"),
-        ({"spec": _spec(alibi_slopes=torch.ones(1, 2))}, "ALiBi"),
+        ({"spec": _spec(window_left=8, window_right=0)}, "window"),
+        ({"spec": _spec(alibi_slopes=torch.ones(1, 2))}, "alibi"),
         ({"return_probs": True}, "return_attn_probs"),
         ({}, "CUDA tensors"),  # everything supported but the device
     ],
 )
-def test_unsupported_calls_are_named(change, message):
+def test_declined_calls_are_named(change, message):
+    from flashattn.backends import Request
+
     dtype, d = change.get("dtype", torch.float16), change.get("d", 64)
     q = torch.zeros(1, 4, 2, d, dtype=dtype)
-    reason = cuda_backend.unsupported(q, q, q, change.get("spec", _spec()),
-                                      return_probs=change.get("return_probs", False))
+    request = Request.of(q, q, q, change.get("spec", _spec()), return_probs=change.get("return_probs", False))
+    if message != "CUDA tensors":
+        request = request._replace(device="cuda")
+    reason = cuda_backend.serves(request)
     assert reason is not None and message in reason
 
 
-def test_backend_is_opt_in_and_refusals_are_clear():
+def test_the_path_is_opt_in_and_refusals_are_clear():
+    from flashattn.backends import Request, explain
+
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
-    assert flashattn.backends.choose(q, q) != "cuda"  # auto never picks it
+    on_gpu = Request("cuda", torch.float16, 64, 64)
+    assert explain(on_gpu)[0] != "cuda"  # auto never picks it
     with flashattn.use_backend("cuda"):
-        assert flashattn.backends.get(flashattn.backends.choose(q, q)) is cuda_backend
-        with pytest.raises(ValueError, match="the cuda backend cannot run this call on cpu .*CUDA tensors"):
+        assert explain(on_gpu) == ("cuda", "forced by use_backend()")
+        with pytest.raises(ValueError, match="the cuda path cannot run this call on cpu .*CUDA tensors"):
             flashattn.flash_attn_func(q, q, q)
+        with pytest.raises(ValueError, match="forward-only"):  # refused before the forward, not in the backward
+            explain(on_gpu._replace(grad=True))
     with pytest.raises(NotImplementedError, match="forward-only"):
         cuda_backend.backward(q, None, None, _spec())
     cache = KeyCache(torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)
-    assert "KV cache" in cuda_backend.unsupported(q, q, q, _spec(cache=cache))
+    assert "kv cache" in cuda_backend.serves(Request.of(q, q, q, _spec(cache=cache))._replace(device="cuda"))
 
 
 # --------------------------------------------------------------------------------------------------------------

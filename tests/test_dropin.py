@@ -127,8 +127,8 @@ def test_a_forced_backend_that_cannot_run_the_call_is_a_value_error():
     with flashattn.use_backend("cuda"), pytest.raises(ValueError) as info:
         flashattn.flash_attn_func(q, q, q)
     message = str(info.value)
-    assert "cuda backend" in message and "cpu" in message and "CUDA tensors" in message
-    with flashattn.use_backend("triton"), pytest.raises(ValueError, match="triton backend .* float64"):
+    assert "cuda path" in message and "cpu" in message and "CUDA tensors" in message
+    with flashattn.use_backend("triton"), pytest.raises(ValueError, match="triton path .* float64"):
         flashattn.flash_attn_func(*_qkv())
 
 
@@ -140,11 +140,10 @@ def test_the_backend_choice_is_logged_once_per_reason(caplog):
     with caplog.at_level(logging.DEBUG, logger="flashattn"):
         flashattn.flash_attn_func(q, k, v)
         flashattn.flash_attn_func(q, k, v)
-        with flashattn.use_backend("cpu"):
+        with flashattn.use_backend("torch"):
             flashattn.flash_attn_func(q, k, v)
     lines = [r.getMessage() for r in caplog.records if r.name == "flashattn"]
-    assert lines == ["backend cpu: auto: cpu tensors run on the tiled PyTorch path",
-                     "backend cpu: forced by use_backend()"], lines
+    assert lines == ["path cpu: auto: cpu (the C++ kernel) serves it", "path torch: forced by use_backend()"], lines
 
 
 def _compiled(fn):

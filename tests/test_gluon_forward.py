@@ -1,4 +1,4 @@
-"""The Gluon FlashAttention-3-style forward (``flashattn/backends/triton/experimental/gluon_forward.py``) compiled
+"""The Gluon FlashAttention-3-style forward (``tools/gluon/forward.py``) compiled
 offline for sm_90 (no GPU): the Hopper techniques it was written to express are in the SASS.
 
 Two variants of the shipped schedule are compiled (head dim 128 non-causal, head dim 64 causal) in a subprocess
@@ -12,12 +12,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-# Our tl forward on sm_90 at the same shape (python -m flashattn.backends.triton.profile), 128 x 128 tiles.
+# Our tl forward on sm_90 at the same shape (python -m tools.offline.profile), 128 x 128 tiles.
 TL_PER_SCORE = {128: 0.238, 64: 0.222}
 SHARED_LIMIT_SM90 = 232448
 # Failures that say the machine cannot compile for sm_90, not that the kernel is wrong.
@@ -31,9 +34,9 @@ def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("gluon") / "measured.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "flashattn.backends.triton.experimental.gluon_profile", "--cases", "128:0,64:1",
+        [sys.executable, "-m", "tools.gluon.profile", "--cases", "128:0,64:1",
          "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )
     if done.returncode != 0 and any(word in done.stderr for word in ENVIRONMENTAL):
         pytest.skip(f"cannot compile for sm_90 here: {done.stderr.strip().splitlines()[-1]}")

@@ -1,4 +1,4 @@
-"""``flashattn gpu-check --smoke``: every step of the GPU session's one command runs at toy sizes on the CPU,
+"""``python -m tools.gpu_check --smoke``: every step of the GPU session's one command runs at toy sizes on the CPU,
 writes its results into one folder, and the summary reads them back."""
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["info", "health", "profile", "tests", "cuda-kernel", "sweep-d16", "decode", "block-mask"]
 
 
@@ -18,8 +20,8 @@ STEPS = ["info", "health", "profile", "tests", "cuda-kernel", "sweep-d16", "deco
 def test_smoke_runs_every_step(tmp_path):
     out = tmp_path / "check"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run([sys.executable, "-m", "flashattn", "gpu-check", "--smoke", "--jobs", "1", "--out",
-                           str(out)], capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--smoke", "--jobs", "1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     summary = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in summary["steps"]}
     assert list(steps) == STEPS
@@ -46,8 +48,8 @@ def test_without_a_gpu_the_full_check_is_refused(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    done = subprocess.run([sys.executable, "-m", "flashattn", "gpu-check", "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 2
     assert "--smoke" in done.stderr
     assert not (tmp_path / "x").exists()

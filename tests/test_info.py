@@ -32,8 +32,8 @@ def test_json_has_every_section_and_the_cpu_choice_with_its_reason(capsys, monke
     for item in facts["compilers"].values():
         assert isinstance(item["usable"], bool) and item["detail"]
     cpu = [r for r in facts["backends"] if r["device"] == "cpu"]
-    assert [(r["dtype"], r["head_dim"]) for r in cpu] == [("float32", 64), ("bfloat16", 128)]
-    assert all(r["backend"] == "cpu" and r["reason"].startswith("auto: ") for r in cpu)
+    assert [(r["dtype"], r["head_dim"]) for r in cpu] == [("float32", 64), ("bfloat16", 128), ("float16", 128)]
+    assert all(r["backend"] in ("cpu", "torch") and r["reason"].startswith("auto: ") for r in cpu)
     assert set(facts["environment"]) >= {"FLASHATTN_BACKEND", "FLASHATTN_NVRTC", "FLASHATTN_CACHE",
                                          "TRITON_INTERPRET", "CUDA_HOME", "CUDA_PATH"}
     assert facts["cuda"]["available"] == bool(facts["cuda"]["devices"])
@@ -52,14 +52,27 @@ def test_cuda_calls_are_explained_with_a_reason_for_each_rule(monkeypatch):
     monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
     rows = info.backend_choices(cuda=True)
     cuda = {(r["dtype"], r["head_dim"]): r for r in rows if r["device"] == "cuda"}
-    assert cuda[("float64", 64)]["backend"] == "cpu" and "float64" in cuda[("float64", 64)]["reason"]
-    assert cuda[("bfloat16", 320)]["backend"] == "cpu" and "320" in cuda[("bfloat16", 320)]["reason"]
-    assert {r["backend"] for k, r in cuda.items() if k[1] <= 128 and k[0] != "float64"} <= {"triton", "cpu"}
+    assert cuda[("float64", 64)]["backend"] == "torch" and "float64" in cuda[("float64", 64)]["reason"]
+    assert cuda[("bfloat16", 320)]["backend"] == "torch" and "320" in cuda[("bfloat16", 320)]["reason"]
+    # torch where triton is not installed, and the reason says so
+    assert {r["backend"] for k, r in cuda.items() if k[1] <= 128 and k[0] != "float64"} <= {"triton", "torch"}
+
+
+def test_cpu_calls_name_the_path_that_serves_them(monkeypatch):
+    """The C++ kernel serves CPU calls where it builds (CI's machine has gcc); the report says so, not "tiled"."""
+    monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
+    rows = [r for r in info.backend_choices(cuda=False) if r["device"] == "cpu"]
+    built = info.cpu_kernel()["usable"]
+    assert {r["backend"] for r in rows} == ({"cpu"} if built else {"torch"})
+    assert all(("C++ kernel" in r["reason"]) for r in rows)
 
 
 def test_forced_and_invalid_backends_are_reported(monkeypatch):
-    monkeypatch.setenv("FLASHATTN_BACKEND", "cpu")
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
     assert info.backend_choices(cuda=False)[0]["reason"] == "forced by FLASHATTN_BACKEND"
+    monkeypatch.setenv("FLASHATTN_BACKEND", "cuda")  # a forced path that declines CPU calls: reported, not raised
+    row = info.backend_choices(cuda=False)[0]
+    assert row["backend"] is None and "the cuda path cannot run this call" in row["reason"]
     monkeypatch.setenv("FLASHATTN_BACKEND", "gpu")
     row = info.backend_choices(cuda=False)[0]
     assert row["backend"] is None and "FLASHATTN_BACKEND must be one of" in row["reason"]
@@ -67,9 +80,9 @@ def test_forced_and_invalid_backends_are_reported(monkeypatch):
 
 
 def test_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
-    from flashattn.backends import cpu_kernel
+    from flashattn.backends import cpu_build
 
-    cpu_kernel._load.cache_clear()  # built or not, the report must not raise; no result outlives the test
+    cpu_build._load.cache_clear()  # built or not, the report must not raise; no result outlives the test
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no c++, g++, clang++ or cc
     monkeypatch.delenv("CXX", raising=False)
     found = info.compiler()
@@ -78,7 +91,7 @@ def test_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     assert "CXX='no-such-compiler'" in info.compiler()["detail"]
     text = info.format_text(info.collect())
     assert "C/C++       no: CXX='no-such-compiler' is not an executable on PATH" in text
-    cpu_kernel._load.cache_clear()
+    cpu_build._load.cache_clear()
 
 
 def test_a_compiler_that_fails_is_reported_with_its_message(monkeypatch, tmp_path):
@@ -182,3 +195,40 @@ def test_package_ships_the_kernel_sources_it_compiles_at_first_use():
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flashattn"]
     sources = sorted((ROOT / "flashattn" / "csrc").iterdir())
     assert sources and all(any(p.relative_to(ROOT / "flashattn").match(g) for g in globs) for p in sources)
+
+
+def test_runtime_dependencies_leave_numpy_open():
+    """numpy < 2.4 is the Triton interpreter's need (the test extra), never a runtime pin: installing flashattn must
+    not downgrade anyone's numpy."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    numpy = [d for d in project["dependencies"] if d.startswith("numpy")]
+    assert numpy == ["numpy>=1.24"]
+    assert "numpy<2.4" in project["optional-dependencies"]["test"]
+
+
+NEWEST_NUMPY = Path(sys.prefix) / "newest-numpy"  # make test installs the newest numpy there, apart from the venv's
+_WITH_NEWEST_NUMPY = """
+import json, numpy, torch, flashattn
+from flashattn import reference
+q = torch.randn(1, 70, 2, 16, requires_grad=True)
+out = flashattn.flash_attn_func(q, q, q, causal=True)
+out.sum().backward()
+x = numpy.random.default_rng(0).standard_normal((37, 16))
+o, lse = reference.flash_attention_v2_forward(x, x, x, M=1024, causal=True)
+assert numpy.abs(o - reference.standard_attention(x, x, x, causal=True)).max() < 1e-12
+print(json.dumps({"numpy": numpy.__version__, "shape": list(out.shape), "finite": bool(q.grad.isfinite().all())}))
+"""
+
+
+def test_the_library_runs_with_the_newest_numpy():
+    if not (NEWEST_NUMPY / "numpy").exists():
+        pytest.skip(f"no numpy in {NEWEST_NUMPY}: make test installs the newest there")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(NEWEST_NUMPY), str(ROOT)])}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", _WITH_NEWEST_NUMPY], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = json.loads(done.stdout)
+    assert tuple(int(p) for p in ran["numpy"].split(".")[:2]) >= (2, 4), ran  # past the interpreter's pin
+    assert ran["shape"] == [1, 70, 2, 16] and ran["finite"]

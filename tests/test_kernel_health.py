@@ -9,8 +9,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -25,8 +28,8 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "health.json"
     done = subprocess.run(
-        [sys.executable, "-m", "flashattn.backends.triton.health", "--head-dims", str(head_dim), "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=900,
+        [sys.executable, "-m", "tools.offline.health", "--head-dims", str(head_dim), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
     )
     assert out.exists(), done.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -55,9 +58,9 @@ def test_block_mask_configs_are_healthy(head_dim, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "health.json"
     done = subprocess.run(
-        [sys.executable, "-m", "flashattn.backends.triton.health", "--head-dims", str(head_dim), "--block-masks",
+        [sys.executable, "-m", "tools.offline.health", "--head-dims", str(head_dim), "--block-masks",
          "with", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
     )
     assert out.exists(), done.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -68,13 +71,19 @@ def test_block_mask_configs_are_healthy(head_dim, tmp_path):
 
 
 def test_block_mask_entries_come_first_for_pairs_too():
-    """A call with a block mask takes ``BLOCK_MASK``'s entry for its pair, then for the larger head dim, before
-    the plain tables (a (128, 64) forward would otherwise get the 128 x 128 tile that spills with a block mask)."""
+    """A call with a block mask takes the override for its pair with a block mask, then the pair's own, then its
+    larger head dim's with a block mask, before the family's table (a (128, 64) forward would otherwise get the
+    128 x 128 tile that spills with a block mask)."""
     from flashattn.backends.triton import configs
 
-    override = configs.BLOCK_MASK["sm90"]["forward"][(128, "plain")]
+    overrides, table = configs.OVERRIDES["sm90"], configs.TABLES["sm90"]
+    override = overrides["forward"][(128, "plain", True)]
     assert configs.lookup("forward", 90, (128, 64), "plain", block_mask=True) == override
     assert configs.lookup("forward", 90, 128, "plain", block_mask=True) == override
-    assert configs.lookup("forward", 90, 128, "plain") == configs.TABLES["sm90"]["forward"][(128, "plain")] != override
-    pair = configs.BLOCK_MASK["sm90"]["decode"][((256, 128), "fp32-heavy")]
+    assert configs.lookup("forward", 90, 128, "plain") == table["forward"][(128, "plain")] != override
+    pair = overrides["decode"][((256, 128), "fp32-heavy", True)]
     assert configs.lookup("decode", 90, (256, 128), "fp32-heavy", block_mask=True) == pair
+    own = overrides["dq"][((256, 128), "plain", False)]  # the pair's own entry, with or without a block mask
+    assert configs.lookup("dq", 90, (256, 128), "plain") == own
+    assert configs.lookup("dq", 90, (256, 128), "plain", block_mask=True) == own
+    assert configs.lookup("dq", 90, (256, 128), "heavy") == table["dq"][(256, "heavy")]

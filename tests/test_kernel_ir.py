@@ -25,8 +25,8 @@ def _calls():
     the backward."""
     import torch
 
-    from flashattn.backends import triton as backend
     from flashattn.backends.spec import AttentionSpec, KeyCache, Saved, Varlen
+    from flashattn.backends.triton import attend as backend
 
     b, n, h, hk, d = 2, 256, 4, 2, 64
     q = torch.empty(b, n, h, d, dtype=torch.float16)
@@ -73,7 +73,7 @@ def _narrow(lines: list[str]) -> list[str]:
 
 def _narrow_stride_uses() -> dict[str, list[str]]:
     """{call/kernel: IR lines using a stride argument other than by sign-extending it to i64}."""
-    from flashattn.backends.triton.offline import compiled_launches
+    from tools.offline.compile import compiled_launches
 
     found = {}
     for name, call in _calls().items():

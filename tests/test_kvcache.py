@@ -1,13 +1,11 @@
-"""flash_attn_with_kvcache and paged flash_attn_varlen_func, on both backends, against an independent float64
+"""flash_attn_with_kvcache and paged flash_attn_varlen_func, on every path, against an independent float64
 reference per sequence: decode and prefill with and without appending, GQA/MQA, causal/window/softcap/alibi,
 in-place cache appends checked bit for bit (dense, cache_batch_idx, paged), rotary in both styles, paged caches
 with shuffled pages, split-KV, softmax_lse, sequences with no keys, and clear errors for bad arguments."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -15,10 +13,6 @@ from oracle import assert_close, attention_ref, max_err
 
 import flashattn
 
-TRITON = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-BACKENDS = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="no triton backend here"))]
-DEVICE = {"cpu": "cpu", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
 # Triton's interpreter computes bfloat16 unreliably; bf16 only where a GPU runs the kernels.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
@@ -118,11 +112,10 @@ def check_lse(lse, ref_lse, base_lse, dtype):
     assert err <= bound, f"softmax_lse: max error {err:.3g} > allowed {bound:.3g}"
 
 
-def run_and_check(backend, q, k_cache, v_cache, k=None, v=None, **kwargs):
+def run_and_check(q, k_cache, v_cache, k=None, v=None, **kwargs):
     """Calls flash_attn_with_kvcache and checks out, lse and the caches (in place) against the reference."""
     k0, v0 = k_cache.clone(), v_cache.clone()
-    with flashattn.use_backend(backend):
-        out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True, **kwargs)
+    out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True, **kwargs)
     ref, ref_lse, k_ref, v_ref, written = kvcache_ref(q, k0, v0, k, v, **kwargs)
     base, base_lse, *_ = kvcache_ref(q, k0, v0, k, v, upcast=False, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -204,20 +197,17 @@ def build(case, dtype, device):
     return q, k_cache, v_cache, k, v, kwargs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_decode_and_prefill_match_the_reference(case, dtype, backend):
-    q, k_cache, v_cache, k, v, kwargs = build(case, dtype, DEVICE[backend])
-    run_and_check(backend, q, k_cache, v_cache, k, v, **kwargs)
+def test_decode_and_prefill_match_the_reference(path, case, dtype):
+    q, k_cache, v_cache, k, v, kwargs = build(case, dtype, path.device)
+    run_and_check(q, k_cache, v_cache, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_plain_call_returns_only_out(backend):
-    q, k_cache, v_cache, k, v, kwargs = build("prefill_append_causal_int", torch.float32, DEVICE[backend])
+def test_plain_call_returns_only_out(path):
+    q, k_cache, v_cache, k, v, kwargs = build("prefill_append_causal_int", torch.float32, path.device)
     k0, v0 = k_cache.clone(), v_cache.clone()
-    with flashattn.use_backend(backend):
-        out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
     assert isinstance(out, torch.Tensor) and out.shape == q.shape
     ref, _, *_ = kvcache_ref(q, k0, v0, k, v, **kwargs)
     assert_close("out", out, ref, ref)
@@ -229,11 +219,10 @@ def test_plain_call_returns_only_out(backend):
 LAYOUTS = ["dense", "cache_batch_idx", "paged"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_append_writes_exactly_the_new_slots(layout, dtype, backend):
-    device = DEVICE[backend]
+def test_append_writes_exactly_the_new_slots(path, layout, dtype):
+    device = path.device
     batch, sq, new, h, hk, d, s = 3, 4, 4, 4, 2, 16, 24
     seqlens = torch.tensor([0, 11, 20], dtype=torch.int32, device=device)
     q = randn(batch, sq, h, d, dtype=dtype, device=device)
@@ -247,20 +236,18 @@ def test_append_writes_exactly_the_new_slots(layout, dtype, backend):
         k_cache, v_cache = (randn(batch, s, hk, d, dtype=dtype, device=device) for _ in range(2))
     if layout == "paged":
         k_cache, v_cache, kwargs["block_table"] = paged(k_cache, v_cache, page_size=8)
-    run_and_check(backend, q, k_cache, v_cache, k, v, **kwargs)
+    run_and_check(q, k_cache, v_cache, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cache_batch_idx_reads_the_chosen_rows(backend):
+def test_cache_batch_idx_reads_the_chosen_rows(path):
     """Each sequence attends its own cache row, whatever the order: same output as the rows gathered densely."""
-    device = DEVICE[backend]
+    device = path.device
     q = randn(2, 3, 2, 16, dtype=torch.float32, device=device)
     k_cache, v_cache = (randn(4, 20, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     idx = torch.tensor([3, 1], dtype=torch.int32, device=device)
     seqlens = torch.tensor([20, 9], dtype=torch.int32, device=device)
-    with flashattn.use_backend(backend):
-        out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=idx)
-        dense = flashattn.flash_attn_with_kvcache(q, k_cache[idx.long()], v_cache[idx.long()], cache_seqlens=seqlens)
+    out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=idx)
+    dense = flashattn.flash_attn_with_kvcache(q, k_cache[idx.long()], v_cache[idx.long()], cache_seqlens=seqlens)
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
 
 
@@ -273,12 +260,11 @@ def rotary_tables(seqlen_ro, rotary_dim, dtype, device):
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("mode", ["noncausal", "causal", "window"])
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
-def test_rotary_with_leftpad(interleaved, mode, dtype, backend):
-    device = DEVICE[backend]
+def test_rotary_with_leftpad(path, interleaved, mode, dtype):
+    device = path.device
     batch, sq, new, h, hk, d, s = 3, 3, 3, 4, 2, 32, 32
     rotary_dim = 16 if interleaved else 32 - 8 * (mode == "window")  # < headdim, and == headdim once
     q = randn(batch, sq, h, d, dtype=dtype, device=device)
@@ -291,19 +277,18 @@ def test_rotary_with_leftpad(interleaved, mode, dtype, backend):
         "rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": interleaved,
         "causal": mode == "causal", "window_size": (4, 1) if mode == "window" else (-1, -1),
     }
-    run_and_check(backend, q, k_cache, v_cache, k, v, **kwargs)
+    run_and_check(q, k_cache, v_cache, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rotary_positions_are_not_a_no_op(backend):
+def test_rotary_positions_are_not_a_no_op(path):
     """Guards the reference itself: q rotated at the cache length, not at 0, changes the result."""
-    device = DEVICE[backend]
+    device = path.device
     q = randn(1, 1, 2, 16, dtype=torch.float32, device=device)
     k, v = (randn(1, 1, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     k_cache, v_cache = (randn(1, 16, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     cos, sin = rotary_tables(16, 16, torch.float32, device)
     kwargs = {"cache_seqlens": 7, "rotary_cos": cos, "rotary_sin": sin}
-    out, _ = run_and_check(backend, q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
+    out, _ = run_and_check(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     unrotated, *_ = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens=7)
     assert max_err(out, unrotated) > 1e-3
 
@@ -311,13 +296,12 @@ def test_rotary_positions_are_not_a_no_op(backend):
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Paged caches: shuffled pages give the dense result.
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
-def test_paged_equals_dense(page_size, dtype, backend):
-    if page_size == 256 and backend == "triton" and not torch.cuda.is_available():
+def test_paged_equals_dense(path, page_size, dtype):
+    if page_size == 256 and path.interpreted:
         pytest.skip("too slow under Triton's interpreter")
-    device = DEVICE[backend]
+    device = path.device
     batch, sq, new, h, hk, d = 3, 2, 2, 4, 2, 16
     per_seq = max(1, 48 // page_size) if page_size < 256 else 2
     s = per_seq * page_size
@@ -327,10 +311,9 @@ def test_paged_equals_dense(page_size, dtype, backend):
     k_dense, v_dense = (randn(batch, s, hk, d, dtype=dtype, device=device) for _ in range(2))
     k_pages, v_pages, table = paged(k_dense, v_dense, page_size)
     kwargs = {"cache_seqlens": seqlens, "causal": True}
-    with flashattn.use_backend(backend):
-        dense_out, dense_lse = flashattn.flash_attn_with_kvcache(q, k_dense, v_dense, k, v, return_softmax_lse=True,
-                                                                 **kwargs)
-    paged_out, paged_lse = run_and_check(backend, q, k_pages, v_pages, k, v, block_table=table, **kwargs)
+    dense_out, dense_lse = flashattn.flash_attn_with_kvcache(q, k_dense, v_dense, k, v, return_softmax_lse=True,
+                                                             **kwargs)
+    paged_out, paged_lse = run_and_check(q, k_pages, v_pages, k, v, block_table=table, **kwargs)
     # the paged caches now hold the dense caches' contents, the spare pages untouched
     torch.testing.assert_close(paged_out, dense_out, rtol=0, atol=2e-5 if dtype == torch.float32 else 2e-3)
     torch.testing.assert_close(paged_lse, dense_lse, rtol=0, atol=2e-5)
@@ -338,24 +321,22 @@ def test_paged_equals_dense(page_size, dtype, backend):
         assert torch.equal(pages[table.long()].flatten(1, 2), dense)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_paged_whole_table_without_seqlens(backend):
+def test_paged_whole_table_without_seqlens(path):
     """Without cache_seqlens a paged cache is as long as its block table: block_table.shape[1] * page_size."""
-    device = DEVICE[backend]
+    device = path.device
     q = randn(2, 2, 2, 16, dtype=torch.float32, device=device)
     k_dense, v_dense = (randn(2, 15, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     k_pages, v_pages, table = paged(k_dense, v_dense, page_size=5)
-    run_and_check(backend, q, k_pages, v_pages, block_table=table, causal=True)
+    run_and_check(q, k_pages, v_pages, block_table=table, causal=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Split-KV: any number of splits merges to the unsplit result.
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["dense_causal", "paged_window"])
-def test_num_splits_match_unsplit(layout, backend):
-    device = DEVICE[backend]
+def test_num_splits_match_unsplit(path, layout):
+    device = path.device
     batch, sq, new, h, hk, d, s = 2, 3, 3, 4, 2, 16, 60
     q = randn(batch, sq, h, d, dtype=torch.float32, device=device)
     k, v = (randn(batch, new, hk, d, dtype=torch.float32, device=device) for _ in range(2))
@@ -369,32 +350,29 @@ def test_num_splits_match_unsplit(layout, backend):
     results = {}
     for splits in (1, 0, 2, 3, 7, 64):
         kc, vc = k_cache.clone(), v_cache.clone()
-        results[splits] = run_and_check(backend, q, kc, vc, k, v, num_splits=splits, **kwargs)
+        results[splits] = run_and_check(q, kc, vc, k, v, num_splits=splits, **kwargs)
     for splits, (out, lse) in results.items():
         torch.testing.assert_close(out, results[1][0], rtol=1e-5, atol=1e-5, msg=f"num_splits={splits}")
         torch.testing.assert_close(lse, results[1][1], rtol=1e-5, atol=1e-5, msg=f"num_splits={splits}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_num_splits_low_precision(backend):
-    q, k_cache, v_cache, k, v, kwargs = build("prefill_append_window_softcap_alibi", torch.float16, DEVICE[backend])
+def test_num_splits_low_precision(path):
+    q, k_cache, v_cache, k, v, kwargs = build("prefill_append_window_softcap_alibi", torch.float16, path.device)
     for splits in (2, 5):
-        run_and_check(backend, q, k_cache.clone(), v_cache.clone(), k, v, num_splits=splits, **kwargs)
+        run_and_check(q, k_cache.clone(), v_cache.clone(), k, v, num_splits=splits, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6./7. softmax_lse, and sequences that see no key.
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lse_is_the_logsumexp_of_the_scaled_scores(backend):
-    device = DEVICE[backend]
+def test_lse_is_the_logsumexp_of_the_scaled_scores(path):
+    device = path.device
     q = randn(2, 4, 2, 16, dtype=torch.float32, device=device) * 2
     k_cache, v_cache = (randn(2, 30, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     seqlens = torch.tensor([30, 13], dtype=torch.int32, device=device)
-    with flashattn.use_backend(backend):
-        _, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, softmax_scale=0.4,
-                                                   causal=True, return_softmax_lse=True)
+    _, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, softmax_scale=0.4,
+                                               causal=True, return_softmax_lse=True)
     assert lse.shape == (2, 2, 4) and lse.dtype == torch.float32
     for b, n in enumerate(seqlens.tolist()):
         s = torch.einsum("qhd,khd->hqk", q[b].double(), k_cache[b, :n].double()) * 0.4
@@ -403,16 +381,15 @@ def test_lse_is_the_logsumexp_of_the_scaled_scores(backend):
         torch.testing.assert_close(lse[b].double(), expected, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_sequence_with_no_keys(dtype, backend):
+def test_sequence_with_no_keys(path, dtype):
     """Left padding that swallows a whole cache (L_b = 0): out 0, lse -inf, no NaN; the other sequences intact."""
-    device = DEVICE[backend]
+    device = path.device
     q = randn(3, 2, 4, 16, dtype=dtype, device=device)
     k_cache, v_cache = (randn(3, 20, 2, 16, dtype=dtype, device=device) for _ in range(2))
     kwargs = {"cache_seqlens": torch.tensor([6, 20, 0], dtype=torch.int32, device=device),
               "cache_leftpad": torch.tensor([6, 3, 0], dtype=torch.int32, device=device), "causal": True}
-    out, lse = run_and_check(backend, q, k_cache, v_cache, **kwargs)
+    out, lse = run_and_check(q, k_cache, v_cache, **kwargs)
     for b in (0, 2):
         assert not out[b].any() and torch.isneginf(lse[b]).all()
     assert torch.isfinite(lse[1]).all()
@@ -457,19 +434,17 @@ def test_bad_arguments_get_clear_errors(index):
         flashattn.flash_attn_with_kvcache(**args)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cache_with_more_rows_than_batch_uses_the_first_rows(backend):
+def test_cache_with_more_rows_than_batch_uses_the_first_rows(path):
     """A preallocated cache for 5 sequences serving 3: sequence b uses row b, as in flash_attn."""
-    device = DEVICE[backend]
+    device = path.device
     q = randn(3, 1, 4, 16, dtype=torch.float32, device=device)
     k, v = (randn(3, 1, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     k_cache, v_cache = (randn(5, 12, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     seqlens = torch.tensor([4, 0, 11], dtype=torch.int32, device=device)
     k_rows, v_rows = k_cache[:3].clone(), v_cache[:3].clone()
     spare_k, spare_v = k_cache[3:].clone(), v_cache[3:].clone()
-    with flashattn.use_backend(backend):
-        out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
-        want = flashattn.flash_attn_with_kvcache(q, k_rows, v_rows, k, v, cache_seqlens=seqlens, causal=True)
+    out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+    want = flashattn.flash_attn_with_kvcache(q, k_rows, v_rows, k, v, cache_seqlens=seqlens, causal=True)
     assert torch.equal(out, want)
     assert torch.equal(k_cache[:3], k_rows) and torch.equal(v_cache[:3], v_rows)
     assert torch.equal(k_cache[3:], spare_k) and torch.equal(v_cache[3:], spare_v)
@@ -482,12 +457,11 @@ VARLEN_FEATURES = {"plain": {}, "causal": {"causal": True},
                    "window_softcap_alibi": {"window_size": (5, 1), "softcap": 1.5, "alibi": True}}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("feature", VARLEN_FEATURES)
 @pytest.mark.parametrize("page_size", [1, 3])
-def test_paged_varlen_matches_dense_varlen(page_size, feature, dtype, backend):
-    device = DEVICE[backend]
+def test_paged_varlen_matches_dense_varlen(path, page_size, feature, dtype):
+    device = path.device
     lq, lk = [5, 0, 12, 1], [9, 3, 17, 1]
     batch, h, hk, d = len(lq), 4, 2, 16
     per_seq = -(-max(lk) // page_size) + 1  # a spare table column, pointing at random pages
@@ -502,10 +476,9 @@ def test_paged_varlen_matches_dense_varlen(page_size, feature, dtype, backend):
     kwargs = dict(VARLEN_FEATURES[feature])
     alibi = torch.rand(batch, h, device=device) * 0.3 if kwargs.pop("alibi", False) else None
     k0, v0 = k_pages.clone(), v_pages.clone()
-    with flashattn.use_backend(backend):
-        out = flashattn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), alibi_slopes=alibi,
-                                               block_table=table, **kwargs)
-        dense = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), alibi_slopes=alibi, **kwargs)
+    out = flashattn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), alibi_slopes=alibi,
+                                           block_table=table, **kwargs)
+    dense = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), alibi_slopes=alibi, **kwargs)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.equal(k_pages, k0) and torch.equal(v_pages, v0)
     torch.testing.assert_close(out, dense, rtol=0, atol=2e-5 if dtype == torch.float32 else 2e-3)
@@ -521,27 +494,25 @@ def test_paged_varlen_matches_dense_varlen(page_size, feature, dtype, backend):
         assert_close(f"out[{b}]", out[sq:eq], ref[0], base[0])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_paged_varlen_runs_with_grad_to_q_only(backend):
+def test_paged_varlen_runs_with_grad_to_q_only(path):
     """As in flash_attn, a paged K/V runs with a q that requires grad: the gradient reaches q; the cache gets none,
     and asking for it fails when the backward runs, with a clear message. Dropout and probabilities are refused."""
-    device = DEVICE[backend]
+    device = path.device
     cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
     q = randn(7, 2, 16, dtype=torch.float32, device=device)
     k_pages, v_pages = (randn(6, 2, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
     table = torch.tensor([[4, 0, 1], [5, 2, 3]], dtype=torch.int32, device=device)
     args = (cu, cu, 4, 4)
     dout = torch.randn_like(q)
-    with flashattn.use_backend(backend):
-        with pytest.raises(ValueError, match="block_table|dropout"):
-            flashattn.flash_attn_varlen_func(q.detach(), k_pages, v_pages, *args, dropout_p=0.1, block_table=table)
-        q_grad = q.detach().requires_grad_()
-        out = flashattn.flash_attn_varlen_func(q_grad, k_pages, v_pages, *args, block_table=table)
-        (dq,) = torch.autograd.grad(out, q_grad, dout)
-        k_grad = k_pages.detach().requires_grad_()
-        out_k = flashattn.flash_attn_varlen_func(q.detach(), k_grad, v_pages, *args, block_table=table)
-        with pytest.raises(RuntimeError, match="paged K/V .* receives no gradient"):
-            out_k.sum().backward()
+    with pytest.raises(ValueError, match="block_table|dropout"):
+        flashattn.flash_attn_varlen_func(q.detach(), k_pages, v_pages, *args, dropout_p=0.1, block_table=table)
+    q_grad = q.detach().requires_grad_()
+    out = flashattn.flash_attn_varlen_func(q_grad, k_pages, v_pages, *args, block_table=table)
+    (dq,) = torch.autograd.grad(out, q_grad, dout)
+    k_grad = k_pages.detach().requires_grad_()
+    out_k = flashattn.flash_attn_varlen_func(q.detach(), k_grad, v_pages, *args, block_table=table)
+    with pytest.raises(RuntimeError, match="paged K/V .* receives no gradient"):
+        out_k.sum().backward()
     for b in range(2):
         start, end = cu[b].item(), cu[b + 1].item()
         keys, vals = (t[table[b].long()].flatten(0, 1)[: end - start] for t in (k_pages, v_pages))
@@ -553,29 +524,15 @@ def test_paged_varlen_runs_with_grad_to_q_only(backend):
         torch.testing.assert_close(dq[start:end].double(), dq_ref[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_every_output_element_is_written(backend, num_splits, monkeypatch):
-    """Outputs are allocated NaN-poisoned: an element the backend forgets to write (a split with no keys, a
-    sequence with none, the GQA decode rows) shows up as NaN."""
-    from flashattn.backends import cpu
-
-    def poisoned(*shape, dtype, device):
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(cpu, "_uninitialized", poisoned)
-    if backend == "triton":
-        from flashattn.backends import triton as triton_backend
-
-        monkeypatch.setattr(triton_backend, "empty", lambda shape, dtype, device: poisoned(shape, dtype=dtype,
-                                                                                          device=device))
-    device = DEVICE[backend]
+def test_every_output_element_is_written(path, num_splits, poisoned):
+    """Outputs are allocated NaN-poisoned: an element a path forgets to write (a split with no keys, a sequence
+    with none, the GQA decode rows) shows up as NaN."""
+    device = path.device
     q = torch.randn(3, 1, 4, 16, device=device)
     k_cache, v_cache = (torch.randn(3, 40, 2, 16, device=device) for _ in range(2))
     lengths = torch.tensor([0, 40, 7], dtype=torch.int32, device=device)
-    with flashattn.use_backend(backend):
-        out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
-                                                     num_splits=num_splits, return_softmax_lse=True)
+    out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 num_splits=num_splits, return_softmax_lse=True)
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[0] == 0).all() and (lse[0] == -math.inf).all()

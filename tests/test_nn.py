@@ -1,7 +1,7 @@
 """flashattn.nn: MultiheadAttention against torch.nn.MultiheadAttention with the same weights (float64, so any
 difference is a bug, not rounding), also inside torch's transformer modules (where our attention must be what
 runs), and SelfAttention against a plain rotary + GQA + causal formula, with the KV cache equal to recomputing the
-whole sequence."""
+whole sequence. Float64 throughout: on the paths that take it (cpu, torch), each test once per path."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import flashattn.nn
+from conftest import FLOAT64_PATHS
 from flashattn.nn import MultiheadAttention, SelfAttention
 
+pytestmark = [pytest.mark.usefixtures("path"), pytest.mark.parametrize("path", FLOAT64_PATHS, indirect=True)]
 F64 = torch.float64
 
 

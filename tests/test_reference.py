@@ -322,13 +322,13 @@ def test_options_are_keyword_only():
 
 
 # Who may import whom inside flashattn/reference: hbm knows no algorithm, every rung gets its
-# plumbing from blocks, and only the attention rungs reach back to the online softmax they extend.
+# plumbing from common, and only the attention rungs reach back to the online softmax they extend.
 LAYERS = {
     "hbm": set(),
-    "blocks": {"hbm"},
-    "softmax": {"blocks"},
-    "attention": {"blocks", "hbm", "softmax"},
-    "flash": {"blocks", "hbm"},
+    "common": {"hbm"},
+    "softmax": {"common"},
+    "attention": {"common", "hbm", "softmax"},
+    "flash": {"common", "hbm"},
     "traffic": {"attention", "flash", "hbm"},
 }
 

@@ -1,10 +1,8 @@
 """Learnable attention sinks (gpt-oss; FlashAttention-4's ``learnable_sink``): a logit per head in every row's
-softmax denominator, taking no value. Dense, varlen and KV-cache calls and ``SelfAttention``, on the CPU kernel, the
-tiled path and the Triton kernels (interpreter), forward and gradients (the sink's included) against float64."""
+softmax denominator, taking no value. Dense, varlen and KV-cache calls and ``SelfAttention``, on every path, forward
+and gradients (the sink's included) against float64."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -12,16 +10,15 @@ from oracle import assert_close, attention_ref, check_against_oracle
 
 import flashattn
 import flashattn.nn
+from conftest import with_dropout_mask
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def _inputs(b, nq, nk, h, hk, d, dtype=torch.float32, seed=0):
+def _inputs(path, b, nq, nk, h, hk, d, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, n, heads, d, generator=gen, dtype=dtype).requires_grad_()
                for n, heads in ((nq, h), (nk, hk), (nk, hk)))
     sink = (2 * torch.randn(h, generator=gen)).requires_grad_()
-    return q, k, v, sink
+    return path.put(q, k, v, sink)
 
 
 FEATURES = {"plain": {}, "causal": {"causal": True}, "window softcap": {"window_size": (9, 2), "softcap": 4.0},
@@ -30,15 +27,16 @@ FEATURES = {"plain": {}, "causal": {"causal": True}, "window softcap": {"window_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_dense_against_float64(cpu_path, feature, dtype):
-    q, k, v, sink = _inputs(2, 45, 61, 4, 2, 40, dtype)
-    kwargs = dict(FEATURES[feature], learnable_sink=sink)
+def test_dense_against_float64(path, feature, dtype):
+    q, k, v, sink = _inputs(path, 2, 37, 53, 4, 2, 40, dtype)
+    kwargs = {**{key: path.put(x)[0] if torch.is_tensor(x) else x for key, x in FEATURES[feature].items()},
+              "learnable_sink": sink}
     out = flashattn.flash_attn_func(q, k, v, **kwargs)
     check_against_oracle(q, k, v, kwargs, out)
 
 
-def test_lse_includes_the_sink_and_its_gradient_flows(cpu_path):
-    q, k, v, sink = _inputs(1, 20, 33, 4, 4, 16)
+def test_lse_includes_the_sink_and_its_gradient_flows(path):
+    q, k, v, sink = _inputs(path, 1, 20, 33, 4, 4, 16)
     out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_attn_probs=True)
     ref, ref_lse = attention_ref(q, k, v, causal=True, sink=sink)
     assert_close("lse", lse, ref_lse, ref_lse)
@@ -49,14 +47,14 @@ def test_lse_includes_the_sink_and_its_gradient_flows(cpu_path):
         assert_close(name, x, r, r)
 
 
-def test_dropout_keeps_the_sinks_gradient(cpu_path):
-    q, k, v, sink = _inputs(2, 31, 40, 4, 2, 32)
-    out, _, s_dmask = flashattn.flash_attn_func(q, k, v, dropout_p=0.2, learnable_sink=sink, return_attn_probs=True)
-    check_against_oracle(q, k, v, {"learnable_sink": sink}, out, dropped=torch.signbit(s_dmask), dropout_p=0.2)
+def test_dropout_keeps_the_sinks_gradient(path):
+    q, k, v, sink = _inputs(path, 2, 31, 40, 4, 2, 32)
+    out, dropped = with_dropout_mask(q, k, v, 0.2, {"learnable_sink": sink})
+    check_against_oracle(q, k, v, {"learnable_sink": sink}, out, dropped=dropped, dropout_p=0.2)
 
 
-def test_a_row_that_sees_no_key_outputs_zero_with_the_sink_as_lse(cpu_path):
-    q, k, v, sink = _inputs(1, 9, 4, 2, 2, 16)
+def test_a_row_that_sees_no_key_outputs_zero_with_the_sink_as_lse(path):
+    q, k, v, sink = _inputs(path, 1, 9, 4, 2, 2, 16)
     # Bottom-right causal with 9 queries and 4 keys: the first 5 queries see nothing.
     out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_attn_probs=True)
     assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5]))
@@ -67,9 +65,13 @@ def test_a_row_that_sees_no_key_outputs_zero_with_the_sink_as_lse(cpu_path):
     dsink, = torch.autograd.grad(flashattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink,
                                                            return_attn_probs=True)[1].sum(), sink)
     assert ((dsink >= 5) & (dsink < 9)).all()
+    # No key at all: out 0, lse the sink.
+    out, lse, _ = flashattn.flash_attn_func(q, k[:, :0], v[:, :0], learnable_sink=sink, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, sink.detach()[None, :, None].expand_as(lse))
 
 
-def test_varlen_against_each_sequence(cpu_path):
+def test_varlen_against_each_sequence(path):
     torch.manual_seed(1)
     lengths = [(5, 9), (17, 17), (0, 3), (12, 4)]
     cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32)
@@ -77,6 +79,7 @@ def test_varlen_against_each_sequence(cpu_path):
     q = torch.randn(int(cu_q[-1]), 4, 24, requires_grad=True)
     k, v = (torch.randn(int(cu_k[-1]), 2, 24, requires_grad=True) for _ in range(2))
     sink = torch.randn(4, requires_grad=True)
+    q, k, v, sink, cu_q, cu_k = path.put(q, k, v, sink, cu_q, cu_k)
     out = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, causal=True, learnable_sink=sink)
     g = torch.randn_like(out)
     ours = torch.autograd.grad(out, (q, k, v, sink), g)
@@ -92,46 +95,19 @@ def test_varlen_against_each_sequence(cpu_path):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_kv_cache_decode(cpu_path, num_splits):
+def test_kv_cache_decode(path, num_splits):
     """A decode step of 8 query heads over 2 kv heads (the kernels pack a group's heads into one tile), whole cache
     or split-KV (the sink joins once, after the splits merge)."""
     torch.manual_seed(2)
-    q, sink = torch.randn(3, 1, 8, 32), torch.randn(8)
-    k_cache, v_cache = torch.randn(3, 64, 2, 32), torch.randn(3, 64, 2, 32)
-    lengths = torch.tensor([0, 64, 23], dtype=torch.int32)
+    q, sink, k_cache, v_cache, lengths = path.put(
+        torch.randn(3, 1, 8, 32), torch.randn(8), torch.randn(3, 64, 2, 32), torch.randn(3, 64, 2, 32),
+        torch.tensor([0, 64, 23], dtype=torch.int32))
     out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, learnable_sink=sink,
                                                  num_splits=num_splits, return_softmax_lse=True)
     for b, n in enumerate(lengths.tolist()):
         ref, ref_lse = attention_ref(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], sink=sink)
         assert (out[b : b + 1].double() - ref).abs().max() < 1e-5
         assert (lse[b : b + 1].double() - ref_lse).abs().max() < 1e-5
-
-
-def test_triton_kernels():
-    """The Triton forward applies the sink in its epilogue (and the split merge, for split-KV decode); the
-    backward needs nothing new. Interpreter on CPU, the GPU when there is one."""
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and not INTERPRETING:
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, sink = (t.detach().to(device).requires_grad_() for t in _inputs(2, 37, 53, 4, 2, 40))
-    with flashattn.use_backend("triton"):
-        for kwargs in ({}, {"causal": True}, {"window_size": (3, 2)}):
-            kwargs = dict(kwargs, learnable_sink=sink)
-            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
-        qd, s = torch.randn(3, 1, 8, 64, device=device), torch.randn(8, device=device)
-        kc, vc = torch.randn(3, 200, 2, 64, device=device), torch.randn(3, 200, 2, 64, device=device)
-        lengths = torch.tensor([5, 200, 77], dtype=torch.int32, device=device)
-        for splits in (1, 3):
-            out = flashattn.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lengths, learnable_sink=s,
-                                                    num_splits=splits)
-            for b, n in enumerate(lengths.tolist()):
-                ref, _ = attention_ref(qd[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], sink=s)
-                assert (out[b : b + 1].double() - ref).abs().max() < 1e-5
-        # No key at all: out 0, lse the sink (the launcher answers without a kernel).
-        out, lse, _ = flashattn.flash_attn_func(q, k[:, :0], v[:, :0], learnable_sink=sink, return_attn_probs=True)
-        assert torch.equal(out, torch.zeros_like(out))
-        torch.testing.assert_close(lse, sink.detach()[None, :, None].expand_as(lse))
 
 
 def test_self_attention_learns_its_sinks():
@@ -163,17 +139,15 @@ def test_bad_sinks_are_named(sink, error, match):
         flashattn.flash_attn_with_kvcache(q, q, q, learnable_sink=sink)
 
 
-def test_the_cuda_backend_refuses_them():
-    from flashattn.backends import cuda
-    from flashattn.backends.spec import AttentionSpec
+def test_the_cuda_path_declines_them():
+    from flashattn.backends import Request, cuda
 
-    q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
-    assert "learnable sinks" in cuda.unsupported(q, q, q, AttentionSpec(scale=0.125, sink=torch.zeros(2)))
+    assert "sink" in cuda.serves(Request("cuda", torch.float16, 64, 64, features=("sink",)))
 
 
-def test_compiles_without_graph_breaks():
+def test_compiles_without_graph_breaks(path):
     """The sink is one more tensor of the op's schema and its gradient plain torch ops: fullgraph traces both."""
-    q, k, v, sink = _inputs(1, 24, 24, 4, 2, 16)
+    q, k, v, sink = _inputs(path, 1, 24, 24, 4, 2, 16)
     step = torch.compile(lambda *t: flashattn.flash_attn_func(*t[:3], causal=True, learnable_sink=t[3]),
                          fullgraph=True)
     compiled = torch.autograd.grad(step(q, k, v, sink).square().sum(), (q, k, v, sink))

@@ -1,10 +1,8 @@
 """A value head dim that differs from the query/key head dim (FlashAttention-3 takes it; MLA prefill uses 192 for
-q/k and 128 for v) through every entry point: dense, varlen and KV cache, on the CPU kernel, the tiled path and
-the Triton kernels (interpreter), against the float64 oracle."""
+q/k and 128 for v) through every entry point: dense, varlen and KV cache, on every path, against the float64
+oracle."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -13,27 +11,27 @@ from oracle import attention_ref, check_against_oracle
 import flashattn
 
 
-def _inputs(b, nq, nk, h, hk, d, dv, dtype=torch.float32):
+def _inputs(b, nq, nk, h, hk, d, dv, dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
-    q = torch.randn(b, nq, h, d, dtype=dtype, requires_grad=True)
-    k = torch.randn(b, nk, hk, d, dtype=dtype, requires_grad=True)
-    v = torch.randn(b, nk, hk, dv, dtype=dtype, requires_grad=True)
+    q = torch.randn(b, nq, h, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, nk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, nk, hk, dv, dtype=dtype, device=device, requires_grad=True)
     return q, k, v
 
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (96, 64), (40, 72)])
 @pytest.mark.parametrize("kwargs", [{}, {"causal": True, "softcap": 5.0}, {"window_size": (7, 3), "dropout_p": 0.0}],
                          ids=["plain", "causal softcap", "window"])
-def test_dense_calls_on_both_cpu_paths(cpu_path, d, dv, kwargs):
-    q, k, v = _inputs(2, 37, 45, 4, 2, d, dv)
+def test_dense_calls(path, d, dv, kwargs):
+    q, k, v = _inputs(2, 37, 45, 4, 2, d, dv, device=path.device)
     out = flashattn.flash_attn_func(q, k, v, **kwargs)
     assert out.shape == (2, 37, 4, dv)
     check_against_oracle(q, k, v, kwargs, out)
 
 
-def test_varlen_and_kv_cache_take_it(cpu_path):
-    q, k, v = _inputs(1, 30, 30, 4, 2, 96, 64)
-    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+def test_varlen_and_kv_cache_take_it(path):
+    q, k, v = _inputs(1, 30, 30, 4, 2, 96, 64, device=path.device)
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32, device=path.device)
     out = flashattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 18, 18, causal=True)
     assert out.shape == (30, 4, 64)
     for sq, eq in ((0, 12), (12, 30)):
@@ -42,28 +40,14 @@ def test_varlen_and_kv_cache_take_it(cpu_path):
     out.sum().backward()
     assert v.grad.shape == v.shape and k.grad.shape == k.shape
 
-    k_cache, v_cache = torch.zeros(2, 16, 2, 96), torch.zeros(2, 16, 2, 64)
-    k_new, v_new = torch.randn(2, 5, 2, 96), torch.randn(2, 5, 2, 64)
-    q1 = torch.randn(2, 1, 4, 96)
-    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    k_cache, v_cache, k_new, v_new, q1, seqlens = path.put(
+        torch.zeros(2, 16, 2, 96), torch.zeros(2, 16, 2, 64), torch.randn(2, 5, 2, 96), torch.randn(2, 5, 2, 64),
+        torch.randn(2, 1, 4, 96), torch.tensor([3, 7], dtype=torch.int32))
     out = flashattn.flash_attn_with_kvcache(q1, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens)
     assert out.shape == (2, 1, 4, 64)
     for i, n in enumerate((8, 12)):  # the appended rows are attended
         ref, _ = attention_ref(q1[i : i + 1], k_cache[i : i + 1, :n], v_cache[i : i + 1, :n])
         assert (out[i : i + 1].double() - ref).abs().max() < 1e-5
-
-
-def test_triton_kernels_take_it():
-    """The Triton kernels (interpreter on CPU) pad each head dim to its own block: forward and gradients."""
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
-    q, k, v = _inputs(1, 20, 24, 2, 1, 96, 64)
-    if torch.cuda.is_available():
-        q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
-    with flashattn.use_backend("triton"):
-        out = flashattn.flash_attn_func(q, k, v, causal=True)
-    check_against_oracle(q, k, v, {"causal": True}, out)
 
 
 def test_bad_value_shapes_say_what_is_allowed():

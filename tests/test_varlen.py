@@ -1,10 +1,7 @@
-"""flash_attn_varlen_*: packed batches of different lengths on both backends, against the float64 oracle per
-sequence; dropout identical across backends; clear errors for bad offsets."""
+"""flash_attn_varlen_*: packed batches of different lengths on every path, against the float64 oracle per sequence;
+dropout identical across paths; clear errors for bad offsets."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -12,10 +9,6 @@ from oracle import assert_close, attention_ref
 
 import flashattn
 
-TRITON = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-BACKENDS = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="no triton backend here"))]
-DEVICE = {"cpu": "cpu", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
 # (query lengths, key lengths): empty and single-token sequences, q and k lengths that differ.
 LENGTHS = [([5, 0, 17, 1], [9, 3, 17, 1]), ([33], [20]), ([1, 12], [30, 12])]
 FEATURES = {
@@ -33,21 +26,19 @@ def packed(lengths_q, lengths_k, h, hk, d, dtype, device):
     return q, k, v, cu[0], cu[1]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: "-".join(map(str, x[0])))
-def test_each_sequence_matches_the_oracle(lengths, feature, dtype, backend):
+def test_each_sequence_matches_the_oracle(path, lengths, feature, dtype):
     lq, lk = lengths
     h, hk, d, batch = 4, 2, 24, len(lq)
-    q, k, v, cu_q, cu_k = packed(lq, lk, h, hk, d, dtype, DEVICE[backend])
+    q, k, v, cu_q, cu_k = packed(lq, lk, h, hk, d, dtype, path.device)
     kwargs = dict(FEATURES[feature])
     alibi = torch.rand(batch, h, device=q.device) * 0.3 if kwargs.pop("alibi", False) else None
-    with flashattn.use_backend(backend):
-        out, lse, _ = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), alibi_slopes=alibi,
-                                                       return_attn_probs=True, **kwargs)
-        g = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), g)
+    out, lse, _ = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), alibi_slopes=alibi,
+                                                   return_attn_probs=True, **kwargs)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
     assert out.shape == (sum(lq), h, d) and lse.shape == (h, sum(lq))
     oracle = {"causal": kwargs.get("causal", False), "window": kwargs.get("window_size", (-1, -1)),
               "softcap": kwargs.get("softcap", 0.0)}
@@ -76,24 +67,27 @@ def test_each_sequence_matches_the_oracle(lengths, feature, dtype, backend):
         assert not grads[1][cu_k[i] : cu_k[i + 1]].any()
 
 
-@pytest.mark.skipif(not TRITON, reason="no triton backend here")
-def test_dropout_is_identical_on_both_backends():
+def test_dropout_is_identical_on_every_path(path):
+    """The same weights dropped as on the torch path (its S_dmask), the same outputs and gradients."""
     lq, lk = [7, 0, 20], [9, 4, 20]
-    q, k, v, cu_q, cu_k = packed(lq, lk, 2, 2, 16, torch.float32, "cpu")
+    q, k, v, cu_q, cu_k = packed(lq, lk, 2, 2, 16, torch.float32, path.device)
     results = {}
-    for backend in ("cpu", "triton"):
+    for name in (path.name, "torch"):
         torch.manual_seed(3)
-        with flashattn.use_backend(backend):
+        with flashattn.use_backend(name):
             out, _, probs = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, dropout_p=0.3, causal=True,
                                                              return_attn_probs=True)
-        results[backend] = out, probs
-    visible = results["cpu"][1] != 0
-    assert torch.equal(torch.signbit(results["cpu"][1])[visible], torch.signbit(results["triton"][1])[visible])
-    torch.testing.assert_close(results["cpu"][0], results["triton"][0], rtol=1e-5, atol=1e-5)
+            torch.manual_seed(3)
+            again = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, dropout_p=0.3, causal=True)
+        results[name] = probs, out, again, *torch.autograd.grad(again, (q, k, v), torch.ones_like(again))
+    visible = results["torch"][0] != 0
+    assert torch.equal(torch.signbit(results["torch"][0])[visible], torch.signbit(results[path.name][0])[visible])
+    for a, b in zip(results[path.name][1:], results["torch"][1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_variants_agree():
-    q, k, v, cu, _ = packed([3, 8], [3, 8], 2, 2, 16, torch.float32, "cpu")
+def test_packed_variants_agree(path):
+    q, k, v, cu, _ = packed([3, 8], [3, 8], 2, 2, 16, torch.float32, path.device)
     base = flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True)
     qkv = torch.stack([q, k, v], dim=1)
     torch.testing.assert_close(flashattn.flash_attn_varlen_qkvpacked_func(qkv, cu, 8, causal=True), base)

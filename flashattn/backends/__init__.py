@@ -1,60 +1,86 @@
-"""Backends behind the one attention op, each a module satisfying ``Backend``; ``choose`` picks one by name.
+"""The execution paths behind the one attention op, and the one rule that picks the path of a call.
 
-Automatic choice: CUDA tensors (fp16/bf16/fp32, head dims up to 256, block masks of blocks that are multiples of
-16) -> ``triton``, anything else -> ``cpu`` (the C++ kernel on CPU tensors, tiled PyTorch on every device).
-Force one with the environment variable ``FLASHATTN_BACKEND=cpu|triton|cuda|auto`` or, taking precedence, the
-context manager ``flashattn.use_backend("cpu")``. ``cuda`` (a fused CUDA C++ forward kernel, inference only,
-fp16/bf16, head dim 64 or 128, causal or not) is never chosen automatically.
-Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is imported): that is how CI
-checks the kernels without a GPU.
+Paths, each declaring what it serves (``serves(request)``: None, or why not, in the terms of ``Request``) and
+running it (``forward``/``backward``, the ``Backend`` contract):
 
-The choice is made when a call starts (under ``torch.compile``: when the graph is traced, so a graph keeps the
-backend it was traced with) and travels with the call into the op, so a backward always runs on the backend of
-its forward. Each distinct choice is logged once, with its reason, at debug level on ``logging.getLogger(
-"flashattn")``; ``flashattn info`` shows the choice for typical inputs.
+- ``triton``: fused Triton kernels for CUDA tensors (``backends/triton``);
+- ``cpu``: the C++ kernel for CPU tensors, built at first use (``backends/cpu.py``);
+- ``torch``: tiled FlashAttention-2 in PyTorch ops, every feature on every device (``backends/tiled.py``);
+- ``cuda``: a fused CUDA C++ forward (fp16/bf16, head dim 64 or 128), only when asked for by name.
+
+The automatic choice walks ``ORDER`` for the inputs' device and takes the first path that serves the call: CUDA
+tensors run on triton, else torch (float64, head dims over 256, a mask's gradient); CPU tensors on the C++ kernel,
+else torch (no compiler, returned probabilities); any other device on torch. Force a path with the environment
+variable ``FLASHATTN_BACKEND`` or, taking precedence, ``flashattn.use_backend(name)``; a forced path that cannot
+serve a call is an error naming why, except ``cpu``, which keeps the meaning it always had: the C++ kernel, and the
+torch path for what the kernel does not serve (so settings made before the torch path had its own name still run).
+Under ``TRITON_INTERPRET=1`` a forced ``triton`` runs CPU tensors in Triton's interpreter: how CI checks the kernels.
+
+The choice is made when a call starts (under ``torch.compile``: when the graph is traced, so a graph keeps the path
+it was traced with) and travels with the call into the op, so a backward always runs on the path of its forward.
+Each distinct choice is logged once, with its reason, at debug level on ``logging.getLogger("flashattn")``;
+``explain`` gives the reason, and ``flashattn info`` shows it for typical calls.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.util
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol, runtime_checkable
+from types import ModuleType
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from . import cpu, cuda, tiled, triton
+from .request import Request
 from .spec import AttentionSpec, Saved
 
-__all__ = ["BACKENDS", "Backend", "choose", "explain", "get", "use_backend"]
+__all__ = ["BACKENDS", "ORDER", "PATHS", "Backend", "Request", "choose", "explain", "get", "use_backend"]
 
-BACKENDS = ("auto", "cpu", "triton", "cuda")
-TRITON_MAX_HEAD_DIM = 256
-TRITON_BLOCK_MULTIPLE = 16  # a block mask's blocks must be multiples of this for the Triton tiles to divide them
+
+class Path(NamedTuple):
+    """An execution path: its name, what it is, what it serves, and the module of its ``forward`` and ``backward``
+    (imported on first use: the triton path's imports triton)."""
+
+    name: str
+    title: str
+    serves: Callable[[Request], str | None]
+    module: str
+
+
+PATHS = {path.name: path for path in (
+    Path("triton", "the Triton kernels", triton.serves, f"{__name__}.triton.attend"),
+    Path("cpu", "the C++ kernel", cpu.serves, f"{__name__}.cpu"),
+    Path("torch", "tiled PyTorch", tiled.serves, f"{__name__}.tiled"),
+    Path("cuda", "the CUDA C++ forward", cuda.serves, f"{__name__}.cuda"),
+)}
+BACKENDS = ("auto", *PATHS)  # what use_backend and FLASHATTN_BACKEND accept
+# The automatic choice: the paths tried for each device type, in order; other devices run on torch.
+ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
+OTHER_DEVICES = ("torch",)
+# A forced name tries these paths in order: "cpu" keeps its older meaning (the kernel, else the tiled torch path).
+FORCED = {"cpu": ("cpu", "torch")}
 _forced: ContextVar[str | None] = ContextVar("flashattn_backend", default=None)
 _log = logging.getLogger("flashattn")
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend module provides (``flashattn.backends.cpu`` is the reference implementation).
+    """What every path's module provides (``flashattn.backends.tiled`` is the reference implementation); what it
+    serves is declared apart, in ``PATHS``.
 
     Layouts: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv) with H % Hk == 0; when ``spec.packed``, q is
     (total_q, H, D) and k, v (total_k, Hk, D) (or a KV cache when ``spec.cache`` is set: dense (B_cache, N_cache,
-    Hk, D) or paged (num_pages, page_size, Hk, D)). lse is (B, H, Nq), or (H, total_q) when packed, in
+    Hk, D) or paged (num_pages, page_size, Hk, D)). lse has the layout ``spec.lse_shape(q.shape)``, in
     ``accumulation_dtype(q.dtype)``.
     """
 
     NAME: str
-
-    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,
-                    return_probs: bool = False) -> str | None:
-        """Why this backend cannot run the call (None when it can)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *,
                 return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,82 +98,94 @@ def _validate(name: object, source: str) -> str:
 
 
 def requested() -> str:
-    """The backend asked for by ``use_backend`` or ``FLASHATTN_BACKEND`` ("auto" when neither is set)."""
+    """The name asked for by ``use_backend`` or ``FLASHATTN_BACKEND`` ("auto" when neither is set)."""
     forced = _forced.get()
     if forced is not None:
         return forced
     return _validate(os.environ.get("FLASHATTN_BACKEND", "auto"), "FLASHATTN_BACKEND")
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@torch.compiler.assume_constant_result
-def explain(device_type: str, dtype: torch.dtype, head_dim: int, odd_blocks: bool = False) -> tuple[str, str]:
-    """(backend name, why) for a call on ``device_type`` tensors of ``dtype`` whose largest head dim (of q/k and
-    of v) is ``head_dim`` (``odd_blocks``: with a block mask whose blocks are not multiples of 16, which the Triton
-    tiles cannot divide): the forced backend, else the automatic choice.
+def explain(request: Request) -> tuple[str, str]:
+    """(path name, why) for a call (``Request``): the forced path, else the automatic choice, with the reasons
+    of the paths passed over. A forced path that cannot serve the call raises ``ValueError`` saying why.
     Each distinct answer is logged once at debug level on the ``flashattn`` logger.
 
     Example::
 
-        >>> explain("cpu", torch.float32, 64)  # doctest: +ELLIPSIS
-        ('cpu', 'auto: ...')
+        >>> explain(Request("cuda", torch.float64, 64, 64))  # doctest: +ELLIPSIS
+        ('torch', 'auto: triton declines: ...; torch (tiled PyTorch) serves it')
     """
-    answer = _decide(device_type, dtype, head_dim, odd_blocks)
+    answer = _decide(request)
     if answer not in _logged:
         _logged.add(answer)
-        _log.debug("backend %s: %s", *answer)
+        _log.debug("path %s: %s", *answer)
     return answer
 
 
 _logged: set[tuple[str, str]] = set()
 
 
-def _decide(device_type: str, dtype: torch.dtype, head_dim: int, odd_blocks: bool) -> tuple[str, str]:
+def _decide(request: Request) -> tuple[str, str]:
     name = requested()
-    if name != "auto":
-        source = "use_backend()" if _forced.get() is not None else "FLASHATTN_BACKEND"
-        return name, f"forced by {source}"
-    if device_type != "cuda":
-        return "cpu", f"auto: {device_type} tensors run on the tiled PyTorch path"
-    if dtype == torch.float64:
-        return "cpu", "auto: float64 has no Triton kernel; the tiled PyTorch path runs it"
-    if odd_blocks:
-        return "cpu", "auto: a block mask whose blocks are not multiples of 16 runs on the tiled PyTorch path"
-    if head_dim > TRITON_MAX_HEAD_DIM:
-        return "cpu", f"auto: head dim {head_dim} exceeds the Triton kernels' {TRITON_MAX_HEAD_DIM}"
-    if not _triton_installed():
-        return "cpu", "auto: triton is not installed (pip install 'flashattn[triton]')"
-    return "triton", "auto: CUDA tensors run on the Triton kernels"
+    if name == "auto":
+        return _first_serving(ORDER.get(request.device, OTHER_DEVICES), request, "auto")
+    source = "use_backend()" if _forced.get() is not None else "FLASHATTN_BACKEND"
+    if name in FORCED:
+        return _first_serving(FORCED[name], request, f"{name!r} forced by {source}")
+    reason = PATHS[name].serves(request)
+    if reason is not None:
+        raise ValueError(f"flashattn: the {name} path cannot run this call on {request.describe()} (forced by "
+                         f"{source}): {reason}. Let flashattn choose (use_backend('auto'), or unset "
+                         "FLASHATTN_BACKEND), or force a path that can.")
+    return name, f"forced by {source}"
 
 
-def choose(q: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> str:
-    """The name of the backend a call with query ``q``, value ``v`` and options ``spec`` runs on (``explain``)."""
-    blocks = None if spec is None else spec.block_sparse
-    odd_blocks = blocks is not None and bool(blocks.q_block % TRITON_BLOCK_MULTIPLE
-                                             or blocks.kv_block % TRITON_BLOCK_MULTIPLE)
-    return explain(q.device.type, q.dtype, max(q.shape[-1], v.shape[-1]), odd_blocks)[0]
+def _first_serving(names: tuple[str, ...], request: Request, how: str) -> tuple[str, str]:
+    declined = []
+    for name in names:
+        reason = PATHS[name].serves(request)
+        if reason is None:
+            passed_over = "".join(f"{n} declines: {why}; " for n, why in declined)
+            return name, f"{how}: {passed_over}{name} ({PATHS[name].title}) serves it"
+        declined.append((name, reason))
+    raise AssertionError(f"no path serves {request}: the torch path serves every call")  # pragma: no cover
 
 
-def get(name: str) -> Backend:
-    """The backend module called ``name`` (imported on first use: CPU-only installs need no triton)."""
-    if name not in BACKENDS[1:]:
-        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS[1:])}")
-    return importlib.import_module(f"{__name__}.{name}")
+def choose(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False) -> str:
+    """The name of the path a call of checked inputs and options runs on (``explain``)."""
+    return _choice(*Request.of(q, k, v, spec, return_probs=return_probs))
+
+
+@torch.compiler.assume_constant_result
+def _choice(*fields) -> str:
+    """``explain``'s path for the request of these fields: a constant of a traced graph, evaluated once when
+    ``torch.compile`` traces the call (a NamedTuple does not survive as such an argument; its fields do)."""
+    return explain(Request(*fields))[0]
+
+
+def get(name: str) -> ModuleType:
+    """The module with the ``forward`` and ``backward`` of the path ``name`` (imported on first use: CPU-only
+    installs need no triton)."""
+    if name not in PATHS:
+        raise ValueError(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
+    return importlib.import_module(PATHS[name].module)
 
 
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Force a backend inside a ``with`` block: ``"cpu"``, ``"triton"``, ``"cuda"`` or ``"auto"``.
+    """Force a path inside a ``with`` block (it takes precedence over ``FLASHATTN_BACKEND``): ``"triton"`` (the
+    Triton kernels), ``"cpu"`` (the C++ kernel, and the torch path for what it does not serve), ``"torch"`` (tiled
+    PyTorch, any device), ``"cuda"`` (the CUDA C++ forward) or ``"auto"``. A forced path that cannot serve a call
+    raises ``ValueError`` saying why, before anything runs.
 
     Example::
 
+        >>> from flashattn import flash_attn_func
         >>> q = k = v = torch.randn(1, 8, 2, 16)
-        >>> with use_backend("cpu"):
-        ...     out = flashattn.flash_attn_func(q, k, v)  # doctest: +SKIP
+        >>> with use_backend("torch"):
+        ...     out = flash_attn_func(q, k, v, causal=True)
+        >>> out.shape
+        torch.Size([1, 8, 2, 16])
     """
     token = _forced.set(_validate(name, "use_backend(name)"))
     try:

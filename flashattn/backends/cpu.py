@@ -1,442 +1,148 @@
-"""The CPU backend: the C++ kernel (``cpu_kernel.py``) where it is built, else tiled PyTorch attention,
-FlashAttention-2 written with torch ops (which also runs on any device torch runs on). This module is the tiled path
-and the routing.
+"""The ``cpu`` path: the C++ kernel (``flashattn/csrc/cpu_flash.cpp`` and its headers, built at first use by
+``cpu_build``), FlashAttention-2 forward and backward for CPU tensors.
 
-Never materialises the N x N score matrix: the query rows are cut into blocks (outer loop, FlashAttention-2),
-key/value rows into blocks (inner loop), and each score tile is reduced at once with the online softmax. The
-backward recomputes the tiles from the saved log-sum-exp. fp16/bf16 inputs are computed in float32, float64
-stays float64 (so ``torch.autograd.gradcheck`` holds).
+Why C++: the tiled ``torch`` path issues a dozen torch ops per tile, each its own parallel region that waits for its
+slowest thread, so a busy machine slows it several times over. The kernel runs one parallel region per call whose
+threads pull tasks (sequence, kv head, query block) longest first, so a thread slowed by another process simply takes
+fewer; each task runs its whole key loop with its tiles in cache, the two matmuls of a tile on the BLAS torch ships
+and the online softmax, softcap, ALiBi, masks and dropout (Triton's Philox, bit for bit) fused in one vectorised pass.
+The backward gives each task the dQ of its rows and its own dK/dV partial: no atomics, deterministic.
 
-Layout: q (B, Nq, H, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv), H % Hk == 0 (GQA/MQA). Internally heads are
-viewed as (Hk, G) with G = H // Hk query heads per key/value head, so K and V are never copied per query head.
+What it serves (``serves``): every dense, packed (varlen) and KV-cache call (dense or paged pages of any size; the
+whole key range at once, as split-KV only helps fill a GPU) in fp16, bf16, fp32 (fp32 accumulation) and fp64, with
+causal or window bands at any alignment, softcap, ALiBi, learnable sinks, GQA/MQA without copies, SDPA boolean and
+additive masks (with their gradient), block masks, dropout and a gradient flowing into the log-sum-exp. Returned
+probabilities (a testing aid) are the ``torch`` path's. Short query blocks (decode) pack the query heads of a kv head
+into one tile, so the group shares each K/V tile.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
 
 import torch
 
-from . import cpu_kernel
-from .masking import Band
-from .merge import merge_states, with_sink
-from .philox import dropout_keep
+from . import cpu_build
+from .masking import sum_to_shape
+from .request import Request
 from .spec import AttentionSpec, Saved, accumulation_dtype
 
 NAME = "cpu"
-
-# A score tile holds about this many elements across batch and heads (2 MB in float32, about an L2 cache;
-# measured best of 2^17..2^21 x 256..1024 on 2 cores): large enough that
-# Python's loop overhead vanishes behind the matmuls, small enough that memory stays O(N d), never O(N^2).
-TILE_ELEMENTS = 1 << 19
-MAX_BLOCK_K = 256
-# At least this many query rows per block, so a huge batch x heads costs tile memory, not a Python loop per row.
-MIN_BLOCK_Q = 64
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Query rows x keys of a task's tile, measured on 2 cores (fp32 and bf16, d = 64 and 128, N = 1k..4k, best of
+# 64..256 x 128..512, benchmarks/NOTES.md): the forward gains from tall tiles (the BLAS packs each K/V tile once per
+# query block), the backward hardly cares and keeps its four tile-sized buffers smaller.
+FORWARD_TILE = (256, 256)
+BACKWARD_TILE = (128, 128)
 
 
-def _uninitialized(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocation of every output this backend must fill completely (tests poison it with NaN)."""
-    return torch.empty(*shape, dtype=dtype, device=device)
+def serves(request: Request) -> str | None:
+    """CPU tensors of a float dtype, once the kernel is built (the first call builds it), every feature but
+    returned probabilities."""
+    if request.device != "cpu":
+        return f"it runs on CPU tensors, got {request.device} tensors"
+    if request.dtype not in DTYPES:
+        return f"it takes float16, bfloat16, float32 and float64, got {request.dtype}"
+    if request.uses("return_attn_probs"):
+        return "it does not return the probabilities (return_attn_probs with dropout, a testing aid)"
+    built, why = cpu_build.status()
+    return None if built else f"its C++ kernel is not available ({why})"
 
 
-def _blocks(n: int, size: int) -> range:
-    return range(0, n, size)
+def _sequences(q, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(seqs (S, 7) int64: q batch, q start, nq, k batch, k start, nk, diagonal per sequence; the page table or
+    None), for varlen and KV-cache calls (the kernel derives a dense batch's itself). One host read of the
+    offsets, as the tiled path's ``bounds()``."""
+    if spec.packed:
+        queries = [(0, sq, eq - sq) for sq, eq, _, _ in spec.varlen.bounds()]
+    else:
+        queries = [(b, 0, q.shape[1]) for b in range(q.shape[0])]
+    cache = spec.cache
+    if cache is not None:
+        entries = range(len(queries)) if cache.batch_idx is None else cache.batch_idx.tolist()
+        keys = [(kb, start, end - start) for kb, (start, end) in zip(entries, cache.bounds(), strict=True)]
+    else:  # packed: a dense batch never comes here
+        keys = [(0, sk, ek - sk) for _, _, sk, ek in spec.varlen.bounds()]
+    rows = [(*qs, *ks, spec.band(qs[2], ks[2]).diagonal) for qs, ks in zip(queries, keys, strict=True)]
+    seqs = torch.tensor(rows, dtype=torch.long).view(-1, 7)
+    return seqs, None if cache is None else cache.block_table
 
 
-def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
-    """The tiled path runs every feature on every device torch runs on."""
-    return None
+def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
+    """The kernel's options (``cpu_flash.cpp``) for this call, by name."""
+    if spec.packed or spec.cache is not None:
+        seqs, table = _sequences(q, spec)
+        diagonal = 0
+    else:
+        seqs, table, diagonal = None, None, spec.band(q.shape[1], k.shape[1]).diagonal
+    options = {"seqs": seqs, "block_table": table, "diagonal": diagonal, "scale": float(spec.scale),
+               "softcap": float(spec.softcap),
+               "left": int(spec.window_left), "right": int(spec.window_right), "block_m": tile[0],
+               "block_n": tile[1], "alibi": spec.alibi_slopes, "sink": spec.sink, "dropout_p": float(spec.dropout_p),
+               "mask": None}
+    if spec.dropout_p > 0:
+        rows, cols = ((spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k) if spec.packed
+                      else (q.shape[1], k.shape[1]))
+        options.update(seed=int(spec.seed.item()), counter_rows=int(rows), counter_cols=int(cols))
+    blocks = spec.block_sparse
+    if blocks is not None:  # the tiles are the block mask's
+        options.update(tile_kind=blocks.tile_kind, partial_id=blocks.partial_id, partial_masks=blocks.partial_masks,
+                       block_m=blocks.q_block, block_n=blocks.kv_block)
+    mask = spec.attn_mask
+    if mask is not None:  # (B|1, H|1, Nq|1, Nk|1) -> a (B, H, Nq, Nk) view; additive masks in the accumulation type
+        if mask.dtype != torch.bool:
+            mask = mask.to(accumulation_dtype(q.dtype))
+        options["mask"] = mask.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    return options
 
 
-class _TiledCall:
-    """One dense attention call cut into tiles: builds the score tile S_ij (scale, softcap, masks, ALiBi) and its
-    dropout mask, the pieces shared by the forward, the backward and the probabilities."""
-
-    def __init__(self, q, k, v, spec: AttentionSpec, *, dropout_origin: tuple[int, int, int] | None = None,
-                 band: Band | None = None):
-        """``dropout_origin`` = (first batch index, Nq, Nk) of the counter layout ((b * H + h) * Nq + i) * Nk + j;
-        by default this call's own (0, nq, nk). A varlen sequence b uses (b, max_seqlen_q, max_seqlen_k).
-        ``band`` replaces ``spec.band(nq, nk)`` when k is a slice of a longer key sequence (a split)."""
-        b, nq, h, d = q.shape
-        nk, hk = k.shape[1], k.shape[2]
-        g = h // hk
-        self.shape = (b, nq, nk, h, hk, g)
-        self.spec = spec
-        self.acc = accumulation_dtype(q.dtype)
-        self.q = q.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)  # (B, Hk, G, Nq, D), a view
-        self.k = k.permute(0, 2, 1, 3)  # (B, Hk, Nk, D)
-        self.v = v.permute(0, 2, 1, 3)  # (B, Hk, Nk, Dv)
-        self.band = spec.band(nq, nk) if band is None else band
-        alibi, mask = spec.alibi_slopes, spec.attn_mask
-        self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
-        self.sink = None if spec.sink is None else spec.sink.to(self.acc).view(1, hk, g, 1)
-        self.mask = None if mask is None else self._heads5(mask)
-        self.block_k = max(1, min(nk, MAX_BLOCK_K))
-        self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
-        self.blocks = spec.block_sparse
-        if self.blocks is not None:  # the tiles are the block mask's; which are visited is read once, on the host
-            self.block_q, self.block_k = self.blocks.q_block, self.blocks.kv_block
-            kind = self.blocks.tile_kind
-            self.tile_visited = (kind != 0).flatten(0, 1).any(0).cpu()
-            self.tile_full = (kind == 2).flatten(0, 1).all(0).cpu()
-        if spec.dropout_p > 0:
-            self.seed = int(spec.seed.item())
-            b0, self.counter_rows, self.counter_cols = dropout_origin or (0, nq, nk)
-            idx = torch.arange(b0 * h, (b0 + b) * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
-            self.dropout_base = idx * self.counter_rows * self.counter_cols
-
-    def _heads5(self, t: torch.Tensor) -> torch.Tensor:
-        """(B|1, H|1, Lq, Lk) -> (B|1, Hk|1, G|1, Lq, Lk) so it broadcasts against a score tile."""
-        _, _, _, _, hk, g = self.shape
-        return t.unsqueeze(2) if t.shape[1] == 1 else t.unflatten(1, (hk, g))
-
-    def key_blocks(self, r0: int, r1: int):
-        """Key blocks [c0, c1) that rows [r0, r1) can see; blocks fully outside the band are skipped."""
-        lo, hi = self.band.key_range(r0, r1, self.shape[2])
-        start = (lo // self.block_k) * self.block_k
-        for c0 in range(start, hi, self.block_k):
-            if self.blocks is None or self.tile_visited[r0 // self.block_q, c0 // self.block_k]:
-                yield c0, min(c0 + self.block_k, self.shape[2])
-
-    def block_tile(self, r0, r1, c0, c1) -> torch.Tensor | None:
-        """The block mask's element mask of tile [r0, r1) x [c0, c1), (Bm, Hk|1, G|1, rows, cols) bool, or None
-        when the tile is full for every batch entry and head."""
-        qi, kj = r0 // self.block_q, c0 // self.block_k
-        if self.tile_full[qi, kj]:
-            return None
-        blocks = self.blocks
-        kind = blocks.tile_kind[:, :, qi, kj, None, None]
-        tile = (kind == 2).expand(*kind.shape[:2], r1 - r0, c1 - c0)
-        if blocks.partial_masks.shape[0] > 0:
-            ids = blocks.partial_id[:, :, qi, kj].clamp(min=0).long()
-            tile = torch.where(kind == 1, blocks.partial_masks[ids][..., : r1 - r0, : c1 - c0], tile)
-        return self._heads5(tile)
-
-    def q_block(self, r0: int, r1: int) -> torch.Tensor:
-        """Q_i * scale in the accumulation dtype: scaling the (rows x D) block, not the (rows x cols) tile."""
-        return (self.q[:, :, :, r0:r1].to(self.acc) * self.spec.scale).contiguous()
-
-    def kv_block(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, c0:c1].to(self.acc).contiguous(), self.v[:, :, c0:c1].to(self.acc).contiguous()
-
-    def scores(self, qb, kb, r0, r1, c0, c1, need_tanh=False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """S_ij for rows [r0, r1) x columns [c0, c1) from the scaled ``qb``, shape (B, Hk, G, r1-r0, c1-c0),
-        masked entries -inf. A fresh tensor: callers may update it in place.
-
-        With ``need_tanh`` also returns tanh(raw / softcap), which the backward needs for the chain rule.
-        """
-        spec = self.spec
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qb, kb)
-        tanh = None
-        # Elementwise passes over the tile are this path's cost: update it in place, allocate nothing.
-        if spec.softcap > 0 and need_tanh:
-            tanh = torch.tanh(s.div_(spec.softcap))
-            s = torch.mul(tanh, spec.softcap)
-        elif spec.softcap > 0:
-            s.div_(spec.softcap).tanh_().mul_(spec.softcap)
-        band_mask = not self.band.tile_is_full(r0, r1, c0, c1)
-        if self.alibi is not None or band_mask:
-            rows = torch.arange(r0, r1, device=s.device)
-            cols = torch.arange(c0, c1, device=s.device)
-            if self.alibi is not None:
-                dist = (rows[:, None] + self.band.diagonal - cols[None, :]).abs().to(self.acc)
-                s.sub_(self.alibi * dist)
-            if band_mask:
-                s.masked_fill_(~self.band.visible(rows, cols), -math.inf)
-        if self.blocks is not None:
-            m = self.block_tile(r0, r1, c0, c1)
-            if m is not None:
-                s.masked_fill_(~m, -math.inf)
-        if self.mask is not None:
-            m = self.mask_tile(self.mask, r0, r1, c0, c1)
-            if m.dtype == torch.bool:
-                s.masked_fill_(~m, -math.inf)
-            else:
-                s.add_(m)
-        return s, tanh
-
-    def mask_tile(self, m: torch.Tensor, r0, r1, c0, c1) -> torch.Tensor:
-        rows = slice(r0, r1) if m.shape[3] > 1 else slice(None)
-        cols = slice(c0, c1) if m.shape[4] > 1 else slice(None)
-        return m[:, :, :, rows, cols]
-
-    def dropout_scale(self, r0, r1, c0, c1) -> torch.Tensor | None:
-        """Keep-mask divided by (1 - p) for the tile, regenerated from the element indices; None if no dropout."""
-        spec = self.spec
-        if spec.dropout_p <= 0:
-            return None
-        rows = torch.arange(r0, r1, device=self.dropout_base.device)
-        cols = torch.arange(c0, c1, device=self.dropout_base.device)
-        offset = self.dropout_base + (rows[:, None] * self.counter_cols + cols[None, :])
-        keep = dropout_keep(self.seed, offset, spec.dropout_p)
-        return keep.to(self.acc) / (1.0 - spec.dropout_p)
+def _as_batch(t: torch.Tensor, spec: AttentionSpec, *, keys: bool) -> torch.Tensor:
+    """Packed (total, H, D) tensors as a batch of one (1, total, H, D); KV caches are already 4-D."""
+    return t[None] if spec.packed and not (keys and spec.cache is not None) else t
 
 
-def _nonzero_or(x: torch.Tensor, fill: float) -> torch.Tensor:
-    return torch.where(x == 0, torch.full_like(x, fill), x)
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernel reads rows through strides with a unit last one (views of longer sequences are fine): a head
+    dim with a stride (SDPA accepts any strides) is copied."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
-    """Returns out (B, Nq, H, Dv) in q's dtype, lse (B, H, Nq) (float32, or float64 for float64 inputs) and,
-    if ``return_probs``, the probabilities (B, H, Nq, Nk) with dropped entries negated (else an empty tensor).
-
-    When ``spec.packed``, q is (total_q, H, D) and k/v (total_k, Hk, D), packed as ``spec.varlen`` says: out is
-    (total_q, H, Dv), lse (H, total_q), probs (B, H, max_seqlen_q, max_seqlen_k). Each sequence runs on views.
-    With ``spec.cache``, keys come from a KV cache (``_forward_cache``).
+    """(out, lse, an empty tensor), as every path returns them: out (B, Nq, H, Dv) in q's dtype and lse
+    (``spec.lse_shape``) in the accumulation dtype, from dense, packed (varlen) or cached keys. ``serves`` refuses
+    ``return_probs``.
 
     Example::
 
         >>> q = k = v = torch.randn(1, 5, 2, 8)
-        >>> out, lse, _ = forward(q, k, v, AttentionSpec(scale=8 ** -0.5))
-        >>> out.shape, lse.shape
-        (torch.Size([1, 5, 2, 8]), torch.Size([1, 2, 5]))
+        >>> if serves(Request.of(q, k, v, AttentionSpec(scale=1.0))) is None:  # a C++ compiler is here
+        ...     assert forward(q, k, v, AttentionSpec(scale=8 ** -0.5))[0].shape == (1, 5, 2, 8)
     """
-    if cpu_kernel.unserved(q, k, v, spec, return_probs=return_probs) is None:
-        result = cpu_kernel.forward(q, k, v, spec)
-        if result is not None:
-            return (*result, q.new_empty(0))
-    if spec.cache is not None:
-        return (*_forward_cache(q, k, v, spec), q.new_empty(0))
-    acc = accumulation_dtype(q.dtype)
-    h, dv = q.shape[-2], v.shape[-1]
-    if not spec.packed:
-        b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
-        out = _uninitialized(b, nq, h, dv, dtype=q.dtype, device=q.device)
-        lse = _uninitialized(b, h, nq, dtype=acc, device=q.device)
-        probs = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device) if return_probs else None
-        _forward_into(_TiledCall(q, k, v, spec), out, lse, probs)
-        return out, lse, q.new_empty(0) if probs is None else probs
-    varlen = spec.varlen
-    out = _uninitialized(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
-    lse = _uninitialized(h, q.shape[0], dtype=acc, device=q.device)
-    probs = None
-    if return_probs:
-        probs = torch.zeros(varlen.batch, h, varlen.max_seqlen_q, varlen.max_seqlen_k, dtype=q.dtype,
-                            device=q.device)
-    for i, (sq, eq, sk, ek) in enumerate(varlen.bounds()):
-        p = _TiledCall(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _sequence_spec(spec, i),
-                       dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
-        _forward_into(p, out[None, sq:eq], lse[None, :, sq:eq],
-                      None if probs is None else probs[i : i + 1, :, : eq - sq, : ek - sk])
-    return out, lse, q.new_empty(0) if probs is None else probs
-
-
-def _sequence_spec(spec: AttentionSpec, i: int) -> AttentionSpec:
-    """The options of batch entry i run on its own (a varlen sequence or a cache row): a dense call with that
-    entry's ALiBi slopes (user masks do not go with packed or cached keys)."""
-    alibi = spec.alibi_slopes
-    row = alibi if alibi is None or alibi.shape[0] == 1 else alibi[i : i + 1]
-    return dataclasses.replace(spec, alibi_slopes=row, varlen=None, cache=None)
-
-
-def _forward_cache(q, k_cache, v_cache, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q against the keys of a KV cache, forward only: returns (out, lse).
-
-    q is (B, Nq, H, D), or packed (total_q, H, D) when ``spec.packed`` (its key offsets unused). ``spec.cache``
-    says where each batch entry's keys are in ``k_cache``/``v_cache``, dense (B_cache, N_cache, Hk, D) or paged
-    (num_pages, page_size, Hk, D). Each entry runs on a view of its cache rows (a gather of its pages when paged).
-    ``cache.num_splits`` > 1 cuts each entry's keys into that many chunks whose results are merged by
-    log-sum-exp, as the GPU's split-KV path does (0 means 1 here: splitting only helps fill a GPU).
-
-    Example::
-
-        >>> from flashattn.backends.spec import KeyCache
-        >>> q, cache = torch.randn(2, 1, 4, 16), torch.randn(2, 10, 2, 16)
-        >>> lengths = KeyCache(torch.tensor([0, 0]), torch.tensor([3, 10]), max_seqlen_k=10)
-        >>> out, lse = _forward_cache(q, cache, cache, AttentionSpec(scale=0.25, cache=lengths))
-        >>> out.shape, lse.shape
-        (torch.Size([2, 1, 4, 16]), torch.Size([2, 4, 1]))
-    """
-    cache = spec.cache
-    acc = accumulation_dtype(q.dtype)
-    h, dv = q.shape[-2], v_cache.shape[-1]
-    if spec.packed:
-        out = _uninitialized(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
-        lse = _uninitialized(h, q.shape[0], dtype=acc, device=q.device)
-        rows = [(out[None, sq:eq], lse[None, :, sq:eq], q[None, sq:eq]) for sq, eq, _, _ in spec.varlen.bounds()]
-    else:
-        out = _uninitialized(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
-        lse = _uninitialized(q.shape[0], h, q.shape[1], dtype=acc, device=q.device)
-        rows = [(out[i : i + 1], lse[i : i + 1], q[i : i + 1]) for i in range(q.shape[0])]
-    batch_idx = None if cache.batch_idx is None else cache.batch_idx.tolist()
-    for i, ((out_i, lse_i, q_i), (start, end)) in enumerate(zip(rows, cache.bounds(), strict=True)):
-        if cache.block_table is not None:
-            pos = torch.arange(start, end, device=q.device)
-            pages, slots = cache.block_table[i, pos // k_cache.shape[1]].long(), pos % k_cache.shape[1]
-            k_i, v_i = k_cache[pages, slots][None], v_cache[pages, slots][None]
-        else:
-            row = i if batch_idx is None else batch_idx[i]
-            k_i, v_i = k_cache[row : row + 1, start:end], v_cache[row : row + 1, start:end]
-        parts = _split_forward(q_i, k_i, v_i, _sequence_spec(spec, i), splits=max(1, cache.num_splits))
-        out_i.copy_(parts[0])
-        lse_i.copy_(parts[1])
-    return out, lse
-
-
-def _split_forward(q, k, v, spec: AttentionSpec, *, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of a dense call over the keys cut into ``splits`` chunks, merged by log-sum-exp (split-KV)."""
-    nk = k.shape[1]
-    chunk = max(1, -(-nk // splits))
-    merged = None
-    whole = spec.band(q.shape[1], nk)
-    sink, spec = spec.sink, dataclasses.replace(spec, sink=None)  # joins once, after the chunks merge
-    for c0, c1 in [(c0, min(c0 + chunk, nk)) for c0 in range(0, nk, chunk)] or [(0, 0)]:
-        part_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=accumulation_dtype(q.dtype), device=q.device)
-        part_lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=part_out.dtype, device=q.device)
-        # The chunk's keys are columns c0.. of the whole band: move the diagonal so masks and ALiBi stay put.
-        band = dataclasses.replace(whole, diagonal=whole.diagonal - c0)
-        _forward_into(_TiledCall(q, k[:, c0:c1], v[:, c0:c1], spec, band=band), part_out, part_lse, None)
-        merged = (part_out, part_lse) if merged is None else merge_states(*merged, part_out, part_lse)
-    return merged if sink is None else with_sink(*merged, sink)
-
-
-def _forward_into(p: _TiledCall, out: torch.Tensor, lse: torch.Tensor, probs: torch.Tensor | None) -> None:
-    """Write out (B, Nq, H, Dv), lse (B, H, Nq) and, if given, probs (B, H, Nq, Nk) of the call ``p``."""
-    b, nq, nk, h, hk, g = p.shape
-    dv = out.shape[-1]
-    out5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
-    lse5 = lse.unflatten(1, (hk, g))
-    for r0 in _blocks(nq, p.block_q):
-        r1 = min(r0 + p.block_q, nq)
-        qb = p.q_block(r0, r1)
-        row_max = torch.full(qb.shape[:-1], -math.inf, dtype=p.acc, device=out.device)
-        row_sum = torch.zeros_like(row_max)
-        acc = torch.zeros(*qb.shape[:-1], dv, dtype=p.acc, device=out.device)
-        for c0, c1 in p.key_blocks(r0, r1):
-            kb, vb = p.kv_block(c0, c1)
-            e, _ = p.scores(qb, kb, r0, r1, c0, c1)
-            new_max = torch.maximum(row_max, e.amax(-1))
-            # A row that has seen only masked keys keeps max -inf; subtract 0 there so exp gives 0, not NaN.
-            safe_max = torch.where(new_max == -math.inf, 0.0, new_max)
-            e.sub_(safe_max[..., None]).exp_()
-            rescale = torch.exp(row_max - safe_max)
-            # The denominator sums the undropped weights: dropout acts on normalised probabilities.
-            row_sum = row_sum * rescale + e.sum(-1)
-            keep = p.dropout_scale(r0, r1, c0, c1)
-            if keep is not None:
-                e.mul_(keep)
-            acc = acc * rescale[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", e, vb)
-            row_max = new_max
-        if p.sink is not None:  # one more score in the denominator, with no value: only l and the scale move
-            new_max = torch.maximum(row_max, p.sink)
-            safe_max = torch.where(new_max == -math.inf, 0.0, new_max)
-            rescale = torch.exp(row_max - safe_max)
-            row_sum = row_sum * rescale + torch.exp(p.sink - safe_max)
-            acc = acc * rescale[..., None]
-            row_max = new_max
-        # Deferred normalisation (FlashAttention-2): one division per row, at the end; empty rows give 0.
-        out5[:, :, :, r0:r1] = (acc / _nonzero_or(row_sum, 1.0)[..., None]).to(out.dtype)
-        lse5[:, :, :, r0:r1] = torch.where(row_sum == 0, -math.inf, row_max + torch.log(row_sum))
-    if probs is not None:
-        _probabilities_into(p, lse, probs)
-
-
-def _probabilities_into(p: _TiledCall, lse: torch.Tensor, probs: torch.Tensor) -> None:
-    """softmax(S) recomputed from lse, dropped entries negated: the S_dmask of ``return_attn_probs``.
-    ``probs`` (B, H, Nq, Nk) is zero-filled; tiles hidden by the mask are not visited."""
-    b, nq, nk, h, hk, g = p.shape
-    probs5 = probs.unflatten(1, (hk, g))
-    lse5 = _lse_for_recompute(lse.unflatten(1, (hk, g)))
-    for r0 in _blocks(nq, p.block_q):
-        r1 = min(r0 + p.block_q, nq)
-        qb = p.q_block(r0, r1)
-        for c0, c1 in p.key_blocks(r0, r1):
-            kb, _ = p.kv_block(c0, c1)
-            pt, _ = p.scores(qb, kb, r0, r1, c0, c1)
-            pt.sub_(lse5[:, :, :, r0:r1, None]).exp_()
-            keep = p.dropout_scale(r0, r1, c0, c1)
-            if keep is not None:
-                pt = torch.where(keep > 0, pt, -pt)
-            probs5[:, :, :, r0:r1, c0:c1] = pt.to(probs.dtype)
-
-
-def _lse_for_recompute(lse: torch.Tensor) -> torch.Tensor:
-    # A row that sees no key has lse = -inf; +inf makes exp(S - lse) = 0 there instead of NaN.
-    return torch.where(lse == -math.inf, math.inf, lse)
-
-
-def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Sum the broadcast dimensions of ``x`` away so it has ``shape`` (the reverse of broadcasting)."""
-    dims = [i for i, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1]
-    return x.sum(dim=dims, keepdim=True) if dims else x
+    q, k, v = (_unit_stride(t) for t in (q, k, v))
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
+    q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
+    cpu_build.module().forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,
+                               _options(q4, k4, spec, tile=FORWARD_TILE))
+    return out, lse, q.new_empty(0)
 
 
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
-    """Gradients (dq, dk, dv, dmask) by recomputation from the saved lse (FlashAttention-2 backward).
-
-    ``dlse`` (or None) is the gradient flowing into the returned log-sum-exp: d lse_i / d S_ij = P_ij, so it
-    folds into the preprocessing term, delta_i = rowsum(dO_i * O_i) - dlse_i. ``dmask`` is the gradient of the
-    additive ``spec.attn_mask`` (its own shape) when ``mask_grad``, else None. Packed input as in ``forward``.
-    """
-    q, k, v, out, lse = saved
+    """(dq, dk, dv, dmask), as every path returns them (no KV cache: the op differentiates a cached call as the
+    varlen call of its gathered keys); dmask, with ``mask_grad``, is dS summed to the mask's own shape."""
+    q, k, v, out, lse = (_unit_stride(t) for t in saved)
     if spec.cache is not None:
-        raise NotImplementedError("the cpu backend has no backward through keys in a KV cache")
-    if cpu_kernel.unserved(q, k, v, spec) is None:
-        result = cpu_kernel.backward(dout, dlse, saved, spec, mask_grad=mask_grad)
-        if result is not None:
-            dq, dk, dv, dmask = result
-            mask = spec.attn_mask
-            return dq, dk, dv, None if dmask is None else _sum_to(dmask, mask.shape).to(mask.dtype)
-    grads = tuple(_uninitialized(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if not spec.packed:
-        p = _TiledCall(q, k, v, spec)
-        mask = spec.attn_mask
-        dmask = torch.zeros(p.mask.shape, dtype=p.acc, device=q.device) if mask_grad else None
-        _backward_into(p, dout=dout, dlse=dlse, out=out, lse=lse, grads=grads, dmask=dmask)
-        return *grads, None if dmask is None else dmask.reshape(mask.shape).to(mask.dtype)
-    dq, dk, dv = grads
-    varlen = spec.varlen
-    for i, (sq, eq, sk, ek) in enumerate(varlen.bounds()):
-        p = _TiledCall(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], _sequence_spec(spec, i),
-                       dropout_origin=(i, varlen.max_seqlen_q, varlen.max_seqlen_k))
-        _backward_into(p, dout=dout[None, sq:eq], dlse=None if dlse is None else dlse[None, :, sq:eq],
-                       out=out[None, sq:eq], lse=lse[None, :, sq:eq],
-                       grads=(dq[None, sq:eq], dk[None, sk:ek], dv[None, sk:ek]), dmask=None)
-    return dq, dk, dv, None
-
-
-def _backward_into(p: _TiledCall, *, dout, dlse, out, lse, grads, dmask) -> None:
-    """Write grads = (dq (B, Nq, H, D), dk, dv (B, Nk, Hk, D)) and, if given, accumulate the mask gradient in
-    dmask."""
-    dq, dk, dv = grads
-    b, nq, nk, h, hk, g = p.shape
-    acc_t = p.acc
-    dk_acc = torch.zeros(b, hk, nk, dk.shape[-1], dtype=acc_t, device=dq.device)
-    dv_acc = torch.zeros(b, hk, nk, dv.shape[-1], dtype=acc_t, device=dq.device)
-    dq5 = dq.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
-    do5 = dout.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
-    o5 = out.unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
-    lse5 = _lse_for_recompute(lse.unflatten(1, (hk, g)))
-    dlse5 = None if dlse is None else dlse.unflatten(1, (hk, g))
-    for r0 in _blocks(nq, p.block_q):
-        r1 = min(r0 + p.block_q, nq)
-        qb = p.q_block(r0, r1)
-        dob = do5[:, :, :, r0:r1].to(acc_t)
-        delta = (dob * o5[:, :, :, r0:r1].to(acc_t)).sum(-1)
-        if dlse5 is not None:
-            delta = delta - dlse5[:, :, :, r0:r1].to(acc_t)
-        lse_b = lse5[:, :, :, r0:r1, None]
-        dqb = torch.zeros_like(qb)
-        for c0, c1 in p.key_blocks(r0, r1):
-            kb, vb = p.kv_block(c0, c1)
-            pt, tanh = p.scores(qb, kb, r0, r1, c0, c1, need_tanh=True)
-            pt.sub_(lse_b).exp_()
-            dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, vb)
-            keep = p.dropout_scale(r0, r1, c0, c1)
-            pv = pt if keep is None else pt * keep
-            if keep is not None:
-                dp.mul_(keep)
-            dv_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", pv, dob)
-            ds = dp.sub_(delta[..., None]).mul_(pt)
-            if dmask is not None:
-                tile = p.mask_tile(dmask, r0, r1, c0, c1)
-                tile += _sum_to(ds, tile.shape)
-            if tanh is not None:
-                ds.mul_(1 - tanh * tanh)
-            dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb)
-            # qb carries the scale already, so dK = dS^T (Q * scale) needs no further factor.
-            dk_acc[:, :, c0:c1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb)
-        dq5[:, :, :, r0:r1] = (dqb * p.spec.scale).to(dq.dtype)
-    dk.copy_(dk_acc.permute(0, 2, 1, 3))
-    dv.copy_(dv_acc.permute(0, 2, 1, 3))
+        raise NotImplementedError("the cpu path has no backward through keys in a KV cache")
+    acc = accumulation_dtype(q.dtype)
+    dout = _unit_stride(dout)
+    lse = lse.to(acc)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    batch = functools.partial(_as_batch, spec=spec, keys=False)
+    dmask = torch.zeros(q.shape[0], q.shape[2], q.shape[1], k.shape[1], dtype=acc) if mask_grad else None
+    if dlse is not None:
+        dlse = dlse[None] if spec.packed else dlse
+    cpu_build.module().backward(batch(q), batch(k), batch(v), batch(out), batch(dout),
+                                lse[None] if spec.packed else lse, dlse, batch(dq), batch(dk), batch(dv), dmask,
+                                _options(batch(q), batch(k), spec, tile=BACKWARD_TILE))
+    mask = spec.attn_mask
+    return dq, dk, dv, None if dmask is None else sum_to_shape(dmask, mask.shape).to(mask.dtype)

@@ -56,3 +56,10 @@ class Band:
         if self.left >= 0:
             keep &= d >= -self.left
         return keep
+
+
+def sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum the broadcast dimensions of ``x`` away so it has ``shape`` (the reverse of broadcasting): how a mask's
+    gradient, computed per score, reaches a mask that was broadcast over batch, heads, rows or columns."""
+    dims = [i for i, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x

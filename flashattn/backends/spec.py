@@ -112,7 +112,7 @@ class KeyCache:
 
 @dataclass(frozen=True, eq=False)
 class BlockSparse:
-    """A block-sparse mask (from FlexAttention's ``BlockMask``, ``flashattn.checks.blocks``): the (Nq, Nk) score
+    """A block-sparse mask (from FlexAttention's ``BlockMask``, ``flashattn.checks.block_mask``): the (Nq, Nk) score
     matrix cut into ``q_block`` x ``kv_block`` tiles, each empty (skipped), full (run without a mask) or partial
     (run with its element mask). The backends' tiles are exactly these tiles.
 
@@ -181,6 +181,17 @@ class AttentionSpec:
     def packed(self) -> bool:
         """q is packed (total_q, H, D), and lse (H, total_q): the one test of packed input for every backend."""
         return self.varlen is not None
+
+    def lse_shape(self, q_shape: Sequence[int]) -> tuple[int, ...]:
+        """The log-sum-exp's layout, the one rule every path follows: (B, H, Nq) for a dense q (B, Nq, H, D),
+        (H, total_q) for a packed one (total_q, H, D), where a query's rows are contiguous for every head.
+
+        Example::
+
+            >>> AttentionSpec(scale=1.0).lse_shape((2, 5, 3, 16))
+            (2, 3, 5)
+        """
+        return (q_shape[1], q_shape[0]) if self.packed else (q_shape[0], q_shape[2], q_shape[1])
 
     def as_args(self) -> tuple:
         """The flat argument list of the custom op, in ``op_schema`` order."""

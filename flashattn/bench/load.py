@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from ..host import load_average, usable_cores
+
 LOAD_FRACTION = 0.5  # of the usable cores: the 1-minute load average above this warns
 OTHER_FRACTION = 0.25  # of the usable cores: other processes' CPU use in the sample above this warns
 SAMPLE_SECONDS = 0.25
@@ -34,22 +36,6 @@ SAMPLE_SECONDS = 0.25
 ENV_VAR = "FLASHATTN_BENCH_LOAD"
 
 _reading: ContextVar[dict | None] = ContextVar("flashattn_bench_load", default=None)
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask), else every CPU."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def load_average() -> float | None:
-    """The 1-minute load average, or None where the OS has none (Windows)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
 
 
 def _busy_ticks(cpus: set[int]) -> int | None:

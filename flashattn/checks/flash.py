@@ -24,7 +24,7 @@ from ._base import (
     validate_tensor,
     validate_window,
 )
-from .blocks import validate_block_mask
+from .block_mask import validate_block_mask
 from .deferred import checked_varlen
 from .values import VarlenSizes, check_pages, check_varlen_values, same_batch
 

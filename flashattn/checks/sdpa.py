@@ -18,7 +18,7 @@ from ._base import (
     validate_scale,
     validate_tensor,
 )
-from .blocks import is_block_mask, validate_block_mask
+from .block_mask import is_block_mask, validate_block_mask
 from .flash import CheckedCall
 
 SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -34,7 +34,7 @@ class _AllGatherAttention(torch.autograd.Function):
         rank, n = dist.get_rank(group), q.shape[1]
         g = q.shape[2] // k.shape[2]
         bspec = block_spec(spec, rank * n, 0)
-        backend = choose(q, v)  # one backend for every head group, forward and backward
+        backend = choose(q, k, v, bspec)  # one path for every head group, forward and backward
         acc = accumulation_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full((q.shape[0], q.shape[2], n), float("-inf"), dtype=acc, device=q.device)

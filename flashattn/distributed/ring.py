@@ -38,7 +38,7 @@ class _RingAttention(torch.autograd.Function):
         spec = dataclasses.replace(spec, sink=None)  # the sink joins once, after every block has merged
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         n = q.shape[1]
-        backend = choose(q, v)  # one backend for every block, forward and backward
+        backend = choose(q, k, v, spec)  # one path for every block, forward and backward
         runs = {sq: Partial(backend) for _, sq, _ in segments(layout, rank, world, n)}
         kv = [k, v]
         for step in range(world):

@@ -30,7 +30,7 @@ from flashattn.reference.attention import (
     standard_block_size,
     two_pass_attention,
 )
-from flashattn.reference.blocks import causal_mask
+from flashattn.reference.common import causal_mask
 from flashattn.reference.flash import (
     fa1_block_sizes,
     fa2_block_sizes,

@@ -16,7 +16,7 @@ three passes that materialise ``S`` and ``P`` in HBM, with every HBM access goin
 
 The 2-pass and 1-pass rungs are the online softmax of :mod:`~flashattn.reference.softmax`
 applied to a row of scores, so they take its two passes from there; the score blocks, masks
-and ``-inf``-safe arithmetic come from :mod:`~flashattn.reference.blocks`, as for every rung.
+and ``-inf``-safe arithmetic come from :mod:`~flashattn.reference.common`, as for every rung.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from math import isqrt
 
 import numpy as np
 
-from flashattn.reference.blocks import Scores, finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
+from flashattn.reference.common import Scores, finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
 from flashattn.reference.hbm import ALL, DEFAULT_SRAM, HBMArray, HBMCounter, as_counter
 from flashattn.reference.softmax import online_softmax_stats, softmax_from_stats
 

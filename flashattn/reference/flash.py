@@ -5,7 +5,7 @@ and touch HBM only through :class:`~flashattn.reference.hbm.HBMArray`, so an
 :class:`~flashattn.reference.hbm.HBMCounter` passed as ``hbm`` sees exactly what they move.
 ``block_sizes=(B_r, B_c)`` overrides the sizes derived from the SRAM size ``M`` (in elements).
 Shapes and masking follow :mod:`~flashattn.reference.attention`; the score blocks and the
-``-inf``-safe statistics come from :mod:`~flashattn.reference.blocks`.  Everything but the data
+``-inf``-safe statistics come from :mod:`~flashattn.reference.common`.  Everything but the data
 (``Q, K, V``, and ``O, dO, L`` for the backward) is passed by keyword.
 
 Under ``causal=True`` a ``(Q_i, K_j)`` block pair in which no query sees any key is skipped:
@@ -19,7 +19,7 @@ from math import ceil
 
 import numpy as np
 
-from flashattn.reference.blocks import finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
+from flashattn.reference.common import finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
 from flashattn.reference.hbm import ALL, DEFAULT_SRAM, HBMArray, HBMCounter, as_counter
 
 __all__ = [

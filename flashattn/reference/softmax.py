@@ -9,8 +9,8 @@ The two halves of the online softmax, :func:`online_softmax_stats` (the running 
 rescaled denominator) and :func:`softmax_from_stats` (the normalising pass), are functions of
 their own because the attention rungs are built on them: 2-pass attention *is* the online
 softmax with the normalising pass fused into ``P V``.  The ``-inf``-safe arithmetic they share
-with every other rung (:func:`~flashattn.reference.blocks.finite_shift` and friends) lives in
-:mod:`~flashattn.reference.blocks`.
+with every other rung (:func:`~flashattn.reference.common.finite_shift` and friends) lives in
+:mod:`~flashattn.reference.common`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from flashattn.reference.blocks import finite_shift, lse_from_stats, safe_divide, split_range
+from flashattn.reference.common import finite_shift, lse_from_stats, safe_divide, split_range
 
 __all__ = [
     "naive_softmax",

@@ -5,7 +5,7 @@ sizes and the defines each variant is compiled with).
 It covers the core of the operator and nothing else: fp16/bf16, head dim 64 or 128, causal or not (diagonal
 bottom-right or top-left), GQA/MQA, any sequence lengths, out and the log-sum-exp. Forward only. It is chosen
 only when asked for (``use_backend("cuda")`` or ``FLASHATTN_BACKEND=cuda``), never automatically; a call it
-cannot serve raises ``NotImplementedError`` naming what is missing.
+cannot serve (``serves``) is refused before it runs, naming what is missing.
 """
 
 from __future__ import annotations
@@ -15,42 +15,31 @@ import math
 
 import torch
 
+from ..request import Request
 from ..spec import AttentionSpec, Saved
 from .kernel import BLOCK_M, DTYPES, ENTRY, HEAD_DIMS, WARPS, Variant, shared_bytes
 
 NAME = "cuda"
+FEATURES = ()  # of ``flashattn.backends.request.FEATURES``: none (causal is not a feature: every path serves it)
 CHUNK_BYTES = 16  # the kernel moves rows in 16-byte cp.async copies: strides and the base must be whole chunks
 
 
-def unsupported(q, k, v, spec: AttentionSpec, *, return_probs: bool = False) -> str | None:
-    """Why this backend cannot compute the call, or None if it can."""
-    if q.dtype not in DTYPES:
-        return f"it takes float16 or bfloat16, got {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
-        return f"it takes head dim 64 or 128 (the same for q, k and v), got {q.shape[-1]} and {v.shape[-1]}"
-    features = {
-        "varlen (packed sequences)": spec.varlen is not None,
-        "a KV cache (flash_attn_with_kvcache, paged varlen)": spec.cache is not None,
-        "ALiBi": spec.alibi_slopes is not None,
-        "learnable sinks": spec.sink is not None,
-        "attn_mask": spec.attn_mask is not None,
-        "a block mask (BlockMask)": spec.block_sparse is not None,
-        "dropout": spec.dropout_p > 0,
-        "softcap": spec.softcap > 0,
-        "a sliding window": spec.window_left >= 0 or spec.window_right > 0,
-        "return_attn_probs": return_probs,
-    }
-    missing = [name for name, asked in features.items() if asked]
+def serves(request: Request) -> str | None:
+    """fp16/bf16 CUDA tensors of head dim 64 or 128 (the same for v), causal or not, forward only; no other
+    feature."""
+    if request.dtype not in DTYPES:
+        return f"it takes float16 or bfloat16, got {request.dtype}"
+    if request.head_dim not in HEAD_DIMS or request.head_dim_v != request.head_dim:
+        return (f"it takes head dim 64 or 128 (the same for q, k and v), got {request.head_dim} and "
+                f"{request.head_dim_v}")
+    missing = [feature for feature in request.features if feature not in FEATURES]
     if missing:
         return f"it does not implement {', '.join(missing)}"
-    if q.device.type != "cuda":
-        return f"it runs on CUDA tensors, got {q.device.type} tensors"
+    if request.grad:
+        return "it is forward-only: train with the triton path (use_backend('auto') or 'triton')"
+    if request.device != "cuda":
+        return f"it runs on CUDA tensors, got {request.device} tensors"
     return None
-
-
-def _refuse(reason: str) -> NotImplementedError:
-    return NotImplementedError(f"flashattn's cuda backend cannot run this call: {reason}. Use the triton or cpu "
-                               "backend (flashattn.use_backend('auto') picks one).")
 
 
 def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +61,7 @@ def launch_args(q, k, v, out, lse, *, diagonal: int, scale: float) -> list:
 
 
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
-    """out (B, Nq, H, D) and lse (B, H, Nq) float32, as ``flashattn.backends.cpu.forward`` returns them."""
-    reason = unsupported(q, k, v, spec, return_probs=return_probs)
-    if reason is not None:
-        raise _refuse(reason)
+    """out (B, Nq, H, D) and lse (B, H, Nq) float32, as every path's forward returns them."""
     from . import runtime  # ctypes and NVRTC only when the backend is used
 
     b, nq, h, d = q.shape

@@ -6,7 +6,7 @@ mask tile; the "fp32-" weights serve fp32 inputs (IEEE fp32 matmuls: twice the b
 small tiles). The families are "sm80" (Ampere, and anything before Hopper) and "sm90" (Hopper: wgmma wants 64-row
 warpgroup tiles, TMA feeds them, and 227 KiB of shared memory allows deeper pipelines). Every entry compiles without
 register spills inside its loops, within shared memory, and (sm90, fp16/bf16) on wgmma (HGMMA) where a warpgroup
-tile fits: ``python -m flashattn.backends.triton.health`` checks that for every entry, and a test reruns it. The
+tile fits: ``python -m tools.offline.health`` checks that for every entry, and a test reruns it. The
 sm90 plain and light entries have the fewest main-loop instructions per score element among those; the others are
 the first healthy config of the health report's search. Tune here, then rerun both.
 
@@ -113,43 +113,39 @@ _SM90 = {
     }),
 }
 TABLES = {"sm80": _SM80, "sm90": _SM90}
-# Calls whose v head dim pads differently from q/k's (MLA's 192/128, 96/64) use the entry of the larger one, except
-# where that config spills with the pair's shapes: the health report's first healthy config for the pair.
-PAIRS: dict[str, dict[str, dict[tuple[tuple[int, int], str], KernelConfig]]] = {
-    "sm80": {},
-    "sm90": {
-        "dkdv": {((128, 64), "plain"): C(32, 64, 8, 1), ((128, 64), "fp32-heavy"): C(32, 16, 8, 1)},
-        "dq": {((256, 128), "plain"): C(64, 32, 8, 3), ((256, 128), "light"): C(64, 16, 8, 3),
-               ((128, 64), "heavy"): C(64, 32, 8, 3), ((128, 64), "fp32-light"): C(16, 64, 4, 3),
-               ((128, 64), "fp32-heavy"): C(16, 64, 8, 3)},
-    },
-}
-# The kernels walking a block mask carry its list pointers and spans through the loops: where the family's entry
-# then spills (``health --block-masks with``), fp16/bf16 forward/backward entries take the healthy candidate with the
-# fewest main-loop instructions per score element, decode (bound by reading K/V) and fp32 ones the first healthy
-# (``--search``).
-BLOCK_MASK: dict[str, dict[str, dict[tuple[int | tuple[int, int], str], KernelConfig]]] = {
+# Entries that differ from their family's table, per kernel, by (head dims, weight, walks a block mask):
+# - a (q/k, v) pair whose padded head dims differ (MLA's 192/128, 96/64) uses the entry of the larger one, except
+#   where that config spills with the pair's shapes: the health report's first healthy config for the pair;
+# - the kernels walking a block mask carry its list pointers and spans through the loops: where the family's entry
+#   then spills (``health --block-masks with``), fp16/bf16 forward/backward entries take the healthy candidate with
+#   the fewest main-loop instructions per score element, decode (bound by reading K/V) and fp32 ones the first
+#   healthy (``--search``).
+OVERRIDES: dict[str, dict[str, dict[tuple[int | tuple[int, int], str, bool], KernelConfig]]] = {
     "sm80": {
-        "forward": {(128, "plain"): C(128, 64, 8, 2)},
-        "decode": {(16, "fp32-light"): C(16, 64, 4, 3), (64, "light"): C(16, 128, 8, 3),
-                   (128, "plain"): C(16, 64, 4, 3), (256, "fp32-heavy"): C(16, 16, 4, 3),
-                   ((128, 64), "fp32-light"): C(16, 16, 4, 3),
-                   ((256, 128), "heavy"): C(16, 32, 4, 3), ((256, 128), "fp32-heavy"): C(16, 16, 8, 3)},
-        "dkdv": {(16, "fp32-light"): C(32, 16, 8, 3), (16, "fp32-heavy"): C(16, 64, 8, 3),
-                 (32, "fp32-light"): C(16, 32, 8, 3), (32, "fp32-heavy"): C(16, 32, 8, 3),
-                 (64, "fp32-light"): C(16, 64, 8, 2), (64, "fp32-heavy"): C(16, 16, 4, 3),
-                 (128, "fp32-heavy"): C(16, 32, 8, 3), (256, "fp32-light"): C(16, 16, 8, 1),
-                 ((128, 64), "fp32-heavy"): C(32, 16, 4, 3), ((256, 128), "fp32-light"): C(16, 16, 8, 3)},
+        "forward": {(128, "plain", True): C(128, 64, 8, 2)},
+        "decode": {(16, "fp32-light", True): C(16, 64, 4, 3), (64, "light", True): C(16, 128, 8, 3),
+                   (128, "plain", True): C(16, 64, 4, 3), (256, "fp32-heavy", True): C(16, 16, 4, 3),
+                   ((128, 64), "fp32-light", True): C(16, 16, 4, 3), ((256, 128), "heavy", True): C(16, 32, 4, 3),
+                   ((256, 128), "fp32-heavy", True): C(16, 16, 8, 3)},
+        "dkdv": {(16, "fp32-light", True): C(32, 16, 8, 3), (16, "fp32-heavy", True): C(16, 64, 8, 3),
+                 (32, "fp32-light", True): C(16, 32, 8, 3), (32, "fp32-heavy", True): C(16, 32, 8, 3),
+                 (64, "fp32-light", True): C(16, 64, 8, 2), (64, "fp32-heavy", True): C(16, 16, 4, 3),
+                 (128, "fp32-heavy", True): C(16, 32, 8, 3), (256, "fp32-light", True): C(16, 16, 8, 1),
+                 ((128, 64), "fp32-heavy", True): C(32, 16, 4, 3), ((256, 128), "fp32-light", True): C(16, 16, 8, 3)},
     },
     "sm90": {
-        "forward": {(128, "plain"): C(128, 64, 8, 2), (128, "fp32-heavy"): C(16, 16, 4, 3),
-                    ((128, 64), "fp32-heavy"): C(16, 16, 4, 3)},
-        "decode": {(256, "fp32-heavy"): C(16, 16, 4, 3), ((256, 128), "fp32-heavy"): C(16, 16, 4, 3)},
-        "dkdv": {(16, "fp32-light"): C(32, 16, 4, 1), (16, "fp32-heavy"): C(32, 32, 4, 3),
-                 (32, "fp32-heavy"): C(16, 32, 4, 3), (128, "plain"): C(16, 64, 4, 1), (128, "light"): C(16, 64, 8, 1),
-                 ((256, 128), "fp32-heavy"): C(16, 16, 4, 3)},
-        "dq": {(64, "light"): C(128, 64, 8, 1), (128, "heavy"): C(64, 32, 4, 1), (256, "plain"): C(64, 16, 4, 2),
-               (256, "light"): C(64, 16, 8, 2)},
+        "forward": {(128, "plain", True): C(128, 64, 8, 2), (128, "fp32-heavy", True): C(16, 16, 4, 3),
+                    ((128, 64), "fp32-heavy", True): C(16, 16, 4, 3)},
+        "decode": {(256, "fp32-heavy", True): C(16, 16, 4, 3), ((256, 128), "fp32-heavy", True): C(16, 16, 4, 3)},
+        "dkdv": {((128, 64), "plain", False): C(32, 64, 8, 1), ((128, 64), "fp32-heavy", False): C(32, 16, 8, 1),
+                 (16, "fp32-light", True): C(32, 16, 4, 1), (16, "fp32-heavy", True): C(32, 32, 4, 3),
+                 (32, "fp32-heavy", True): C(16, 32, 4, 3), (128, "plain", True): C(16, 64, 4, 1),
+                 (128, "light", True): C(16, 64, 8, 1), ((256, 128), "fp32-heavy", True): C(16, 16, 4, 3)},
+        "dq": {((256, 128), "plain", False): C(64, 32, 8, 3), ((256, 128), "light", False): C(64, 16, 8, 3),
+               ((128, 64), "heavy", False): C(64, 32, 8, 3), ((128, 64), "fp32-light", False): C(16, 64, 4, 3),
+               ((128, 64), "fp32-heavy", False): C(16, 64, 8, 3), (64, "light", True): C(128, 64, 8, 1),
+               (128, "heavy", True): C(64, 32, 4, 1), (256, "plain", True): C(64, 16, 4, 2),
+               (256, "light", True): C(64, 16, 8, 2)},
     },
 }
 DECODE_MAX_ROWS = 16
@@ -169,26 +165,21 @@ def table_key(d: int, dv: int) -> int | tuple[int, int]:
 
 def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str, *,
            block_mask: bool = False) -> KernelConfig:
-    """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on sm_``arch``: a padded
-    pair has its own entry where ``PAIRS`` has one, else the entry of its larger head dim; a call with a block mask
-    takes a ``BLOCK_MASK`` entry first, for the pair and then for the larger head dim."""
+    """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on sm_``arch``: the most
+    specific ``OVERRIDES`` entry (the call's head dims with and then without the block mask, then with a block mask
+    its larger head dim), else the family's table entry of the larger head dim."""
     fam = family(arch)
-    if isinstance(head_dim, tuple):
-        for table in (BLOCK_MASK[fam], PAIRS[fam]) if block_mask else (PAIRS[fam],):
-            pair = table.get(kernel, {}).get((head_dim, weight))
-            if pair is not None:
-                return pair
-        head_dim = max(head_dim)
-    if block_mask:
-        override = BLOCK_MASK[fam].get(kernel, {}).get((head_dim, weight))
-        if override is not None:
-            return override
-    return TABLES[fam][kernel][(head_dim, weight)]
+    largest = max(head_dim) if isinstance(head_dim, tuple) else head_dim
+    for key in ((head_dim, weight, block_mask), (head_dim, weight, False), (largest, weight, block_mask)):
+        found = OVERRIDES[fam].get(kernel, {}).get(key)
+        if found is not None:
+            return found
+    return TABLES[fam][kernel][(largest, weight)]
 
 
 def shipped() -> set[KernelConfig]:
     """Every distinct config of every table."""
-    return {cfg for tables in (TABLES, PAIRS, BLOCK_MASK) for kernels in tables.values() for table in kernels.values()
+    return {cfg for tables in (TABLES, OVERRIDES) for kernels in tables.values() for table in kernels.values()
             for cfg in table.values()}
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -20,12 +19,8 @@ import torch
 
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse
-from . import configs, tma
+from . import configs, interpreting, tma
 from .kernels import merge_splits_kernel
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Compiled(NamedTuple):
@@ -89,8 +84,8 @@ class CallShape:
 
     q is dense (B, Nq, H, D) or packed varlen (total_q, H, D). Keys are dense (B, Nk, Hk, D), packed varlen
     (total_k, Hk, D), or a KV cache (``spec.cache``: dense or paged). ``nq``/``nk`` are the dense lengths or the
-    maxima: they size the grid and lay out the dropout counters and the probabilities. lse (and delta) are
-    (B, H, Nq) for a dense q, (H, total_q) for a packed one. ``keys`` are the forward kernel's arguments that say
+    maxima: they size the grid and lay out the dropout counters and the probabilities (lse and delta follow
+    ``AttentionSpec.lse_shape``). ``keys`` are the forward kernel's arguments that say
     where each sequence's keys are (None where the call has no such thing).
     """
 
@@ -101,12 +96,9 @@ class CallShape:
         varlen, cache = spec.varlen, spec.cache
         if self.q_packed:
             self.b, self.nq = varlen.batch, varlen.max_seqlen_q
-            self.lse_shape = (self.h, q.shape[0])
-            self.out_shape = (q.shape[0], self.h, self.dv)
         else:
             self.b, self.nq = q.shape[0], q.shape[1]
-            self.lse_shape = (self.b, self.h, self.nq)
-            self.out_shape = (self.b, self.nq, self.h, self.dv)
+        self.out_shape = (*q.shape[:-1], self.dv)
         self.cu_seqlens_q = varlen.cu_seqlens_q if self.q_packed else None
         # Keys from a cache are found through its bounds, not the varlen key offsets (paged varlen has both).
         self.cu_seqlens_k = varlen.cu_seqlens_k if self.q_packed and cache is None else None

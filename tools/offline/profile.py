@@ -1,9 +1,9 @@
 """Kernel profile: what the compiled main loops do, counted offline (no GPU) for the calls that matter most.
 
-    python -m flashattn.backends.triton.profile [--json out.json] [--arch 90]
+    python -m tools.offline.profile [--json out.json] [--arch 90]
 
 For plain bf16 attention (batch 2, 2048 tokens, 4 heads, head dim 64 and 128, causal and not), each kernel the call
-launches is compiled through the real launcher for the target (``offline.py``) and its SASS read (``sass.py``):
+launches is compiled through the real launcher for the target (``compile.py``) and its SASS read (``sass.py``):
 registers, spills, shared memory, HGMMA instructions and groups and how many groups are waited on at once, TMA
 copies, and the main loop's warp-instructions per score element (its length times the warps of a program,
 divided by the BLOCK_M x BLOCK_N score elements one trip computes). Triton's own fused-attention tutorial runs its
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .. import triton as backend
-from ..spec import AttentionSpec, Saved
-from .offline import KernelCounts, compiled_launches, kernel_counts
+from flashattn.backends.spec import AttentionSpec, Saved
+from flashattn.backends.triton import attend as backend
+
+from .compile import KernelCounts, compiled_launches, kernel_counts
 
 MAIN_KERNELS = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel")
 

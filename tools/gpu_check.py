@@ -1,7 +1,8 @@
-"""``flashattn gpu-check``: everything a session with a GPU must run, in one command, into one folder.
+"""``python -m tools.gpu_check``: everything a session with a GPU must run, in one command, into one folder. A
+developer's tool, run at a checkout's root (it runs the test suite): ``make gpu-check``.
 
-    flashattn gpu-check --out benchmarks/results/gpu-check-{device}-{date}    # on a GPU (make gpu-check)
-    flashattn gpu-check --smoke --out /tmp/gpu-check                          # anywhere: every step, tiny
+    python -m tools.gpu_check --out benchmarks/results/gpu-check-{device}-{date}    # on a GPU (make gpu-check)
+    python -m tools.gpu_check --smoke --out /tmp/gpu-check                          # anywhere: every step, tiny
 
 Steps, each a subprocess with its own time limit, its output in ``<out>/<step>.log``:
 
@@ -37,10 +38,8 @@ from pathlib import Path
 
 import torch
 
-from . import report
+from flashattn.tables import table
 
-HELP = ("run everything a GPU session must: tests, CUDA kernel checks, sweeps, decode, block masks, kernel health "
-        "(--smoke: CPU)")
 # The suites that run kernels on the GPU; the rest (docs, examples, offline compiles) need no GPU.
 GPU_TESTS = ("test_triton.py", "test_cuda_backend.py", "test_kvcache.py", "test_varlen.py", "test_dropin.py",
              "test_flash_api.py", "test_sdpa.py", "test_autograd.py", "test_nn.py", "test_backends.py",
@@ -68,10 +67,10 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     if smoke:
         return [
             Step("info", [*py, "info", "--json"], 120, stdout_to="info.json"),
-            Step("health", ["flashattn.backends.triton.health", "--head-dims", "64", "--tables", "forward",
+            Step("health", ["tools.offline.health", "--head-dims", "64", "--tables", "forward",
                             "--variants", "plain", "--json", str(out / "health.json")], 300, background=True,
                  interpreter_off=True),
-            Step("profile", ["flashattn.backends.triton.profile", "--head-dims", "64", "--causal", "false",
+            Step("profile", ["tools.offline.profile", "--head-dims", "64", "--causal", "false",
                              "--json", str(out / "profile.json")], 300, background=True, interpreter_off=True),
             Step("tests", ["pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'tests.xml'}",
                            str(_tests_dir() / "test_info.py")], 300),
@@ -90,10 +89,10 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     sweep = [*bench, "sweep", "--modes", "fwd,bwd", "--baselines", SWEEP_BASELINES, "--quiet", "--out", str(out)]
     return [
         Step("info", [*py, "info", "--json"], 60, stdout_to="info.json"),
-        Step("health", ["flashattn.backends.triton.health", "--jobs", str(jobs), "--head-dims",
+        Step("health", ["tools.offline.health", "--jobs", str(jobs), "--head-dims",
                         "16,32,64,128,256,192:128,256:128,96:64,128:64", "--block-masks", "both", "--json",
                         str(out / "health.json")], 540, background=True, interpreter_off=True),
-        Step("profile", ["flashattn.backends.triton.profile", "--json", str(out / "profile.json")], 300,
+        Step("profile", ["tools.offline.profile", "--json", str(out / "profile.json")], 300,
              background=True, interpreter_off=True),
         Step("tests", ["pytest", "-q", "-n", str(min(jobs, 8)), "-p", "no:cacheprovider",
                        f"--junitxml={out / 'tests.xml'}", *(str(_tests_dir() / t) for t in GPU_TESTS)], 240),
@@ -106,13 +105,17 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     ]
 
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: tools/ and tests/ live here
+
+
 def _tests_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "tests"
+    return ROOT / "tests"
 
 
 def _run(step: Step, out: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not (step.interpreter_off and k == "TRITON_INTERPRET")}
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))  # tools.* from anywhere
     log = out / f"{step.name}.log"
     start = time.perf_counter()
     try:
@@ -247,7 +250,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> int:
     if not args.smoke and not torch.cuda.is_available():
-        print("flashattn gpu-check: no CUDA device here; --smoke runs every step at toy sizes on the CPU",
+        print("tools.gpu_check: no CUDA device here; --smoke runs every step at toy sizes on the CPU",
               file=sys.stderr)
         return 2
     device = "cpu" if args.smoke else torch.cuda.get_device_name()
@@ -256,11 +259,25 @@ def command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = run(out, smoke=args.smoke, jobs=args.jobs)
     total = time.perf_counter() - start
-    print(f"\nflashattn gpu-check on {device} in {total:.0f} s "
+    print(f"\ngpu-check on {device} in {total:.0f} s "
           f"({'smoke' if args.smoke else 'full'}), results in {out}/")
-    print(report.table([[s.name, s.status, f"{s.seconds:.0f}", s.headline] for s in plan],
+    print(table([[s.name, s.status, f"{s.seconds:.0f}", s.headline] for s in plan],
                        ["step", "status", "seconds", "summary"]))
     summary = {"device": device, "smoke": args.smoke, "seconds": round(total, 1), "command": args.command_line,
                "steps": [asdict(s) for s in plan]}
     (out / "gpu-check.json").write_text(json.dumps(summary, indent=1))
     return 0 if all(s.status == "ok" for s in plan) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = ["python", "-m", "tools.gpu_check", *argv]
+    return command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

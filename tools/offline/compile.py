@@ -1,11 +1,11 @@
 """Compiling the Triton kernels for a GPU that is not there: what a call would launch, for sm_80 or sm_90.
 
-``compiled_launches(arch, call)`` runs ``call`` (which calls this backend's ``forward``/``backward`` on CPU
-tensors) with an offline CUDA driver standing in for the GPU and ``launch.compile_only`` recording, so every kernel
-is compiled exactly as that call would launch it: the same arguments by name, hence the runtime's specialization
-(16-byte aligned pointers, unit strides, sizes divisible by 16). ``cubin_report`` reads a binary's resource usage
-and SASS with the ``cuobjdump`` Triton ships. The health report and the kernel profile are built on these.
-"""
+``compiled_launches(arch, call)`` runs ``call`` (which calls the triton path's ``forward``/``backward``,
+``flashattn.backends.triton.attend``, on CPU tensors) with an offline CUDA driver standing in for the GPU and
+``launch.compile_only`` recording, so every kernel is compiled exactly as that call would launch it: the same
+arguments by name, hence the runtime's specialization (16-byte aligned pointers, unit strides, sizes divisible by
+16). ``cubin_report`` reads a binary's resource usage and SASS with the ``cuobjdump`` Triton ships. The health
+report and the kernel profile are built on these."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
-from .launch import Compiled, compile_only
+from flashattn.backends.triton.launch import Compiled, compile_only
+
 from .sass import Sass
 
 # Opt-in shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.

@@ -28,8 +28,8 @@ fp16, read through 2-D TMA descriptors over the (batch * seqlen, heads * d) view
 h * d. A tile running past a sequence reads the next sequence's rows; those keys are masked and those queries never
 stored. out has q's shape; lse is (batch, heads, seqlen_q) float32, natural log.
 
-Offline (no GPU), ``gluon_profile`` compiles it for sm_90 and reads the SASS
-(``python -m flashattn.backends.triton.experimental.gluon_profile`` prints the table in ``benchmarks/NOTES.md``).
+Offline (no GPU), ``profile.py`` compiles it for sm_90 and reads the SASS
+(``python -m tools.gluon.profile`` prints the table in ``benchmarks/NOTES.md``).
 ``forward`` launches it on a Hopper GPU (not yet run on one).
 """
 

@@ -1,8 +1,8 @@
-"""Offline sm_90 counts of the Gluon FlashAttention-3-style forward (``gluon_forward``): registers and their
+"""Offline sm_90 counts of the Gluon FlashAttention-3-style forward (``forward.py``): registers and their
 reallocation, spills, shared memory, HGMMA groups and how long each stays in flight, TMA loads, and instructions per
-score in the consumers' main loop, the same way ``flashattn.backends.triton.profile`` counts the tl kernels.
+score in the consumers' main loop, the same way ``tools.offline.profile`` counts the tl kernels.
 
-    python -m flashattn.backends.triton.experimental.gluon_profile [--all] [--cases 128:0,64:1] [--json out]
+    python -m tools.gluon.profile [--all] [--cases 128:0,64:1] [--json out]
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .gluon_forward import BLOCK_M, BLOCK_N, SCHEDULES, VARIANTS, Schedule, _arguments, attention_forward_ws_kernel
+from .forward import BLOCK_M, BLOCK_N, SCHEDULES, VARIANTS, Schedule, _arguments, attention_forward_ws_kernel
 
-# The shape the tl kernels are profiled at (flashattn.backends.triton.profile): batch 2, 2048 tokens, 4 heads.
+# The shape the tl kernels are profiled at (tools.offline.profile): batch 2, 2048 tokens, 4 heads.
 PROFILE_SHAPE = (2, 2048, 4)
 CONSUMER_WARPS = 8  # two consumer warpgroups
 _WAIT = re.compile(r"gsb0\s*,\s*0x([0-9a-f]+)")
@@ -27,7 +27,7 @@ _PV = re.compile(r"R\d+, R\d+, gdesc")  # A from registers: P V; Q K^T reads bot
 
 def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, dtype: torch.dtype = torch.bfloat16):
     """The kernel compiled for sm_90 as ``forward`` would launch it at PROFILE_SHAPE (CPU tensors, nothing runs)."""
-    from ..offline import _offline
+    from tools.offline.compile import _offline
 
     batch, seqlen, heads = PROFILE_SHAPE
     q, k, v = (torch.empty(batch, seqlen, heads, head_dim, dtype=dtype) for _ in range(3))
@@ -93,7 +93,7 @@ def consumer_loop(sass):
 
 
 def measure(head_dim: int, causal: bool, schedule: Schedule | None = None) -> Measured:
-    from ..offline import cubin_report
+    from tools.offline.compile import cubin_report
 
     schedule = schedule or SCHEDULES[head_dim]
     kernel = compile_sm90(head_dim, causal, schedule)

@@ -2,7 +2,7 @@
 through the real launcher, and read registers, spills and shared memory from the cubin, and whether Hopper's
 tensor-core instructions (HGMMA, from wgmma) are used.
 
-    python -m flashattn.backends.triton.health [--json out.json] [--head-dims 64,128] [--jobs 8] [--search]
+    python -m tools.offline.health [--json out.json] [--head-dims 64,128] [--jobs 8] [--search]
                                                [--block-masks without|with|both]
 
 The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .. import triton as backend
-from ..spec import AttentionSpec, BlockSparse, KeyCache, Saved, Varlen
-from . import configs
-from .offline import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
+from flashattn.backends.spec import AttentionSpec, BlockSparse, KeyCache, Saved, Varlen
+from flashattn.backends.triton import attend as backend
+from flashattn.backends.triton import configs
+
+from .compile import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
 
 TABLES = ("forward", "decode", "dkdv", "dq")
 KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",

@@ -1,0 +1,114 @@
+"""The build of the ``cpu`` path's C++ kernel (``flashattn/csrc/cpu_flash.cpp`` and its headers): compiled with
+the host C++ compiler at first use and cached.
+
+The build (``torch.utils.cpp_extension.load``) lives in ``$FLASHATTN_CACHE/cpu`` (default ``~/.cache/flashattn``),
+one folder per sources, compiler flags, CPU (it is compiled for the host's instruction set) and torch version;
+cpp_extension locks the folder, so two processes building at once wait for each other. A failed or broken build
+is logged once, and the ``cpu`` path then declines CPU calls (the ``torch`` path serves them) instead of raising.
+``FLASHATTN_CPU_KERNEL=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_flash.cpp"
+# Every file the build reads: a change to any of them is a new build folder.
+SOURCES = (SOURCE, *(SOURCE.parent / name for name in ("cpu_vec.h", "cpu_common.h", "cpu_forward.h", "cpu_backward.h")))
+# -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
+# opens its own parallel region, which a busy machine slows several times over.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros")
+_log = logging.getLogger("flashattn")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLASHATTN_CACHE") or Path.home() / ".cache" / "flashattn") / "cpu"
+
+
+def _cpu_signature() -> str:
+    """The host's instruction-set flags (a build with -march=native must not run on another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def build_name() -> str:
+    key = "\n".join([*(path.read_text() for path in SOURCES), " ".join(FLAGS), _cpu_signature(), torch.__version__])
+    return "flashattn_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package's copy sits beside the interpreter, which a venv's
+    python run without activating does not have on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def _load():
+    """(module, None) or (None, why not); logged once. A build folder that fails to load (a truncated or foreign
+    library left by a killed build) is removed and built once more before giving up."""
+    if os.environ.get("FLASHATTN_CPU_KERNEL", "1").strip() == "0":
+        return None, "FLASHATTN_CPU_KERNEL=0"
+    folder = cache_dir() / build_name()
+    try:
+        return _build(folder), None
+    except Exception as exc:  # no compiler, a failed build, a broken cache: the torch path runs instead
+        error = exc
+    if any(folder.glob("*.so")):
+        _log.info("flashattn: the CPU kernel's build in %s did not load (%s); rebuilding it", folder, _why(error))
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            return _build(folder), None
+        except Exception as exc:
+            error = exc
+    _log.warning("flashattn: the CPU kernel could not be built (%s); CPU calls run on the torch path", _why(error))
+    return None, _why(error)
+
+
+def _why(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+def _build(folder: Path):
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    folder.mkdir(parents=True, exist_ok=True)
+    return load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), verbose=False)
+
+
+def status() -> tuple[bool, str]:
+    """(whether the kernel is built and loaded, a line saying so or why not); builds it if needed."""
+    module, why = _load()
+    return (True, f"built in {cache_dir() / build_name()}") if module is not None else (False, why)
+
+
+
+
+def module():
+    """The loaded kernel (built if needed); only called once ``status()`` said it is built."""
+    loaded, why = _load()
+    if loaded is None:
+        raise RuntimeError(f"flashattn: the CPU kernel is not available ({why})")
+    return loaded

@@ -1,0 +1,130 @@
+"""The ``triton`` path's entry points: a call's forward and backward as launches of the kernels in ``kernels/``.
+
+Inputs are passed by strides, never copied; fp16/bf16/fp32 inputs accumulate in fp32 (fp32 matmuls in IEEE
+precision, not TF32). Every kernel is launched with keyword arguments built by name (``launch.py``); a feature a
+call does not use is passed as None and compiled out. What the path serves is declared in ``__init__.py``
+(``serves``), which the choice of a path reads before anything here runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..spec import AttentionSpec, Saved
+from . import NAME, configs
+from .kernels import (
+    attention_backward_dkdv_kernel,
+    attention_backward_dq_kernel,
+    attention_backward_preprocess_kernel,
+    attention_forward_kernel,
+)
+from .launch import (
+    CallShape,
+    QueryRows,
+    as_dtype,
+    backward_descriptors,
+    backward_kwargs,
+    config,
+    empty,
+    forward_kwargs,
+    launch,
+    merge_splits,
+    sparse_blocks,
+    sparse_tiles,
+    split_count,
+)
+
+__all__ = ["NAME", "backward", "forward"]
+
+
+def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
+    """Same contract as every path's forward (``flashattn.backends.Backend``): (out, lse, probs), keys dense,
+    packed or cached."""
+    shape = CallShape(q, k, v, spec)
+    out = empty(shape.out_shape, q.dtype, q.device)
+    lse = torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device)
+    probs = empty((shape.b, shape.h, shape.nq, shape.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
+    if out.numel() == 0 or shape.nq == 0 or shape.nk == 0:  # no key: out 0, lse -inf (the sink with one)
+        lse.fill_(-math.inf)
+        if spec.sink is not None:
+            lse.copy_(spec.sink[:, None].expand_as(lse))
+        return as_dtype(out.zero_(), q.dtype), lse, as_dtype(probs, q.dtype)
+    _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
+    return as_dtype(out, q.dtype), lse, as_dtype(probs, q.dtype)
+
+
+def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
+    """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs)."""
+    out, lse, probs = results
+    plain = (spec.alibi_slopes is None and spec.attn_mask is None and spec.block_sparse is None and probs is None
+             and spec.dropout_p == 0)
+    rows = QueryRows(q, out, lse, shape, spec, plain=plain)
+    heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
+    cfg = config("decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward", q, shape, rows.spec, heavy=heavy)
+    cfg = sparse_tiles(cfg, spec)
+    splits, split_keys = split_count(shape, rows, cfg, q.device)
+    if splits == 1:
+        targets = (out, lse)
+    else:
+        # Partial results in fp32, laid out as the kernel walks the rows (the merge writes the real layout).
+        batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
+        targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32, device=q.device),
+                   torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
+    kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
+    grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
+    launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
+           BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        merge_splits(targets, (out, lse), shape=shape, rows=rows)
+
+
+def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
+    """Same contract as every path's backward; deterministic (no atomics) in every mode. ``mask_grad`` is never
+    set: ``serves`` declines the calls that would need it."""
+    if mask_grad:  # never asked for: serves() sends such calls to another path
+        raise NotImplementedError("the triton path does not compute the gradient of attn_mask")
+    q, k, v, out, lse = saved
+    # The kernels read lse and delta (allocated dense) at the same offsets: lse must be dense too (a block of a
+    # longer sequence may hand over a slice of one).
+    lse = lse.contiguous()
+    shape = CallShape(q, k, v, spec)
+    dq, dk, dv = (empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+    if q.numel() == 0 or k.numel() == 0 or shape.nq == 0 or shape.nk == 0:
+        return as_dtype(dq.zero_(), q.dtype), as_dtype(dk.zero_(), k.dtype), as_dtype(dv.zero_(), v.dtype), None
+    delta = _delta(dout, dlse, out, torch.empty_like(lse), packed=shape.q_packed, dv=shape.dv)
+    heavy = spec.dropout_p > 0 or spec.attn_mask is not None
+    common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, shape=shape)
+    cfg = sparse_tiles(config("dkdv", q, shape, spec, heavy=heavy), spec)
+    launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
+           **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
+           **shape.strides("dv", dv), num_heads_k=shape.hk,
+           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
+                                  matmul_rows=cfg.block_n),
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cfg = sparse_tiles(config("dq", q, shape, spec, heavy=heavy), spec)
+    launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m) * shape.b * shape.h,),
+           **common, blocks=sparse_blocks(spec, by_keys=False), dq=dq, **shape.strides("dq", dq),
+           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
+                                  matmul_rows=cfg.block_m),
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype), None
+
+
+def _delta(dout, dlse, out, delta: torch.Tensor, *, packed: bool, dv: int) -> torch.Tensor:
+    """delta_i = rowsum(dO_i * O_i) - dlse_i, per row, into ``delta`` (lse's layout, dense): a packed varlen batch
+    is one long sequence to it."""
+    dense = (lambda t: t[None]) if packed else (lambda t: t)
+    out4, dout4 = dense(out), dense(dout)
+    rows, heads = out4.shape[1], out4.shape[2]
+    launch(
+        attention_backward_preprocess_kernel, (-(-rows // configs.PREPROCESS_BLOCK_M) * out4.shape[0] * heads,),
+        out=out4, dout=dout4,
+        # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
+        dlse=None if dlse is None else dense(dlse.contiguous()), delta=dense(delta),
+        **CallShape.strides("o", out4, "bnhd"), **CallShape.strides("do", dout4, "bnhd"),
+        num_heads=heads, seqlen_q=rows, head_dim_v=dv,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv),
+    )
+    return delta
