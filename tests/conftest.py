@@ -79,6 +79,17 @@ def with_dropout_mask(q, k, v, p: float, kwargs: dict) -> tuple[torch.Tensor, to
     return flashattn.flash_attn_func(q, k, v, dropout_p=p, **kwargs), torch.signbit(s_dmask)
 
 
+def nvrtc_available() -> bool:
+    """Whether the cuda path's compiler, NVRTC, loads here (a CUDA build of torch, or the test extra, ships it)."""
+    from flashattn.backends.cuda import runtime
+
+    try:
+        runtime.nvrtc()
+        return True
+    except runtime.CompileError:
+        return False
+
+
 def _unavailable(name: str) -> str | None:
     if name == "triton" and not TRITON:
         return "triton is not installed"

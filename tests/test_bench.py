@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashattn
+from conftest import nvrtc_available
 from flashattn import host
 from flashattn.bench import context_parallel, decode, load, report, sweep
 from flashattn.bench.measure import OURS, OURS_CUDA, Case
@@ -208,17 +209,7 @@ def test_cpu_model_falls_back_to_platform_without_proc_cpuinfo(monkeypatch):
     assert host.cpu_model() == "test-cpu"
 
 
-def _nvrtc_available() -> bool:
-    from flashattn.backends.cuda import runtime
-
-    try:
-        runtime.nvrtc()
-        return True
-    except runtime.CompileError:
-        return False
-
-
-@pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
+@pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC")
 def test_cuda_kernel_smoke_compiles_and_writes_the_file(tmp_path, capsys):
     assert main(["bench", "cuda-kernel", "--smoke", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("cuda-kernel-smoke-*.json")

@@ -19,6 +19,7 @@ import torch
 from oracle import assert_close, attention_ref
 
 import flashattn
+from conftest import nvrtc_available
 from flashattn.backends import cuda as cuda_backend
 from flashattn.backends.cuda import kernel
 from flashattn.backends.spec import AttentionSpec, KeyCache
@@ -84,20 +85,10 @@ def test_nvcc_compiles_without_spills(variant, arch, tmp_path):
     check_cubin(cubin, arch, variant)
 
 
-def _nvrtc_available() -> bool:
-    from flashattn.backends.cuda import runtime
-
-    try:
-        runtime.nvrtc()
-        return True
-    except runtime.CompileError:
-        return False
+needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC")
 
 
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
-
-
-@pytest.mark.skipif(_cuobjdump() is None or not _nvrtc_available(), reason="needs NVRTC and cuobjdump")
+@pytest.mark.skipif(_cuobjdump() is None or not nvrtc_available(), reason="needs NVRTC and cuobjdump")
 @pytest.mark.parametrize("arch", [80, 90])
 @every_variant
 def test_nvrtc_compiles_what_the_runtime_loads(variant, arch, tmp_path):

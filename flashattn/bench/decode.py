@@ -311,23 +311,17 @@ def write(rows: list[dict], copy: dict, sweep: DecodeSweep, out_dir: Path, stem:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_device(p)
-    p.add_argument("--batches", type=options.int_list, default=None,
-                   help="comma-separated (default: 1,4,16,64 on a GPU; 1,2 on CPU)")
-    p.add_argument("--cache-lens", type=options.int_list, default=None,
-                   help="comma-separated (default: 1024,4096,16384,65536,131072 on a GPU; 256,1024 on CPU)")
-    p.add_argument("--heads-q", type=options.positive_int, default=None,
-                   help="query heads (default: 32 on a GPU, 8 on CPU)")
-    p.add_argument("--heads-kv", type=options.positive_int, default=None,
-                   help="key/value heads, dividing --heads-q (default: 4 on a GPU, 1 on CPU)")
-    p.add_argument("--headdim", type=options.positive_int, default=None,
-                   help="head dimension (default: 128 on a GPU, 64 on CPU)")
+    options.add_per_device(p, "--batches", "comma-separated", DecodeSweep, options.int_list)
+    options.add_per_device(p, "--cache-lens", "comma-separated", DecodeSweep, options.int_list)
+    options.add_per_device(p, "--heads-q", "query heads", DecodeSweep)
+    options.add_per_device(p, "--heads-kv", "key/value heads, dividing --heads-q", DecodeSweep)
+    options.add_per_device(p, "--headdim", "head dimension", DecodeSweep)
     p.add_argument("--num-splits", type=options.nonnegative_int, default=0,
                    help="flash_attn_with_kvcache's num_splits; 0 lets it choose")
     p.add_argument("--cache-seqlens", default="int", choices=("int", "tensor"),
                    help="pass cache_seqlens as a Python int or an int32 (batch,) tensor")
     options.add_dtype(p)
-    p.add_argument("--repeats", type=options.positive_int, default=None,
-                   help="timed runs per case, the median is reported (default: 30 on a GPU, 3 on CPU)")
+    options.add_per_device(p, "--repeats", "timed runs per case, the median is reported", DecodeSweep)
     options.add_output(p, "decode-<device>")
 
 

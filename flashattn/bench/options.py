@@ -35,34 +35,28 @@ def plain(doc: str) -> str:
     return doc.replace("``", "").replace("::\n", ":\n")
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind: type, accept, what: str):
+    """``text`` as a ``kind`` (int or float) that ``accept`` holds true of, else argparse's usage error naming
+    ``what`` was expected."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        value = None
+    if value is None or not accept(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda x: x >= 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return value
+    return _number(text, int, lambda x: x >= 0, "a non-negative integer")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+    return _number(text, float, lambda x: x > 0, "a positive number")
 
 
 def int_list(text: str) -> list[int]:
@@ -105,6 +99,15 @@ def default_device() -> str:
 
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+
+
+def add_per_device(p: argparse.ArgumentParser, flag: str, what: str, sweep: type, kind=positive_int) -> None:
+    """``flag`` for a field of ``sweep`` whose default differs on a GPU and on CPU (``sweep.for_device``): None on the
+    command line, the help shows both defaults, read from the sweep itself."""
+    field = flag.lstrip("-").replace("-", "_")
+    shown = [getattr(sweep.for_device(device), field) for device in ("cuda", "cpu")]
+    shown = [",".join(map(str, x)) if isinstance(x, list) else x for x in shown]
+    p.add_argument(flag, type=kind, default=None, help=f"{what} (default: {shown[0]} on a GPU; {shown[1]} on CPU)")
 
 
 def add_output(p: argparse.ArgumentParser, stem: str, progress: bool = True) -> None:

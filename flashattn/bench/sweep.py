@@ -142,8 +142,7 @@ def figures(sweep: Sweep, device_name: str) -> list[report.Figure]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_device(p)
-    p.add_argument("--seqlens", type=options.int_list, default=None,
-                   help="comma-separated (default: 512,...,16384 on a GPU; 256,...,2048 on CPU)")
+    options.add_per_device(p, "--seqlens", "comma-separated", Sweep, options.int_list)
     p.add_argument("--headdims", type=options.int_list, default=None, help="comma-separated (default: 64,128)")
     p.add_argument("--causal", default="both", choices=("both", "true", "false"), help="causal masking")
     p.add_argument("--modes", type=options.choice_list(MODES), default=None,
@@ -152,12 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated from {', '.join(b for b in IMPLEMENTATIONS if b != OURS)} "
                         f"(default: {', '.join(CUDA_BASELINES)} on a GPU; {', '.join(CPU_BASELINES)} on CPU)")
     options.add_dtype(p)
-    p.add_argument("--tokens", type=options.positive_int, default=None,
-                   help="tokens per batch; batch = tokens // seqlen (default: 16384 on a GPU, 2048 on CPU)")
-    p.add_argument("--hidden", type=options.positive_int, default=None,
-                   help="hidden size; heads = hidden // headdim (default: 2048 on a GPU, 256 on CPU)")
-    p.add_argument("--repeats", type=options.positive_int, default=None,
-                   help="timed runs per case, the median is reported (default: 30 on a GPU, 3 on CPU)")
+    options.add_per_device(p, "--tokens", "tokens per batch; batch = tokens // seqlen", Sweep)
+    options.add_per_device(p, "--hidden", "hidden size; heads = hidden // headdim", Sweep)
+    options.add_per_device(p, "--repeats", "timed runs per case, the median is reported", Sweep)
     p.add_argument("--in-process", action="store_true",
                    help="on CPU, measure in this process (faster; memory readings less exact)")
     options.add_output(p, "bench-<device>")

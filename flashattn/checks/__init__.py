@@ -11,12 +11,12 @@ from ._base import FLOAT_DTYPES, fail
 from .flash import FLASH_OPTIONS, CheckedCall, check_flash, check_varlen, flash_arguments, unpack
 from .kvcache import KVCacheCall, check_kvcache
 from .modules import (
+    check_choice,
     check_context_parallel,
     check_divisible,
     check_generation,
     check_head_parallel,
     check_heads_per_step,
-    check_layout,
     check_merge,
     check_multihead_config,
     check_multihead_inputs,
@@ -37,12 +37,12 @@ __all__ = [
     "CheckedCall",
     "KVCacheCall",
     "check_context_parallel",
+    "check_choice",
     "check_divisible",
     "check_flash",
     "check_generation",
     "check_head_parallel",
     "check_heads_per_step",
-    "check_layout",
     "check_kvcache",
     "check_merge",
     "check_multihead_config",

@@ -62,10 +62,11 @@ def check_context_parallel(fn: str, q: object, k: object, v: object, *, layout: 
     return call
 
 
-def check_layout(fn: str, layout: object, layouts: tuple[str, ...]) -> str:
-    if layout not in layouts:
-        raise fail(fn, f"layout must be one of {', '.join(layouts)}, got {layout!r}")
-    return layout
+def check_choice(fn: str, name: str, value: object, allowed: tuple[str, ...]) -> str:
+    """``value`` of the argument ``name`` is one of the names in ``allowed`` (a sharding layout, say)."""
+    if value not in allowed:
+        raise fail(fn, f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def check_divisible(fn: str, *, tokens: int, pieces: int, why: str) -> None:

@@ -20,7 +20,7 @@ def _world(group) -> tuple[int, int]:
 
 
 def _pieces(fn: str, layout: str, world: int) -> int:
-    checks.check_layout(fn, layout, LAYOUTS)
+    checks.check_choice(fn, "layout", layout, LAYOUTS)
     return world * (2 if layout == "zigzag" else 1)
 
 

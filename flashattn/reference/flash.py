@@ -66,17 +66,9 @@ def fa2_block_sizes(d: int, *, M: int) -> tuple[int, int]:
     return B, min(B, d)
 
 
-def flash_attention_v1(
-    Q: np.ndarray,
-    K: np.ndarray,
-    V: np.ndarray,
-    *,
-    M: int = DEFAULT_SRAM,
-    scale: float | None = None,
-    causal: bool = False,
-    block_sizes: tuple[int, int] | None = None,
-    hbm: HBMCounter | None = None,
-) -> np.ndarray:
+def flash_attention_v1(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = DEFAULT_SRAM,
+                       scale: float | None = None, causal: bool = False, block_sizes: tuple[int, int] | None = None,
+                       hbm: HBMCounter | None = None) -> np.ndarray:
     """Algorithm 1 (FlashAttention), line by line; ``K, V`` outer loop ``j``, ``Q`` inner loop ``i``.
 
     ``O, l, m`` live in HBM (initialised there, line 2) and are loaded and written back on
@@ -131,17 +123,10 @@ def flash_attention_v1(
     return Oh.data  # line 16
 
 
-def flash_attention_v2_forward(
-    Q: np.ndarray,
-    K: np.ndarray,
-    V: np.ndarray,
-    *,
-    M: int = DEFAULT_SRAM,
-    scale: float | None = None,
-    causal: bool = False,
-    block_sizes: tuple[int, int] | None = None,
-    hbm: HBMCounter | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = DEFAULT_SRAM,
+                               scale: float | None = None, causal: bool = False,
+                               block_sizes: tuple[int, int] | None = None,
+                               hbm: HBMCounter | None = None) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-2 forward: ``Q`` outer loop ``i``, ``K, V`` inner loop ``j``, deferred normalisation.
 
     ``Q_i`` is loaded once; the accumulator ``O~_i`` and the row statistics stay on chip::
@@ -195,18 +180,9 @@ def flash_attention_v2_forward(
 # Eleven parameters: the six arrays of the FA-2 paper's Algorithm 2 (Q, K, V, O, dO, L) and the
 # forward's five keyword options; bundling the options would make the two calls read differently.
 def flash_attention_v2_backward(  # noqa: PLR0913
-    Q: np.ndarray,
-    K: np.ndarray,
-    V: np.ndarray,
-    O: np.ndarray,
-    dO: np.ndarray,
-    L: np.ndarray,
-    *,
-    M: int = DEFAULT_SRAM,
-    scale: float | None = None,
-    causal: bool = False,
-    block_sizes: tuple[int, int] | None = None,
-    hbm: HBMCounter | None = None,
+    Q: np.ndarray, K: np.ndarray, V: np.ndarray, O: np.ndarray, dO: np.ndarray, L: np.ndarray, *,
+    M: int = DEFAULT_SRAM, scale: float | None = None, causal: bool = False,
+    block_sizes: tuple[int, int] | None = None, hbm: HBMCounter | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashAttention-2 backward (FA-2 paper, Algorithm 2): gradients by recomputing ``P`` from ``L``.
 

@@ -179,6 +179,20 @@ def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _softmax_pv(s, o, m, l, j, ctx, bars, WG: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr,
+                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """The softmax of S_j, then O += P_j V_j issued in this warpgroup's ``TURN`` (left in flight)."""
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    o = _rescale(o, alpha)
+    _ready(v_ready, j)
+    _take_turn(turn, WG, TURN, PINGPONG)
+    o = _pv(ctx, o, _to_p(p, ctx[2].dtype, o.shape[1]), j)
+    _pass_turn(turn, WG, PINGPONG)
+    return o, m, l
+
+
+@gluon.jit
 def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
              PINGPONG: gl.constexpr):
     """Tile j, state (S_j retired, O, m, l): S_{j+1} issued, softmax of S_j under it, PV_j issued, both retired."""
@@ -188,12 +202,7 @@ def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: 
     _take_turn(turn, WG, 1, PINGPONG)
     s_next = _qk(ctx, j + 1)
     _pass_turn(turn, WG, PINGPONG)
-    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
-    o = _rescale(o, alpha)
-    _ready(v_ready, j)
-    _take_turn(turn, WG, 0, PINGPONG)
-    o = _pv(ctx, o, _to_p(p, ctx[2].dtype, o.shape[1]), j)
-    _pass_turn(turn, WG, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, j, ctx, bars, WG, 0, MASK, CAUSAL, PINGPONG)
     # Nothing stays in flight across the back edge: with PV_j still in flight there (retired after the next
     # softmax), ptxas serialised every wgmma of the kernel (C7514, "non wgmma instructions reading accumulator
     # registers of a wgmma between start and end of the pipeline stage").
@@ -225,13 +234,7 @@ def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr,
             s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
     for j in range(start, tiles - 1):
         s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
-    last = tiles - 1
-    p, alpha, m, l = _softmax(s, m, l, last, ctx, True, CAUSAL)
-    o = _rescale(o, alpha)
-    _ready(v_ready, last)
-    _take_turn(turn, WG, 1, PINGPONG)
-    o = _pv(ctx, o, _to_p(p, ctx[2].dtype, o.shape[1]), last)
-    _pass_turn(turn, WG, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, tiles - 1, ctx, bars, WG, 1, True, CAUSAL, PINGPONG)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, m, l
 
