@@ -253,6 +253,8 @@ _SPARSE_LISTS = PerTensor()
 
 
 def _sparse_lists(blocks: BlockSparse, by_keys: bool) -> tuple:
+    from .kernels import BlockLists
+
     kind = blocks.tile_kind.transpose(-1, -2) if by_keys else blocks.tile_kind
     lists = []
     for value in (2, 1):  # full, partial
@@ -267,8 +269,8 @@ def _sparse_lists(blocks: BlockSparse, by_keys: bool) -> tuple:
                                                                                   strict=True)))
 
     ids = blocks.partial_id
-    return (*lists, ids, blocks.partial_masks.view(torch.uint8), strides(counts, 3), strides(index, 3),
-            strides(ids, 4), (blocks.q_block, blocks.kv_block))
+    return BlockLists(*lists, ids, blocks.partial_masks.view(torch.uint8), *strides(counts, 3), *strides(index, 3),
+                      *strides(ids, 4), blocks.q_block, blocks.kv_block)
 
 
 def sparse_tiles(cfg: configs.KernelConfig, spec: AttentionSpec) -> configs.KernelConfig:

@@ -7,12 +7,17 @@ is None is compiled out, and the band is applied only on tiles that straddle it.
 
 Dropout draws ``tl.rand(seed, ((b * H + h) * Nq + i) * Nk + j)``: the same numbers as
 ``flashattn.backends.philox``, so this backend and the CPU path drop exactly the same weights.
+
+Values travel between the kernels' helpers in named bundles (``bundles``); ``BlockLists``, a block mask's tile
+lists, is the one the launcher builds.
 """
 
 from .backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, attention_backward_preprocess_kernel
+from .bundles import BlockLists
 from .forward import attention_forward_kernel, merge_splits_kernel
 
 __all__ = [
+    "BlockLists",
     "attention_backward_dkdv_kernel",
     "attention_backward_dq_kernel",
     "attention_backward_preprocess_kernel",

@@ -13,9 +13,12 @@ that exponent's FFMA.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
+from .bundles import Band, Dropout, KeySlots, Operand, Scoring, Span
 from .tiles import (
     LOG2E,
     dot_acc,
@@ -24,81 +27,80 @@ from .tiles import (
     full_key_range,
     key_range,
     key_slots,
-    load_rows,
-    load_tile,
-    load_tile_t,
+    load_block,
+    load_block_at,
     program_tile,
     score_tile,
     sequence,
     tma_origin,
+    walk_band,
     walk_listed,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
-def _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout,
-            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, PLAIN: tl.constexpr):
-    """The online softmax over the key tiles in ``span`` = [lo, hi): ``state`` = (acc, l, m) in, updated out.
+class Softmax(NamedTuple):
+    """The online softmax of a query block over the keys seen so far (``_attend``'s carry); m in log2 units."""
 
-    ``keys`` = (k, v pointers at this head, their (page or batch, row, dim) strides, k0, kb, nk, head dims,
-    (block_table, stride_bt, page_size)); ``descriptors`` = (k, v TMA descriptors, None for pointer loads, and the
-    (row, column) where this head's keys start in each); ``scoring`` = ``score_tile``'s (seqlens, band, scale,
-    softcap, mask strides); ``dropout`` = (counter row 0, counter layout (NQ, NK), p). The ALiBi slope, the mask
-    pointer and the dropout seed come apart, each None when absent (under the compiler a tuple cannot hold a derived
-    None).
-    ``MASKED`` tiles apply the band and the end of the keys; the others are whole. m is in log2 units.
+    b_acc: Any  # (BLOCK_M, BLOCK_DV) fp32: sum over keys of 2^(s - m) v, not yet divided by l
+    b_l: Any  # (BLOCK_M,) fp32: sum over keys of 2^(s - m)
+    b_m: Any  # (BLOCK_M,) fp32: the largest score so far, -inf before any key
+
+
+class Attend(NamedTuple):
+    """What ``_attend`` walks the keys with, besides their ``Scoring``."""
+
+    b_q: Any  # the query block
+    o_m: Any  # its query indices
+    k: Any  # Operand: the keys at this head (``stride_page`` set: loaded through ``key_slots``)
+    v: Any  # Operand: the values at this head
+    keys: Any  # KeySlots: where the sequence's keys are
+    dropout: Any  # Dropout
+
+
+class Probs(NamedTuple):
+    """What ``_store_probs`` recomputes P with, besides its ``Scoring``."""
+
+    b_q: Any  # the query block
+    o_m: Any  # its query indices
+    k: Any  # Operand: the keys at this head, read through pointers
+    dropout: Any  # Dropout
+    p_rows: Any  # pointers to each query row's first probability (key 0)
+
+
+@triton.jit
+def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+            PLAIN: tl.constexpr):
+    """The online softmax over the key tiles in the ``Span`` ``span``: ``state`` (a ``Softmax``) in, updated out;
+    ``args`` an ``Attend``, ``scoring`` a ``Scoring`` (``walk_band``'s and ``walk_listed``'s visit).
+    ``MASKED`` tiles apply the band and the end of the keys; the others are whole.
     """
-    b_acc, b_l, b_m = state
-    p_k, p_v, k_strides, v_strides, k0, kb, nk, head_dims, pages = keys
-    seqlens, band, scale, softcap, mask_strides = scoring
-    counter_row0, layout, dropout_p = dropout
-    block_table, stride_bt, page_size = pages
-    k_desc, v_desc, k_at, v_at = descriptors
-    s_scale = scale * LOG2E if PLAIN else 1.0  # what turns the tile's scores into log2 units
+    b_acc, b_l, b_m = state.b_acc, state.b_l, state.b_m
+    b_q, o_m, k, v, dropout = args.b_q, args.o_m, args.k, args.v, args.dropout
+    s_scale = scoring.scale * LOG2E if PLAIN else 1.0  # what turns the tile's scores into log2 units
     o_d = tl.arange(0, b_q.shape[1])
     o_dv = tl.arange(0, b_acc.shape[1])
-    for start_n in range(span[0], span[1], BLOCK_N):
+    for start_n in range(span.lo, span.hi, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         # A descriptor copies the tile in one instruction; rows past the keys are masked or get P = 0.
-        o_page, o_row, m_keys = key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size)
-        if k_desc is not None:
-            b_kt = tl.trans(k_desc.load([k_at[0] + start_n, k_at[1]]))
-            b_kt = b_kt.to(tl.float32) if UPCAST else b_kt
-        else:
-            b_kt = load_rows(p_k, o_page * k_strides[0] + o_row * k_strides[1], m_keys, o_d, k_strides[2],
-                             head_dims[0], UPCAST, True)
-        if v_desc is not None:
-            b_v = v_desc.load([v_at[0] + start_n, v_at[1]])
-            b_v = b_v.to(tl.float32) if UPCAST else b_v
-        else:
-            b_v = load_rows(p_v, o_page * v_strides[0] + o_row * v_strides[1], m_keys, o_dv, v_strides[2],
-                            head_dims[1], UPCAST, False)
-        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, seqlens, band, scale, softcap, b_slope, p_mask, mask_strides,
-                            MASKED, PLAIN)
+        o_page, o_row, m_keys = key_slots(o_n, args.keys)
+        b_kt = load_block_at(k, start_n, o_page * k.stride_page + o_row * k.stride_row, m_keys, o_d, UPCAST, True)
+        b_v = load_block_at(v, start_n, o_page * v.stride_page + o_row * v.stride_row, m_keys, o_dv, UPCAST)
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * s_scale)  # PLAIN: raw q.k, whose max scales with the scale
         b_m_use = b_m_new
-        if MASKED or p_mask is not None:
+        if MASKED or scoring.p_mask is not None:
             # A row that has seen only masked keys keeps max -inf: shift by 0 there so 2^x gives 0, not NaN.
             b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_p = tl.math.exp2(b_s * s_scale - b_m_use[:, None])
         b_alpha = tl.math.exp2(b_m - b_m_use)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if b_seed is not None:  # the 1 / (1 - p) of the kept weights is applied once, at the end
-            b_p = tl.where(dropout_keep(b_seed, counter_row0, o_m[:, None], o_n[None, :], layout, dropout_p), b_p, 0.0)
+        if dropout.b_seed is not None:  # the 1 / (1 - p) of the kept weights is applied once, at the end
+            b_p = tl.where(dropout_keep(dropout, o_m[:, None], o_n[None, :]), b_p, 0.0)
         b_acc = dot_acc(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
-    return b_acc, b_l, b_m
-
-
-@triton.jit
-def _attend_span(state, args, span, scoring, b_slope, p_mask, b_seed, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                 PLAIN: tl.constexpr):
-    """``_attend`` over one listed block (``walk_listed``'s visit)."""
-    b_q, o_m, keys, descriptors, dropout = args
-    return _attend(b_q, state, o_m, span, keys, descriptors, scoring, b_slope, p_mask, b_seed, dropout, BLOCK_N,
-                   UPCAST, True, PLAIN)
+    return Softmax(b_acc, b_l, b_m)
 
 
 @triton.jit
@@ -127,30 +129,26 @@ def attention_forward_kernel(
     split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs`` (None unless asked for) receives P = exp(S -
     lse), dropped entries negated: a testing aid, never with a cache or splits. ``sink`` (None without): the learnable
     sink logit of query head ``h * stride_sh + row * stride_sm`` joins the denominator in the epilogue (never with
-    splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``sparse_lists``).
+    splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``BlockLists``).
     ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
-    ``*_desc`` are TMA descriptors (None: pointer loads) with ``*_tma`` = (rows per batch, rows per head, columns per
-    head) saying where a head's rows are in them (``flashattn.backends.triton.tma``).
+    ``*_desc`` are TMA descriptors (None: pointer loads), ``*_tma`` where a head's rows are in them
+    (``tiles.tma_origin``, ``flashattn.backends.triton.tma``).
     """
     start_m, bh = program_tile(seqlen_q, BLOCK_M, True)
     split = tl.program_id(2)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     hk = h // group_size
-    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, (k_start, k_end) if k_start is not None else None,
-                              (seqlen_q, seqlen_k))
+    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k)
     kb = tl.load(k_batch + b).to(tl.int64) if k_batch is not None else b
-    band = (window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
+    band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
 
-    if q_desc is not None:
-        b_q = q_desc.load(tma_origin(q_tma, b, h, q0 + start_m))
-        b_q = b_q.to(tl.float32) if UPCAST else b_q
-    else:
-        b_q = load_tile(q + b * stride_qb + q0 * stride_qn + h * stride_qh, o_m, o_d, (stride_qn, stride_qd),
-                        (nq, head_dim), UPCAST)
-    descriptors = (k_desc, v_desc, tma_origin(k_tma, kb, hk, k0), tma_origin(v_tma, kb, hk, k0))
+    q_block = Operand(q_desc, tma_origin(q_tma, b, h, q0 + start_m), q + b * stride_qb + q0 * stride_qn + h * stride_qh,
+                      stride_qn, stride_qd, head_dim, None)
+    b_q = load_block(q_block, 0, o_m, nq, o_d, UPCAST)
+    k_at, v_at = tma_origin(k_tma, kb, hk, k0), tma_origin(v_tma, kb, hk, k0)
     # Paged keys are addressed from the cache's start; others from row k0 of their batch entry.
     p_k = k + hk * stride_kh
     p_v = v + hk * stride_vh
@@ -161,35 +159,27 @@ def attention_forward_kernel(
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
     b_seed = tl.load(seed) if seed is not None else None
     counter_row0 = bh.to(tl.int64) * seqlen_q  # dropout counters and probs rows: ((b * H + h) * NQ + i) * NK + j
-    keys = (p_k, p_v, (stride_kb, stride_kn, stride_kd), (stride_vb, stride_vn, stride_vd), k0, kb, nk,
-            (head_dim, head_dim_v), (block_table, stride_bt, page_size))
-    scoring = ((nq, nk), band, scale, softcap, (stride_mq, stride_mk))
-    dropout = (counter_row0, (seqlen_q, seqlen_k), dropout_p)
+    scoring = Scoring(nq, nk, band, scale, softcap, b_slope, p_mask, stride_mq, stride_mk)
+    dropout = Dropout(b_seed, dropout_p, counter_row0, seqlen_k)
+    args = Attend(b_q, o_m, Operand(k_desc, k_at, p_k, stride_kn, stride_kd, head_dim, stride_kb),
+                  Operand(v_desc, v_at, p_v, stride_vn, stride_vd, head_dim_v, stride_vb),
+                  KeySlots(k0, kb, nk, block_table, stride_bt, page_size), dropout)
 
-    # The keys this split sees, cut into the masked tiles around the band's whole tiles [full_lo, full_hi).
+    # The keys this split sees, cut into the masked tiles around the band's whole tiles (``walk_band``).
     lo, hi = key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
     lo = tl.maximum(lo, split * split_keys)  # split_keys is a multiple of BLOCK_N: lo stays aligned
     hi = tl.minimum(hi, (split + 1) * split_keys)
     hi = tl.where(start_m < nq, hi, 0)  # a varlen program past its sequence's end has nothing to do
-    full_lo, full_hi = full_key_range(start_m, nk, band, BLOCK_M, BLOCK_N)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
-    state = (tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), tl.zeros([BLOCK_M], tl.float32),
-             tl.full([BLOCK_M], float("-inf"), tl.float32))
+    span = Span(lo, hi)
+    full = full_key_range(start_m, nk, band, span, BLOCK_M, BLOCK_N)
+    state = Softmax(tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                    tl.full([BLOCK_M], float("-inf"), tl.float32))
     if blocks is not None:  # a block mask: its listed key blocks only (BLOCK_M divides its query block)
-        b_acc, b_l, b_m = walk_listed(_attend_span, state, (b_q, o_m, keys, descriptors, dropout), b_slope, b_seed,
-                                      (lo, hi), start_m // blocks[9][0], (b, h), blocks, scoring, False, BLOCK_N,
-                                      UPCAST, PLAIN)
+        state = walk_listed(_attend, state, args, span, start_m // blocks.q_block, b, h, blocks, scoring, False,
+                            BLOCK_N, UPCAST, PLAIN)
     else:
-        if window_left is not None:
-            state = _attend(b_q, state, o_m, (lo, full_lo), keys, descriptors, scoring, b_slope, p_mask, b_seed,
-                            dropout, BLOCK_N, UPCAST, True, PLAIN)
-        else:
-            full_lo = lo
-        state = _attend(b_q, state, o_m, (full_lo, full_hi), keys, descriptors, scoring, b_slope, p_mask, b_seed,
-                        dropout, BLOCK_N, UPCAST, False, PLAIN)
-        b_acc, b_l, b_m = _attend(b_q, state, o_m, (full_hi, hi), keys, descriptors, scoring, b_slope, p_mask,
-                                  b_seed, dropout, BLOCK_N, UPCAST, True, PLAIN)
+        state = walk_band(_attend, state, args, span, full, scoring, window_left is not None, BLOCK_N, UPCAST, PLAIN)
+    b_acc, b_l, b_m = state.b_acc, state.b_l, state.b_m
 
     # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf (the sink
     # with one: it is one more score in the denominator, with no value, so only l and the output's scale move).
@@ -217,43 +207,31 @@ def attention_forward_kernel(
         # key blocks (and a block mask's empty ones) need no store.
         b_lse2 = tl.where(m_empty, float("inf"), b_lse * LOG2E)
         p_rows = probs + (counter_row0 + o_m[:, None]) * seqlen_k
-        k_tiles = (p_k, (stride_kn, stride_kd), head_dim)
+        probs_args = Probs(b_q, o_m, Operand(None, None, p_k, stride_kn, stride_kd, head_dim, None), dropout, p_rows)
         if blocks is not None:
-            walk_listed(_store_probs_span, b_lse2, (b_q, o_m, k_tiles, dropout, p_rows), b_slope, b_seed, (lo, hi),
-                        start_m // blocks[9][0], (b, h), blocks, scoring, False, BLOCK_N, UPCAST, False)
+            walk_listed(_store_probs, b_lse2, probs_args, span, start_m // blocks.q_block, b, h, blocks, scoring,
+                        False, BLOCK_N, UPCAST, False)
         else:
-            _store_probs(b_q, b_lse2, o_m, (lo, hi), k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows,
-                         BLOCK_N, UPCAST)
+            _store_probs(b_lse2, probs_args, span, scoring, BLOCK_N, UPCAST, True, False)
 
 
 @triton.jit
-def _store_probs(b_q, b_lse2, o_m, span, k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """``return_attn_probs``'s P = exp(S - lse) (``b_lse2`` in log2 units) for the key tiles in ``span``, dropped
-    entries negated, stored at ``p_rows`` (each query row's start) plus the key index."""
-    p_k, k_strides, head_dim = k_tiles
-    seqlens, band, scale, softcap, mask_strides = scoring
-    counter_row0, layout, dropout_p = dropout
+def _store_probs(b_lse2, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+                 PLAIN: tl.constexpr):
+    """``return_attn_probs``'s P = exp(S - lse) (``b_lse2`` in log2 units, the carry, passed through) for the key
+    tiles in ``span``, dropped entries negated, stored at ``args.p_rows`` (``args`` a ``Probs``) plus the key index;
+    ``walk_listed``'s visit, or called once over the band."""
+    b_q, o_m, dropout = args.b_q, args.o_m, args.dropout
     o_d = tl.arange(0, b_q.shape[1])
-    for start_n in range(span[0], span[1], BLOCK_N):
+    for start_n in range(span.lo, span.hi, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
-        b_kt = load_tile_t(p_k, o_n, o_d, k_strides, (seqlens[1], head_dim), UPCAST)
-        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, seqlens, band, scale, softcap, b_slope, p_mask, mask_strides,
-                            True, False)
+        b_kt = load_block(args.k, start_n, o_n, scoring.nk, o_d, UPCAST, True)
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_p = tl.math.exp2(b_s - b_lse2[:, None])
-        if b_seed is not None:
-            m_keep = dropout_keep(b_seed, counter_row0, o_m[:, None], o_n[None, :], layout, dropout_p)
-            b_p = tl.where(m_keep, b_p, -b_p)
-        tl.store(p_rows + o_n[None, :], b_p.to(p_rows.dtype.element_ty),
-                 mask=(o_m[:, None] < seqlens[0]) & (o_n[None, :] < seqlens[1]))
-
-
-@triton.jit
-def _store_probs_span(b_lse2, args, span, scoring, b_slope, p_mask, b_seed, BLOCK_N: tl.constexpr,
-                      UPCAST: tl.constexpr, PLAIN: tl.constexpr):
-    """``_store_probs`` over one listed block (``walk_listed``'s visit; the carry, lse, passes through)."""
-    b_q, o_m, k_tiles, dropout, p_rows = args
-    _store_probs(b_q, b_lse2, o_m, span, k_tiles, scoring, b_slope, p_mask, b_seed, dropout, p_rows, BLOCK_N, UPCAST)
+        if dropout.b_seed is not None:
+            b_p = tl.where(dropout_keep(dropout, o_m[:, None], o_n[None, :]), b_p, -b_p)
+        tl.store(args.p_rows + o_n[None, :], b_p.to(args.p_rows.dtype.element_ty),
+                 mask=(o_m[:, None] < scoring.nq) & (o_n[None, :] < scoring.nk))
     return b_lse2
 
 

@@ -1,20 +1,22 @@
-"""The ``@triton.jit`` helpers every kernel shares: tile loads, the score tile, the band, dropout, and where a
-sequence's queries and keys are.
+"""The ``@triton.jit`` helpers every kernel shares: tile loads, the score tile, the band, dropout, where a
+sequence's queries and keys are, and the two walks over tiles (``walk_band``, ``walk_listed``).
 
 Naming, in every kernel: pointer arguments are lowercase nouns (``q``, ``lse``, ``block_table``); ``b_*`` are
 blocks held in registers, ``p_*`` pointer blocks, ``o_*`` offset vectors and ``m_*`` boolean masks;
 ``BLOCK_*`` and other constants are ``tl.constexpr``. An optional feature is an argument that may be None
 (ALiBi slopes, a mask, the dropout seed, a window side, the softcap, varlen offsets, a block table): None is a
-compile-time constant, so ``if x is not None`` costs nothing where the feature is off. Under the compiler a helper
-cannot return None and a tuple cannot hold a None computed in the kernel (only an argument's own), so optional
-values derived in a kernel (the ALiBi slope, the mask pointer, the dropout seed) are passed to helpers as
-arguments of their own, never inside a tuple.
+compile-time constant, so ``if x is not None`` costs nothing where the feature is off. Values travel between
+helpers in named bundles (``bundles``: ``Scoring``, ``Band``, ``Dropout``, ``Operand``, ...), read by field name;
+a bundle may hold a None derived in the kernel (the ALiBi slope, the mask pointer, the dropout seed), which a tuple
+written as ``(a, b)`` in a kernel cannot. Under the compiler a helper cannot return None.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .bundles import Origin, Scoring, Span
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units, so exp is one MUFU.EX2: e^x = 2^(x log2 e)
 
@@ -48,27 +50,43 @@ def load_rows(base, o_rows, m_rows, o_cols, stride_col, n_cols, UPCAST: tl.const
 
 
 @triton.jit
-def load_tile(base, o_rows, o_cols, strides, shape, UPCAST: tl.constexpr):
-    """``base[rows, cols]`` as a (len(rows), len(cols)) tile, 0 outside [0, shape[0]) x [0, shape[1]);
-    ``strides`` = (row stride, column stride). Row offsets are 64-bit: row x stride passes 2^31 on long
-    sequences (256k tokens x 64 heads x 128)."""
-    return load_rows(base, o_rows.to(tl.int64) * strides[0], o_rows < shape[0], o_cols, strides[1], shape[1],
-                     UPCAST, False)
+def load_block_at(src, row, o_rows, m_rows, o_cols, UPCAST: tl.constexpr, TRANSPOSE: tl.constexpr = False):
+    """A tile of ``src`` (an ``Operand``), or with ``TRANSPOSE`` its transpose (as K^T, Q^T and V^T enter matmuls),
+    in fp32 with ``UPCAST``. Through ``src``'s TMA descriptor when it has one: one copy of the block ``row`` rows
+    past ``src.at`` (``o_rows`` and ``m_rows`` unused). Else through pointers: rows at element offsets ``o_rows``
+    from ``src.base`` (0 where not ``m_rows``), columns ``o_cols`` (0 from ``src.n_cols`` on)."""
+    if src.desc is not None:
+        b_x = src.desc.load([src.at.row + row, src.at.column])
+        if TRANSPOSE:
+            b_x = tl.trans(b_x)
+        if UPCAST:
+            b_x = b_x.to(tl.float32)
+    else:
+        b_x = load_rows(src.base, o_rows, m_rows, o_cols, src.stride_col, src.n_cols, UPCAST, TRANSPOSE)
+    return b_x
 
 
 @triton.jit
-def load_tile_t(base, o_rows, o_cols, strides, shape, UPCAST: tl.constexpr):
-    """The transpose of ``load_tile``: a (len(cols), len(rows)) tile."""
-    return load_rows(base, o_rows.to(tl.int64) * strides[0], o_rows < shape[0], o_cols, strides[1], shape[1],
-                     UPCAST, True)
+def load_block(src, row, o_rows, n_rows, o_cols, UPCAST: tl.constexpr, TRANSPOSE: tl.constexpr = False):
+    """``load_block_at`` of the sequence rows ``o_rows`` of ``src`` (indices from ``src.base``; rows from ``n_rows``
+    on read 0). Their offsets are 64-bit (row x stride passes 2^31 on long sequences: 256k tokens x 64 heads x 128)
+    and, with their mask, computed only where pointers read them."""
+    o_offsets = None
+    m_rows = None
+    if src.desc is None:
+        o_offsets = o_rows.to(tl.int64) * src.stride_row
+        m_rows = o_rows < n_rows
+    return load_block_at(src, row, o_offsets, m_rows, o_cols, UPCAST, TRANSPOSE)
 
 
 @triton.jit
 def tma_origin(at, b, h, row):
-    """(row, column) of row ``row`` of (batch ``b``, head ``h``) in a TMA descriptor whose ``at`` = (rows per
-    batch, rows per head, columns per head), as ``flashattn.backends.triton.tma`` lays tensors out. TMA coordinates
-    are 32-bit: the host refuses a descriptor whose rows would not fit."""
-    return (b * at[0] + h * at[1] + row).to(tl.int32), (h * at[2]).to(tl.int32)
+    """The ``Origin`` of row ``row`` of (batch ``b``, head ``h``) in a TMA descriptor laid out as
+    ``flashattn.backends.triton.tma`` lays tensors out; ``at`` is the descriptor's ``*_tma`` kernel argument, the
+    host's layout triple (``tma.kernel_args``), unpacked here by name. TMA coordinates are 32-bit: the host refuses a
+    descriptor whose rows would not fit."""
+    rows_per_batch, rows_per_head, columns_per_head = at
+    return Origin((b * rows_per_batch + h * rows_per_head + row).to(tl.int32), (h * columns_per_head).to(tl.int32))
 
 
 @triton.jit
@@ -104,28 +122,26 @@ def dot_acc(a, b, acc):
 
 @triton.jit
 def band_mask(i, j, nk, band):
-    """True where key ``j`` exists (< nk) and is inside the band for query ``i`` (``band`` = (window_left,
-    window_right, diagonal), a side None when unbounded, as ``Band`` orders them). ``i`` and ``j`` broadcast to the
+    """True where key ``j`` exists (< nk) and is inside the ``Band`` of query ``i``. ``i`` and ``j`` broadcast to the
     tile: (rows, 1) and (1, cols), or the other way round for a transposed tile. Rows past the sequence need no
     mask: nothing reads their results."""
-    window_left, window_right, diagonal = band
     m_keep = j < nk
-    b_d = j - i - diagonal
-    if window_right is not None:
-        m_keep = m_keep & (b_d <= window_right)
-    if window_left is not None:
-        m_keep = m_keep & (b_d >= -window_left)
+    b_d = j - i - band.diagonal
+    if band.window_right is not None:
+        m_keep = m_keep & (b_d <= band.window_right)
+    if band.window_left is not None:
+        m_keep = m_keep & (b_d >= -band.window_left)
     return m_keep
 
 
 @triton.jit
-def score_tile(b_a, b_b, o_m, o_n, seqlens, band, scale, softcap, slope, p_mask, mask_strides,
-               MASKED: tl.constexpr, PLAIN: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+def score_tile(b_a, b_b, o_m, o_n, scoring, MASKED: tl.constexpr, PLAIN: tl.constexpr,
+               TRANSPOSED: tl.constexpr = False):
     """Scores of q (BLOCK_M, D) against k^T (D, BLOCK_N), or with ``TRANSPOSED`` of k (BLOCK_N, D) against q^T
-    (D, BLOCK_M) (S^T, as the dK/dV pass wants it), in log2 units (S log2 e), fp32, -inf where masked: scale, then
-    softcap, then ALiBi (``slope`` None without), then the user mask (``p_mask`` None without; a uint8 mask is
-    boolean, True = may attend, anything else is added), then, on ``MASKED`` tiles, the band and the end of the
-    keys (``seqlens`` = (nq, nk)). ``o_m``/``o_n`` are the tile's query and key indices.
+    (D, BLOCK_M) (S^T, as the dK/dV pass wants it), in log2 units (S log2 e), fp32, -inf where masked, as
+    ``scoring`` (a ``Scoring``) says: scale, then softcap, then ALiBi, then the user mask (a uint8 mask is boolean,
+    True = may attend, anything else is added), then, on ``MASKED`` tiles, the band and the end of the keys.
+    ``o_m``/``o_n`` are the tile's query and key indices.
 
     ``PLAIN`` (no softcap, ALiBi or user mask, and a positive scale): the raw q.k is returned unscaled, so the
     caller folds the scale into the exponent's one FFMA: 2^(s * scale log2 e - m).
@@ -138,22 +154,22 @@ def score_tile(b_a, b_b, o_m, o_n, seqlens, band, scale, softcap, slope, p_mask,
     b_s = dot(b_a, b_b)
     b_t = b_s
     if not PLAIN:
-        if softcap is not None:
-            b_t = tanh(b_s * fast_div(scale, softcap))
-            b_s = b_t * (softcap * LOG2E)
+        if scoring.softcap is not None:
+            b_t = tanh(b_s * fast_div(scoring.scale, scoring.softcap))
+            b_s = b_t * (scoring.softcap * LOG2E)
         else:
-            b_s = b_s * (scale * LOG2E)
-        if slope is not None:
-            b_s = b_s - (slope * LOG2E) * tl.abs(i + band[2] - j).to(tl.float32)
-        if p_mask is not None:
-            m_inside = (i < seqlens[0]) & (j < seqlens[1])
-            p_tile = p_mask + i.to(tl.int64) * mask_strides[0] + j.to(tl.int64) * mask_strides[1]
-            if p_mask.dtype.element_ty == tl.uint8:
+            b_s = b_s * (scoring.scale * LOG2E)
+        if scoring.b_slope is not None:
+            b_s = b_s - (scoring.b_slope * LOG2E) * tl.abs(i + scoring.band.diagonal - j).to(tl.float32)
+        if scoring.p_mask is not None:
+            m_inside = (i < scoring.nq) & (j < scoring.nk)
+            p_tile = scoring.p_mask + i.to(tl.int64) * scoring.stride_mq + j.to(tl.int64) * scoring.stride_mk
+            if scoring.p_mask.dtype.element_ty == tl.uint8:
                 b_s = tl.where(tl.load(p_tile, mask=m_inside, other=0) != 0, b_s, float("-inf"))
             else:
                 b_s = b_s + tl.load(p_tile, mask=m_inside, other=0.0).to(tl.float32) * LOG2E
     if MASKED:
-        b_s = tl.where(band_mask(i, j, seqlens[1], band), b_s, float("-inf"))
+        b_s = tl.where(band_mask(i, j, scoring.nk, scoring.band), b_s, float("-inf"))
     return b_s, b_t
 
 
@@ -174,52 +190,51 @@ def score_grads(b_p, b_dp, b_delta, b_t, softcap):
 
 
 @triton.jit
-def dropout_keep(seed, row0, i, j, seqlens, dropout_p):
-    """Keep-mask of the tile: ``tl.rand(seed, (row0 + i) * NK + j)`` >= p, where ``row0`` = (b * H + h) * NQ and
-    ``seqlens`` = (NQ, NK) lay out the counters (the maxima for varlen), as ``flashattn.backends.philox`` does.
+def dropout_keep(dropout, i, j):
+    """Keep-mask of the tile as ``dropout`` (a ``Dropout``) draws it: ``tl.rand(seed, (row0 + i) * NK + j)`` >= p.
     ``i`` and ``j`` broadcast to the tile, as in ``band_mask``."""
-    return tl.rand(seed, (row0 + i.to(tl.int64)) * seqlens[1] + j.to(tl.int64)) >= dropout_p
+    return tl.rand(dropout.b_seed, (dropout.row0 + i.to(tl.int64)) * dropout.seqlen_k + j.to(tl.int64)) >= dropout.p
 
 
 @triton.jit
-def sequence(b, cu_seqlens_q, cu_seqlens_k, k_bounds, seqlens):
+def sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k):
     """(q start, q length, k start, k length) of batch entry ``b``.
 
-    Queries: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of a packed (varlen) q, else all NQ = seqlens[0] rows of
-    entry b. Keys: rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of packed (varlen) keys, or positions
-    ``k_start[b]:k_end[b]`` of a KV cache (``k_bounds`` = (k_start, k_end), None without a cache), else all
-    NK = seqlens[1]. Starts are int64 so that start * stride cannot overflow on long packed batches.
+    Queries: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of a packed (varlen) q, else all ``seqlen_q`` rows of entry
+    b. Keys: rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of packed (varlen) keys, or positions ``k_start[b]:k_end[b]``
+    of a KV cache (both None without one), else all ``seqlen_k``. Starts are int64 so that start * stride cannot
+    overflow on long packed batches.
     """
     q0 = 0
-    nq = seqlens[0]
+    nq = seqlen_q
     k0 = 0
-    nk = seqlens[1]
+    nk = seqlen_k
     if cu_seqlens_q is not None:
         q0 = tl.load(cu_seqlens_q + b).to(tl.int64)
         nq = tl.load(cu_seqlens_q + b + 1) - tl.load(cu_seqlens_q + b)
     if cu_seqlens_k is not None:
         k0 = tl.load(cu_seqlens_k + b).to(tl.int64)
         nk = tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)
-    if k_bounds is not None:
-        k_start, k_end = k_bounds
+    if k_start is not None:
         k0 = tl.load(k_start + b).to(tl.int64)
         nk = tl.load(k_end + b) - tl.load(k_start + b)
     return q0, nq, k0, nk
 
 
 @triton.jit
-def key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size):
-    """Where logical keys ``o_n`` (cache positions k0 + o_n) live, as (page, row, exists): the memory offset of a
-    key is ``page * stride_page + row * stride_row``.
+def key_slots(o_n, keys):
+    """Where logical keys ``o_n`` (cache positions k0 + o_n) of the forward's ``KeySlots`` live, as (page, row,
+    exists): the memory offset of a key is ``page * stride_page + row * stride_row``.
 
-    Dense (``block_table`` None): page 0 and row o_n, from a base that already points at row k0 of the batch
-    entry. Paged: row ``p % page_size`` of page ``block_table[kb, p // page_size]``, from the cache's start.
+    Dense (no block table): page 0 and row o_n, from a base that already points at row k0 of the batch entry.
+    Paged: row ``p % page_size`` of page ``block_table[kb, p // page_size]``, from the cache's start.
     """
-    m_keys = o_n < nk
-    if block_table is not None:
-        o_pos = (k0 + o_n).to(tl.int32)  # cache positions fit; a 64-bit division would be a subroutine call
-        o_page = tl.load(block_table + kb * stride_bt + o_pos // page_size, mask=m_keys, other=0).to(tl.int64)
-        o_row = (o_pos % page_size).to(tl.int64)  # row x stride stays 64-bit like every address term
+    m_keys = o_n < keys.nk
+    if keys.block_table is not None:
+        o_pos = (keys.k0 + o_n).to(tl.int32)  # cache positions fit; a 64-bit division would be a subroutine call
+        o_page = tl.load(keys.block_table + keys.kb * keys.stride_bt + o_pos // keys.page_size, mask=m_keys,
+                         other=0).to(tl.int64)
+        o_row = (o_pos % keys.page_size).to(tl.int64)  # row x stride stays 64-bit like every address term
     else:
         o_page = 0
         o_row = o_n.to(tl.int64)  # row x stride passes 2^31 on long sequences
@@ -229,108 +244,125 @@ def key_slots(o_n, nk, k0, kb, block_table, stride_bt, page_size):
 @triton.jit
 def key_range(start_m, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi) of keys any row of the query block may see, lo aligned to BLOCK_N: skips hidden key blocks."""
-    window_left, window_right, diagonal = band
     lo = 0
     hi = nk
-    if window_left is not None:
-        lo = tl.maximum(start_m + diagonal - window_left, 0)
+    if band.window_left is not None:
+        lo = tl.maximum(start_m + band.diagonal - band.window_left, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-    if window_right is not None:
-        hi = tl.minimum(start_m + BLOCK_M - 1 + diagonal + window_right + 1, nk)
+    if band.window_right is not None:
+        hi = tl.minimum(start_m + BLOCK_M - 1 + band.diagonal + band.window_right + 1, nk)
     return lo, hi
 
 
 @triton.jit
-def full_key_range(start_m, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi), aligned to BLOCK_N, of the key blocks that every row of the query block sees whole: no band, no
-    end of the keys, so they need no mask (hi < lo when there are none)."""
-    window_left, window_right, diagonal = band
+def full_key_range(start_m, nk, band, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The ``Span`` within ``span``, aligned to BLOCK_N, of the key blocks that every row of the query block sees
+    whole: no band, no end of the keys, so they need no mask (empty, lo = hi, when there are none)."""
     lo = 0
     hi = (nk // BLOCK_N) * BLOCK_N
-    if window_right is not None:  # row start_m sees the fewest keys on the right: up to start_m + diagonal + right
-        hi = tl.minimum(hi, (tl.maximum(start_m + diagonal + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
-    if window_left is not None:  # the last row sees the fewest on the left: from start_m + BLOCK_M - 1 + diag - left
-        lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diagonal - window_left, 0), BLOCK_N) * BLOCK_N
-    return lo, hi
+    if band.window_right is not None:  # row start_m sees the fewest on the right: up to start_m + diagonal + right
+        hi = tl.minimum(hi, (tl.maximum(start_m + band.diagonal + band.window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    if band.window_left is not None:  # the last row sees the fewest on the left: from its diagonal - left
+        lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + band.diagonal - band.window_left, 0), BLOCK_N) * BLOCK_N
+    return clip(lo, hi, span)
 
 
 @triton.jit
-def full_query_range(start_n, nq, nk, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi), aligned to BLOCK_M, of the query blocks that see the whole key block [start_n, start_n +
-    BLOCK_N): no mask needed (none when the key block runs past the keys' end; hi < lo when there are none)."""
-    window_left, window_right, diagonal = band
+def full_query_range(start_n, nq, nk, band, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The ``Span`` within ``span``, aligned to BLOCK_M, of the query blocks that see the whole key block [start_n,
+    start_n + BLOCK_N): no mask needed (none when the key block runs past the keys' end; empty when there are none)."""
     lo = 0
     hi = tl.where(start_n + BLOCK_N <= nk, tl.cdiv(nq, BLOCK_M) * BLOCK_M, 0)
-    if window_right is not None:  # query i sees key j iff i >= j - diagonal - right: the last key is the bound
-        lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diagonal - window_right, 0), BLOCK_M) * BLOCK_M
-    if window_left is not None:  # and i <= j - diagonal + left: the first key is the bound
-        hi = tl.minimum(hi, (tl.maximum(start_n - diagonal + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
-    return lo, hi
+    if band.window_right is not None:  # query i sees key j iff i >= j - diagonal - right: the last key is the bound
+        lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - band.diagonal - band.window_right, 0), BLOCK_M) * BLOCK_M
+    if band.window_left is not None:  # and i <= j - diagonal + left: the first key is the bound
+        hi = tl.minimum(hi, (tl.maximum(start_n - band.diagonal + band.window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    return clip(lo, hi, span)
+
+
+@triton.jit
+def clip(lo, hi, span):
+    """[lo, hi) clipped to ``span``: a ``Span`` inside it, empty (lo = hi) when they do not meet."""
+    lo = tl.minimum(tl.maximum(lo, span.lo), span.hi)
+    return Span(lo, tl.maximum(tl.minimum(hi, span.hi), lo))
 
 
 @triton.jit
 def query_range(start_n, nq, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi) of queries that may see any key of the key block, lo aligned to BLOCK_M."""
-    window_left, window_right, diagonal = band
     lo = 0
     hi = nq
-    if window_right is not None:
-        lo = tl.maximum(start_n - diagonal - window_right, 0)
+    if band.window_right is not None:
+        lo = tl.maximum(start_n - band.diagonal - band.window_right, 0)
         lo = (lo // BLOCK_M) * BLOCK_M
-    if window_left is not None:
-        hi = tl.minimum(start_n + BLOCK_N - 1 - diagonal + window_left + 1, nq)
+    if band.window_left is not None:
+        hi = tl.minimum(start_n + BLOCK_N - 1 - band.diagonal + band.window_left + 1, nq)
     return lo, hi
 
 
 @triton.jit
+def walk_band(visit: tl.constexpr, carry, args, span, full, scoring, MASK_START: tl.constexpr, BLOCK: tl.constexpr,
+              UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``visit`` over the tiles of ``span`` cut by the band: [span.lo, full.lo) with the mask, ``full`` (the whole
+    tiles, as ``full_key_range``/``full_query_range`` clip them to span) without any mask code, [full.hi, span.hi)
+    with the mask. ``MASK_START`` False: no tile before ``full`` needs the mask (the band is open on that side), so
+    the unmasked walk starts at span.lo and the first masked one is not compiled. ``visit`` as ``walk_listed``'s."""
+    lo = full.lo
+    if MASK_START:
+        carry = visit(carry, args, Span(span.lo, full.lo), scoring, BLOCK, UPCAST, True, PLAIN)
+    else:
+        lo = span.lo
+    carry = visit(carry, args, Span(lo, full.hi), scoring, BLOCK, UPCAST, False, PLAIN)
+    return visit(carry, args, Span(full.hi, span.hi), scoring, BLOCK, UPCAST, True, PLAIN)
+
+
+@triton.jit
 def sparse_lists(blocks, b, h, x):
-    """A block mask's lists for row-block ``x`` of (batch b, head h): (full count, pointer to the full blocks'
-    indices, partial count, pointer to the partial blocks' indices). ``blocks`` = (full counts, full indices,
-    partial counts, partial indices, partial ids, partial masks, count strides (b, h, x), index strides (b, h, x),
-    id strides (b, h, query block, key block), (query block, key block) sizes); a row-block is a query block for
-    the forward and dQ (listing key blocks) and a key block for dK/dV (listing query blocks)."""
-    counts_full, index_full, counts_part, index_part = blocks[0], blocks[1], blocks[2], blocks[3]
-    sc, si = blocks[6], blocks[7]
-    at_count = b * sc[0] + h * sc[1] + x * sc[2]
-    at_index = b * si[0] + h * si[1] + x * si[2]
-    return (tl.load(counts_full + at_count), index_full + at_index, tl.load(counts_part + at_count),
-            index_part + at_index)
+    """The ``BlockLists`` of row-block ``x`` of (batch b, head h): (full count, pointer to the full blocks' indices,
+    partial count, pointer to the partial blocks' indices). A row-block is a query block for the forward and dQ
+    (listing key blocks) and a key block for dK/dV (listing query blocks)."""
+    at_count = b * blocks.stride_count_b + h * blocks.stride_count_h + x * blocks.stride_count_x
+    at_index = b * blocks.stride_index_b + h * blocks.stride_index_h + x * blocks.stride_index_x
+    return (tl.load(blocks.full_counts + at_count), blocks.full_index + at_index,
+            tl.load(blocks.partial_counts + at_count), blocks.partial_index + at_index)
 
 
 @triton.jit
 def partial_tile(blocks, b, h, qi, kj):
     """The element mask of partial block (qi, kj) of (b, h) as ``score_tile`` reads a user mask: a uint8 pointer
     that ``+ i * kv_block + j`` takes to the element of query i, key j (strides (kv_block, 1))."""
-    ids, masks, sp, sizes = blocks[4], blocks[5], blocks[8], blocks[9]
-    tile = tl.load(ids + b * sp[0] + h * sp[1] + qi * sp[2] + kj * sp[3]).to(tl.int64)
-    return masks + (tile * sizes[0] - qi * sizes[0]) * sizes[1] - kj * sizes[1]
+    tile = tl.load(blocks.partial_ids + b * blocks.stride_id_b + h * blocks.stride_id_h + qi * blocks.stride_id_q
+                   + kj * blocks.stride_id_k).to(tl.int64)
+    return (blocks.partial_masks + (tile * blocks.q_block - qi * blocks.q_block) * blocks.kv_block
+            - kj * blocks.kv_block)
 
 
 @triton.jit
 def listed_span(p_list, t, size, span):
-    """Entry t of a block list: (the block's index, the rows or keys [lo, hi) it covers, clipped to ``span``)."""
+    """Entry t of a block list: (the block's index, the ``Span`` of rows or keys it covers, clipped to ``span``)."""
     x = tl.load(p_list + t)
-    return x, (tl.maximum(x * size, span[0]), tl.minimum(x * size + size, span[1]))
+    return x, Span(tl.maximum(x * size, span.lo), tl.minimum(x * size + size, span.hi))
 
 
 @triton.jit
-def walk_listed(visit: tl.constexpr, carry, args, b_slope, b_seed, span, x, bh, blocks, scoring,
-                BY_KEYS: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
-    """``visit`` over the blocks a block mask lists for row-block ``x`` of (batch, head) ``bh``, each clipped to
-    ``span`` (the band): full blocks with no element mask, partial ones with theirs (and general scoring); empty
-    blocks are never visited. ``BY_KEYS``: x is a key block listing query blocks (dK/dV), else a query block
-    listing key blocks. ``visit(carry, args, span, scoring, b_slope, p_mask, b_seed, BLOCK, UPCAST, PLAIN)``
-    returns the new carry; the slope, mask and seed come apart from ``args`` (a tuple cannot hold a derived None)."""
-    b, h = bh
+def walk_listed(visit: tl.constexpr, carry, args, span, x, b, h, blocks, scoring, BY_KEYS: tl.constexpr,
+                BLOCK: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """``visit`` over the blocks the ``BlockLists`` ``blocks`` list for row-block ``x`` of (batch b, head h), each
+    clipped to ``span`` (the band) and masked: full blocks with no element mask, partial ones with theirs (and general
+    scoring); empty blocks are never visited. ``BY_KEYS``: x is a key block listing query blocks (dK/dV), else a query
+    block listing key blocks. ``visit(carry, args, span, scoring, BLOCK, UPCAST, MASKED, PLAIN)`` walks the tiles of
+    one span (``args`` its own bundle, ``scoring`` a ``Scoring``) and returns the new carry."""
     n_full, p_full, n_part, p_part = sparse_lists(blocks, b, h, x)
-    size = blocks[9][0] if BY_KEYS else blocks[9][1]
-    seqlens, band, scale, softcap, _ = scoring
+    size = blocks.q_block if BY_KEYS else blocks.kv_block
+    whole = Scoring(scoring.nq, scoring.nk, scoring.band, scoring.scale, scoring.softcap, scoring.b_slope, None,
+                    scoring.stride_mq, scoring.stride_mk)
     for t in range(0, n_full):
-        piece = listed_span(p_full, t, size, span)[1]
-        carry = visit(carry, args, piece, scoring, b_slope, None, b_seed, BLOCK, UPCAST, PLAIN)
-    tile_scoring = (seqlens, band, scale, softcap, (blocks[9][1], 1))
+        _, piece = listed_span(p_full, t, size, span)
+        carry = visit(carry, args, piece, whole, BLOCK, UPCAST, True, PLAIN)
     for t in range(0, n_part):
         y, piece = listed_span(p_part, t, size, span)
         p_mask = partial_tile(blocks, b, h, y, x) if BY_KEYS else partial_tile(blocks, b, h, x, y)
-        carry = visit(carry, args, piece, tile_scoring, b_slope, p_mask, b_seed, BLOCK, UPCAST, False)
+        tile = Scoring(scoring.nq, scoring.nk, scoring.band, scoring.scale, scoring.softcap, scoring.b_slope, p_mask,
+                       blocks.kv_block, 1)
+        carry = visit(carry, args, piece, tile, BLOCK, UPCAST, True, False)
     return carry
