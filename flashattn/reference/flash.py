@@ -90,11 +90,10 @@ def flash_attention_v1(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = 
            [2.5]])
     """
     Q, K, V, scores = prepare_inputs(Q, K, V, scale=scale, causal=causal)
-    (N_q, d), (N_k, d_v) = Q.shape, V.shape
+    (N_q, d), N_k = Q.shape, K.shape[0]
     B_r, B_c = _resolve_block_sizes(block_sizes, fa1_block_sizes, d, M=M)
     counter = as_counter(hbm)
-    Qh, Kh, Vh = (HBMArray(a, counter, name) for a, name in ((Q, "Q"), (K, "K"), (V, "V")))
-    Oh = HBMArray(np.empty((N_q, d_v), Q.dtype), counter, "O")
+    Qh, Kh, Vh, Oh = _in_hbm(Q, K, V, counter)
     lh = HBMArray(np.empty(N_q), counter, "l")
     mh = HBMArray(np.empty(N_q), counter, "m")
     Oh.store(ALL, ALL, 0.0)  # line 2
@@ -153,8 +152,7 @@ def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M
     (N_q, d), (N_k, d_v) = Q.shape, V.shape
     B_r, B_c = _resolve_block_sizes(block_sizes, fa2_block_sizes, d, M=M)
     counter = as_counter(hbm)
-    Qh, Kh, Vh = (HBMArray(a, counter, name) for a, name in ((Q, "Q"), (K, "K"), (V, "V")))
-    Oh = HBMArray(np.empty((N_q, d_v), Q.dtype), counter, "O")
+    Qh, Kh, Vh, Oh = _in_hbm(Q, K, V, counter)
     Lh = HBMArray(np.empty(N_q, Q.dtype), counter, "L")
 
     for rows in split_range(N_q, B_r):
@@ -241,6 +239,13 @@ def flash_attention_v2_backward(  # noqa: PLR0913
         dKh.store(cols, ALL, dK_j)
         dVh.store(cols, ALL, dV_j)
     return dQh.data, dKh.data, dVh.data
+
+
+def _in_hbm(Q: np.ndarray, K: np.ndarray, V: np.ndarray, counter: HBMCounter) -> tuple[HBMArray, ...]:
+    """``Q, K, V`` and an uninitialised output ``O`` (``N_q x d_v``) as HBM arrays whose every block load and store
+    ``counter`` tallies: where each forward rung starts."""
+    Qh, Kh, Vh = (HBMArray(a, counter, name) for a, name in ((Q, "Q"), (K, "K"), (V, "V")))
+    return Qh, Kh, Vh, HBMArray(np.empty((Q.shape[0], V.shape[1]), Q.dtype), counter, "O")
 
 
 def _quarter_block(d: int, *, M: int) -> int:

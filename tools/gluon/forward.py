@@ -179,7 +179,7 @@ def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_pv(s, o, m, l, j, ctx, bars, WG: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr,
+def _softmax_pv(s, o, m, l, j, ctx, bars, WG: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr,  # noqa: PLR0913
                 CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """The softmax of S_j, then O += P_j V_j issued in this warpgroup's ``TURN`` (left in flight)."""
     k_ready, v_ready, k_empty, v_empty, turn = bars

@@ -20,7 +20,7 @@ import torch
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse
 from . import configs, interpreting, tma
-from .kernels import merge_splits_kernel
+from .kernels import BlockLists, merge_splits_kernel
 
 
 class Compiled(NamedTuple):
@@ -238,8 +238,8 @@ def _optional_tensors(spec: AttentionSpec) -> dict:
     return args
 
 
-def sparse_blocks(spec: AttentionSpec, *, by_keys: bool) -> tuple | None:
-    """A block mask as the kernels walk it (``tiles.sparse_lists``), or None without one: per query block the full
+def sparse_blocks(spec: AttentionSpec, *, by_keys: bool) -> BlockLists | None:
+    """A block mask as the kernels walk it (``bundles.BlockLists``), or None without one: per query block the full
     and the partial key blocks (forward, dQ), or with ``by_keys`` per key block the query blocks (dK/dV), as counts
     and index lists, with the partial blocks' ids and element masks. Broadcast batch or head dims get stride 0.
     Kept per tile map (``PerTensor``): the layers sharing a mask, and a forward and its dQ, build the lists once."""
@@ -252,9 +252,7 @@ def sparse_blocks(spec: AttentionSpec, *, by_keys: bool) -> tuple | None:
 _SPARSE_LISTS = PerTensor()
 
 
-def _sparse_lists(blocks: BlockSparse, by_keys: bool) -> tuple:
-    from .kernels import BlockLists
-
+def _sparse_lists(blocks: BlockSparse, by_keys: bool) -> BlockLists:
     kind = blocks.tile_kind.transpose(-1, -2) if by_keys else blocks.tile_kind
     lists = []
     for value in (2, 1):  # full, partial
