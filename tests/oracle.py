@@ -79,9 +79,11 @@ def assert_close(name, ours, ref64, baseline, factor=2.0, magnitude=None, precis
     if precision in (torch.float32, torch.float64):
         bound = 1e-5 * scale if precision == torch.float32 else 1e-10 * scale
     else:
-        # Plus half an ulp at the result's scale: it matters only where the baseline is exact by luck (dq with a
-        # single key is 0 in theory; the kernel's delta = rowsum(dO * O) carries O's rounding, as in FlashAttention).
-        bound = factor * max_err(baseline, ref64) + 0.5 * torch.finfo(precision).eps * scale
+        # Plus one rounding of the result (an ulp at its scale): it matters only where the baseline is exact by luck
+        # (dq with a single key is 0 in theory, and the kernel's delta = rowsum(dO * O) carries O's rounding, as in
+        # FlashAttention; dv with a single key is dO, but the kernel's P = exp(S - lse) is 1 only to fp32's
+        # precision, so its rounding to fp16 may land one unit away).
+        bound = factor * max_err(baseline, ref64) + torch.finfo(precision).eps * scale
     assert err <= bound, f"{name}: max error {err:.3g} > allowed {bound:.3g}"
     assert not torch.isnan(ours).any(), f"{name}: NaN in output"
 

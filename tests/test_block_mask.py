@@ -70,16 +70,18 @@ def test_low_precision_by_the_rule(path, dtype):
     """Odd lengths (113 queries, 1025 keys) with a per-batch document mask and other options on top."""
     nq, nk = 113, 1025
     path.skip_if_slow(2 * 4 * nq * nk)
-    doc_q, doc_k = torch.arange(nq) * 4 // nq, torch.arange(nk) * 4 // nk
+    device = path.device
+    doc_q, doc_k = (torch.arange(n, device=device) * 4 // n for n in (nq, nk))
 
     def mask_mod(b, h, q, k):
         return (doc_q[q] == doc_k[k]) | (k < 8 * (b + 1))
 
-    block_mask = flex.create_block_mask(mask_mod, 2, None, nq, nk, device="cpu")
-    dense = flex.create_mask(mask_mod, 2, 1, nq, nk, device="cpu")
+    block_mask = flex.create_block_mask(mask_mod, 2, None, nq, nk, device=device)
+    dense = flex.create_mask(mask_mod, 2, 1, nq, nk, device=device)
     torch.manual_seed(1)
-    q, k, v = (torch.randn(2, n, h, 59, dtype=dtype, requires_grad=True) for n, h in ((nq, 4), (nk, 4), (nk, 4)))
-    sink = torch.randn(4, requires_grad=True)
+    q, k, v = (torch.randn(2, n, h, 59, dtype=dtype, device=device, requires_grad=True)
+               for n, h in ((nq, 4), (nk, 4), (nk, 4)))
+    sink = torch.randn(4, device=device, requires_grad=True)
     kwargs = {"softcap": 6.0, "learnable_sink": sink}
     out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, **kwargs)
     ref, _ = attention_ref(q, k, v, mask=dense, **oracle_kwargs(kwargs))
@@ -90,12 +92,12 @@ def test_low_precision_by_the_rule(path, dtype):
 def test_sdpa_takes_it_as_attn_mask(path):
     nq, nk = 200, 260
     path.skip_if_slow(2 * 4 * nq * nk)
-    mask_mod, _ = _mask_mods(nq, nk)["document causal"]
-    block_mask = flex.create_block_mask(mask_mod, None, None, nq, nk, device="cpu")
+    mask_mod, _ = _mask_mods(nq, nk, path.device)["document causal"]
+    block_mask = flex.create_block_mask(mask_mod, None, None, nq, nk, device=path.device)
     torch.manual_seed(2)
-    q, k, v = torch.randn(2, 4, nq, 32), torch.randn(2, 2, nk, 32), torch.randn(2, 2, nk, 32)
+    q, k, v = (torch.randn(2, h, n, 32, device=path.device) for h, n in ((4, nq), (2, nk), (2, nk)))
     out = flashattn.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, enable_gqa=True)
-    dense = _dense(mask_mod, None, nq, nk)
+    dense = _dense(mask_mod, None, nq, nk, path.device)
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=dense,
                                                             enable_gqa=True).nan_to_num(0.0)
     assert (out.double() - want).abs().max() < 1e-5

@@ -37,7 +37,8 @@ SHAPES = [  # (b, nq, nk, h, hk, d): odd lengths, q/k lengths that differ, GQA, 
 def test_every_path_against_float64(path, feature, shape, dtype):
     b, nq, nk, h, hk, d = shape
     path.skip_if_declines(dtype, d)
-    path.skip_if_slow(b * h * nq * nk)
+    if path.interpreted:
+        pytest.skip("Triton's interpreter runs these features in test_flash_api, on shapes sized for it")
     torch.manual_seed(0)
     q, k, v = path.put(*make_inputs(b, nq, nk, h, hk, d, dtype))
     kwargs = feature_kwargs(FEATURES[feature], b, h)

@@ -28,6 +28,8 @@ FEATURES = {"plain": {}, "causal": {"causal": True}, "window softcap": {"window_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_dense_against_float64(path, feature, dtype):
+    if path.interpreted and dtype == torch.bfloat16 and feature != "plain":
+        pytest.skip("bf16 under the interpreter is computed upcast; a subset keeps the suite fast")
     q, k, v, sink = _inputs(path, 2, 37, 53, 4, 2, 40, dtype)
     kwargs = {**{key: path.put(x)[0] if torch.is_tensor(x) else x for key, x in FEATURES[feature].items()},
               "learnable_sink": sink}

@@ -23,6 +23,8 @@ def _inputs(b, nq, nk, h, hk, d, dv, dtype=torch.float32, device="cpu"):
 @pytest.mark.parametrize("kwargs", [{}, {"causal": True, "softcap": 5.0}, {"window_size": (7, 3), "dropout_p": 0.0}],
                          ids=["plain", "causal softcap", "window"])
 def test_dense_calls(path, d, dv, kwargs):
+    if path.interpreted and "window_size" in kwargs:
+        pytest.skip("under the interpreter the plain and causal calls (each key loop's three walks) suffice")
     q, k, v = _inputs(2, 37, 45, 4, 2, d, dv, device=path.device)
     out = flashattn.flash_attn_func(q, k, v, **kwargs)
     assert out.shape == (2, 37, 4, dv)
