@@ -37,8 +37,8 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check --out "benchmarks/results/gpu-check-{device}-{date}"
 
-# Every shipped Triton config, plain and walking a block mask, compiled offline for sm_80 and sm_90 (no GPU; ~25
-# minutes on 2 cores from a cold cache).
+# Every shipped Triton config, plain and walking a block mask, compiled offline for every GPU family's
+# architectures, sm_75 to sm_120 (no GPU; a few hours on 2 cores from a cold cache: use a larger machine).
 health: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q -m health tests/test_kernel_health.py
 

@@ -1,5 +1,6 @@
 """What ``flashattn info`` reports: the versions, the machine, the compilers each backend needs and whether they
-work here, which backend ``auto`` picks for typical inputs and why, and the environment variables flashattn reads.
+work here, which backend ``auto`` picks for typical inputs and why, the Triton configs of each GPU family, and the
+environment variables flashattn reads.
 Paste its output into a bug report (``flashattn info --json`` for a machine-readable copy).
 
 Every function returns plain data (JSON-ready) and none raises when something is missing: no GPU, no triton, no
@@ -8,7 +9,7 @@ prints them aligned::
 
     >>> facts = collect()
     >>> sorted(facts)
-    ['backends', 'compilers', 'cuda', 'environment', 'flashattn', 'system', 'versions']
+    ['backends', 'compilers', 'cuda', 'environment', 'flashattn', 'gpu_families', 'system', 'versions']
     >>> facts["backends"][0]["device"], facts["backends"][0]["backend"]
     ('cpu', 'cpu')
 """
@@ -171,6 +172,39 @@ def triton() -> dict:
     return {"usable": True, "version": version, "detail": f"{version}: {how}"}
 
 
+def gpu_families() -> list[dict]:
+    """The Triton kernels' GPU family (``backends/triton/families.py``) for each GPU present, or every family when
+    there is none: architectures, shared memory per block, tensor-core instructions, a sample of its configs and
+    whether they were compiled and checked offline for that architecture. Reads tables only: imports no triton."""
+    from .backends.triton import families, tables
+
+    def sample(name: str) -> str:
+        entries = (("forward", 128, "plain"), ("dkdv", 128, "plain"), ("dq", 128, "plain"))
+        return ", ".join(f"{kernel} {cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s"
+                         for kernel, d, weight in entries for cfg in [tables.TABLES[name][kernel][(d, weight)]])
+
+    def row(fam: families.Family, archs: list[int], device: str | None) -> dict:
+        checked = [a for a in archs if a in families.CHECKED_OFFLINE]
+        aliases = [a for a in archs if a not in checked and a in families.ARCHITECTURES]
+        status = (f"compiled and checked offline for {', '.join(f'sm_{a}' for a in checked)}" if checked else
+                  "not checked offline")
+        if aliases:
+            status += f" ({', '.join(f'sm_{a}' for a in aliases)}: as sm_{checked[0]})"
+        return {"device": device, "family": fam.name, "architectures": [f"sm_{a}" for a in archs],
+                "cards": fam.cards, "shared_kib": fam.shared_bytes // 1024, "tensor_cores": fam.tensor_cores,
+                "tma": fam.tma, "configs_d128": sample(fam.name), "health": status + "; not run on hardware here"}
+
+    if torch.cuda.is_available() and not torch.version.hip:
+        rows = []
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            arch = 10 * major + minor
+            rows.append(row(families.family(arch), [arch], f"cuda:{i} {torch.cuda.get_device_name(i)}"))
+        return rows
+    return [row(fam, [a for a, n in families.ARCHITECTURES.items() if n == fam.name], None)
+            for fam in families.FAMILIES.values()]
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else ""
@@ -305,6 +339,7 @@ def collect() -> dict:
                            "cpu kernel": _guarded(cpu_kernel)}}
     cuda = isinstance(facts["cuda"], dict) and bool(facts["cuda"].get("available"))
     facts["backends"] = _guarded(lambda: backend_choices(cuda))
+    facts["gpu_families"] = _guarded(gpu_families)
     facts["environment"] = _guarded(environment)
     return facts
 
@@ -355,6 +390,19 @@ def _backend_lines(rows: object) -> list[str]:
     return ["  " + line for line in text.splitlines()]
 
 
+def _family_lines(rows: object) -> list[str]:
+    if not isinstance(rows, list):
+        return [f"  could not be read: {rows['error']}"]
+    lines = []
+    for r in rows:
+        head = f"{r['device']}: " if r["device"] else ""
+        lines += [f"  {head}{r['family']} ({', '.join(r['architectures'])}): {r['cards']}",
+                  f"      {r['shared_kib']} KiB shared memory per block, {r['tensor_cores']}"
+                  f"{', TMA' if r['tma'] else ''}; d=128: {r['configs_d128']}",
+                  f"      {r['health']}"]
+    return lines
+
+
 def format_text(facts: dict) -> str:
     """The aligned plain-text report of ``collect()``'s data."""
     cuda = facts["cuda"]
@@ -367,6 +415,9 @@ def format_text(facts: dict) -> str:
             *_backend_lines(facts["backends"])]
     if not cuda.get("available"):
         out.append("  (CUDA calls are listed when a GPU is present)")
+    out += ["", "Triton kernel configs by GPU family" + ("" if cuda.get("available") else
+                                                          " (no GPU here: every family)"),
+            *_family_lines(facts["gpu_families"])]
     env = _section("Environment", facts["environment"],
                    lambda e: [(k, "(unset)" if v is None else v) for k, v in e.items()])
     out += ["", *env[:-1]]

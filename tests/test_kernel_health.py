@@ -1,6 +1,8 @@
-"""Every shipped Triton kernel configuration compiles for sm_80 and sm_90 without register spills inside its loops
-(a value or two spilled before the loops and reloaded after them is allowed: a few instructions a program), within
-shared memory, and with Hopper tensor-core (HGMMA) instructions on sm_90 where the tile allows (no GPU needed)."""
+"""Every shipped Triton kernel configuration compiles, for every architecture of its GPU family (sm_75, 80, 86,
+89, 90, 100, 120), without register spills inside its loops (a value or two spilled before the loops and reloaded
+after them is allowed: a few instructions a program), within the architecture's shared memory per block, and on
+its tensor-core instructions: HMMA everywhere, wgmma (HGMMA) on sm_90 and tcgen05 on sm_100 where the tile allows
+(no GPU needed)."""
 
 from __future__ import annotations
 
@@ -16,27 +18,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+HEAD_DIMS = (16, 32, 64, 128, 256, "192:128", "96:64")
+OTHER_ARCHS = (75, 86, 89, 100, 120)  # the families beside sm80 and sm90
 
 
-# Each head dim compiles 40 kernels, 3-4 CPU-minutes from a cold Triton cache: make test checks the most used (the
-# kernel profile and block-mask tests compile d=64 for sm_90 too), `make health` and gpu-check's health step every
-# shipped table, the MLA-style q/k:v pairs included.
-@pytest.mark.parametrize("head_dim", [128, *(pytest.param(d, marks=pytest.mark.health)
-                                             for d in (16, 32, 64, 256, "192:128", "96:64"))])
-def test_shipped_configs_are_healthy(head_dim, tmp_path):
+def _health(tmp_path, *args: str) -> list[dict]:
+    """The health report's rows for ``args``; fails on any problem."""
     # A subprocess without TRITON_INTERPRET: under the interpreter @triton.jit functions cannot be compiled.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "health.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.offline.health", "--head-dims", str(head_dim), "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
-    )
+    done = subprocess.run([sys.executable, "-m", "tools.offline.health", *args, "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert out.exists(), done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 4 * 5 * 2  # three kernels (the forward with two tables) x five weights x two targets
-    bad = [f"{r['kernel']} sm_{r['arch']} {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
+    bad = [f"{r['kernel']}{'[block mask]' if r['block_mask'] else ''} sm_{r['arch']} d={r['head_dim']}"
+           f" {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
     assert not bad, "\n".join(bad)
     assert done.returncode == 0
+    return rows
+
+
+# Each head dim compiles 40 kernels for sm_80 and sm_90, 3-4 CPU-minutes from a cold Triton cache: make test checks
+# the most used (the kernel profile and block-mask tests compile d=64 for sm_90 too), `make health` and gpu-check's
+# health step every shipped table, the MLA-style q/k:v pairs included.
+@pytest.mark.parametrize("head_dim", [128, *(pytest.param(d, marks=pytest.mark.health) for d in HEAD_DIMS
+                                             if d != 128)])
+def test_shipped_configs_are_healthy(head_dim, tmp_path):
+    rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", "80,90")
+    assert len(rows) == 4 * 5 * 2  # three kernels (the forward with two tables) x five weights x two targets
     hopper = [r for r in rows
               if r["arch"] == 90 and not r["variant"].startswith("fp32") and "decode" not in r["kernel"]]
     # Every fp16/bf16 matmul on wgmma but dK/dV's with dropout and a mask at d=128 (16 x 16 tiles).
@@ -50,24 +59,33 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
                and r["head_dim_v"] & (r["head_dim_v"] - 1) == 0)
 
 
+# The other families in make test: the most used calls (head dim 128, plain), the forward and both backward
+# kernels, about a CPU-minute each. `make health` runs every table.
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_every_family_is_healthy_at_head_dim_128(arch, tmp_path):
+    rows = _health(tmp_path, "--head-dims", "128", "--archs", str(arch), "--variants", "plain",
+                   "--tables", "forward,dkdv,dq")
+    assert len(rows) == 3 and {r["arch"] for r in rows} == {arch}
+
+
+@pytest.mark.health
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_other_families_are_healthy(arch, head_dim, tmp_path):
+    from tools.offline.health import TABLES, served
+
+    rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", str(arch))
+    dims = tuple(map(int, head_dim.split(":"))) if isinstance(head_dim, str) else head_dim
+    assert len(rows) == 5 * sum(served(table, dims, arch) for table in TABLES)
+
+
 # The kernels as they walk a block mask (decode's tiles too: a forward of <= 16 query rows), including the pairs
-# that share a padded entry with the MLA ones: `make health` and gpu-check's health step.
+# that share a padded entry with the MLA ones, for every family: `make health` and gpu-check's health step.
 @pytest.mark.health
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256, "192:128", "256:128", "96:64", "128:64"])
 def test_block_mask_configs_are_healthy(head_dim, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "health.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.offline.health", "--head-dims", str(head_dim), "--block-masks",
-         "with", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
-    )
-    assert out.exists(), done.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert len(rows) == 4 * 5 * 2 and all(r["block_mask"] for r in rows)
-    bad = [f"{r['kernel']} sm_{r['arch']} {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
-    assert not bad, "\n".join(bad)
-    assert done.returncode == 0
+    rows = _health(tmp_path, "--head-dims", str(head_dim), "--block-masks", "with")
+    assert len(rows) >= 4 * 5 * 6 and all(r["block_mask"] for r in rows)  # sm_75: the backward to head dim 128
 
 
 def test_block_mask_entries_come_first_for_pairs_too():

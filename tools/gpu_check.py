@@ -61,6 +61,15 @@ class Step:
     extra: dict = field(default_factory=dict)
 
 
+def _device_arch() -> str:
+    """The GPU's architecture for the health step (every table compiled for the card the run measures), else
+    sm_80 and sm_90."""
+    if torch.cuda.is_available() and not torch.version.hip:
+        major, minor = torch.cuda.get_device_capability(0)
+        return str(10 * major + minor)
+    return "80,90"
+
+
 def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     py = ["flashattn"]
     bench = [*py, "bench"]
@@ -90,8 +99,9 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
     return [
         Step("info", [*py, "info", "--json"], 60, stdout_to="info.json"),
         Step("health", ["tools.offline.health", "--jobs", str(jobs), "--head-dims",
-                        "16,32,64,128,256,192:128,256:128,96:64,128:64", "--block-masks", "both", "--json",
-                        str(out / "health.json")], 540, background=True, interpreter_off=True),
+                        "16,32,64,128,256,192:128,256:128,96:64,128:64", "--block-masks", "both", "--archs",
+                        _device_arch(), "--json", str(out / "health.json")], 540, background=True,
+             interpreter_off=True),
         Step("profile", ["tools.offline.profile", "--json", str(out / "profile.json")], 300,
              background=True, interpreter_off=True),
         Step("tests", ["pytest", "-q", "-n", str(min(jobs, 8)), "-p", "no:cacheprovider",

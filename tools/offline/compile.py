@@ -1,4 +1,4 @@
-"""Compiling the Triton kernels for a GPU that is not there: what a call would launch, for sm_80 or sm_90.
+"""Compiling the Triton kernels for a GPU that is not there: what a call would launch, for any NVIDIA architecture.
 
 ``compiled_launches(arch, call)`` runs ``call`` (which calls the triton path's ``forward``/``backward``,
 ``flashattn.backends.triton.attend``, on CPU tensors) with an offline CUDA driver standing in for the GPU and
@@ -23,22 +23,36 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
+from flashattn.backends.triton.families import ARCHITECTURES, CHECKED_OFFLINE, family
 from flashattn.backends.triton.launch import Compiled, compile_only
 
 from .sass import Sass
 
-# Opt-in shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
-SHARED_LIMIT = {80: 166912, 90: 232448}
-TARGETS = (80, 90)
+# The architectures the health report compiles for, and the opt-in shared memory per block of each.
+TARGETS = CHECKED_OFFLINE
+SHARED_LIMIT = {arch: family(arch).shared_bytes for arch in ARCHITECTURES}
+
+
+class _DeviceUtils:
+    """What Triton asks of a device before a kernel's first launch: only its shared memory per block."""
+
+    def __init__(self, max_shared: int):
+        self.max_shared = max_shared
+
+    def get_device_properties(self, device) -> dict:
+        return {"max_shared_mem": self.max_shared}
 
 
 class _OfflineDriver(CudaDriver):
     """A CUDA driver that answers Triton's questions for a chosen architecture without a GPU; kernels are only
     compiled (warmed up), never launched. Its device number is the architecture, so compilations for different
-    targets do not share Triton's per-device caches."""
+    targets do not share Triton's per-device caches. ``max_shared``: the device's shared memory per block, which
+    ``launch.compile_only`` holds each kernel to as a launch would (unlimited by default: the health report judges
+    it against the family's limit instead)."""
 
-    def __init__(self, arch: int):  # no super().__init__(): it would load libcuda
+    def __init__(self, arch: int, max_shared: int = 2**31):  # no super().__init__(): it would load libcuda
         self.arch = arch
+        self.utils = _DeviceUtils(max_shared)
 
     def get_current_target(self) -> GPUTarget:
         return GPUTarget("cuda", self.arch, 32)
@@ -51,18 +65,19 @@ class _OfflineDriver(CudaDriver):
 
 
 @contextmanager
-def _offline(arch: int):
+def _offline(arch: int, max_shared: int = 2**31):
     previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
-    driver.set_active(_OfflineDriver(arch))
+    driver.set_active(_OfflineDriver(arch, max_shared))
     try:
         yield
     finally:
         driver._active = previous
 
 
-def compiled_launches(arch: int, call: Callable[[], object]) -> list[Compiled]:
-    """The launches ``call`` makes, each compiled for sm_``arch`` instead of run."""
-    with _offline(arch), compile_only() as launches:
+def compiled_launches(arch: int, call: Callable[[], object], *, max_shared: int = 2**31) -> list[Compiled]:
+    """The launches ``call`` makes, each compiled for sm_``arch`` instead of run, on a device with ``max_shared``
+    bytes of shared memory per block."""
+    with _offline(arch, max_shared), compile_only() as launches:
         call()
     return launches
 
@@ -99,7 +114,8 @@ class KernelCounts:
     loop_spills: int  # local-memory loads and stores inside loops (``Sass.spills_in_loops``)
     shared_bytes: int
     hgmma: int  # wgmma instructions
-    hmma: int  # mma.sync instructions (Ampere's tensor-core path; on sm_90 a matmul that missed wgmma)
+    hmma: int  # mma.sync instructions (Turing/Ampere/Ada/consumer Blackwell; on sm_90/100 a matmul that missed)
+    tcgen05: int  # sm_100's tensor-core instructions (UTC*MMA, from tcgen05.mma)
     hgmma_groups: int
     hgmma_waited_at_once: int  # groups retired within a few instructions of their issue: no overlap
     tma_loads: int  # UTMALDG: tensor-descriptor copies
@@ -117,6 +133,7 @@ def kernel_counts(launch: Compiled) -> KernelCounts:
     length = loop.length if loop else 0
     return KernelCounts(
         block_m, block_n, warps, kernel.metadata.num_stages, report.registers, report.spill_bytes,
-        sass.spills_in_loops(), kernel.metadata.shared, sass.count("HGMMA"), sass.count("HMMA"), sass.hgmma_groups(),
+        sass.spills_in_loops(), kernel.metadata.shared, sass.count("HGMMA"), sass.count("HMMA"),
+        sass.count_tcgen05(), sass.hgmma_groups(),
         sass.hgmma_waited_at_once(), sass.count("UTMALDG"), length, round(length * warps / (block_m * block_n), 3),
     )

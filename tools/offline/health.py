@@ -1,14 +1,16 @@
-"""Kernel health report: compile every shipped kernel configuration offline for sm_80 and sm_90 (no GPU needed),
-through the real launcher, and read registers, spills and shared memory from the cubin, and whether Hopper's
-tensor-core instructions (HGMMA, from wgmma) are used.
+"""Kernel health report: compile every shipped kernel configuration offline for every architecture of every GPU
+family (sm_75, 80, 86, 89, 90, 100, 120; no GPU needed), through the real launcher, and read registers, spills
+and shared memory from the cubin, and which tensor-core instructions the matmuls use.
 
-    python -m tools.offline.health [--json out.json] [--head-dims 64,128] [--jobs 8] [--search]
+    python -m tools.offline.health [--json out.json] [--head-dims 64,128] [--archs 86,89] [--jobs 8] [--search]
                                                [--block-masks without|with|both]
 
 The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
 so the runtime's specialization of aligned pointers, unit strides and divisible sizes), for a representative call
 per table entry with every feature its weight may serve switched on: the worst case for registers. Exit status 1
-when a configuration spills inside a loop, exceeds the target's shared memory, or (sm_90) has no HGMMA.
+when a configuration spills inside a loop, exceeds the target's shared memory, or its fp16/bf16 matmuls miss the
+family's tensor-core instructions: any at all (HMMA on Turing to consumer Blackwell), and where a warpgroup tile
+fits, wgmma (HGMMA) on sm_90 and tcgen05 (UTC*MMA) on sm_100.
 """
 
 from __future__ import annotations
@@ -32,15 +34,17 @@ from .compile import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, ker
 TABLES = ("forward", "decode", "dkdv", "dq")
 KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",
              "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel"}
-# wgmma works on 64-row warpgroup tiles; these configs fit only smaller tiles without spilling, so they run on
-# mma.sync (HMMA): decode's 16-row tiles, and head dim 256 in the backward (dK and dV of 64 keys x 256 dims are
-# 256 fp32 registers a thread in one warpgroup; 8 warps split them but compute S^T twice).
-HGMMA_EXEMPT = {
+# wgmma and tcgen05 work on 64-row (and larger) tiles; these configs fit only smaller tiles without spilling, so
+# they run on mma.sync (HMMA): decode's 16-row tiles, and head dim 256 in the backward (dK and dV of 64 keys x 256
+# dims are 256 fp32 registers a thread in one warpgroup; 8 warps split them but compute S^T twice).
+WARPGROUP_EXEMPT = {
     *(("decode", d, w) for d in (16, 32, 64, 128, 256) for w in configs.WEIGHTS),
     *(("dkdv", 256, w) for w in configs.WEIGHTS),
     ("dkdv", 128, "heavy"),  # dropout's bits and a mask tile on top: only 16 x 16 fits
     ("dq", 256, "heavy"),
 }
+# The warpgroup-wide tensor-core instruction of a family, as KernelCounts counts it.
+WARPGROUP_MMA = {"sm90": ("hgmma", "HGMMA (wgmma)"), "sm100": ("tcgen05", "UTC*MMA (tcgen05)")}
 
 
 @dataclass
@@ -148,26 +152,44 @@ def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
     ``block_mask``: the kernel as it walks a block mask's tiles."""
     d, dv, key = _dims(head_dim)
     cfg = cfg or configs.lookup(table, arch, key, variant, block_mask=block_mask)
-    with configs.use(cfg):  # through the real launch path, with this tile
+    with configs.use(cfg, kernels=(table,)):  # through the real launch path, this kernel with this tile
         counts = kernel_counts(_compile(table, variant, head_dim, arch, block_mask))
     problems = []
     if counts.loop_spills:  # spilled before the loops and reloaded after them is a few instructions, not a problem
         problems.append(f"spills {counts.spill_bytes} bytes, {counts.loop_spills} local loads/stores in loops")
     if counts.shared_bytes > SHARED_LIMIT[arch]:
         problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
-    # IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must, where the tile allows.
-    if (arch == 90 and not variant.startswith("fp32") and not counts.hgmma
-            and (table, max(key) if isinstance(key, tuple) else key, variant) not in HGMMA_EXEMPT):
-        problems.append("no HGMMA (wgmma) instructions on sm_90")
+    problems += _tensor_core_problems(counts, table, key, variant, arch)
     return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
                   variant=variant, block_mask=block_mask, problems=problems)
 
 
-def _candidates(cfg: configs.KernelConfig) -> list[configs.KernelConfig]:
+def _tensor_core_problems(counts: KernelCounts, table: str, key: HeadDims, variant: str, arch: int) -> list[str]:
+    """IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must from sm_80 on (below, Triton has no
+    tensor-core path), on the family's warpgroup-wide instructions where the tile allows."""
+    if variant.startswith("fp32") or arch < TENSOR_CORES_FROM:
+        return []
+    if not (counts.hmma or counts.hgmma or counts.tcgen05):
+        return [f"no tensor-core instructions on sm_{arch}"]
+    wide = WARPGROUP_MMA.get(configs.family(arch).name)
+    largest = max(key) if isinstance(key, tuple) else key
+    if wide and not getattr(counts, wide[0]) and (table, largest, variant) not in WARPGROUP_EXEMPT:
+        return [f"no {wide[1]} instructions on sm_{arch}"]
+    return []
+
+
+# Triton lowers tl.dot to tensor cores from sm_80 on; below, to FMA, whose operands and products sit in registers
+# tile by tile: the search tries tiles of at most 64 x 64 there.
+TENSOR_CORES_FROM = 80
+FMA_TILE_AREA = 64 * 64
+
+
+def _candidates(cfg: configs.KernelConfig, arch: int) -> list[configs.KernelConfig]:
     """Configs to try instead of an unhealthy ``cfg``: its own tile with other warps and stages first, then ever
     smaller tiles; within a tile, deeper pipelines first."""
     sizes = (16, 32, 64, 128)
-    tiles = sorted(((m, n) for m in sizes for n in sizes if m * n <= cfg.block_m * cfg.block_n),
+    area = cfg.block_m * cfg.block_n if arch >= TENSOR_CORES_FROM else min(cfg.block_m * cfg.block_n, FMA_TILE_AREA)
+    tiles = sorted(((m, n) for m in sizes for n in sizes if m * n <= area),
                    key=lambda t: ((t != (cfg.block_m, cfg.block_n)), -t[0] * t[1], -min(t)))
     warps = (cfg.num_warps, 12 - cfg.num_warps)  # 4 <-> 8
     return [configs.KernelConfig(m, n, w, s) for m, n in tiles for s in (3, 2, 1) for w in warps
@@ -178,7 +200,7 @@ def search(table: str, head_dim: HeadDims, variant: str, arch: int, block_mask: 
            ) -> configs.KernelConfig | None:
     """The first of ``_candidates`` healthy on sm_``arch``, for an entry whose shipped config is not."""
     shipped = configs.lookup(table, arch, _dims(head_dim)[2], variant, block_mask=block_mask)
-    for cfg in _candidates(shipped):
+    for cfg in _candidates(shipped, arch):
         if not check_one(table, head_dim, variant, arch, cfg, block_mask=block_mask).problems:
             return cfg
     return None
@@ -202,12 +224,19 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
         return pool.map(fn, entries, chunksize=1)
 
 
+def served(table: str, head_dim: HeadDims, arch: int) -> bool:
+    """Whether the triton path launches ``table``'s kernel for these head dims on sm_``arch`` (the backward's
+    ``Family.max_grad_head_dim``); entries it does not serve only fill a table."""
+    return table not in ("dkdv", "dq") or max(_dims(head_dim)[:2]) <= configs.family(arch).max_grad_head_dim
+
+
 def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,
-           jobs: int = 1, block_masks: tuple[bool, ...] = (False,)) -> list[Health]:
+           archs: tuple[int, ...] = TARGETS, jobs: int = 1, block_masks: tuple[bool, ...] = (False,)
+           ) -> list[Health]:
     """Health rows of every (table, head dim, variant, target), once per ``block_masks`` entry (False: the plain
     kernels; True: as they walk a block mask)."""
     entries = [(table, d, variant, arch, sparse) for sparse in block_masks for table in tables for d in head_dims
-               for variant in variants for arch in TARGETS]
+               for variant in variants for arch in archs if served(table, d, arch)]
     return _map(_check, entries, jobs)
 
 
@@ -232,12 +261,15 @@ def _parse_dims(text: str) -> HeadDims:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Compile the shipped Triton kernels for sm_80/sm_90 and report health.")
+    p = argparse.ArgumentParser(description="Compile the shipped Triton kernels for every GPU family offline and "
+                                            "report their health.")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--head-dims", default="16,32,64,128,256",
                    help="comma-separated padded head dims, or q/k:v pairs such as 192:128")
     p.add_argument("--tables", default=",".join(TABLES), help="comma-separated tables")
     p.add_argument("--variants", default=",".join(configs.WEIGHTS), help="comma-separated weights")
+    p.add_argument("--archs", default=",".join(map(str, TARGETS)),
+                   help="comma-separated architectures (10 x major + minor)")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--search", action="store_true", help="for each unhealthy entry, find a healthy config")
     p.add_argument("--block-masks", choices=("without", "with", "both"), default="without",
@@ -245,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     block_masks = {"without": (False,), "with": (True,), "both": (False, True)}[a.block_masks]
     rows = report(tuple(_parse_dims(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
-                  variants=a.variants.split(","), jobs=a.jobs, block_masks=block_masks)
+                  variants=a.variants.split(","), archs=tuple(int(x) for x in a.archs.split(",")), jobs=a.jobs,
+                  block_masks=block_masks)
     if a.search:
         unhealthy = [(_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch, r.block_mask)
                      for r in rows if r.problems]

@@ -3,9 +3,9 @@
 What the health report measures from it, per kernel:
 
 - **main loop**: the innermost loop (a backward branch) that holds tensor-core instructions (HGMMA on sm_90,
-  HMMA otherwise), the leanest one when several do (the unmasked path of a kernel that splits its loop into an
-  unmasked and a masked part); its length in instructions, and that length times the warps of a program divided by
-  the score elements one trip computes: warp-instructions per score element;
+  UTC*MMA on sm_100, HMMA otherwise), the leanest one when several do (the unmasked path of a kernel that splits
+  its loop into an unmasked and a masked part); its length in instructions, and that length times the warps of a
+  program divided by the score elements one trip computes: warp-instructions per score element;
 - **HGMMA**: how many wgmma instructions, in how many groups (a group ends with one that signals ``gsb0``), and
   how many groups are waited on at once (``WARPGROUP.DEPBAR.LE gsb0, 0x0`` within a few instructions of the
   group: no other work overlaps that matmul);
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 WAITED_AT_ONCE = 8  # a group retired within this many instructions of its issue overlaps no real work
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
+_TCGEN05 = re.compile(r"UTC[A-Z]?MMA")
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,15 @@ class Sass:
         inside = {i for loop in self.loops() for i in range(loop.start, loop.end + 1)}
         return sum(self.instructions[i].opcode.startswith(("LDL", "STL")) for i in inside)
 
+    def count_tcgen05(self, loop: Loop | None = None) -> int:
+        """sm_100's tensor-core matmuls: UTCHMMA (fp16/bf16), UTCQMMA, UTCIMMA, ... (tcgen05.mma)."""
+        body = self.instructions if loop is None else self.instructions[loop.start : loop.end + 1]
+        return sum(_TCGEN05.match(ins.opcode) is not None for ins in body)
+
     def main_loop(self) -> Loop | None:
         """The leanest innermost loop with tensor-core instructions (see the module docstring)."""
-        mma = [loop for loop in self.innermost_loops() if self.count("HGMMA", loop) or self.count("HMMA", loop)]
+        mma = [loop for loop in self.innermost_loops()
+               if self.count("HGMMA", loop) or self.count("HMMA", loop) or self.count_tcgen05(loop)]
         return min(mma, key=lambda loop: loop.length, default=None)
 
     def hgmma_groups(self) -> int:

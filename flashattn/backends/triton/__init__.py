@@ -51,4 +51,17 @@ def serves(request: Request) -> str | None:
                 f"{blocks[0]} x {blocks[1]}")
     if request.mask_grad:
         return "it does not compute the gradient of an additive attn_mask that requires grad"
+    if request.grad and request.device == "cuda" and not interpreting():
+        fam = _gpu_family(torch.cuda.current_device())
+        if max(request.head_dim, request.head_dim_v) > fam.max_grad_head_dim:
+            return (f"its backward takes head dims up to {fam.max_grad_head_dim} on {fam.name} GPUs ({fam.cards}), "
+                    f"got {max(request.head_dim, request.head_dim_v)}")
     return None
+
+
+@functools.cache
+def _gpu_family(index: int):
+    from .families import family  # tables only: no triton
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return family(10 * major + minor)

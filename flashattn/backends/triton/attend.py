@@ -14,6 +14,7 @@ import torch
 
 from ..spec import AttentionSpec, Saved
 from . import NAME, configs
+from .fit import launch_fitting
 from .kernels import (
     attention_backward_dkdv_kernel,
     attention_backward_dq_kernel,
@@ -62,22 +63,34 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
              and spec.dropout_p == 0)
     rows = QueryRows(q, out, lse, shape, spec, plain=plain)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
-    cfg = config("decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward", q, shape, rows.spec, heavy=heavy)
-    cfg = sparse_tiles(cfg, spec)
-    splits, split_keys = split_count(shape, rows, cfg, q.device)
-    if splits == 1:
-        targets = (out, lse)
-    else:
-        # Partial results in fp32, laid out as the kernel walks the rows (the merge writes the real layout).
-        batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
-        targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32, device=q.device),
-                   torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
-    kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
-    grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
-    launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
-           BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        merge_splits(targets, (out, lse), shape=shape, rows=rows)
+    kernel = "decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward"
+
+    def launch_forward(cfg: configs.KernelConfig) -> None:
+        cfg = sparse_tiles(cfg, spec)
+        splits, split_keys = split_count(shape, rows, cfg, q.device)
+        if splits == 1:
+            targets = (out, lse)
+        else:
+            # Partial results in fp32, laid out as the kernel walks the rows (the merge writes the real layout).
+            batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
+            targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32,
+                                   device=q.device),
+                       torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
+        kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
+        grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
+        launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
+               BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if splits > 1:
+            merge_splits(targets, (out, lse), shape=shape, rows=rows)
+
+    launch_fitting(config(kernel, q, shape, rows.spec, heavy=heavy), launch_forward, kernel=kernel,
+                   what=_what(kernel, q, shape))
+
+
+def _what(kernel: str, q: torch.Tensor, shape: CallShape) -> str:
+    """A kernel and what its shared memory depends on, as the launch guard remembers and logs it."""
+    dims = str(shape.d) if shape.d == shape.dv else f"{shape.d}/{shape.dv}"
+    return f"{kernel} kernel, {str(q.dtype).removeprefix('torch.')}, head dim {dims}, {q.device}"
 
 
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
@@ -96,19 +109,27 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     delta = _delta(dout, dlse, out, torch.empty_like(lse), packed=shape.q_packed, dv=shape.dv)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
     common = backward_kwargs(q, k, v, (dout, lse, delta), spec=spec, shape=shape)
-    cfg = sparse_tiles(config("dkdv", q, shape, spec, heavy=heavy), spec)
-    launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
-           **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
-           **shape.strides("dv", dv), num_heads_k=shape.hk,
-           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
-                                  matmul_rows=cfg.block_n),
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cfg = sparse_tiles(config("dq", q, shape, spec, heavy=heavy), spec)
-    launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m) * shape.b * shape.h,),
-           **common, blocks=sparse_blocks(spec, by_keys=False), dq=dq, **shape.strides("dq", dq),
-           **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
-                                  matmul_rows=cfg.block_m),
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch_dkdv(cfg: configs.KernelConfig) -> None:
+        cfg = sparse_tiles(cfg, spec)
+        launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
+               **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
+               **shape.strides("dv", dv), num_heads_k=shape.hk,
+               **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
+                                      matmul_rows=cfg.block_n),
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch_dq(cfg: configs.KernelConfig) -> None:
+        cfg = sparse_tiles(cfg, spec)
+        launch(attention_backward_dq_kernel, (-(-shape.nq // cfg.block_m) * shape.b * shape.h,),
+               **common, blocks=sparse_blocks(spec, by_keys=False), dq=dq, **shape.strides("dq", dq),
+               **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
+                                      matmul_rows=cfg.block_m),
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    launch_fitting(config("dkdv", q, shape, spec, heavy=heavy), launch_dkdv, kernel="dkdv",
+                   what=_what("dK/dV", q, shape))
+    launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dQ", q, shape))
     return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype), None
 
 

@@ -62,9 +62,21 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
                          "split the batch into smaller calls")
     recorded = _compile_only.get()
     if recorded is None:
-        kernel[grid](**kwargs)
-    else:
-        recorded.append(Compiled(kernel.fn.__name__, grid, kwargs, kernel.warmup(grid=grid, **kwargs)))
+        kernel[grid](**kwargs)  # Triton raises OutOfResources before running if the GPU lacks the shared memory
+        return
+    compiled = kernel.warmup(grid=grid, **kwargs)
+    _check_shared_memory(compiled)
+    recorded.append(Compiled(kernel.fn.__name__, grid, kwargs, compiled))
+
+
+def _check_shared_memory(compiled) -> None:
+    """Triton's check at a kernel's first launch, for the offline device of ``compile_only``."""
+    from triton.runtime import driver
+    from triton.runtime.errors import OutOfResources
+
+    limit = driver.active.utils.get_device_properties(driver.active.get_current_device())["max_shared_mem"]
+    if compiled.metadata.shared > limit:
+        raise OutOfResources(compiled.metadata.shared, limit, "shared memory")
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -178,7 +190,7 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
     square tiles under the interpreter, else the target family's entry for the call's weight: "heavy" with dropout
     or a mask tile, "plain" when the scores need no softcap or ALiBi (``plain_scores``), else "light"; fp32 inputs
     have their own two."""
-    forced = configs.forced()
+    forced = configs.forced(kernel)
     if forced is not None:
         return forced
     if interpreting():

@@ -10,7 +10,7 @@ fits one of two ways:
   stride_n) + h * (stride_h / stride_n) + n, columns 0..D (a head dim below the tile's is zero-filled).
 
 A tile that runs past a sequence reads the next sequence's rows (or zeros at the tensor's end): the kernels mask
-those keys and never store those queries. TMA needs sm_90, 16-byte aligned bases and row pitches, and 32-bit
+those keys and never store those queries. TMA needs sm_90 or later, 16-byte aligned bases and row pitches, and 32-bit
 coordinates; anything else keeps the pointer loads. ``use(True/False)`` forces the choice, so the interpreter tests
 run the descriptor path too.
 """
@@ -23,6 +23,8 @@ from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
+
+from .families import family
 
 _forced: ContextVar[bool | None] = ContextVar("flashattn_tma", default=None)
 
@@ -41,12 +43,15 @@ WGMMA_ROWS = 64  # a warpgroup's wgmma tile: programs whose matmuls have fewer r
 
 
 def enabled(arch: int, *, matmul_rows: int = WGMMA_ROWS) -> bool:
-    """Descriptors by default on sm_90 and later (``arch`` = 10 x major + minor of the target Triton compiles
-    for, 0 under the interpreter) for programs whose matmuls have ``matmul_rows`` >= 64 rows; forced by ``use``.
+    """Descriptors by default on the families whose matmuls are warpgroup-wide (``families.Family.tma``: sm_90,
+    sm_100; ``arch`` = 10 x major + minor of the target Triton compiles for, 0 under the interpreter) for programs
+    whose matmuls have ``matmul_rows`` >= 64 rows; forced by ``use``.
     Below 64 rows the matmuls run on mma.sync, whose operands a descriptor-loaded, transposed tile reaches through
     registers: the d=256 dK/dV of 16 keys needs 210 registers with pointer loads and spills with descriptors."""
     forced = _forced.get()
-    return arch >= 90 and matmul_rows >= WGMMA_ROWS if forced is None else forced
+    if forced is not None:
+        return forced
+    return arch > 0 and family(arch).tma and matmul_rows >= WGMMA_ROWS
 
 
 class View(NamedTuple):

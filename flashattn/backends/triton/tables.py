@@ -1,0 +1,207 @@
+"""The kernel configs every GPU family ships: tile shapes, warps and pipeline stages, as data.
+
+``TABLES[family][kernel]`` is keyed by (padded head dim, weight): "plain" calls use at most the causal/window band;
+"light" ones add softcap or ALiBi; "heavy" ones add dropout (Philox costs registers per score element) or a user
+mask tile; the "fp32-" weights serve fp32 inputs (IEEE fp32 matmuls: twice the bytes per tile, no tensor cores, so
+small tiles). ``OVERRIDES[family][kernel]`` holds the entries that differ from the table for a (q/k, v) head-dim
+pair or a kernel walking a block mask. sm75 (FMA matmuls), sm80 and sm90 are written out; the other families
+(``families.py``) are one of them with the entries their health search changed (``_derived``): less shared memory
+(sm86, sm120: 99 KiB) or other tensor-core instructions (sm100).
+
+Every entry compiles, for every architecture of its family, without register spills inside its loops, within
+shared memory, and on the family's tensor-core instructions where the tile allows: ``python -m tools.offline.health``
+checks that, and tests rerun it. The sm90 plain and light entries have the fewest main-loop instructions per score
+element among the healthy; the others are the first healthy config of the health report's search (``--search``).
+Tune here, then rerun both.
+
+The kernels' tiles: forward and dQ, BLOCK_M queries per program by BLOCK_N keys per step; dK/dV, BLOCK_N keys per
+program (the M dimension of all its matmuls, on the transposed tile S^T) by BLOCK_M queries per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+WEIGHTS = ("plain", "light", "heavy", "fp32-light", "fp32-heavy")
+KERNELS = ("forward", "decode", "dkdv", "dq")
+
+def _table(rows: dict[int, tuple[KernelConfig, ...]]) -> dict[tuple[int, str], KernelConfig]:
+    """{head_dim: (plain, light, heavy, fp32-light, fp32-heavy)} -> {(head_dim, weight): config}."""
+    return {(d, weight): cfg for d, cfgs in rows.items() for weight, cfg in zip(WEIGHTS, cfgs, strict=True)}
+
+
+Table = dict[str, dict[tuple[int, str], KernelConfig]]
+Overrides = dict[str, dict[tuple[int | tuple[int, int], str, bool], KernelConfig]]
+C = KernelConfig
+# Ampere. Decode (few query rows: a decode step, or its GQA group walked as rows): 16-row tiles, the smallest
+# tensor-core tile, and long key tiles with deep pipelines, since the kernel is bound by reading K and V.
+_SM80 = {
+    "forward": _table({
+        16: (C(128, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 1)),
+        32: (C(128, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 1), C(128, 16, 4, 3), C(64, 32, 8, 3)),
+        64: (C(128, 64, 8, 3), C(128, 64, 8, 3), C(32, 128, 8, 3), C(32, 32, 8, 1), C(32, 32, 4, 2)),
+        128: (C(128, 64, 8, 1), C(128, 64, 8, 1), C(64, 32, 4, 2), C(16, 32, 8, 3), C(16, 16, 4, 3)),
+        256: (C(64, 32, 8, 2), C(64, 32, 8, 2), C(64, 32, 8, 2), C(64, 16, 8, 1), C(16, 32, 4, 1)),
+    }),
+    "decode": _table({
+        16: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 2, 3), C(16, 64, 4, 2), C(16, 32, 4, 2)),
+        32: (C(16, 128, 4, 3), C(16, 128, 8, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 2, 3)),
+        64: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3)),
+        128: (C(16, 64, 8, 3), C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 2), C(16, 32, 4, 3)),
+        256: (C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 8, 3), C(16, 32, 4, 1), C(16, 16, 4, 1)),
+    }),
+    "dkdv": _table({
+        16: (C(64, 64, 4, 1), C(32, 128, 8, 2), C(16, 128, 8, 2), C(32, 16, 4, 3), C(32, 32, 8, 2)),
+        32: (C(32, 128, 8, 2), C(32, 128, 8, 1), C(64, 16, 8, 3), C(16, 32, 4, 3), C(16, 32, 4, 1)),
+        64: (C(64, 32, 8, 3), C(64, 32, 8, 3), C(16, 16, 4, 1), C(16, 64, 4, 1), C(16, 16, 4, 1)),
+        128: (C(64, 32, 8, 1), C(64, 32, 8, 1), C(16, 16, 4, 1), C(16, 64, 8, 1), C(32, 16, 4, 1)),
+        256: (C(32, 16, 4, 1), C(32, 16, 4, 1), C(16, 16, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+    }),
+    "dq": _table({
+        16: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 32, 4, 1)),
+        32: (C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 8, 2), C(128, 16, 8, 3), C(64, 16, 4, 2)),
+        64: (C(128, 32, 8, 3), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 32, 8, 1), C(128, 16, 8, 3)),
+        128: (C(128, 32, 8, 1), C(128, 32, 8, 1), C(128, 16, 8, 3), C(64, 16, 4, 3), C(32, 32, 8, 1)),
+        256: (C(32, 32, 8, 1), C(32, 32, 8, 1), C(32, 64, 8, 1), C(16, 16, 4, 3), C(16, 16, 4, 1)),
+    }),
+}
+# Hopper: fp16/bf16 tiles sized for wgmma and TMA, chosen by main-loop instructions per score element among those
+# that do not spill. dK/dV runs one pipeline stage: a second holds about 85 more registers (d=64: 168 -> 253) and
+# spills at d=128, so there 2-3 programs per multiprocessor hide the loads instead.
+_SM90 = {
+    "forward": _table({
+        16: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2), C(64, 32, 8, 1), C(64, 32, 8, 3)),
+        32: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 2), C(128, 16, 4, 3), C(64, 32, 8, 3)),
+        64: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 1), C(32, 32, 8, 1), C(32, 32, 4, 2)),
+        128: (C(128, 128, 8, 2), C(128, 64, 8, 2), C(128, 32, 8, 3), C(16, 32, 8, 2), C(16, 16, 4, 1)),
+        256: (C(128, 32, 8, 2), C(128, 32, 8, 2), C(64, 32, 8, 3), C(64, 16, 8, 1), C(16, 32, 4, 1)),
+    }),
+    "decode": _table({
+        16: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 2, 3), C(16, 64, 4, 2), C(16, 32, 4, 2)),
+        32: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 2, 3)),
+        64: (C(16, 128, 4, 3), C(16, 128, 4, 3), C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3)),
+        128: (C(16, 64, 4, 3), C(16, 64, 4, 3), C(16, 64, 4, 2), C(16, 16, 4, 3), C(16, 32, 8, 2)),
+        256: (C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 4, 3), C(16, 32, 4, 1), C(16, 16, 4, 1)),
+    }),
+    "dkdv": _table({
+        16: (C(32, 64, 4, 1), C(32, 64, 4, 1), C(32, 64, 8, 2), C(32, 16, 4, 3), C(32, 32, 8, 2)),
+        32: (C(32, 64, 4, 1), C(32, 64, 4, 1), C(16, 128, 8, 1), C(16, 32, 4, 3), C(16, 32, 8, 3)),
+        64: (C(32, 64, 4, 1), C(32, 64, 4, 1), C(16, 64, 4, 2), C(16, 64, 4, 1), C(32, 32, 4, 1)),
+        128: (C(32, 64, 4, 1), C(16, 64, 4, 1), C(16, 16, 4, 1), C(16, 64, 8, 1), C(32, 16, 4, 1)),
+        256: (C(32, 16, 4, 1), C(32, 16, 4, 1), C(16, 16, 8, 1), C(16, 16, 4, 1), C(16, 16, 4, 1)),
+    }),
+    "dq": _table({
+        16: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 64, 4, 2), C(64, 32, 4, 2), C(64, 32, 4, 1)),
+        32: (C(128, 64, 8, 2), C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 16, 8, 3), C(64, 16, 4, 2)),
+        64: (C(128, 128, 8, 2), C(128, 128, 8, 2), C(64, 32, 4, 2), C(64, 32, 8, 1), C(128, 16, 8, 3)),
+        128: (C(128, 64, 8, 3), C(128, 64, 8, 3), C(64, 32, 4, 2), C(64, 16, 4, 3), C(32, 32, 8, 1)),
+        256: (C(64, 32, 4, 2), C(64, 16, 4, 2), C(16, 16, 4, 1), C(16, 16, 4, 3), C(16, 16, 4, 1)),
+    }),
+}
+# Turing: Triton lowers tl.dot to FMA below sm_80, which holds operand tiles and products in registers: small
+# tiles within 64 KiB of shared memory, 8 warps where fp16/bf16 operands spill with 4 (their conversions double the
+# live values). The backward serves head dims up to 64 there (``families.Family.max_grad_head_dim``): from 128 on,
+# dK/dV spills at every tile down to 16 x 16 (fp16), or needs more than 64 KiB (fp32 at 256); its entries for 128
+# and 256 only fill the table.
+_SM75_ROWS = {  # head dim: (fp16/bf16 weights, fp32 weights)
+    "forward": {16: (C(64, 32, 4, 2),) * 2, 32: (C(64, 32, 4, 2),) * 2, 64: (C(32, 32, 4, 2),) * 2,
+                128: (C(32, 32, 8, 1), C(32, 32, 4, 1)), 256: (C(16, 32, 8, 1), C(16, 16, 4, 1))},
+    "decode": {16: (C(16, 64, 4, 2),) * 2, 32: (C(16, 64, 4, 2),) * 2, 64: (C(16, 32, 4, 2),) * 2,
+               128: (C(16, 32, 4, 1),) * 2, 256: (C(16, 16, 4, 1),) * 2},
+    "dkdv": {16: (C(16, 32, 8, 1), C(32, 32, 4, 1)), 32: (C(16, 32, 8, 1), C(16, 32, 4, 1)),
+             64: (C(16, 16, 8, 1), C(16, 32, 4, 1)), 128: (C(16, 16, 8, 1),) * 2, 256: (C(16, 16, 8, 1),) * 2},
+    "dq": {16: (C(32, 32, 8, 2),) * 2, 32: (C(32, 32, 8, 2),) * 2, 64: (C(32, 32, 8, 1),) * 2,
+           128: (C(32, 16, 8, 1),) * 2, 256: (C(16, 16, 8, 1),) * 2},
+}
+_SM75 = {kernel: _table({d: (half,) * 3 + (single,) * 2 for d, (half, single) in rows.items()})
+         for kernel, rows in _SM75_ROWS.items()}
+TABLES: dict[str, Table] = {"sm75": _SM75, "sm80": _SM80, "sm90": _SM90}
+# Entries that differ from their family's table, per kernel, by (head dims, weight, walks a block mask):
+# - a (q/k, v) pair whose padded head dims differ (MLA's 192/128, 96/64) uses the entry of the larger one, except
+#   where that config spills with the pair's shapes: the health report's first healthy config for the pair;
+# - the kernels walking a block mask carry its list pointers and spans through the loops: where the family's entry
+#   then spills (``health --block-masks with``), fp16/bf16 forward/backward entries take the healthy candidate with
+#   the fewest main-loop instructions per score element, decode (bound by reading K/V) and fp32 ones the first
+#   healthy (``--search``).
+OVERRIDES: dict[str, Overrides] = {
+    "sm75": {},
+    "sm80": {
+        "forward": {(128, "plain", True): C(128, 64, 8, 2)},
+        "decode": {(16, "fp32-light", True): C(16, 64, 4, 3), (64, "light", True): C(16, 128, 8, 3),
+                   (128, "plain", True): C(16, 64, 4, 3), (256, "fp32-heavy", True): C(16, 16, 4, 3),
+                   ((128, 64), "fp32-light", True): C(16, 16, 4, 3), ((256, 128), "heavy", True): C(16, 32, 4, 3),
+                   ((256, 128), "fp32-heavy", True): C(16, 16, 8, 3)},
+        "dkdv": {(16, "fp32-light", True): C(32, 16, 8, 3), (16, "fp32-heavy", True): C(16, 64, 8, 3),
+                 (32, "fp32-light", True): C(16, 32, 8, 3), (32, "fp32-heavy", True): C(16, 32, 8, 3),
+                 (64, "fp32-light", True): C(16, 64, 8, 2), (64, "fp32-heavy", True): C(16, 16, 4, 3),
+                 (128, "fp32-heavy", True): C(16, 32, 8, 3), (256, "fp32-light", True): C(16, 16, 8, 1),
+                 ((128, 64), "fp32-heavy", True): C(32, 16, 4, 3), ((256, 128), "fp32-light", True): C(16, 16, 8, 3)},
+    },
+    "sm90": {
+        "forward": {(128, "plain", True): C(128, 64, 8, 2), (128, "fp32-heavy", True): C(16, 16, 4, 3),
+                    ((128, 64), "fp32-heavy", True): C(16, 16, 4, 3)},
+        "decode": {(256, "fp32-heavy", True): C(16, 16, 4, 3), ((256, 128), "fp32-heavy", True): C(16, 16, 4, 3)},
+        "dkdv": {((128, 64), "plain", False): C(32, 64, 8, 1), ((128, 64), "fp32-heavy", False): C(32, 16, 8, 1),
+                 (16, "fp32-light", True): C(32, 16, 4, 1), (16, "fp32-heavy", True): C(32, 32, 4, 3),
+                 (32, "fp32-heavy", True): C(16, 32, 4, 3), (128, "plain", True): C(16, 64, 4, 1),
+                 (128, "light", True): C(16, 64, 8, 1), ((256, 128), "fp32-heavy", True): C(16, 16, 4, 3)},
+        "dq": {((256, 128), "plain", False): C(64, 32, 8, 3), ((256, 128), "light", False): C(64, 16, 8, 3),
+               ((128, 64), "heavy", False): C(64, 32, 8, 3), ((128, 64), "fp32-light", False): C(16, 64, 4, 3),
+               ((128, 64), "fp32-heavy", False): C(16, 64, 8, 3), (64, "light", True): C(128, 64, 8, 1),
+               (128, "heavy", True): C(64, 32, 4, 1), (256, "plain", True): C(64, 16, 4, 2),
+               (256, "light", True): C(64, 16, 8, 2)},
+    },
+}
+del C
+
+
+
+def _derived(base: str, changes: Overrides) -> tuple[Table, Overrides]:
+    """(tables, overrides) of a family that ships ``base``'s configs but for ``changes``, keyed as ``OVERRIDES``:
+    a change without a block mask and for a single head dim replaces the table entry, any other joins the
+    overrides (on top of ``base``'s)."""
+    tables = {kernel: dict(entries) for kernel, entries in TABLES[base].items()}
+    overrides = {kernel: dict(entries) for kernel, entries in OVERRIDES[base].items()}
+    for kernel, entries in changes.items():
+        for (dims, weight, block_mask), cfg in entries.items():
+            if block_mask or isinstance(dims, tuple):
+                overrides.setdefault(kernel, {})[(dims, weight, block_mask)] = cfg
+            else:
+                tables[kernel][(dims, weight)] = cfg
+    return tables, overrides
+
+
+C = KernelConfig
+# Filled in from `python -m tools.offline.health --search` for each family's architectures.
+# sm_86/sm_89 and sm_120: fp32 entries over 99 KiB of shared memory, and two that spill on sm_86/sm_89 but not
+# sm_80; sm_100: heavy (dropout, mask) and d = 64 entries whose tcgen05 code spills where wgmma's did not.
+_CHANGES: dict[str, tuple[str, Overrides]] = {
+    "sm86": ("sm80", {
+        "forward": {(32, "fp32-heavy", False): C(64, 32, 8, 2)},
+        "dkdv": {(128, "fp32-heavy", False): C(32, 16, 8, 3)},
+        "dq": {(64, "fp32-heavy", False): C(128, 16, 8, 2), (128, "fp32-light", False): C(64, 16, 4, 2)},
+    }),
+    "sm100": ("sm90", {
+        "forward": {(16, "heavy", False): C(128, 64, 8, 1), (32, "heavy", False): C(128, 64, 8, 1),
+                    (64, "heavy", False): C(64, 64, 8, 3)},
+        "dkdv": {(16, "heavy", False): C(32, 64, 8, 1), (64, "plain", False): C(32, 64, 8, 3),
+                 (64, "heavy", False): C(16, 64, 4, 1)},
+        "dq": {(32, "heavy", False): C(64, 32, 4, 3), (64, "plain", False): C(64, 128, 8, 3),
+               (128, "heavy", False): C(64, 32, 4, 3)},
+    }),
+    "sm120": ("sm80", {
+        "dq": {(64, "fp32-heavy", False): C(128, 16, 8, 2), (128, "fp32-light", False): C(64, 16, 4, 2)},
+    }),
+}
+del C
+for _name, (_base, _changes) in _CHANGES.items():
+    TABLES[_name], OVERRIDES[_name] = _derived(_base, _changes)
