@@ -77,8 +77,8 @@ def steps(out: Path, smoke: bool, jobs: int) -> list[Step]:
         return [
             Step("info", [*py, "info", "--json"], 120, stdout_to="info.json"),
             Step("health", ["tools.offline.health", "--head-dims", "64", "--tables", "forward",
-                            "--variants", "plain", "--json", str(out / "health.json")], 300, background=True,
-                 interpreter_off=True),
+                            "--variants", "plain", "--archs", _device_arch(), "--json", str(out / "health.json")],
+                 300, background=True, interpreter_off=True),
             Step("profile", ["tools.offline.profile", "--head-dims", "64", "--causal", "false",
                              "--json", str(out / "profile.json")], 300, background=True, interpreter_off=True),
             Step("tests", ["pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'tests.xml'}",
