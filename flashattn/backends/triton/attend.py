@@ -87,10 +87,9 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
                    what=_what(kernel, q, shape))
 
 
-def _what(kernel: str, q: torch.Tensor, shape: CallShape) -> str:
-    """A kernel and what its shared memory depends on, as the launch guard remembers and logs it."""
-    dims = str(shape.d) if shape.d == shape.dv else f"{shape.d}/{shape.dv}"
-    return f"{kernel} kernel, {str(q.dtype).removeprefix('torch.')}, head dim {dims}, {q.device}"
+def _what(kernel: str, q: torch.Tensor, shape: CallShape) -> tuple:
+    """What a kernel's shared memory depends on, as the launch guard remembers it (formatted only to log)."""
+    return (kernel, q.dtype, shape.d, shape.dv, q.device)
 
 
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
@@ -128,8 +127,8 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     launch_fitting(config("dkdv", q, shape, spec, heavy=heavy), launch_dkdv, kernel="dkdv",
-                   what=_what("dK/dV", q, shape))
-    launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dQ", q, shape))
+                   what=_what("dkdv", q, shape))
+    launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dq", q, shape))
     return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype), None
 
 

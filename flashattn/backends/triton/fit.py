@@ -42,14 +42,24 @@ def smaller(cfg: KernelConfig) -> KernelConfig | None:
     return dataclasses.replace(cfg, block_m=cfg.block_m // 2)
 
 
+def _call(what: Hashable) -> str:
+    """``what`` as a log line names it: (kernel, dtype, head dim, v head dim, device) from the launcher."""
+    if not (isinstance(what, tuple) and len(what) == 5):
+        return str(what)
+    kernel, dtype, d, dv, device = what
+    dims = str(d) if d == dv else f"{d}/{dv}"
+    return f"{kernel} kernel, {str(dtype).removeprefix('torch.')}, head dim {dims}, {device}"
+
+
 def _describe(cfg: KernelConfig) -> str:
     return f"{cfg.block_m}x{cfg.block_n} tile ({cfg.num_warps} warps, {cfg.num_stages} stages)"
 
 
 def launch_fitting(cfg: KernelConfig, run: Callable[[KernelConfig], None], *, kernel: str, what: Hashable) -> None:
     """``run(cfg)``, which launches ``kernel`` (a ``configs.KERNELS`` name) with ``cfg``; where the device lacks
-    the shared memory it needs, ``run`` again with ever ``smaller`` configs. ``what`` names the kernel and the
-    call's dtype and head dims: the config that fitted is remembered under it. A config forced by ``configs.use``
+    the shared memory it needs, ``run`` again with ever ``smaller`` configs. ``what`` = (kernel, dtype, head dim,
+    v head dim, device), what the shared memory depends on: the config that fitted is remembered under it (built
+    per launch, so a tuple, formatted only when logged). A config forced by ``configs.use``
     is launched as it is."""
     if configs.forced(kernel) is not None:
         run(cfg)
@@ -64,10 +74,10 @@ def launch_fitting(cfg: KernelConfig, run: Callable[[KernelConfig], None], *, ke
                 raise
             step = smaller(cfg)
             if step is None:
-                raise ValueError(f"flashattn: {what}: even a {_describe(cfg)} needs {err.required} bytes of shared "
-                                 f"memory, this GPU allows {err.limit} per block") from err
+                raise ValueError(f"flashattn: {_call(what)}: even a {_describe(cfg)} needs {err.required} bytes of "
+                                 f"shared memory, this GPU allows {err.limit} per block") from err
             _log.warning("flashattn: %s: the %s needs %d bytes of shared memory, this GPU allows %d per block; "
-                         "trying a %s", what, _describe(cfg), err.required, err.limit, _describe(step))
+                         "trying a %s", _call(what), _describe(cfg), err.required, err.limit, _describe(step))
             cfg = step
             continue
         _fitted[(what, table_cfg)] = cfg
