@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from . import cpu_build
+from . import cpu_build, cpu_tiles
 from .masking import sum_to_shape
 from .request import Request
 from .spec import AttentionSpec, Saved, accumulation_dtype
@@ -68,8 +68,8 @@ def _sequences(q, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | Non
     return seqs, None if cache is None else cache.block_table
 
 
-def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
-    """The kernel's options (``cpu_flash.cpp``) for this call, by name."""
+def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int], tiles: str) -> dict:
+    """The kernel's keyword options (the operators' schema in ``cpu_flash.cpp``) for this call."""
     if spec.packed or spec.cache is not None:
         seqs, table = _sequences(q, spec)
         diagonal = 0
@@ -79,7 +79,8 @@ def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int]) -> dict:
                "softcap": float(spec.softcap),
                "left": int(spec.window_left), "right": int(spec.window_right), "block_m": tile[0],
                "block_n": tile[1], "alibi": spec.alibi_slopes, "sink": spec.sink, "dropout_p": float(spec.dropout_p),
-               "mask": None}
+               "seed": 0, "counter_rows": 0, "counter_cols": 0, "mask": None, "tile_kind": None, "partial_id": None,
+               "partial_masks": None, "tiles": tiles}
     if spec.dropout_p > 0:
         rows, cols = ((spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k) if spec.packed
                       else (q.shape[1], k.shape[1]))
@@ -124,7 +125,7 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     lse = torch.empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
     q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
     cpu_build.module().forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,
-                               _options(q4, k4, spec, tile=FORWARD_TILE))
+                               **_options(q4, k4, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)))
     return out, lse, q.new_empty(0)
 
 
@@ -144,6 +145,7 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
         dlse = dlse[None] if spec.packed else dlse
     cpu_build.module().backward(batch(q), batch(k), batch(v), batch(out), batch(dout),
                                 lse[None] if spec.packed else lse, dlse, batch(dq), batch(dk), batch(dv), dmask,
-                                _options(batch(q), batch(k), spec, tile=BACKWARD_TILE))
+                                **_options(batch(q), batch(k), spec, tile=BACKWARD_TILE,
+                                           tiles=cpu_tiles.choose(q.dtype)))
     mask = spec.attn_mask
     return dq, dk, dv, None if dmask is None else sum_to_shape(dmask, mask.shape).to(mask.dtype)

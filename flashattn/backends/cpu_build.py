@@ -3,9 +3,10 @@ the host C++ compiler at first use and cached.
 
 The build (``torch.utils.cpp_extension.load``) lives in ``$FLASHATTN_CACHE/cpu`` (default ``~/.cache/flashattn``),
 one folder per sources, compiler flags, CPU (it is compiled for the host's instruction set) and torch version;
-cpp_extension locks the folder, so two processes building at once wait for each other. A failed or broken build
-is logged once, and the ``cpu`` path then declines CPU calls (the ``torch`` path serves them) instead of raising.
-``FLASHATTN_CPU_KERNEL=0`` turns the kernel off.
+cpp_extension locks the folder, so two processes building at once wait for each other. The library registers typed
+operators (``TORCH_LIBRARY``) in a namespace named after the build: ``module()`` is ``torch.ops.<that name>``.
+A failed or broken build is logged once, and the ``cpu`` path then declines CPU calls (the ``torch`` path serves
+them) instead of raising. ``FLASHATTN_CPU_KERNEL=0`` turns the kernel off.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import torch
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_flash.cpp"
 # Every file the build reads: a change to any of them is a new build folder.
-SOURCES = (SOURCE, *(SOURCE.parent / name for name in ("cpu_vec.h", "cpu_common.h", "cpu_forward.h", "cpu_backward.h")))
+SOURCES = (SOURCE, *(SOURCE.parent / name for name in ("cpu_vec.h", "cpu_common.h", "cpu_gemm16.h", "cpu_tiles.h",
+                                                     "cpu_forward.h", "cpu_backward.h")))
 # -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
 # opens its own parallel region, which a busy machine slows several times over.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros")
+# at::vec::Vectorized picks its lane width from CPU_CAPABILITY, which torch defines for its own kernels only: the
+# widest the host runs (-march=native compiles for it), else the portable one.
+CAPABILITIES = (("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq")), ("AVX2", ("avx2", "fma")))
 _log = logging.getLogger("flashattn")
 
 
@@ -43,6 +48,15 @@ def _cpu_signature() -> str:
     except OSError:
         pass
     return platform.machine() + platform.processor()
+
+
+def capability_flags() -> list[str]:
+    """The ``CPU_CAPABILITY`` defines for this host (x86: AVX512 or AVX2 where all their flags are present)."""
+    flags = set(_cpu_signature().split())
+    for name, needs in CAPABILITIES:
+        if platform.machine() in ("x86_64", "AMD64") and flags.issuperset(needs):
+            return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
 def build_name() -> str:
@@ -94,8 +108,12 @@ def _build(folder: Path):
 
     _put_ninja_on_path()
     folder.mkdir(parents=True, exist_ok=True)
-    return load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                build_directory=str(folder), verbose=False)
+    load(name=folder.name, sources=[str(SOURCE)], extra_cflags=[*FLAGS, *capability_flags()],
+         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False, is_python_module=False)
+    ops = getattr(torch.ops, folder.name)
+    for name in ("forward", "backward", "engines"):  # a library that loaded but registered nothing fails here
+        getattr(ops, name)
+    return ops
 
 
 def status() -> tuple[bool, str]:
@@ -107,7 +125,8 @@ def status() -> tuple[bool, str]:
 
 
 def module():
-    """The loaded kernel (built if needed); only called once ``status()`` said it is built."""
+    """The loaded kernel's operators, ``torch.ops.<build name>`` (``forward``, ``backward``, ``engines``; built if
+    needed); only called once ``status()`` said it is built."""
     loaded, why = _load()
     if loaded is None:
         raise RuntimeError(f"flashattn: the CPU kernel is not available ({why})")

@@ -1,21 +1,24 @@
 // FlashAttention-2 backward on CPU, deterministic and without atomics. A task is (sequence, kv head, split): it
 // owns dQ of its query rows (every head of the group) and its own partial dK/dV of the sequence's keys, reduced in
 // a fixed order afterwards (one split unless there are fewer (sequence, kv head) pairs than threads). Per tile it
-// recomputes P from the saved lse, then dV += P^T dO, dP = dO V^T, dS = P (dP - delta), dQ += dS K, dK += dS^T Q.
+// recomputes P from the saved lse, then dV += P^T dO, dP = dO V^T, dS = P (dP - delta), dQ += dS K, dK += dS^T Q
+// (the products in cpu_tiles.h).
 #pragma once
 
 #include "cpu_forward.h"
 
 namespace flash_cpu {
 
-template <typename acc_t>
+template <typename Tiles>
 struct BackwardScratch {
-  Buffer<acc_t> q, dout, s, dp, tanh, dq, k, v, z, delta, lse;
+  using acc_t = typename Tiles::acc_t;
+  Tiles tiles;
+  Buffer<acc_t> tanh, dq, z, delta, lse;
   Buffer<int64_t> g, i;
-  BackwardScratch(const Problem& p)
-      : q(p.block_m * p.dim), dout(p.block_m * p.dim_v), s(p.block_m * p.block_n), dp(p.block_m * p.block_n),
-        tanh(p.softcap > 0 ? p.block_m * p.block_n : 0), dq(p.block_m * p.dim), k(p.block_n * p.dim),
-        v(p.block_n * p.dim_v), z(p.block_n), delta(p.block_m), lse(p.block_m), g(p.block_m), i(p.block_m) {}
+  BackwardScratch(const Problem& p, Engine engine)
+      : tiles(p, true, engine), tanh(p.softcap > 0 ? p.block_m * p.block_n : 0),
+        dq(product_rows(p.block_m) * p.dim), z(p.block_n), delta(p.block_m), lse(p.block_m), g(p.block_m),
+        i(p.block_m) {}
 };
 
 // What the backward reads and writes besides q, k, v: dK/dV partials are (splits, B, Nk, Hk, D) in acc_t, zeroed.
@@ -26,9 +29,11 @@ struct BackwardIo {
   at::Tensor* dmask;  // (B, H, Nq, Nk) in acc_t, zeroed; or nullptr
 };
 
-template <typename scalar_t, typename acc_t>
-void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+template <typename Tiles>
+void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const BackwardIo& io, int64_t splits) {
+  using scalar_t = typename Tiles::scalar_t;
+  using acc_t = typename Tiles::acc_t;
   const Rows<scalar_t> qr = rows_of<scalar_t>(q), kr = rows_of<scalar_t>(k), vr = rows_of<scalar_t>(v);
   const Rows<scalar_t> orows = rows_of<scalar_t>(io.out), dorows = rows_of<scalar_t>(io.dout);
   const Rows<scalar_t> dqrows = rows_of<scalar_t>(io.dq);
@@ -43,7 +48,7 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
   acc_t* dv_p = io.dv_part.data_ptr<acc_t>();
   acc_t* dmask_p = io.dmask != nullptr ? io.dmask->data_ptr<acc_t>() : nullptr;
   const int64_t nq_max = io.dmask != nullptr ? io.dmask->size(2) : 0, nk_max = io.dmask != nullptr ? io.dmask->size(3) : 0;
-  const acc_t q_factor = query_factor<acc_t>(p), dq_factor = static_cast<acc_t>(p.scale);
+  const acc_t dq_factor = static_cast<acc_t>(p.scale);
   const acc_t l2e = static_cast<acc_t>(kLog2e), inf = std::numeric_limits<acc_t>::infinity();
 
   std::vector<Task> tasks;
@@ -69,7 +74,9 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
       }
     }
   }
-  run_tasks(longest_first(cost), [&] { return BackwardScratch<acc_t>(p); }, [&](int64_t t, BackwardScratch<acc_t>& sc) {
+  using Scratch = BackwardScratch<Tiles>;
+  run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
+    const int64_t ld = sc.tiles.ld();
     const Task& task = tasks[t];
     const Sequence& s = p.seqs[task.seq];
     const int64_t hk = task.kv_head;
@@ -81,14 +88,14 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
       const int64_t n = p.block_rows(s, blk, g, i);
       int64_t lo, hi;
       p.block_columns(s, i, n, &lo, &hi);
-      load_queries(p, qr, s, hk, g, i, n, q_factor, sc.q.data(), D);
-      load_queries(p, dorows, s, hk, g, i, n, acc_t(1), sc.dout.data(), DV);
+      sc.tiles.load_block(p, qr, dorows, s, hk, g, i, n);
       for (int64_t r = 0; r < n; ++r) {  // delta = rowsum(dO * O) - dlse; lse in log2 units, -inf -> +inf (P = 0)
         const int64_t h = hk * p.group + g[r];
         const scalar_t* o = orows.data + s.qb * orows.batch_stride + (s.q0 + i[r]) * orows.row_stride +
                             h * orows.head_stride;
         acc_t dot = 0;
-        for (int64_t d = 0; d < DV; ++d) dot += sc.dout[r * DV + d] * static_cast<acc_t>(o[d]);
+        const scalar_t* dor = query_row(p, dorows, s, hk, g[r], i[r]);
+        for (int64_t d = 0; d < DV; ++d) dot += static_cast<acc_t>(dor[d]) * static_cast<acc_t>(o[d]);
         const int64_t at = s.qb * lse_b + h * lse_h + s.q0 + i[r];  // lse and dlse may be views of longer rows
         sc.delta[r] = dot - (dlse_p != nullptr ? dlse_p[s.qb * dlse_b + h * dlse_h + s.q0 + i[r]] : acc_t(0));
         sc.lse[r] = lse_p[at] == -inf ? inf : lse_p[at] * l2e;
@@ -96,15 +103,11 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
       std::fill_n(sc.dq.data(), n * D, acc_t(0));
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
-        int64_t ldk, ldv;
-        const acc_t* kt = key_tile(p, kr, task.seq, s, hk, c0, cols, D, sc.k.data(), &ldk);
-        const acc_t* vt = key_tile(p, vr, task.seq, s, hk, c0, cols, DV, sc.v.data(), &ldv);
-        gemm<acc_t>(false, true, n, cols, D, sc.q.data(), D, kt, ldk, acc_t(0), sc.s.data(), BN);
-        gemm<acc_t>(false, true, n, cols, DV, sc.dout.data(), DV, vt, ldv, acc_t(0), sc.dp.data(), BN);
+        sc.tiles.scores_and_dp(p, kr, vr, task.seq, s, hk, c0, cols, n);
         for (int64_t r = 0; r < n; ++r) {
           const int64_t h = hk * p.group + g[r];
-          acc_t* srow = sc.s.data() + r * BN;
-          acc_t* dprow = sc.dp.data() + r * BN;
+          acc_t* srow = sc.tiles.s_tile.data() + r * ld;
+          acc_t* dprow = sc.tiles.dp_tile.data() + r * ld;
           acc_t* trow = p.softcap > 0 ? sc.tanh.data() + r * BN : nullptr;
           p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, trow, p.tile_row(tile, i[r]));
           const acc_t row_lse = sc.lse[r], delta = sc.delta[r];
@@ -130,11 +133,8 @@ void backward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k,
             for (int64_t j = 0; j < cols; ++j) dprow[j] *= acc_t(1) - trow[j] * trow[j];
           }
         }
-        gemm<acc_t>(true, false, cols, DV, n, sc.s.data(), BN, sc.dout.data(), DV, acc_t(1),
-                    dv_seq + c0 * vpart_row, vpart_row);
-        gemm<acc_t>(false, false, n, D, cols, sc.dp.data(), BN, kt, ldk, acc_t(1), sc.dq.data(), D);
-        gemm<acc_t>(true, false, cols, D, n, sc.dp.data(), BN, sc.q.data(), D, acc_t(1), dk_seq + c0 * part_row,
-                    part_row);
+        sc.tiles.add_gradients(cols, n, sc.dq.data(), dk_seq + c0 * part_row, part_row, dv_seq + c0 * vpart_row,
+                               vpart_row);
       });
       for (int64_t r = 0; r < n; ++r) {
         scalar_t* dst = const_cast<scalar_t*>(dqrows.data) + s.qb * dqrows.batch_stride +

@@ -3,8 +3,9 @@
 // generator's use, the BLAS call and the scheduler. The arithmetic of a row lives in cpu_vec.h.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 
 #include "cpu_vec.h"
 

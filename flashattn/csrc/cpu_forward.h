@@ -1,19 +1,22 @@
 // FlashAttention-2 forward on CPU. A task is (sequence, kv head, block of query rows); it runs its whole key loop
-// with its tiles in cache: S = Q K^T on the BLAS, the online softmax (and dropout) in one vectorised pass over the
-// tile, O += P V on the BLAS, and one division per row at the end.
+// with its tiles in cache: S = Q K^T (cpu_tiles.h: fp32 tiles on the BLAS, or 16-bit tiles on the dot-product
+// instructions, the K/V tile packed once per task and tile), the online softmax (and dropout) in one vectorised
+// pass over the tile, O += P V, and one division per row at the end.
 #pragma once
 
-#include "cpu_common.h"
+#include "cpu_tiles.h"
 
 namespace flash_cpu {
 
-template <typename acc_t>
+template <typename Tiles>
 struct ForwardScratch {
-  Buffer<acc_t> q, s, acc, k, v, z, row_max, row_sum;
+  using acc_t = typename Tiles::acc_t;
+  Tiles tiles;
+  Buffer<acc_t> acc, z, row_max, row_sum;
   Buffer<int64_t> g, i;
-  ForwardScratch(const Problem& p)
-      : q(p.block_m * p.dim), s(p.block_m * p.block_n), acc(p.block_m * p.dim_v), k(p.block_n * p.dim),
-        v(p.block_n * p.dim_v), z(p.block_n), row_max(p.block_m), row_sum(p.block_m), g(p.block_m), i(p.block_m) {}
+  ForwardScratch(const Problem& p, Engine engine)
+      : tiles(p, false, engine), acc(product_rows(p.block_m) * p.dim_v), z(p.block_n), row_max(p.block_m),
+        row_sum(p.block_m), g(p.block_m), i(p.block_m) {}
 };
 
 // Unit of work of the forward and of the backward's dK/dV: (sequence, kv head, block or split).
@@ -21,33 +24,18 @@ struct Task {
   int64_t seq, kv_head, part;
 };
 
-template <typename scalar_t, typename acc_t>
-void load_queries(const Problem& p, const Rows<scalar_t>& q, const Sequence& s, int64_t hk, const int64_t* g,
-                  const int64_t* i, int64_t n, acc_t factor, acc_t* dst, int64_t dim) {
-  for (int64_t r = 0; r < n; ++r) {
-    const scalar_t* src = q.data + s.qb * q.batch_stride + (s.q0 + i[r]) * q.row_stride +
-                          (hk * p.group + g[r]) * q.head_stride;
-    for (int64_t d = 0; d < dim; ++d) dst[r * dim + d] = static_cast<acc_t>(src[d]) * factor;
-  }
-}
-
-// Scores become log2 units in the matmul: q is scaled by scale * log2e (with softcap, by scale / softcap).
-template <typename acc_t>
-acc_t query_factor(const Problem& p) {
-  return static_cast<acc_t>(p.softcap > 0 ? p.scale / p.softcap : p.scale * kLog2e);
-}
-
 // out (B, Nq, H, Dv) in q's dtype; lse (B, H, Nq) in acc_t (rows that see no key: out 0, lse -inf).
-template <typename scalar_t, typename acc_t>
-void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                    at::Tensor& lse) {
+template <typename Tiles>
+void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    at::Tensor& out, at::Tensor& lse) {
+  using scalar_t = typename Tiles::scalar_t;
+  using acc_t = typename Tiles::acc_t;
   const Rows<scalar_t> qr = rows_of<scalar_t>(q), kr = rows_of<scalar_t>(k), vr = rows_of<scalar_t>(v);
   const Rows<scalar_t> orows = rows_of<scalar_t>(out);
   acc_t* lse_p = lse.data_ptr<acc_t>();
   const int64_t lse_b = lse.stride(0), lse_h = lse.stride(1);
-  const int64_t D = p.dim, DV = p.dim_v, BN = p.block_n;
+  const int64_t DV = p.dim_v, BN = p.block_n;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  const acc_t q_factor = query_factor<acc_t>(p);
 
   std::vector<Task> tasks;
   std::vector<int64_t> cost;
@@ -66,7 +54,8 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
       }
     }
   }
-  run_tasks(longest_first(cost), [&] { return ForwardScratch<acc_t>(p); }, [&](int64_t t, ForwardScratch<acc_t>& sc) {
+  using Scratch = ForwardScratch<Tiles>;
+  run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
     const Task& task = tasks[t];
     const Sequence& s = p.seqs[task.seq];
     const int64_t hk = task.kv_head;
@@ -75,17 +64,16 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
     const int64_t n = p.block_rows(s, task.part, g, i);
     int64_t lo, hi;
     p.block_columns(s, i, n, &lo, &hi);
-    load_queries(p, qr, s, hk, g, i, n, q_factor, sc.q.data(), D);
+    sc.tiles.load_queries(p, qr, s, hk, g, i, n);
     std::fill_n(sc.acc.data(), n * DV, acc_t(0));
     std::fill_n(sc.row_max.data(), n, neg_inf);
     std::fill_n(sc.row_sum.data(), n, acc_t(0));
+    const int64_t ld = sc.tiles.ld();
     p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
       const int64_t cols = std::min(BN, s.nk - c0);
-      int64_t ldk, ldv;
-      const acc_t* kt = key_tile(p, kr, task.seq, s, hk, c0, cols, D, sc.k.data(), &ldk);
-      gemm<acc_t>(false, true, n, cols, D, sc.q.data(), D, kt, ldk, acc_t(0), sc.s.data(), BN);
+      acc_t* scores = sc.tiles.scores(p, kr, task.seq, s, hk, c0, cols, n);
       for (int64_t r = 0; r < n; ++r) {
-        acc_t* srow = sc.s.data() + r * BN;
+        acc_t* srow = scores + r * ld;
         const int64_t h = hk * p.group + g[r];
         p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr, p.tile_row(tile, i[r]));
         const acc_t m = max_of(srow, cols, sc.row_max[r]);
@@ -107,8 +95,7 @@ void forward_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
           for (int64_t d = 0; d < DV; ++d) ar[d] *= alpha;
         }
       }
-      const acc_t* vt = key_tile(p, vr, task.seq, s, hk, c0, cols, DV, sc.v.data(), &ldv);
-      gemm<acc_t>(false, false, n, DV, cols, sc.s.data(), BN, vt, ldv, acc_t(1), sc.acc.data(), DV);
+      sc.tiles.add_values(p, vr, task.seq, s, hk, c0, cols, n, sc.acc.data());
     });
     // Deferred normalisation: one division per row. A sink is one more score in the denominator, with no value.
     for (int64_t r = 0; r < n; ++r) {

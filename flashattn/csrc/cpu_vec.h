@@ -1,7 +1,11 @@
-// Row arithmetic of the CPU kernels: exp2 for the softmax, max and exp-sum passes, tanh for softcap, and the
-// dropout generator, each in a scalar form and, for float, on 8-wide vectors (GCC/Clang vector extensions for any
-// target; Philox on AVX2 intrinsics where the compiler targets them, since it needs 32x32->64-bit products).
+// Row arithmetic of the CPU kernels: exp2 for the softmax, max and exp-sum passes, tanh for softcap, scaling and
+// rounding a row, and the dropout generator, each in a scalar form and, for float, on ATen's at::vec::Vectorized
+// (16 lanes where the build targets AVX-512, 8 on AVX2: cpu_build.py defines CPU_CAPABILITY to match the host);
+// Philox on AVX2 intrinsics where the compiler targets them, since it needs 32x32->64-bit products.
 #pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,6 +19,8 @@
 namespace flash_cpu {
 
 constexpr double kLog2e = 1.4426950408889634;
+using fVec = at::vec::Vectorized<float>;
+using iVec = at::vec::Vectorized<int32_t>;
 
 // 2^x for x <= 0 (a score minus its row maximum); exactly 0 below 2^-126 and for -inf. Relative error below 3e-7;
 // no calls or branches, so the loops that use it vectorize.
@@ -36,9 +42,26 @@ inline float exp2_neg(float x) {
 
 inline double exp2_neg(double x) { return std::exp2(x); }
 
+// exp2_neg on a vector: the same polynomial, 2^floor(x) built in the exponent bits.
+inline fVec exp2_neg(fVec x) {
+  const fVec lowest(-126.0f);
+  const fVec xc = at::vec::maximum(x, lowest);
+  const fVec xi = xc.floor();
+  const fVec f = xc - xi;
+  fVec p = at::vec::fmadd(f, fVec(1.8775767e-3f), fVec(8.9893397e-3f));
+  p = at::vec::fmadd(p, f, fVec(5.5826318e-2f));
+  p = at::vec::fmadd(p, f, fVec(2.4015361e-1f));
+  p = at::vec::fmadd(p, f, fVec(6.9315308e-1f));
+  p = at::vec::fmadd(p, f, fVec(9.9999994e-1f));
+  // (xi + 127) * 2^23 is an exact float; as an int it is 2^xi's bit pattern.
+  const iVec bits = at::vec::convert_to_int_of_same_size(at::vec::fmadd(xi, fVec(8388608.0f), fVec(1065353216.0f)));
+  const fVec r = p * at::vec::cast<float>(bits);
+  return fVec::blendv(fVec(0.0f), r, x >= lowest);
+}
+
 // The two passes of the online softmax over a row: its maximum, then x = 2^(x - m) with their sum. The float
-// versions are written on 8-wide vectors (GCC/Clang vector extensions, any target): the compiler does not
-// vectorize a max reduction that must keep -inf and NaN semantics.
+// versions are written on vectors: the compiler does not vectorize a max reduction that must keep -inf and NaN
+// semantics.
 template <typename T>
 inline T max_of(const T* x, int64_t n, T m) {
   for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
@@ -55,59 +78,42 @@ inline T exp2_shift_sum(T* x, int64_t n, T m) {
   return sum;
 }
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline f32x8 exp2_neg8(f32x8 x) {  // exp2_neg on 8 lanes
-  const f32x8 xc = x > -126.0f ? x : f32x8{} - 126.0f;
-  f32x8 xi = __builtin_convertvector(__builtin_convertvector(xc, i32x8), f32x8);  // truncation, then floor
-  xi += __builtin_convertvector(xi > xc, f32x8);  // true is -1
-  const f32x8 f = xc - xi;
-  f32x8 p = f * 1.8775767e-3f + 8.9893397e-3f;
-  p = p * f + 5.5826318e-2f;
-  p = p * f + 2.4015361e-1f;
-  p = p * f + 6.9315308e-1f;
-  p = p * f + 9.9999994e-1f;
-  const i32x8 bits = (__builtin_convertvector(xi, i32x8) + 127) << 23;
-  const f32x8 r = p * reinterpret_cast<const f32x8&>(bits);
-  return reinterpret_cast<f32x8>(reinterpret_cast<const i32x8&>(r) & (x >= -126.0f));
-}
-
 template <>
 inline float max_of<float>(const float* x, int64_t n, float m) {
-  f32x8 acc = f32x8{} + m;
+  fVec acc(m);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const f32x8 v = load8(x + j);
-    acc = v > acc ? v : acc;
-  }
-  for (int u = 0; u < 8; ++u) m = std::max(m, acc[u]);
-  for (; j < n; ++j) m = std::max(m, x[j]);
-  return m;
+  for (; j + fVec::size() <= n; j += fVec::size()) acc = at::vec::maximum(acc, fVec::loadu(x + j));
+  if (j < n) acc = at::vec::maximum(acc, fVec::set(fVec(m), fVec::loadu(x + j, n - j), n - j));
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, acc);
 }
 
 template <>
 inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
-  f32x8 acc{};
+  fVec acc(0.0f);
+  const fVec top(m);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const f32x8 e = exp2_neg8(load8(x + j) - m);
-    std::memcpy(x + j, &e, sizeof(e));
-    acc += e;
+  for (; j + fVec::size() <= n; j += fVec::size()) {
+    const fVec e = exp2_neg(fVec::loadu(x + j) - top);
+    e.store(x + j);
+    acc = acc + e;
   }
-  float sum = 0;
-  for (int u = 0; u < 8; ++u) sum += acc[u];
-  for (; j < n; ++j) {
-    x[j] = exp2_neg(x[j] - m);
-    sum += x[j];
+  if (j < n) {
+    const fVec e = exp2_neg(fVec::loadu(x + j, n - j) - top);
+    e.store(x + j, n - j);
+    acc = acc + fVec::set(fVec(0.0f), e, n - j);
   }
-  return sum;
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+}
+
+// x *= factor over a row.
+inline void scale_row(float* x, int64_t n, float factor) {
+  at::vec::map([factor](fVec v) { return v * fVec(factor); }, x, x, n);
+}
+
+// A row of fp32 values rounded to 16 bits (to nearest even, as the GPU kernels round P and dS).
+template <typename scalar_t>
+inline void round_row(const float* x, int64_t n, scalar_t* out) {
+  at::vec::convert(x, out, n);
 }
 
 // s = cap * tanh(s) over a row, keeping tanh in `t` (if not null) for the backward's chain rule. tanh from
@@ -121,26 +127,20 @@ inline void tanh_scaled(T* s, T* t, int64_t n, T cap) {
   }
 }
 
-inline f32x8 tanh8(f32x8 x) {
-  const f32x8 a = x < 0.0f ? -x : x;
-  const f32x8 e = exp2_neg8(a * -2.8853900817779268f);  // -2 log2(e)
-  const f32x8 r = (1.0f - e) / (1.0f + e);
-  return x < 0.0f ? -r : r;
+inline fVec tanh_vec(fVec x) {
+  const fVec a = x.abs();
+  const fVec e = exp2_neg(a * fVec(-2.8853900817779268f));  // -2 log2(e)
+  const fVec r = (fVec(1.0f) - e) / (fVec(1.0f) + e);
+  return fVec::blendv(r, fVec(0.0f) - r, x < fVec(0.0f));
 }
 
 template <>
 inline void tanh_scaled<float>(float* s, float* t, int64_t n, float cap) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const f32x8 v = tanh8(load8(s + j));
-    if (t != nullptr) std::memcpy(t + j, &v, sizeof(v));
-    const f32x8 out = v * cap;
-    std::memcpy(s + j, &out, sizeof(out));
-  }
-  for (; j < n; ++j) {
-    const f32x8 v = tanh8(f32x8{} + s[j]);
-    if (t != nullptr) t[j] = v[0];
-    s[j] = cap * v[0];
+  for (int64_t j = 0; j < n; j += fVec::size()) {
+    const int64_t count = std::min<int64_t>(fVec::size(), n - j);
+    const fVec v = tanh_vec(fVec::loadu(s + j, count));
+    if (t != nullptr) v.store(t + j, count);
+    (v * fVec(cap)).store(s + j, count);
   }
 }
 

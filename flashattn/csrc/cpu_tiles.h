@@ -1,0 +1,213 @@
+// The tile products of the CPU kernels, in two policies with one interface, so cpu_forward.h and cpu_backward.h
+// hold the attention loop once:
+//   WideTiles<scalar_t, acc_t>: tiles converted to fp32 (fp64 for fp64) on the BLAS torch ships (sgemm/dgemm);
+//   NativeTiles<scalar_t>: bf16/fp16 operands on the dot-product instructions (cpu_gemm16.h), fp32 accumulation,
+//     with FlashAttention's GPU numerics: S = Q K^T from 16-bit operands, P rounded to 16 bits for P V; in the
+//     backward dS rounded to 16 bits for dQ = dS K and dK = dS^T Q.
+// Both hand the attention loop S in the kernels' log2 units (q.k * scale * log2e, or q.k * scale / softcap).
+#pragma once
+
+#include "cpu_common.h"
+#include "cpu_gemm16.h"
+
+namespace flash_cpu {
+
+template <typename scalar_t, typename acc_t>
+void load_rows(const Problem& p, const Rows<scalar_t>& src, const Sequence& s, int64_t hk, const int64_t* g,
+               const int64_t* i, int64_t n, acc_t factor, acc_t* dst, int64_t width, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    const scalar_t* row = src.data + s.qb * src.batch_stride + (s.q0 + i[r]) * src.row_stride +
+                          (hk * p.group + g[r]) * src.head_stride;
+    for (int64_t d = 0; d < width; ++d) dst[r * ld + d] = static_cast<acc_t>(row[d]) * factor;
+  }
+}
+
+// Row r of the query-side tensor (q, dO) of block row (g[r], i[r]).
+template <typename scalar_t>
+const scalar_t* query_row(const Problem& p, const Rows<scalar_t>& src, const Sequence& s, int64_t hk, int64_t g,
+                          int64_t i) {
+  return src.data + s.qb * src.batch_stride + (s.q0 + i) * src.row_stride + (hk * p.group + g) * src.head_stride;
+}
+
+// S's factor into log2 units.
+template <typename acc_t>
+acc_t score_factor(const Problem& p) {
+  return static_cast<acc_t>(p.softcap > 0 ? p.scale / p.softcap : p.scale * kLog2e);
+}
+
+// ---------------------------------------------------------------------------------------------------- wide tiles
+template <typename scalar_t_, typename acc_t_>
+struct WideTiles {
+  using scalar_t = scalar_t_;
+  using acc_t = acc_t_;
+  int64_t D, DV, BN;
+  Buffer<acc_t> q, dout, s_tile, dp_tile, k, v;
+  const acc_t *kt = nullptr, *vt = nullptr;  // the current tile's keys and values (in place or in k/v)
+  int64_t ldk = 0, ldv = 0;
+
+  WideTiles(const Problem& p, bool backward, Engine)
+      : D(p.dim), DV(p.dim_v), BN(p.block_n), q(p.block_m * p.dim), dout(backward ? p.block_m * p.dim_v : 0),
+        s_tile(p.block_m * p.block_n), dp_tile(backward ? p.block_m * p.block_n : 0), k(p.block_n * p.dim),
+        v(p.block_n * p.dim_v) {}
+  int64_t ld() const { return BN; }
+  // The backward's dK accumulates dS^T (Q scaled into log2 units): back to the natural score's units.
+  static double dk_factor(const Problem& p) { return p.softcap > 0 ? p.softcap : 1.0 / kLog2e; }
+
+  // Forward: the block's queries, scaled into log2 units (S needs no pass of its own).
+  void load_queries(const Problem& p, const Rows<scalar_t>& qr, const Sequence& s, int64_t hk, const int64_t* g,
+                    const int64_t* i, int64_t n) {
+    load_rows(p, qr, s, hk, g, i, n, score_factor<acc_t>(p), q.data(), D, D);
+  }
+  // S (n x cols, leading dimension ld()) of the key tile [c0, c0 + cols).
+  acc_t* scores(const Problem& p, const Rows<scalar_t>& kr, int64_t s_idx, const Sequence& s, int64_t hk,
+                int64_t c0, int64_t cols, int64_t n) {
+    kt = key_tile(p, kr, s_idx, s, hk, c0, cols, D, k.data(), &ldk);
+    gemm<acc_t>(false, true, n, cols, D, q.data(), D, kt, ldk, acc_t(0), s_tile.data(), BN);
+    return s_tile.data();
+  }
+  // acc (n x DV) += P V, P (n x cols) in s.
+  void add_values(const Problem& p, const Rows<scalar_t>& vr, int64_t s_idx, const Sequence& s, int64_t hk,
+                  int64_t c0, int64_t cols, int64_t n, acc_t* acc) {
+    vt = key_tile(p, vr, s_idx, s, hk, c0, cols, DV, v.data(), &ldv);
+    gemm<acc_t>(false, false, n, DV, cols, s_tile.data(), BN, vt, ldv, acc_t(1), acc, DV);
+  }
+
+  // Backward: the block's queries (log2 units) and output gradients.
+  void load_block(const Problem& p, const Rows<scalar_t>& qr, const Rows<scalar_t>& dor, const Sequence& s,
+                  int64_t hk, const int64_t* g, const int64_t* i, int64_t n) {
+    load_queries(p, qr, s, hk, g, i, n);
+    load_rows(p, dor, s, hk, g, i, n, acc_t(1), dout.data(), DV, DV);
+  }
+  // S into s and dP = dO V^T into dp, both (n x cols) with leading dimension ld().
+  void scores_and_dp(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, int64_t s_idx,
+                     const Sequence& s, int64_t hk, int64_t c0, int64_t cols, int64_t n) {
+    scores(p, kr, s_idx, s, hk, c0, cols, n);
+    vt = key_tile(p, vr, s_idx, s, hk, c0, cols, DV, v.data(), &ldv);
+    gemm<acc_t>(false, true, n, cols, DV, dout.data(), DV, vt, ldv, acc_t(0), dp_tile.data(), BN);
+  }
+  // With P (dropped) in s and dS in dp: dV += P^T dO, dQ += dS K, dK += dS^T Q.
+  void add_gradients(int64_t cols, int64_t n, acc_t* dq, acc_t* dk, int64_t ld_dk, acc_t* dv, int64_t ld_dv) {
+    gemm<acc_t>(true, false, cols, DV, n, s_tile.data(), BN, dout.data(), DV, acc_t(1), dv, ld_dv);
+    gemm<acc_t>(false, false, n, D, cols, dp_tile.data(), BN, kt, ldk, acc_t(1), dq, D);
+    gemm<acc_t>(true, false, cols, D, n, dp_tile.data(), BN, q.data(), D, acc_t(1), dk, ld_dk);
+  }
+};
+
+// -------------------------------------------------------------------------------------------------- native tiles
+// Operand layouts (element counts): the rows of a product are padded to product_rows(), key tiles to
+// key_columns() (both zero-padded where a product reduces over them), head dims to even (VNNI pairs).
+template <typename scalar_t_>
+struct NativeTiles {
+  using scalar_t = scalar_t_;
+  using acc_t = float;
+  Engine engine;
+  int64_t D, Dp, DV, DVp, BNc, rows;
+  Buffer<scalar_t> q, dout, kt, vt, kv, rounded, qv, dov, p_trans, ds_trans;
+  Buffer<float> s_tile, dp_tile;
+
+  NativeTiles(const Problem& p, bool backward, Engine engine_)
+      : engine(engine_), D(p.dim), Dp(round_up(p.dim, 2)), DV(p.dim_v), DVp(round_up(p.dim_v, 2)),
+        BNc(key_columns(p.block_n)), rows(product_rows(p.block_m)),
+        q(rows * Dp), dout(backward ? rows * DVp : 0), kt(Dp * BNc), vt(backward ? DVp * BNc : BNc * DV),
+        kv(backward ? BNc * D : 0), rounded(rows * BNc), qv(backward ? key_columns(p.block_m) * D : 0),
+        dov(backward ? key_columns(p.block_m) * DV : 0), p_trans(backward ? p.block_n * key_columns(p.block_m) : 0),
+        ds_trans(backward ? p.block_n * key_columns(p.block_m) : 0), s_tile(rows * BNc), dp_tile(backward ? rows * BNc : 0) {}
+  ~NativeTiles() { release_engine(engine); }
+  NativeTiles(NativeTiles&&) = default;
+  int64_t ld() const { return BNc; }
+  static double dk_factor(const Problem& p) { return p.scale; }
+
+  // Rows [0, n) of the query-side tensor into dst (product_rows(n) x width_p): the pad column and rows zero.
+  void copy_rows(const Problem& p, const Rows<scalar_t>& src, const Sequence& s, int64_t hk, const int64_t* g,
+                 const int64_t* i, int64_t n, int64_t width, int64_t width_p, scalar_t* dst) const {
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(dst + r * width_p, query_row(p, src, s, hk, g[r], i[r]), width * sizeof(scalar_t));
+      if (width_p > width) dst[r * width_p + width] = scalar_t(0);
+    }
+    std::fill(dst + n * width_p, dst + product_rows(n) * width_p, scalar_t(0));
+  }
+
+  void load_queries(const Problem& p, const Rows<scalar_t>& qr, const Sequence& s, int64_t hk, const int64_t* g,
+                    const int64_t* i, int64_t n) {
+    copy_rows(p, qr, s, hk, g, i, n, D, Dp, q.data());
+  }
+
+  // S = Q K^T, then scaled into log2 units over the tile's valid columns.
+  float* scores(const Problem& p, const Rows<scalar_t>& kr, int64_t s_idx, const Sequence& s, int64_t hk,
+                int64_t c0, int64_t cols, int64_t n) {
+    const auto key = [&](int64_t r) { return kr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
+    pack_transposed(key, cols, D, kt.data(), BNc);
+    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);
+    zero_columns(kt.data(), Dp / 2, cols, cols_c);
+    gemm16(engine, rows_n, cols_c, Dp, q.data(), Dp, kt.data(), BNc, s_tile.data(), BNc, false);
+    scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
+    return s_tile.data();
+  }
+
+  void add_values(const Problem& p, const Rows<scalar_t>& vr, int64_t s_idx, const Sequence& s, int64_t hk,
+                  int64_t c0, int64_t cols, int64_t n, float* acc) {
+    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);
+    round_rows(s_tile.data(), n, rows_n, cols, cols_c, rounded.data());
+    const auto value = [&](int64_t r) { return vr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
+    pack_rows(value, cols, 32, DV, vt.data(), DV);
+    gemm16(engine, rows_n, DV, cols_c, rounded.data(), BNc, vt.data(), DV, acc, DV, true);
+  }
+
+  void load_block(const Problem& p, const Rows<scalar_t>& qr, const Rows<scalar_t>& dor, const Sequence& s,
+                  int64_t hk, const int64_t* g, const int64_t* i, int64_t n) {
+    copy_rows(p, qr, s, hk, g, i, n, D, Dp, q.data());
+    copy_rows(p, dor, s, hk, g, i, n, DV, DVp, dout.data());
+    pack_rows([&](int64_t r) { return q.data() + r * Dp; }, n, 32, D, qv.data(), D);
+    pack_rows([&](int64_t r) { return dout.data() + r * DVp; }, n, 32, DV, dov.data(), DV);
+  }
+
+  void scores_and_dp(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, int64_t s_idx,
+                     const Sequence& s, int64_t hk, int64_t c0, int64_t cols, int64_t n) {
+    scores(p, kr, s_idx, s, hk, c0, cols, n);
+    const auto key = [&](int64_t r) { return kr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
+    const auto value = [&](int64_t r) { return vr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
+    const int64_t cols_c = key_columns(cols);
+    pack_transposed(value, cols, DV, vt.data(), BNc);
+    zero_columns(vt.data(), DVp / 2, cols, cols_c);
+    pack_rows(key, cols, 32, D, kv.data(), D);
+    gemm16(engine, product_rows(n), cols_c, DVp, dout.data(), DVp, vt.data(), BNc, dp_tile.data(), BNc, false);
+  }
+
+  void add_gradients(int64_t cols, int64_t n, float* dq, float* dk, int64_t ld_dk, float* dv, int64_t ld_dv) {
+    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols), n_c = key_columns(n);
+    transpose_rows(s_tile.data(), n, n_c, cols, p_trans.data());
+    transpose_rows(dp_tile.data(), n, n_c, cols, ds_trans.data());
+    round_rows(dp_tile.data(), n, rows_n, cols, cols_c, rounded.data());
+    gemm16(engine, cols, DV, n_c, p_trans.data(), n_c, dov.data(), DV, dv, ld_dv, true);
+    gemm16(engine, rows_n, D, cols_c, rounded.data(), BNc, kv.data(), D, dq, D, true);
+    gemm16(engine, cols, D, n_c, ds_trans.data(), n_c, qv.data(), D, dk, ld_dk, true);
+  }
+
+ private:
+  // Columns [cols, cols_c) of `pairs` VNNI rows (ld BNc) set to zero: the padded keys of a product over keys.
+  void zero_columns(scalar_t* b, int64_t pairs, int64_t cols, int64_t cols_c) const {
+    if (cols == cols_c) return;
+    for (int64_t w = 0; w < pairs; ++w) std::fill(b + 2 * (w * BNc + cols), b + 2 * (w * BNc + cols_c), scalar_t(0));
+  }
+  void scale_rows(float* x, int64_t n, int64_t cols, int64_t ld, float factor) const {
+    for (int64_t r = 0; r < n; ++r) scale_row(x + r * ld, cols, factor);
+  }
+  // x (n x cols fp32, ld BNc) rounded into out (rows_n x cols_c, ld BNc): padding zero.
+  void round_rows(const float* x, int64_t n, int64_t rows_n, int64_t cols, int64_t cols_c, scalar_t* out) const {
+    for (int64_t r = 0; r < n; ++r) {
+      round_row(x + r * BNc, cols, out + r * BNc);
+      std::fill(out + r * BNc + cols, out + r * BNc + cols_c, scalar_t(0));
+    }
+    for (int64_t r = n; r < rows_n; ++r) std::fill(out + r * BNc, out + r * BNc + cols_c, scalar_t(0));
+  }
+  // x (n x cols fp32, ld BNc) rounded and transposed into out (cols x n_c): columns [n, n_c) zero.
+  void transpose_rows(const float* x, int64_t n, int64_t n_c, int64_t cols, scalar_t* out) const {
+    for (int64_t j = 0; j < cols; ++j) {
+      scalar_t* o = out + j * n_c;
+      for (int64_t r = 0; r < n; ++r) o[r] = static_cast<scalar_t>(x[r * BNc + j]);
+      std::fill(o + n, o + n_c, scalar_t(0));
+    }
+  }
+};
+
+}  // namespace flash_cpu
