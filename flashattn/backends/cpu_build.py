@@ -78,20 +78,20 @@ def _put_ninja_on_path() -> None:
 
 @functools.cache
 def _load():
-    """(module, None) or (None, why not); logged once. A build folder that fails to load (a truncated or foreign
-    library left by a killed build) is removed and built once more before giving up."""
+    """(module, the line ``status()`` gives) or (None, why not); logged once. A build folder that fails to load (a
+    truncated or foreign library left by a killed build) is removed and built once more before giving up."""
     if os.environ.get("FLASHATTN_CPU_KERNEL", "1").strip() == "0":
         return None, "FLASHATTN_CPU_KERNEL=0"
     folder = cache_dir() / build_name()
     try:
-        return _build(folder), None
+        return _build(folder), f"built in {folder}"
     except Exception as exc:  # no compiler, a failed build, a broken cache: the torch path runs instead
         error = exc
     if any(folder.glob("*.so")):
         _log.info("flashattn: the CPU kernel's build in %s did not load (%s); rebuilding it", folder, _why(error))
         shutil.rmtree(folder, ignore_errors=True)
         try:
-            return _build(folder), None
+            return _build(folder), f"built in {folder}"
         except Exception as exc:
             error = exc
     _log.warning("flashattn: the CPU kernel could not be built (%s); CPU calls run on the torch path", _why(error))
@@ -118,10 +118,8 @@ def _build(folder: Path):
 
 def status() -> tuple[bool, str]:
     """(whether the kernel is built and loaded, a line saying so or why not); builds it if needed."""
-    module, why = _load()
-    return (True, f"built in {cache_dir() / build_name()}") if module is not None else (False, why)
-
-
+    module, line = _load()
+    return module is not None, line
 
 
 def module():

@@ -103,7 +103,8 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       std::fill_n(sc.dq.data(), n * D, acc_t(0));
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
-        sc.tiles.scores_and_dp(p, kr, vr, task.seq, s, hk, c0, cols, n);
+        sc.tiles.scores_and_dp(p, KeyRows<scalar_t>::of(p, kr, task.seq, s, hk, c0),
+                               KeyRows<scalar_t>::of(p, vr, task.seq, s, hk, c0), cols, n);
         for (int64_t r = 0; r < n; ++r) {
           const int64_t h = hk * p.group + g[r];
           acc_t* srow = sc.tiles.s_tile.data() + r * ld;

@@ -107,6 +107,15 @@ struct Problem {
     *hi = right < 0 ? s.nk : std::min<int64_t>(s.nk, i + s.diagonal + right + 1);
   }
 
+  // Every sequence's query rows of a kv head fit one block (decode, and short prefills), without a block mask.
+  bool short_queries() const {
+    if (tile_kind != nullptr) return false;
+    for (const auto& s : seqs) {
+      if (s.nq * group > block_m) return false;
+    }
+    return true;
+  }
+
   // Query heads of one kv head packed per block: short sequences (decode) share each K/V tile among the group.
   int64_t heads_per_block(const Sequence& s) const {
     if (tile_kind != nullptr) return 1;  // a block mask's tiles are one head's
@@ -238,19 +247,51 @@ Rows<scalar_t> rows_of(const at::Tensor& t) {
   return {t.data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// Keys (or values) [c0, c0 + cols) of sequence s, head hk as a (cols x dim) matrix: a pointer into the tensor when
-// it already is one in the accumulation type, else converted into `buffer`. Returns the leading dimension.
+// The rows [c0, c0 + cols) of one kv head of a key (or value) tile, as the tile products read them: uniformly
+// strided (a dense or varlen tensor) or, in a paged cache, through the page table.
+template <typename scalar_t>
+struct KeyRows {
+  const scalar_t* first = nullptr;  // uniform: row r at first + r * stride
+  int64_t stride = 0;
+  const Problem* p = nullptr;  // paged: row r at rows->row(*p, s_idx, *s, hk, pos0 + r)
+  const Rows<scalar_t>* rows = nullptr;
+  const Sequence* s = nullptr;
+  int64_t s_idx = 0, hk = 0, pos0 = 0;
+
+  static KeyRows uniform(const scalar_t* first, int64_t stride) { return {first, stride}; }
+  static KeyRows of(const Problem& p, const Rows<scalar_t>& rows, int64_t s_idx, const Sequence& s, int64_t hk,
+                    int64_t c0) {
+    if (p.block_table == nullptr) return uniform(rows.row(p, s_idx, s, hk, s.k0 + c0), rows.row_stride);
+    return {nullptr, 0, &p, &rows, &s, s_idx, hk, s.k0 + c0};
+  }
+  bool is_uniform() const { return first != nullptr; }
+  const scalar_t* operator()(int64_t r) const {
+    return first != nullptr ? first + r * stride : rows->row(*p, s_idx, *s, hk, pos0 + r);
+  }
+};
+
+// Asks memory for `count` rows from row r0 of `rows`, `width` elements of each (several heads' worth from the
+// first: a multi-head task's rows are read whole); the packings ask for the next rows while they pack these.
+template <typename scalar_t>
+void prefetch_rows(const KeyRows<scalar_t>& rows, int64_t r0, int64_t count, int64_t width) {
+  for (int64_t r = r0; r < r0 + count; ++r) {
+    const char* at = reinterpret_cast<const char*>(rows(r));
+    for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(at + b);
+  }
+}
+
+// Keys (or values) rows [0, cols) as a (cols x dim) matrix in the accumulation type: the rows in place when they
+// already are one, else converted into `buffer`. Returns the leading dimension in *ld.
 template <typename scalar_t, typename acc_t>
-const acc_t* key_tile(const Problem& p, const Rows<scalar_t>& src, int64_t s_idx, const Sequence& s, int64_t hk,
-                      int64_t c0, int64_t cols, int64_t dim, acc_t* buffer, int64_t* ld) {
+const acc_t* key_tile(const KeyRows<scalar_t>& rows, int64_t cols, int64_t dim, acc_t* buffer, int64_t* ld) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (p.block_table == nullptr) {
-      *ld = src.row_stride;
-      return src.row(p, s_idx, s, hk, s.k0 + c0);
+    if (rows.is_uniform()) {
+      *ld = rows.stride;
+      return rows.first;
     }
   }
   for (int64_t j = 0; j < cols; ++j) {
-    const scalar_t* r = src.row(p, s_idx, s, hk, s.k0 + c0 + j);
+    const scalar_t* r = rows(j);
     for (int64_t d = 0; d < dim; ++d) buffer[j * dim + d] = static_cast<acc_t>(r[d]);
   }
   *ld = dim;

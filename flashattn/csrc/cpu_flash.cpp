@@ -141,11 +141,16 @@ void dispatch_tiles(const Tensor& q, Engine engine, const Fn& fn) {
   });
 }
 
+// Key tiles of decode-like forwards, whose tasks read every kv head's rows: a tile of K and V rows, read ahead,
+// stays within L2.
+constexpr int64_t kShortQueryKeys = 64;
+
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Options& o) {
   check_layout(q, k, v);
   at::NoGradGuard no_grad;
   std::vector<Tensor> keep;
-  const Problem p = make_problem(o, q, k, v, keep);
+  Problem p = make_problem(o, q, k, v, keep);
+  if (p.short_queries()) p.block_n = std::min(p.block_n, kShortQueryKeys);
   const Engine engine = engine_of(o.tiles);
   dispatch_tiles(q, engine, [&](auto policy) {
     flash_cpu::forward_kernel<typename decltype(policy)::type>(p, engine, q, k, v, out, lse);

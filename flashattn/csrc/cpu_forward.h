@@ -1,27 +1,61 @@
-// FlashAttention-2 forward on CPU. A task is (sequence, kv head, block of query rows); it runs its whole key loop
+// FlashAttention-2 forward on CPU. A task is a block of query rows of one sequence, for one kv head or, when the
+// queries are short (decode), for every kv head at once and a piece of the key range: each task runs its key loop
 // with its tiles in cache: S = Q K^T (cpu_tiles.h: fp32 tiles on the BLAS, or 16-bit tiles on the dot-product
 // instructions, the K/V tile packed once per task and tile), the online softmax (and dropout) in one vectorised
-// pass over the tile, O += P V, and one division per row at the end.
+// pass over the tile, O += P V, and one division per row at the end. Pieces of a split key range are merged
+// through their (max, sum) afterwards.
 #pragma once
 
 #include "cpu_tiles.h"
 
 namespace flash_cpu {
 
-template <typename Tiles>
-struct ForwardScratch {
-  using acc_t = typename Tiles::acc_t;
-  Tiles tiles;
-  Buffer<acc_t> acc, z, row_max, row_sum;
-  Buffer<int64_t> g, i;
-  ForwardScratch(const Problem& p, Engine engine)
-      : tiles(p, false, engine), acc(product_rows(p.block_m) * p.dim_v), z(p.block_n), row_max(p.block_m),
-        row_sum(p.block_m), g(p.block_m), i(p.block_m) {}
+// Query block `block` of sequence `seq`, kv heads [hk0, hk0 + heads), keys [lo, hi); `piece` >= 0 when the key
+// range of the sequence is split (its partial result goes to slot `piece`).
+struct ForwardTask {
+  int64_t seq, block, hk0, heads, lo, hi, piece;
 };
 
-// Unit of work of the forward and of the backward's dK/dV: (sequence, kv head, block or split).
+// Unit of work of the backward: (sequence, kv head, split).
 struct Task {
   int64_t seq, kv_head, part;
+};
+
+template <typename Tiles>
+struct ForwardScratch {
+  using scalar_t = typename Tiles::scalar_t;
+  using acc_t = typename Tiles::acc_t;
+  Tiles tiles;
+  Buffer<acc_t> acc, z, row_max, row_sum;  // acc, row_max, row_sum: one slab per kv head of the task
+  Buffer<int64_t> g, i;
+  ForwardScratch(const Problem& p, Engine engine, int64_t heads)
+      : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v), z(p.block_n),
+        row_max(heads * p.block_m), row_sum(heads * p.block_m), g(p.block_m), i(p.block_m) {}
+};
+
+// How a forward is cut into tasks: decode-like calls (every sequence's query rows of a kv head fit one block, no
+// block mask) take several kv heads per task, as many as 256 KiB of packed tiles hold, so each task reads runs of
+// whole cache rows in order (a head's slice of every row, head after head, is a strided read that the memory
+// serves at half speed), and split long key ranges into pieces until the threads have work; other calls take one
+// kv head per task and the whole key range.
+constexpr int64_t kStageBytes = 256 * 1024;
+
+struct ForwardPlan {
+  int64_t heads = 1, pieces = 1, piece_len = 0;
+
+  ForwardPlan(const Problem& p, int64_t threads, int64_t element_size) {
+    if (!p.short_queries()) return;
+    int64_t longest = 0;
+    for (const auto& s : p.seqs) longest = std::max(longest, s.nk);
+    const int64_t tile_bytes = p.block_n * (p.dim + p.dim_v) * element_size;  // one head's K and V tile
+    heads = std::max<int64_t>(1, std::min(p.kv_heads, kStageBytes / tile_bytes));
+    const int64_t sequences = std::max<int64_t>(1, static_cast<int64_t>(p.seqs.size()));
+    const int64_t wanted = (2 * threads + sequences - 1) / sequences;  // pieces per sequence for 2 tasks a thread
+    pieces = std::max<int64_t>(1, std::min(wanted, longest / (4 * p.block_n)));
+    piece_len = round_up((longest + pieces - 1) / pieces, p.block_n);
+    const int64_t groups = (p.kv_heads + heads - 1) / heads;
+    if (sequences * pieces * groups < threads) heads = 1;  // short and few: parallel over heads instead
+  }
 };
 
 // out (B, Nq, H, Dv) in q's dtype; lse (B, H, Nq) in acc_t (rows that see no key: out 0, lse -inf).
@@ -34,10 +68,11 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   const Rows<scalar_t> orows = rows_of<scalar_t>(out);
   acc_t* lse_p = lse.data_ptr<acc_t>();
   const int64_t lse_b = lse.stride(0), lse_h = lse.stride(1);
-  const int64_t DV = p.dim_v, BN = p.block_n;
+  const int64_t DV = p.dim_v, BN = p.block_n, MR = product_rows(p.block_m);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const ForwardPlan plan(p, at::get_num_threads(), sizeof(scalar_t));
 
-  std::vector<Task> tasks;
+  std::vector<ForwardTask> tasks;
   std::vector<int64_t> cost;
   {
     Buffer<int64_t> g(p.block_m), i(p.block_m);
@@ -47,76 +82,144 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         const int64_t n = p.block_rows(s, blk, g.data(), i.data());
         int64_t lo, hi;
         p.block_columns(s, i.data(), n, &lo, &hi);
-        for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
-          tasks.push_back({si, hk, blk});
-          cost.push_back(n * std::max<int64_t>(p.visited_columns(si, hk * p.group + g[0], i[0], lo, hi), 1));
+        for (int64_t hk = 0; hk < p.kv_heads; hk += plan.heads) {
+          const int64_t heads = std::min(plan.heads, p.kv_heads - hk);
+          for (int64_t piece = 0; piece < plan.pieces; ++piece) {
+            const int64_t a = plan.pieces > 1 ? std::max(lo, piece * plan.piece_len) : lo;
+            const int64_t b = plan.pieces > 1 ? std::min(hi, (piece + 1) * plan.piece_len) : hi;
+            tasks.push_back({si, blk, hk, heads, a, std::max(a, b), plan.pieces > 1 ? piece : -1});
+            const int64_t columns = a < b ? p.visited_columns(si, hk * p.group + g[0], i[0], a, b) : 0;
+            cost.push_back(heads * n * std::max<int64_t>(columns, 1));
+          }
         }
       }
     }
   }
+  // Partial results of split key ranges: per (sequence, piece, head, row) the unnormalised output, max and sum.
+  int64_t nq_max = 1;
+  for (const auto& s : p.seqs) nq_max = std::max(nq_max, s.nq);
+  at::Tensor partial = plan.pieces > 1 ? at::empty({static_cast<int64_t>(p.seqs.size()), plan.pieces, p.heads, nq_max,
+                                                    DV + 2}, lse.options())
+                                       : at::Tensor();
+  acc_t* partial_p = plan.pieces > 1 ? partial.data_ptr<acc_t>() : nullptr;
+  const auto slot = [&](int64_t seq, int64_t piece, int64_t h, int64_t i) {
+    return partial_p + (((seq * plan.pieces + piece) * p.heads + h) * nq_max + i) * (DV + 2);
+  };
+  // Row i of head h, done: out = acc / l (a sink is one more score in the denominator, with no value), lse.
+  const auto finish_row = [&](const Sequence& s, int64_t h, int64_t i, const acc_t* ar, acc_t m, acc_t l) {
+    acc_t kept = 1;
+    if (!p.sink.empty()) {
+      const acc_t sink = static_cast<acc_t>(p.sink[h] * kLog2e);
+      const acc_t top = std::max(m, sink);
+      if (top != neg_inf) {
+        kept = std::exp2(m - top);
+        l = l * kept + std::exp2(sink - top);
+        m = top;
+      }
+    }
+    const acc_t inv = l > 0 ? kept / l : acc_t(0);
+    scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i) * orows.row_stride +
+                    h * orows.head_stride;
+    for (int64_t d = 0; d < DV; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+    lse_p[s.qb * lse_b + h * lse_h + s.q0 + i] = l > 0 ? static_cast<acc_t>((m + std::log2(l)) / kLog2e) : neg_inf;
+  };
+
   using Scratch = ForwardScratch<Tiles>;
-  run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
-    const Task& task = tasks[t];
+  run_tasks(longest_first(cost), [&] { return Scratch(p, engine, plan.heads); }, [&](int64_t t, Scratch& sc) {
+    const ForwardTask& task = tasks[t];
     const Sequence& s = p.seqs[task.seq];
-    const int64_t hk = task.kv_head;
     int64_t* g = sc.g.data();
     int64_t* i = sc.i.data();
-    const int64_t n = p.block_rows(s, task.part, g, i);
-    int64_t lo, hi;
-    p.block_columns(s, i, n, &lo, &hi);
-    sc.tiles.load_queries(p, qr, s, hk, g, i, n);
-    std::fill_n(sc.acc.data(), n * DV, acc_t(0));
-    std::fill_n(sc.row_max.data(), n, neg_inf);
-    std::fill_n(sc.row_sum.data(), n, acc_t(0));
+    const int64_t n = p.block_rows(s, task.block, g, i);
+    std::fill_n(sc.acc.data(), task.heads * MR * DV, acc_t(0));
+    std::fill_n(sc.row_max.data(), task.heads * p.block_m, neg_inf);
+    std::fill_n(sc.row_sum.data(), task.heads * p.block_m, acc_t(0));
+    if (task.heads == 1) sc.tiles.load_queries(p, qr, s, task.hk0, g, i, n);
     const int64_t ld = sc.tiles.ld();
-    p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
+    const auto visit = [&](int64_t c0, const bool* tile) {
       const int64_t cols = std::min(BN, s.nk - c0);
-      acc_t* scores = sc.tiles.scores(p, kr, task.seq, s, hk, c0, cols, n);
+      if (task.heads > 1) {  // every head's K and V of the tile packed first, the rows read in order
+        sc.tiles.pack_heads(
+            task.heads, cols, [&](int64_t slab) { return KeyRows<scalar_t>::of(p, kr, task.seq, s, task.hk0 + slab, c0); },
+            [&](int64_t slab) { return KeyRows<scalar_t>::of(p, vr, task.seq, s, task.hk0 + slab, c0); });
+      }
+      for (int64_t slab = 0; slab < task.heads; ++slab) {
+        const int64_t hk = task.hk0 + slab;
+        acc_t *acc = sc.acc.data() + slab * MR * DV, *row_max = sc.row_max.data() + slab * p.block_m,
+              *row_sum = sc.row_sum.data() + slab * p.block_m;
+        const KeyRows<scalar_t> keys = KeyRows<scalar_t>::of(p, kr, task.seq, s, hk, c0),
+                                values = KeyRows<scalar_t>::of(p, vr, task.seq, s, hk, c0);
+        if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
+        acc_t* scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n) : sc.tiles.scores(p, keys, cols, n);
+        for (int64_t r = 0; r < n; ++r) {
+          acc_t* srow = scores + r * ld;
+          const int64_t h = hk * p.group + g[r];
+          p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr, p.tile_row(tile, i[r]));
+          const acc_t m = max_of(srow, cols, row_max[r]);
+          if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
+            std::fill(srow, srow + cols, acc_t(0));
+            continue;
+          }
+          const acc_t alpha = exp2_neg(row_max[r] - m);
+          const acc_t sum = exp2_shift_sum(srow, cols, m);
+          // The denominator sums the undropped weights: dropout acts on normalised probabilities.
+          row_sum[r] = row_sum[r] * alpha + sum;
+          row_max[r] = m;
+          if (p.dropout_p > 0) {
+            p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
+            for (int64_t j = 0; j < cols; ++j) srow[j] *= sc.z[j];
+          }
+          if (alpha != acc_t(1)) {
+            acc_t* ar = acc + r * DV;
+            for (int64_t d = 0; d < DV; ++d) ar[d] *= alpha;
+          }
+        }
+        if (task.heads > 1) {
+          sc.tiles.add_packed_values(p, slab, cols, n, acc);
+        } else {
+          sc.tiles.add_values(p, values, cols, n, acc);
+        }
+      }
+    };
+    // An empty piece walks no tile (a walk starts at the tile holding lo, which the piece owning lo visits).
+    if (task.lo < task.hi) p.for_each_tile(task.seq, task.hk0 * p.group + g[0], i[0], task.lo, task.hi, visit);
+    for (int64_t slab = 0; slab < task.heads; ++slab) {
+      const int64_t hk = task.hk0 + slab;
       for (int64_t r = 0; r < n; ++r) {
-        acc_t* srow = scores + r * ld;
         const int64_t h = hk * p.group + g[r];
-        p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr, p.tile_row(tile, i[r]));
-        const acc_t m = max_of(srow, cols, sc.row_max[r]);
-        if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
-          std::fill(srow, srow + cols, acc_t(0));
-          continue;
-        }
-        const acc_t alpha = exp2_neg(sc.row_max[r] - m);
-        const acc_t sum = exp2_shift_sum(srow, cols, m);
-        // The denominator sums the undropped weights: dropout acts on normalised probabilities.
-        sc.row_sum[r] = sc.row_sum[r] * alpha + sum;
-        sc.row_max[r] = m;
-        if (p.dropout_p > 0) {
-          p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
-          for (int64_t j = 0; j < cols; ++j) srow[j] *= sc.z[j];
-        }
-        if (alpha != acc_t(1)) {
-          acc_t* ar = sc.acc.data() + r * DV;
-          for (int64_t d = 0; d < DV; ++d) ar[d] *= alpha;
+        const acc_t* ar = sc.acc.data() + (slab * MR + r) * DV;
+        const acc_t m = sc.row_max[slab * p.block_m + r], l = sc.row_sum[slab * p.block_m + r];
+        if (task.piece < 0) {
+          finish_row(s, h, i[r], ar, m, l);
+        } else {
+          acc_t* dst = slot(task.seq, task.piece, h, i[r]);
+          std::copy(ar, ar + DV, dst);
+          dst[DV] = m, dst[DV + 1] = l;
         }
       }
-      sc.tiles.add_values(p, vr, task.seq, s, hk, c0, cols, n, sc.acc.data());
-    });
-    // Deferred normalisation: one division per row. A sink is one more score in the denominator, with no value.
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t h = hk * p.group + g[r];
-      acc_t l = sc.row_sum[r], m = sc.row_max[r], kept = 1;
-      if (!p.sink.empty()) {
-        const acc_t sink = static_cast<acc_t>(p.sink[h] * kLog2e);
-        const acc_t top = std::max(m, sink);
-        if (top != neg_inf) {
-          kept = std::exp2(m - top);
-          l = l * kept + std::exp2(sink - top);
-          m = top;
+    }
+  });
+  if (plan.pieces == 1) return;
+  // Merge the pieces: out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c, M the largest m_c.
+  const int64_t rows = static_cast<int64_t>(p.seqs.size()) * p.heads;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(DV);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t seq = row / p.heads, h = row % p.heads;
+      const Sequence& s = p.seqs[seq];
+      for (int64_t i = 0; i < s.nq; ++i) {  // every row of the sequence: heads packed per block cover them all
+        acc_t top = neg_inf, l = 0;
+        for (int64_t c = 0; c < plan.pieces; ++c) top = std::max(top, slot(seq, c, h, i)[DV]);
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t c = 0; c < plan.pieces && top != neg_inf; ++c) {
+          const acc_t* part = slot(seq, c, h, i);
+          const acc_t w = exp2_neg(part[DV] - top);
+          if (w == acc_t(0)) continue;
+          for (int64_t d = 0; d < DV; ++d) acc[d] += w * part[d];
+          l += w * part[DV + 1];
         }
+        finish_row(s, h, i, acc.data(), top, l);
       }
-      const acc_t inv = l > 0 ? kept / l : acc_t(0);
-      const acc_t* ar = sc.acc.data() + r * DV;
-      scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i[r]) * orows.row_stride +
-                      h * orows.head_stride;
-      for (int64_t d = 0; d < DV; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
-      lse_p[s.qb * lse_b + h * lse_h + s.q0 + i[r]] =
-          l > 0 ? static_cast<acc_t>((m + std::log2(l)) / kLog2e) : neg_inf;
     }
   });
 }

@@ -146,6 +146,66 @@ inline uint16_t bits(scalar_t x) {
   return u;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FLASHATTN_PACK_AVX512 1
+// Rows r[0..16) of 16 32-bit words each, transposed in place: r[j] word i = the input's r[i] word j.
+__attribute__((always_inline)) inline void transpose_words(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4i + k], 128-bit lane L: rows 4i..4i+3 at column 4L + k
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k gathers lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// 16 words from 16 elements of a and of b: word c = (a[c], b[c]).
+__attribute__((always_inline)) inline __m512i interleave16(__m256i a, __m256i b) {
+  const __m512i index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(index, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
+inline __mmask32 first32(int64_t n) { return n >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << n) - 1u); }
+inline __mmask16 first16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u); }
+
+// 16 fp32 values rounded to 16 bits (to nearest even), as 16 elements.
+template <typename scalar_t>
+inline __m256i round16(__m512 x);
+#ifdef __AVX512BF16__
+template <>
+inline __m256i round16<c10::BFloat16>(__m512 x) {
+  return (__m256i)_mm512_cvtneps_pbh(x);
+}
+#endif
+template <>
+inline __m256i round16<c10::Half>(__m512 x) {
+  return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+template <typename scalar_t>
+constexpr bool can_round16() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return std::is_same_v<scalar_t, c10::Half>;
+#endif
+}
+#endif
+
 // VNNI B operand from rows: rows [0, rows) of `width` elements each (row r at row(r)), to out [rows_e/2][ldb][2]
 // (rows_e = rows rounded up to `rows_to`, the missing rows zero; columns [width, ldb) untouched). For V in P V,
 // K in dS K, Q and dO in the backward's dK and dV.
@@ -155,35 +215,102 @@ void pack_rows(const RowFn& row, int64_t rows, int64_t rows_to, int64_t width, s
   const int64_t rows_e = round_up(std::max<int64_t>(rows, 1), rows_to);
   for (int64_t r = 0; r < rows_e; r += 2) {
     uint16_t* dst = o + r * ldb;  // pair r/2 starts at (r/2) * 2 * ldb
-    if (r + 1 < rows) {
-      const uint16_t* a = reinterpret_cast<const uint16_t*>(row(r));
-      const uint16_t* b = reinterpret_cast<const uint16_t*>(row(r + 1));
-      for (int64_t c = 0; c < width; ++c) dst[2 * c] = a[c], dst[2 * c + 1] = b[c];
-    } else if (r < rows) {
-      const uint16_t* a = reinterpret_cast<const uint16_t*>(row(r));
-      for (int64_t c = 0; c < width; ++c) dst[2 * c] = a[c], dst[2 * c + 1] = 0;
-    } else {
+    if (r >= rows) {
       std::fill_n(dst, 2 * width, uint16_t(0));
+      continue;
     }
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(row(r));
+    const uint16_t* b = r + 1 < rows ? reinterpret_cast<const uint16_t*>(row(r + 1)) : nullptr;
+    int64_t c = 0;
+#ifdef FLASHATTN_PACK_AVX512
+    for (; c < width; c += 16) {
+      const __mmask16 m = first16(width - c);
+      const __m256i va = _mm256_maskz_loadu_epi16(m, a + c);
+      const __m256i vb = b != nullptr ? _mm256_maskz_loadu_epi16(m, b + c) : _mm256_setzero_si256();
+      _mm512_mask_storeu_epi32(dst + 2 * c, m, interleave16(va, vb));
+    }
+#endif
+    for (; c < width; ++c) dst[2 * c] = a[c], dst[2 * c + 1] = b != nullptr ? b[c] : 0;
   }
 }
 
 // VNNI B operand of a transposed row block: rows [0, rows) of `width` elements (row r at row(r)) become the
 // columns of B (width x rows), out [width_e/2][ldb][2] with width_e = width rounded up to even (a zero element).
 // For K^T in Q K^T and V^T in dO V^T: each pair of a row's elements is one 32-bit word, so this is a transpose of
-// 32-bit words.
+// 32-bit words; columns [rows, round_up(rows, 16)) of out are written zero.
 template <typename scalar_t, typename RowFn>
 void pack_transposed(const RowFn& row, int64_t rows, int64_t width, scalar_t* out, int64_t ldb) {
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  const int64_t pairs = width / 2;
+  const int64_t pairs = (width + 1) / 2;
+#ifdef FLASHATTN_PACK_AVX512
+  // Fully unrolled so the 16 rows stay in registers (a block spilled to the stack and read back as 512-bit words
+  // waits on store forwarding).
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const scalar_t* src[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) src[r] = row(std::min(r0 + r, rows - 1));
+    for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
+      const __mmask32 m = first32(width - 2 * w0);
+      __m512i block[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) block[r] = _mm512_maskz_loadu_epi16(r0 + r < rows ? m : 0, src[r] + 2 * w0);
+      transpose_words(block);
+      const int64_t count = std::min<int64_t>(16, pairs - w0);
+#pragma GCC unroll 16
+      for (int w = 0; w < 16; ++w) {
+        if (w < count) _mm512_storeu_si512(o + (w0 + w) * ldb + r0, block[w]);
+      }
+    }
+  }
+  return;
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* src = row(r);
-    for (int64_t w = 0; w < pairs; ++w) {
+    for (int64_t w = 0; w < width / 2; ++w) {
       uint32_t word;
       std::memcpy(&word, src + 2 * w, sizeof(word));
       o[w * ldb + r] = word;
     }
-    if (width % 2 == 1) o[pairs * ldb + r] = bits(src[width - 1]);
+    if (width % 2 == 1) o[(pairs - 1) * ldb + r] = bits(src[width - 1]);
+  }
+}
+
+// x (n x cols fp32, ld ldx) rounded to 16 bits and transposed into out (cols x n_c, row-major): columns [n, n_c)
+// zero. The backward's P^T and dS^T, the A operands of dV = P^T dO and dK = dS^T Q.
+template <typename scalar_t>
+void round_transposed(const float* x, int64_t ldx, int64_t n, int64_t n_c, int64_t cols, scalar_t* out) {
+#ifdef FLASHATTN_PACK_AVX512
+  if constexpr (can_round16<scalar_t>()) {
+    // 32 rows x 16 columns at a time: row pairs rounded and interleaved into words, the words transposed.
+    uint32_t* o = reinterpret_cast<uint32_t*>(out);
+    const int64_t words = n_c / 2;
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 m = first16(cols - c0);
+      const int64_t count = std::min<int64_t>(16, cols - c0);
+      for (int64_t r0 = 0; r0 < n_c; r0 += 32) {
+        __m512i block[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = r0 + 2 * i;
+          const float* a = x + std::min(r, n - 1) * ldx + c0;
+          const float* b = x + std::min(r + 1, n - 1) * ldx + c0;
+          block[i] = interleave16(round16<scalar_t>(_mm512_maskz_loadu_ps(r < n ? m : 0, a)),
+                                  round16<scalar_t>(_mm512_maskz_loadu_ps(r + 1 < n ? m : 0, b)));
+        }
+        transpose_words(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          if (j < count) _mm512_storeu_si512(o + (c0 + j) * words + r0 / 2, block[j]);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cols; ++j) {
+    scalar_t* o = out + j * n_c;
+    for (int64_t r = 0; r < n; ++r) o[r] = static_cast<scalar_t>(x[r * ldx + j]);
+    std::fill(o + n, o + n_c, scalar_t(0));
   }
 }
 

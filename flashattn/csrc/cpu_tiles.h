@@ -45,10 +45,12 @@ struct WideTiles {
   const acc_t *kt = nullptr, *vt = nullptr;  // the current tile's keys and values (in place or in k/v)
   int64_t ldk = 0, ldv = 0;
 
-  WideTiles(const Problem& p, bool backward, Engine)
+  std::vector<KeyRows<scalar_t>> head_keys, head_values;  // a multi-head task's tile, per head
+
+  WideTiles(const Problem& p, bool backward, Engine, int64_t heads = 1)
       : D(p.dim), DV(p.dim_v), BN(p.block_n), q(p.block_m * p.dim), dout(backward ? p.block_m * p.dim_v : 0),
         s_tile(p.block_m * p.block_n), dp_tile(backward ? p.block_m * p.block_n : 0), k(p.block_n * p.dim),
-        v(p.block_n * p.dim_v) {}
+        v(p.block_n * p.dim_v), head_keys(heads), head_values(heads) {}
   int64_t ld() const { return BN; }
   // The backward's dK accumulates dS^T (Q scaled into log2 units): back to the natural score's units.
   static double dk_factor(const Problem& p) { return p.softcap > 0 ? p.softcap : 1.0 / kLog2e; }
@@ -58,18 +60,28 @@ struct WideTiles {
                     const int64_t* i, int64_t n) {
     load_rows(p, qr, s, hk, g, i, n, score_factor<acc_t>(p), q.data(), D, D);
   }
-  // S (n x cols, leading dimension ld()) of the key tile [c0, c0 + cols).
-  acc_t* scores(const Problem& p, const Rows<scalar_t>& kr, int64_t s_idx, const Sequence& s, int64_t hk,
-                int64_t c0, int64_t cols, int64_t n) {
-    kt = key_tile(p, kr, s_idx, s, hk, c0, cols, D, k.data(), &ldk);
+  // S (n x cols, leading dimension ld()) of the key tile `keys` (cols rows).
+  acc_t* scores(const Problem&, const KeyRows<scalar_t>& keys, int64_t cols, int64_t n) {
+    kt = key_tile(keys, cols, D, k.data(), &ldk);
     gemm<acc_t>(false, true, n, cols, D, q.data(), D, kt, ldk, acc_t(0), s_tile.data(), BN);
     return s_tile.data();
   }
-  // acc (n x DV) += P V, P (n x cols) in s.
-  void add_values(const Problem& p, const Rows<scalar_t>& vr, int64_t s_idx, const Sequence& s, int64_t hk,
-                  int64_t c0, int64_t cols, int64_t n, acc_t* acc) {
-    vt = key_tile(p, vr, s_idx, s, hk, c0, cols, DV, v.data(), &ldv);
+  // acc (n x DV) += P V, P (n x cols) in s_tile.
+  void add_values(const Problem&, const KeyRows<scalar_t>& values, int64_t cols, int64_t n, acc_t* acc) {
+    vt = key_tile(values, cols, DV, v.data(), &ldv);
     gemm<acc_t>(false, false, n, DV, cols, s_tile.data(), BN, vt, ldv, acc_t(1), acc, DV);
+  }
+
+  // A multi-head task's tile: the BLAS reads each head's rows where they are.
+  template <typename KeyFn, typename ValueFn>
+  void pack_heads(int64_t heads, int64_t, const KeyFn& keys, const ValueFn& values) {
+    for (int64_t h = 0; h < heads; ++h) head_keys[h] = keys(h), head_values[h] = values(h);
+  }
+  acc_t* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
+    return scores(p, head_keys[h], cols, n);
+  }
+  void add_packed_values(const Problem& p, int64_t h, int64_t cols, int64_t n, acc_t* acc) {
+    add_values(p, head_values[h], cols, n, acc);
   }
 
   // Backward: the block's queries (log2 units) and output gradients.
@@ -78,11 +90,11 @@ struct WideTiles {
     load_queries(p, qr, s, hk, g, i, n);
     load_rows(p, dor, s, hk, g, i, n, acc_t(1), dout.data(), DV, DV);
   }
-  // S into s and dP = dO V^T into dp, both (n x cols) with leading dimension ld().
-  void scores_and_dp(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, int64_t s_idx,
-                     const Sequence& s, int64_t hk, int64_t c0, int64_t cols, int64_t n) {
-    scores(p, kr, s_idx, s, hk, c0, cols, n);
-    vt = key_tile(p, vr, s_idx, s, hk, c0, cols, DV, v.data(), &ldv);
+  // S into s_tile and dP = dO V^T into dp_tile, both (n x cols) with leading dimension ld().
+  void scores_and_dp(const Problem& p, const KeyRows<scalar_t>& keys, const KeyRows<scalar_t>& values, int64_t cols,
+                     int64_t n) {
+    scores(p, keys, cols, n);
+    vt = key_tile(values, cols, DV, v.data(), &ldv);
     gemm<acc_t>(false, true, n, cols, DV, dout.data(), DV, vt, ldv, acc_t(0), dp_tile.data(), BN);
   }
   // With P (dropped) in s and dS in dp: dV += P^T dO, dQ += dS K, dK += dS^T Q.
@@ -104,14 +116,17 @@ struct NativeTiles {
   int64_t D, Dp, DV, DVp, BNc, rows;
   Buffer<scalar_t> q, dout, kt, vt, kv, rounded, qv, dov, p_trans, ds_trans;
   Buffer<float> s_tile, dp_tile;
+  Buffer<scalar_t> heads_kt, heads_vt;  // a multi-head task's packed K^T and V, one slab per head
 
-  NativeTiles(const Problem& p, bool backward, Engine engine_)
+  NativeTiles(const Problem& p, bool backward, Engine engine_, int64_t heads = 1)
       : engine(engine_), D(p.dim), Dp(round_up(p.dim, 2)), DV(p.dim_v), DVp(round_up(p.dim_v, 2)),
         BNc(key_columns(p.block_n)), rows(product_rows(p.block_m)),
         q(rows * Dp), dout(backward ? rows * DVp : 0), kt(Dp * BNc), vt(backward ? DVp * BNc : BNc * DV),
         kv(backward ? BNc * D : 0), rounded(rows * BNc), qv(backward ? key_columns(p.block_m) * D : 0),
         dov(backward ? key_columns(p.block_m) * DV : 0), p_trans(backward ? p.block_n * key_columns(p.block_m) : 0),
-        ds_trans(backward ? p.block_n * key_columns(p.block_m) : 0), s_tile(rows * BNc), dp_tile(backward ? rows * BNc : 0) {}
+        ds_trans(backward ? p.block_n * key_columns(p.block_m) : 0), s_tile(rows * BNc),
+        dp_tile(backward ? rows * BNc : 0), heads_kt(heads > 1 ? heads * Dp * BNc : 0),
+        heads_vt(heads > 1 ? heads * BNc * DV : 0) {}
   ~NativeTiles() { release_engine(engine); }
   NativeTiles(NativeTiles&&) = default;
   int64_t ld() const { return BNc; }
@@ -133,24 +148,44 @@ struct NativeTiles {
   }
 
   // S = Q K^T, then scaled into log2 units over the tile's valid columns.
-  float* scores(const Problem& p, const Rows<scalar_t>& kr, int64_t s_idx, const Sequence& s, int64_t hk,
-                int64_t c0, int64_t cols, int64_t n) {
-    const auto key = [&](int64_t r) { return kr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
-    pack_transposed(key, cols, D, kt.data(), BNc);
-    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);
-    zero_columns(kt.data(), Dp / 2, cols, cols_c);
-    gemm16(engine, rows_n, cols_c, Dp, q.data(), Dp, kt.data(), BNc, s_tile.data(), BNc, false);
-    scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
-    return s_tile.data();
+  float* scores(const Problem& p, const KeyRows<scalar_t>& keys, int64_t cols, int64_t n) {
+    pack_transposed(keys, cols, D, kt.data(), BNc);
+    return product_scores(p, kt.data(), cols, n);
   }
 
-  void add_values(const Problem& p, const Rows<scalar_t>& vr, int64_t s_idx, const Sequence& s, int64_t hk,
-                  int64_t c0, int64_t cols, int64_t n, float* acc) {
-    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);
-    round_rows(s_tile.data(), n, rows_n, cols, cols_c, rounded.data());
-    const auto value = [&](int64_t r) { return vr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
-    pack_rows(value, cols, 32, DV, vt.data(), DV);
-    gemm16(engine, rows_n, DV, cols_c, rounded.data(), BNc, vt.data(), DV, acc, DV, true);
+  void add_values(const Problem&, const KeyRows<scalar_t>& values, int64_t cols, int64_t n, float* acc) {
+    pack_rows(values, cols, 32, DV, vt.data(), DV);
+    product_values(vt.data(), cols, n, acc);
+  }
+
+  // A multi-head task's tile: every head's K^T and V packed, 16 rows at a time for all heads, so the rows are read
+  // in order (decode's reads of the cache are its whole cost).
+  template <typename KeyFn, typename ValueFn>
+  void pack_heads(int64_t heads, int64_t cols, const KeyFn& keys, const ValueFn& values) {
+    const int64_t cols_c = key_columns(cols);
+    for (int64_t r0 = 0; r0 < cols; r0 += 16) {
+      const int64_t count = std::min<int64_t>(16, cols - r0);
+      prefetch_rows(keys(0), r0 + 16, std::min<int64_t>(16, cols - r0 - 16), heads * D);  // the next 16 rows
+      prefetch_rows(values(0), r0 + 16, std::min<int64_t>(16, cols - r0 - 16), heads * DV);
+      for (int64_t h = 0; h < heads; ++h) {
+        const KeyRows<scalar_t> key = keys(h), value = values(h);
+        pack_transposed([&](int64_t r) { return key(r0 + r); }, count, D, heads_kt.data() + h * Dp * BNc + 2 * r0,
+                        BNc);
+        pack_rows([&](int64_t r) { return value(r0 + r); }, count, 2, DV, heads_vt.data() + h * BNc * DV + r0 * DV,
+                  DV);
+      }
+    }
+    const int64_t cols_e = round_up(cols, 2);
+    for (int64_t h = 0; h < heads; ++h) {  // the padded keys of P V: zero values
+      std::fill(heads_vt.data() + h * BNc * DV + cols_e * DV, heads_vt.data() + h * BNc * DV + cols_c * DV,
+                scalar_t(0));
+    }
+  }
+  float* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
+    return product_scores(p, heads_kt.data() + h * Dp * BNc, cols, n);
+  }
+  void add_packed_values(const Problem&, int64_t h, int64_t cols, int64_t n, float* acc) {
+    product_values(heads_vt.data() + h * BNc * DV, cols, n, acc);
   }
 
   void load_block(const Problem& p, const Rows<scalar_t>& qr, const Rows<scalar_t>& dor, const Sequence& s,
@@ -161,22 +196,19 @@ struct NativeTiles {
     pack_rows([&](int64_t r) { return dout.data() + r * DVp; }, n, 32, DV, dov.data(), DV);
   }
 
-  void scores_and_dp(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, int64_t s_idx,
-                     const Sequence& s, int64_t hk, int64_t c0, int64_t cols, int64_t n) {
-    scores(p, kr, s_idx, s, hk, c0, cols, n);
-    const auto key = [&](int64_t r) { return kr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
-    const auto value = [&](int64_t r) { return vr.row(p, s_idx, s, hk, s.k0 + c0 + r); };
+  void scores_and_dp(const Problem& p, const KeyRows<scalar_t>& keys, const KeyRows<scalar_t>& values, int64_t cols,
+                     int64_t n) {
+    scores(p, keys, cols, n);
     const int64_t cols_c = key_columns(cols);
-    pack_transposed(value, cols, DV, vt.data(), BNc);
-    zero_columns(vt.data(), DVp / 2, cols, cols_c);
-    pack_rows(key, cols, 32, D, kv.data(), D);
+    pack_transposed(values, cols, DV, vt.data(), BNc);
+    pack_rows(keys, cols, 32, D, kv.data(), D);
     gemm16(engine, product_rows(n), cols_c, DVp, dout.data(), DVp, vt.data(), BNc, dp_tile.data(), BNc, false);
   }
 
   void add_gradients(int64_t cols, int64_t n, float* dq, float* dk, int64_t ld_dk, float* dv, int64_t ld_dv) {
     const int64_t rows_n = product_rows(n), cols_c = key_columns(cols), n_c = key_columns(n);
-    transpose_rows(s_tile.data(), n, n_c, cols, p_trans.data());
-    transpose_rows(dp_tile.data(), n, n_c, cols, ds_trans.data());
+    round_transposed(s_tile.data(), BNc, n, n_c, cols, p_trans.data());
+    round_transposed(dp_tile.data(), BNc, n, n_c, cols, ds_trans.data());
     round_rows(dp_tile.data(), n, rows_n, cols, cols_c, rounded.data());
     gemm16(engine, cols, DV, n_c, p_trans.data(), n_c, dov.data(), DV, dv, ld_dv, true);
     gemm16(engine, rows_n, D, cols_c, rounded.data(), BNc, kv.data(), D, dq, D, true);
@@ -184,10 +216,17 @@ struct NativeTiles {
   }
 
  private:
-  // Columns [cols, cols_c) of `pairs` VNNI rows (ld BNc) set to zero: the padded keys of a product over keys.
-  void zero_columns(scalar_t* b, int64_t pairs, int64_t cols, int64_t cols_c) const {
-    if (cols == cols_c) return;
-    for (int64_t w = 0; w < pairs; ++w) std::fill(b + 2 * (w * BNc + cols), b + 2 * (w * BNc + cols_c), scalar_t(0));
+  // S = Q K^T from the packed K^T (ld BNc), scaled into log2 units over the valid columns.
+  float* product_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n) {
+    gemm16(engine, product_rows(n), key_columns(cols), Dp, q.data(), Dp, packed_kt, BNc, s_tile.data(), BNc, false);
+    scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
+    return s_tile.data();
+  }
+  // acc += P V, P in s_tile rounded to 16 bits, V packed (ld DV, its padded rows zero).
+  void product_values(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc) {
+    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);
+    round_rows(s_tile.data(), n, rows_n, cols, cols_c, rounded.data());
+    gemm16(engine, rows_n, DV, cols_c, rounded.data(), BNc, packed_v, DV, acc, DV, true);
   }
   void scale_rows(float* x, int64_t n, int64_t cols, int64_t ld, float factor) const {
     for (int64_t r = 0; r < n; ++r) scale_row(x + r * ld, cols, factor);
@@ -199,14 +238,6 @@ struct NativeTiles {
       std::fill(out + r * BNc + cols, out + r * BNc + cols_c, scalar_t(0));
     }
     for (int64_t r = n; r < rows_n; ++r) std::fill(out + r * BNc, out + r * BNc + cols_c, scalar_t(0));
-  }
-  // x (n x cols fp32, ld BNc) rounded and transposed into out (cols x n_c): columns [n, n_c) zero.
-  void transpose_rows(const float* x, int64_t n, int64_t n_c, int64_t cols, scalar_t* out) const {
-    for (int64_t j = 0; j < cols; ++j) {
-      scalar_t* o = out + j * n_c;
-      for (int64_t r = 0; r < n; ++r) o[r] = static_cast<scalar_t>(x[r * BNc + j]);
-      std::fill(o + n, o + n_c, scalar_t(0));
-    }
   }
 };
 
