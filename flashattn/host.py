@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["cpu_model", "load_average", "usable_cores"]
+__all__ = ["cpu_flags", "cpu_model", "load_average", "usable_cores"]
 
 
 def cpu_model() -> str:
@@ -25,6 +25,24 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# The instruction-set flags that decide the CPU kernel's speed, as /proc/cpuinfo names them.
+FLAGS_OF_NOTE = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile",
+                 "amx_bf16", "amx_fp16", "asimd", "sve", "bf16")
+
+
+def cpu_flags() -> list[str]:
+    """Which of ``FLAGS_OF_NOTE`` this CPU has (Linux; elsewhere an empty list)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in FLAGS_OF_NOTE if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def usable_cores() -> int:

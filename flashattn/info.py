@@ -45,6 +45,8 @@ ENVIRONMENT = (
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
+    ("FLASHATTN_CPU_TILES", "how the C++ kernel multiplies bf16/fp16 tiles: auto, fp32, native, onednn or avx512bf16 "
+                            "(flashattn.backends.cpu_tiles)", "auto"),
     ("TRITON_INTERPRET", "1 runs the Triton kernels in Triton's interpreter on CPU tensors (set before triton is "
                          "imported; slow, for tests)", "unset"),
     ("CUDA_HOME", "CUDA toolkit searched for libnvrtc.so (lib64/) after torch's own", "/usr/local/cuda"),
@@ -315,12 +317,25 @@ def environment() -> dict:
     return {name: os.environ.get(name) for name in [*(e[0] for e in ENVIRONMENT), *RELATED]}
 
 
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def cpu_kernel() -> dict:
     """Whether the ``cpu`` path's C++ kernel builds (at first use, then cached) and loads here."""
     from .backends import cpu_build
 
     usable, detail = cpu_build.status()
-    return {"usable": usable, "detail": detail if usable else f"{detail}; the torch path serves CPU calls"}
+    if not usable:
+        return {"usable": False, "detail": f"{detail}; the torch path serves CPU calls"}
+    from .backends import cpu_tiles
+
+    tiles = {}
+    for dtype in cpu_tiles.HALF_DTYPES:
+        try:
+            tiles[_SHORT[dtype]] = "{} tiles: {}".format(*cpu_tiles.explain(dtype))
+        except ValueError as err:  # a FLASHATTN_CPU_TILES this machine cannot honour
+            tiles[_SHORT[dtype]] = f"error: {err}"
+    return {"usable": True, "detail": detail, "tiles": tiles}
 
 
 def _guarded(fn: Callable[[], object]) -> object:
@@ -376,8 +391,10 @@ def _status(item: dict) -> str:
 
 
 def _compiler_pairs(c: dict) -> list[tuple[str, object]]:
+    tiles = c["cpu kernel"].get("tiles", {})
     return [("Triton", _status(c["triton"])), ("NVRTC", _status(c["nvrtc"])), ("C/C++", _status(c["c++"])),
-            ("CPU kernel", _status(c["cpu kernel"]))]
+            ("CPU kernel", _status(c["cpu kernel"])),
+            *((f"CPU {dtype}", why) for dtype, why in tiles.items())]
 
 
 def _backend_lines(rows: object) -> list[str]:

@@ -5,6 +5,7 @@ busy-machine warning and the meta block every result file carries (threads, CPU 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -187,6 +188,48 @@ def test_cpu_subcommand_covers_dtypes_causal_and_a_competing_load(tmp_path, caps
     keys = {(r["dtype"], r["causal"], r["mode"], r["impl"]) for r in data["rows"]}
     assert len(keys) == 2 * 2 * 2 * 3 and all(r["seconds"] > 0 for r in data["rows"])
     assert data["meta"]["sweep"]["load"] is True and "one competing busy process" in capsys.readouterr().out
+
+
+def test_cpu_roofline_reports_against_the_measured_ceilings_and_skips_what_would_take_too_long(
+        tmp_path, capsys, monkeypatch):
+    from flashattn.bench import roofline
+
+    monkeypatch.setattr(roofline, "PRODUCT_SIZE", {"float32": 128, "bfloat16": 128, "float16": 32})
+    monkeypatch.setattr(roofline, "READ_GIB", 0.01)
+    monkeypatch.setattr(roofline, "DECODE", dataclasses.replace(roofline.DECODE, cache_len=256, repeats=2))
+    out = tmp_path / "roofline"
+    # 1e-9 s: every case after the first of its line is predicted too slow.
+    assert main(["bench", "cpu", "--roofline", "--seqlens", "32,64", "--headdims", "16", "--heads", "2",
+                 "--dtypes", "bfloat16", "--causal", "no", "--repeats", "1", "--max-case-seconds", "1e-9",
+                 "--quiet", "--out", str(out), "--name", "r"]) == 0
+    text = capsys.readouterr().out
+    assert "ceilings: product rate float32" in text and "of rate" in text and "x SDPA" in text
+    assert "of the read bandwidth" in text
+    data = json.loads((out / "r.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert set(meta["ceilings"]["product_gflops"]) == {"float32", "bfloat16", "float16"}
+    assert meta["ceilings"]["read_gbps"] > 0 and meta["cpu_flags"] == host.cpu_flags()
+    assert meta["tiles"] == {"bfloat16": roofline.tiles_dtype("bfloat16")}
+    grid = [r for r in rows if r["mode"] != "decode"]
+    measured = [r for r in grid if r.get("seconds")]
+    assert {(r["impl"], r["mode"], r["seqlen"]) for r in measured} == {
+        (impl, mode, 32) for impl in roofline.IMPLS for mode in ("fwd", "fwd+bwd")}
+    assert all(r["error"].startswith("skipped: predicted") for r in grid if r["seqlen"] == 64)
+    for r in measured:
+        rate = meta["ceilings"]["product_gflops"][r["ceiling"]]
+        assert r["of_rate"] == pytest.approx(r["tflops"] * 1e3 / rate)
+    assert all(r["speedup"] > 0 for r in measured if r["impl"] == OURS)
+    decode_rows = [r for r in rows if r["mode"] == "decode"]
+    assert {r["impl"] for r in decode_rows} == set(roofline.IMPLS)
+    assert all(0 < r["of_read_bandwidth"] for r in decode_rows)
+
+
+def test_cpu_flags_names_the_instruction_sets_that_matter(monkeypatch):
+    import io
+
+    line = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512_bf16 amx_tile\n"
+    monkeypatch.setattr(host, "open", lambda *a, **k: io.StringIO("model name\t: x\n" + line), raising=False)
+    assert host.cpu_flags() == ["avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile"]
 
 
 def test_the_competing_load_is_busy_and_stopped_at_the_end():

@@ -4,16 +4,19 @@
 Why C++: the tiled ``torch`` path issues a dozen torch ops per tile, each its own parallel region that waits for its
 slowest thread, so a busy machine slows it several times over. The kernel runs one parallel region per call whose
 threads pull tasks (sequence, kv head, query block) longest first, so a thread slowed by another process simply takes
-fewer; each task runs its whole key loop with its tiles in cache, the two matmuls of a tile on the BLAS torch ships
-and the online softmax, softcap, ALiBi, masks and dropout (Triton's Philox, bit for bit) fused in one vectorised pass.
-The backward gives each task the dQ of its rows and its own dK/dV partial: no atomics, deterministic.
+fewer; each task runs its whole key loop with its tiles in cache, the two products of a tile and the online
+softmax, softcap, ALiBi, masks and dropout (Triton's Philox, bit for bit) fused in one vectorised pass. The products
+of bf16 (and, with AMX-FP16, fp16) tiles run on the CPU's dot-product instructions where ``cpu_tiles`` finds them,
+else on fp32 copies of the tiles and the BLAS torch ships. The backward gives each task the dQ of its rows and its
+own dK/dV partial: no atomics, deterministic.
 
-What it serves (``serves``): every dense, packed (varlen) and KV-cache call (dense or paged pages of any size; the
-whole key range at once, as split-KV only helps fill a GPU) in fp16, bf16, fp32 (fp32 accumulation) and fp64, with
+What it serves (``serves``): every dense, packed (varlen) and KV-cache call (dense or paged pages of any size; a
+cache's key range split among the threads only when they would otherwise idle) in fp16, bf16, fp32 (fp32
+accumulation) and fp64, with
 causal or window bands at any alignment, softcap, ALiBi, learnable sinks, GQA/MQA without copies, SDPA boolean and
 additive masks (with their gradient), block masks, dropout and a gradient flowing into the log-sum-exp. Returned
 probabilities (a testing aid) are the ``torch`` path's. Short query blocks (decode) pack the query heads of a kv head
-into one tile, so the group shares each K/V tile.
+into one tile, so the group shares each K/V tile, and take every kv head and a piece of a long cache per task.
 """
 
 from __future__ import annotations

@@ -31,20 +31,26 @@ from . import cpu_build
 
 ENV = "FLASHATTN_CPU_TILES"
 ENGINES = ("onednn", "avx512bf16")  # the automatic choice's order
+DESCRIPTIONS = {"onednn": "the CPU's dot-product instructions through oneDNN's brgemm (ATen's cpublas)",
+                "avx512bf16": "the CPU's AVX512_BF16 dot products in the kernel's own loop"}
 CHOICES = ("auto", "fp32", "native", *ENGINES)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _log = logging.getLogger("flashattn")
 
 
+def _cpu_has(probe: str) -> bool:
+    """torch's own CPU probe ``torch.cpu._is_<probe>_supported()``; False where this torch has none."""
+    return bool(getattr(torch.cpu, f"_is_{probe}_supported", lambda: False)())
+
+
 def instructions(dtype: torch.dtype) -> str | None:
     """None if this CPU has dot-product instructions for ``dtype``, else why not."""
-    cpu = torch.cpu
     if dtype == torch.bfloat16:
-        if cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported():
+        if _cpu_has("avx512_bf16") or _cpu_has("amx_tile"):
             return None
         return "this CPU has neither AVX512_BF16 nor AMX"
     if dtype == torch.float16:
-        return None if cpu._is_amx_fp16_supported() else "this CPU has no AMX-FP16 (fp16 is never rounded to bf16)"
+        return None if _cpu_has("amx_fp16") else "this CPU has no AMX-FP16 (fp16 is never rounded to bf16)"
     return f"{str(dtype).removeprefix('torch.')} tiles are multiplied in their own precision"
 
 
@@ -74,16 +80,16 @@ def native(dtype: torch.dtype) -> tuple[str | None, str]:
     """(the engine the automatic choice takes for ``dtype``, or None; the reason)."""
     missing = instructions(dtype)
     if missing is not None:
-        return None, f"fp32 tiles: {missing}"
+        return None, missing
     reasons = []
     for engine in ENGINES:
         why = engine_status(dtype, engine)
         if why is None:
-            return engine, f"{engine}: the CPU's dot-product instructions, self-tested"
+            return engine, f"{DESCRIPTIONS[engine]}, self-tested against fp32 tiles"
         reasons.append(f"{engine}: {why}")
     # The instructions are there, the engines are not: worth one line.
     _log.info("flashattn: %s CPU calls multiply fp32 tiles (%s)", str(dtype).removeprefix("torch."), "; ".join(reasons))
-    return None, "fp32 tiles: " + "; ".join(reasons)
+    return None, "; ".join(reasons)
 
 
 def explain(dtype: torch.dtype) -> tuple[str, str]:

@@ -4,6 +4,7 @@ attention, N = 1k..16k, forward and forward+backward.
     flashattn bench cpu                                            # bench-output/cpu-<date>.json and .png
     flashattn bench cpu --out benchmarks/results --seqlens 1024,4096,16384
     flashattn bench cpu --dtypes float32,bfloat16 --causal both --load   # under one competing busy process
+    flashattn bench cpu --roofline --out benchmarks/results          # against the machine's own limits
 
 Batch 1; fp32 and non-causal unless ``--dtypes``/``--causal`` say otherwise. ``--load`` starts one busy process
 for the whole run (it stops itself after ``--load-seconds`` at the latest, and is stopped when the run ends), so
@@ -11,12 +12,18 @@ ours and SDPA are measured under the same load. Each case runs in its own subpro
 ``flashattn.bench.measure``) unless ``--in-process``. Plain attention is left out above ``--plain-limit-gib`` of
 N x N tensors. The table's ``ours/sdpa time`` is ours / SDPA, so above 1 we are slower (the opposite sense of
 ``flashattn bench sweep``'s ``ours/best``).
+
+``--roofline`` (``flashattn.bench.roofline``) measures the machine's product rates and read bandwidth first and
+reports every case against them and as a speedup over SDPA, on its own grid unless the options above say
+otherwise: bf16, fp16 and fp32, d 64 and 128, N 1k to 16k, causal or not, forward and forward+backward, then
+decode; the result file is ``cpu-roofline-<date>`` with the CPU's model and flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import subprocess
 import sys
@@ -24,9 +31,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from . import options, report
+from ..host import cpu_flags, cpu_model
+from . import options, report, roofline
 from .measure import FEATURES, OURS, Case, measure
 
 HELP = "our CPU path vs torch SDPA vs plain attention on CPU, fwd and fwd+bwd, each case in a subprocess"
@@ -117,13 +126,15 @@ def summary(rows: list[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seqlens", type=options.int_list, default="1024,4096,16384", help="comma-separated")
+    p.add_argument("--seqlens", type=options.int_list, help="comma-separated (default 1024,4096,16384)")
     p.add_argument("--heads", type=options.positive_int, default=4, help="attention heads")
-    p.add_argument("--headdims", type=options.int_list, default="64", help="comma-separated head dimensions")
+    p.add_argument("--headdims", type=options.int_list,
+                   help="comma-separated head dimensions (default 64; with --roofline 64,128)")
     p.add_argument("--repeats", type=options.positive_int, default=3, help="timed runs per case (the median)")
     p.add_argument("--dtypes", type=options.choice_list(("float32", "bfloat16", "float16", "float64")),
-                   default="float32", help="comma-separated input dtypes")
-    p.add_argument("--causal", choices=tuple(CAUSAL), default="no", help="causal masking: no, yes or both")
+                   help="comma-separated input dtypes (default float32; with --roofline bfloat16,float16,float32)")
+    p.add_argument("--causal", choices=tuple(CAUSAL),
+                   help="causal masking: no, yes or both (default no; with --roofline both)")
     p.add_argument("--features", action="store_true",
                    help=f"also time ours with each of {', '.join(FEATURES)} (forward), against ours plain")
     p.add_argument("--load", action="store_true", help="run everything under one competing busy process")
@@ -133,10 +144,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave plain attention out where its N x N tensors would exceed this")
     p.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster; memory readings less exact)")
+    p.add_argument("--roofline", action="store_true",
+                   help="measure the machine's product rates and read bandwidth, report against them, add decode "
+                        "(default grid: bfloat16,float16,float32, d 64,128, N 1k-16k, causal both)")
+    p.add_argument("--max-case-seconds", type=options.positive_float, default=300.0,
+                   help="with --roofline: skip a case that a smaller N of its line predicts to take longer")
     options.add_output(p, "cpu-<date>")
 
 
+# The grid's defaults, plain and with --roofline; what the command line gives replaces them.
+GRID = {"seqlens": [1024, 4096, 16384], "headdims": [64], "dtypes": ["float32"], "causal": "no"}
+ROOFLINE_GRID = {"seqlens": [1024, 4096, 16384], "headdims": [64, 128], "dtypes": ["bfloat16", "float16", "float32"],
+                 "causal": "both"}
+
+
+def grid_of(args: argparse.Namespace) -> dict:
+    defaults = ROOFLINE_GRID if args.roofline else GRID
+    return {k: default if getattr(args, k) is None else getattr(args, k) for k, default in defaults.items()}
+
+
+def roofline_command(args: argparse.Namespace) -> int:
+    grid = grid_of(args)
+    todo = [c for c in cases(grid["seqlens"], args.heads, grid["headdims"], args.repeats, dtypes=tuple(grid["dtypes"]),
+                             causals=CAUSAL[grid["causal"]]) if c.impl in roofline.IMPLS]
+    print(f"flashattn bench cpu --roofline: {cpu_model()}, {torch.get_num_threads()} threads; the ceilings, then "
+          f"{len(todo)} cases and decode")
+    limits = roofline.ceilings()
+    progress = functools.partial(tqdm, desc="roofline", unit="case", disable=args.quiet, file=sys.stdout)
+    rows = roofline.run(todo, limits, max_case_seconds=args.max_case_seconds, progress=progress)
+    text = roofline.table(rows, limits)
+    print(text)
+    meta = report.meta("cpu", args.command_line, grid, cpu_flags=cpu_flags(), ceilings=limits,
+                       tiles={dtype: roofline.tiles_dtype(dtype) for dtype in grid["dtypes"]})
+    title = (f"{cpu_model()} ({meta['threads']} threads): flashattn vs torch SDPA, TFLOP/s (ceilings: "
+             + ", ".join(f"{d} {g:.0f}" for d, g in limits["product_gflops"].items()) + " GFLOP/s)")
+    figure = report.Figure(title, ("tflops",), lines=("impl", "mode"), rows=("dtype",), cols=("headdim", "causal"))
+    stem = args.name or f"cpu-roofline-{datetime.date.today().isoformat()}"
+    for path in report.write(rows, meta, Path(args.out), stem, [figure]):
+        print(f"wrote {path}")
+    (Path(args.out) / f"{stem}.txt").write_text(text + "\n")
+    print(f"wrote {Path(args.out) / f'{stem}.txt'}")
+    return 0
+
+
 def command(args: argparse.Namespace) -> int:
+    if args.roofline:
+        return roofline_command(args)
+    for key, value in grid_of(args).items():
+        setattr(args, key, value)
     todo = cases(args.seqlens, args.heads, args.headdims, args.repeats, dtypes=tuple(args.dtypes),
                  causals=CAUSAL[args.causal], features=args.features)
     dtypes = ",".join(args.dtypes)

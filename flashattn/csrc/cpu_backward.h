@@ -91,8 +91,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       sc.tiles.load_block(p, qr, dorows, s, hk, g, i, n);
       for (int64_t r = 0; r < n; ++r) {  // delta = rowsum(dO * O) - dlse; lse in log2 units, -inf -> +inf (P = 0)
         const int64_t h = hk * p.group + g[r];
-        const scalar_t* o = orows.data + s.qb * orows.batch_stride + (s.q0 + i[r]) * orows.row_stride +
-                            h * orows.head_stride;
+        const scalar_t* o = query_row(p, orows, s, hk, g[r], i[r]);
         acc_t dot = 0;
         const scalar_t* dor = query_row(p, dorows, s, hk, g[r], i[r]);
         for (int64_t d = 0; d < DV; ++d) dot += static_cast<acc_t>(dor[d]) * static_cast<acc_t>(o[d]);
@@ -138,8 +137,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
                                vpart_row);
       });
       for (int64_t r = 0; r < n; ++r) {
-        scalar_t* dst = const_cast<scalar_t*>(dqrows.data) + s.qb * dqrows.batch_stride +
-                        (s.q0 + i[r]) * dqrows.row_stride + (hk * p.group + g[r]) * dqrows.head_stride;
+        scalar_t* dst = const_cast<scalar_t*>(query_row(p, dqrows, s, hk, g[r], i[r]));
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(sc.dq[r * D + d] * dq_factor);
       }
     }

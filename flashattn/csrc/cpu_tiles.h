@@ -12,21 +12,21 @@
 
 namespace flash_cpu {
 
-template <typename scalar_t, typename acc_t>
-void load_rows(const Problem& p, const Rows<scalar_t>& src, const Sequence& s, int64_t hk, const int64_t* g,
-               const int64_t* i, int64_t n, acc_t factor, acc_t* dst, int64_t width, int64_t ld) {
-  for (int64_t r = 0; r < n; ++r) {
-    const scalar_t* row = src.data + s.qb * src.batch_stride + (s.q0 + i[r]) * src.row_stride +
-                          (hk * p.group + g[r]) * src.head_stride;
-    for (int64_t d = 0; d < width; ++d) dst[r * ld + d] = static_cast<acc_t>(row[d]) * factor;
-  }
-}
-
-// Row r of the query-side tensor (q, dO) of block row (g[r], i[r]).
+// The row of the query-side tensor (q, dO) of block row (query head g of kv head hk, position i).
 template <typename scalar_t>
 const scalar_t* query_row(const Problem& p, const Rows<scalar_t>& src, const Sequence& s, int64_t hk, int64_t g,
                           int64_t i) {
   return src.data + s.qb * src.batch_stride + (s.q0 + i) * src.row_stride + (hk * p.group + g) * src.head_stride;
+}
+
+// The block's rows of the query-side tensor, converted and scaled into dst (n x width, leading dimension ld).
+template <typename scalar_t, typename acc_t>
+void load_rows(const Problem& p, const Rows<scalar_t>& src, const Sequence& s, int64_t hk, const int64_t* g,
+               const int64_t* i, int64_t n, acc_t factor, acc_t* dst, int64_t width, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    const scalar_t* row = query_row(p, src, s, hk, g[r], i[r]);
+    for (int64_t d = 0; d < width; ++d) dst[r * ld + d] = static_cast<acc_t>(row[d]) * factor;
+  }
 }
 
 // S's factor into log2 units.

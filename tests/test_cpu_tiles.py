@@ -1,0 +1,347 @@
+"""The cpu path's two ways of multiplying bf16/fp16 tiles (``flashattn.backends.cpu_tiles``): fp32 tiles, and the
+CPU's dot-product instructions through each engine (oneDNN's brgemm, our AVX512_BF16 loop), each forced with
+``FLASHATTN_CPU_TILES``. Every feature the kernel serves, forward and backward, against the float64 oracle by the
+same-precision rule; the choice, the switch, and what happens when an engine is missing or fails its self-test.
+The native engines' cases skip, with the reason, on a CPU without the instructions."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from oracle import assert_close, attention_ref, check_against_oracle
+
+import flashattn
+from conftest import HAS_COMPILER, with_dropout_mask
+from flashattn.backends import cpu, cpu_build, cpu_tiles
+from flashattn.backends.spec import AttentionSpec
+
+pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the C++ kernel cannot be built")
+TILES = ("fp32", *cpu_tiles.ENGINES)
+
+
+@pytest.fixture(params=TILES)
+def tiles(request, monkeypatch):
+    """Forces the cpu path, and its tile products for bf16/fp16 calls, for the test's body; yields the name."""
+    name = request.param
+    if name != "fp32":
+        why = cpu_tiles.engine_status(torch.bfloat16, name)
+        if why is not None:
+            pytest.skip(f"{name} cannot run bf16 tiles here: {why}")
+    monkeypatch.setenv(cpu_tiles.ENV, name)
+    with flashattn.use_backend("cpu"):
+        yield name
+
+
+def _inputs(b, nq, nk, h, hk, d, dv=None, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return [torch.randn(b, n, heads, dim, dtype=dtype, requires_grad=True)
+            for n, heads, dim in ((nq, h, d), (nk, hk, d), (nk, hk, dv or d))]
+
+
+FEATURES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (19, 7)},
+    "softcap": {"softcap": 5.0, "causal": True},
+    "alibi": {"alibi": True},
+    "sink": {"sink": True, "causal": True},
+}
+SHAPES = [  # (b, nq, nk, h, hk, d, dv): odd head dims, q/k lengths that differ, GQA, a value head dim of its own
+    (2, 113, 77, 4, 2, 40, None),
+    (1, 1, 1025, 4, 1, 59, None),
+    (1, 200, 130, 2, 2, 96, None),
+    (1, 65, 90, 4, 2, 192, 128),
+]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + (f"v{s[6]}" if s[6] else ""))
+def test_every_feature_against_float64(tiles, feature, shape):
+    b, nq, nk, h, hk, d, dv = shape
+    q, k, v = _inputs(b, nq, nk, h, hk, d, dv)
+    kwargs = {key: val for key, val in FEATURES[feature].items() if key not in ("alibi", "sink")}
+    if FEATURES[feature].get("alibi"):
+        kwargs["alibi_slopes"] = torch.rand(b, h) * 0.3
+    if FEATURES[feature].get("sink"):
+        kwargs["learnable_sink"] = torch.randn(h, requires_grad=True)
+    out = flashattn.flash_attn_func(q, k, v, **kwargs)
+    check_against_oracle(q, k, v, kwargs, out, grads=True)
+
+
+def test_fp16_against_float64(tiles):
+    """fp16 runs natively only with AMX-FP16 (oneDNN); elsewhere every tiles setting but fp32 refuses it clearly."""
+    q, k, v = _inputs(1, 70, 90, 4, 2, 64, dtype=torch.float16)
+    if tiles != "fp32" and cpu_tiles.engine_status(torch.float16, tiles) is not None:
+        with pytest.raises(ValueError, match=f"{cpu_tiles.ENV}={tiles} cannot multiply torch.float16 tiles"):
+            flashattn.flash_attn_func(q, k, v, causal=True)
+        return
+    out = flashattn.flash_attn_func(q, k, v, causal=True)
+    check_against_oracle(q, k, v, {"causal": True}, out, grads=True)
+
+
+def test_dropout_is_bit_identical_to_the_other_paths(tiles):
+    q, k, v = _inputs(2, 70, 81, 4, 2, 40)
+    out, dropped = with_dropout_mask(q, k, v, 0.2, {"causal": True})
+    check_against_oracle(q, k, v, {"causal": True}, out, grads=True, dropped=dropped, dropout_p=0.2)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_and_the_additive_masks_gradient(tiles, kind):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 48, dtype=torch.bfloat16, requires_grad=True) for n in (70, 90, 90))
+    if kind == "bool":
+        mask = torch.rand(2, 1, 70, 90) > 0.3
+        mask[:, :, 5] = False  # a row that sees no key
+    else:
+        mask = torch.randn(2, 4, 70, 90, dtype=torch.bfloat16, requires_grad=True)
+    out = flashattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    flash = [t.transpose(1, 2) for t in (q, k, v)]
+    dense = mask if kind == "bool" else mask.detach()
+    ref, _ = attention_ref(*flash, mask=dense)
+    base, _ = attention_ref(*flash, mask=dense, upcast=False)
+    assert_close("out", out.transpose(1, 2), ref, base)
+    if kind == "bool":
+        assert torch.all(out[:, :, 5] == 0)
+        return
+    g = torch.randn_like(out)
+    (dmask,) = torch.autograd.grad(out, mask, g)
+    exact = mask.detach().double().requires_grad_()
+    ref, _ = attention_ref(*[t.detach().double() for t in flash], mask=exact)
+    (want,) = torch.autograd.grad(ref.transpose(1, 2), exact, g.double())
+    base_mask = mask.detach().clone().requires_grad_()
+    base, _ = attention_ref(*[t.detach() for t in flash], mask=base_mask, upcast=False)
+    (base_grad,) = torch.autograd.grad(base.transpose(1, 2), base_mask, g.to(torch.bfloat16))
+    assert_close("dmask", dmask, want, base_grad, factor=3.0, precision=torch.bfloat16)
+
+
+def test_block_masks(tiles):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    nq, nk = 113, 300
+    doc_q, doc_k = (torch.arange(n) * 3 // n for n in (nq, nk))
+
+    def mask_mod(b, h, q, k):
+        return (doc_q[q] == doc_k[k]) & (k <= q + 200)
+
+    block_mask = flex.create_block_mask(mask_mod, 1, None, nq, nk, device="cpu", BLOCK_SIZE=(64, 32))
+    dense = flex.create_mask(mask_mod, 1, 1, nq, nk, device="cpu")
+    q, k, v = _inputs(1, nq, nk, 4, 2, 40)
+    out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, softcap=4.0)
+    ref, _ = attention_ref(q, k, v, mask=dense, softcap=4.0)
+    base, _ = attention_ref(q, k, v, mask=dense, softcap=4.0, upcast=False)
+    assert_close("out", out, ref, base)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g.double())
+    base_g = torch.autograd.grad(base, (q, k, v), g)
+    magnitude = max(r.abs().max().item() for r in want)
+    for name, x, r, bl in zip(("dq", "dk", "dv"), ours, want, base_g, strict=True):
+        assert_close(name, x, r, bl, factor=3.0, magnitude=magnitude)
+
+
+def test_varlen_against_each_sequence(tiles):
+    lengths = [1, 113, 40, 257]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = flashattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        piece = [t[start:end].detach()[None].requires_grad_() for t in (q, k, v)]
+        ref, _ = attention_ref(*piece, causal=True)
+        base, _ = attention_ref(*piece, causal=True, upcast=False)
+        assert_close("out", out[start:end], ref[0], base[0])
+        want = torch.autograd.grad(ref, piece, g[start:end][None].double())
+        base_g = torch.autograd.grad(base, piece, g[start:end][None])
+        magnitude = max(r.abs().max().item() for r in want)
+        for name, x, r, bl in zip(("dq", "dk", "dv"), grads, want, base_g, strict=True):
+            assert_close(name, x[start:end], r[0], bl[0], factor=3.0, magnitude=magnitude)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("seqlen_q", [1, 7])
+def test_kv_cache_decode_and_prefill(tiles, paged, seqlen_q):
+    """Decode's split key range (a long cache, batch 1), GQA packed per tile, a sequence with no keys."""
+    torch.manual_seed(0)
+    b, hk, h, d, cache, page = 3, 2, 8, 64, 1100, 64
+    lens = torch.tensor([1100, 0, 333], dtype=torch.int32)
+    k = torch.randn(b, cache, hk, d, dtype=torch.bfloat16)
+    v = torch.randn(b, cache, hk, d, dtype=torch.bfloat16)
+    q = torch.randn(b, seqlen_q, h, d, dtype=torch.bfloat16)
+    sink = torch.randn(h)
+    kwargs = {"cache_seqlens": lens, "causal": True, "learnable_sink": sink, "softcap": 8.0}
+    if paged:
+        pages = cache // page + 1
+        k_pages = torch.zeros(b * pages, page, hk, d, dtype=torch.bfloat16)
+        v_pages = torch.zeros_like(k_pages)
+        table = torch.randperm(b * pages).view(b, pages).to(torch.int32)
+        for i in range(b):
+            for j in range(pages):
+                rows = slice(j * page, min((j + 1) * page, cache))
+                n = rows.stop - rows.start
+                k_pages[table[i, j], :n], v_pages[table[i, j], :n] = k[i, rows], v[i, rows]
+        out = flashattn.flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, **kwargs)
+    else:
+        out = flashattn.flash_attn_with_kvcache(q, k, v, **kwargs)
+    for i, n in enumerate(lens.tolist()):
+        if n == 0:
+            assert torch.all(out[i] == 0)
+            continue
+        ref, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=True, sink=sink, softcap=8.0)
+        base, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=True, sink=sink, softcap=8.0,
+                                upcast=False)
+        assert_close("out", out[i:i + 1], ref, base)
+
+
+def test_rows_that_see_no_key_are_zero_with_lse_minus_inf(tiles):
+    q, k, v = (t.detach() for t in _inputs(1, 40, 9, 2, 2, 32))
+    spec = AttentionSpec(scale=32**-0.5, window_right=0)  # bottom-right causal: query i sees keys up to i - 31
+    out, lse, _ = cpu.forward(q, k, v, spec)
+    assert torch.all(out[:, :31] == 0) and not torch.isnan(out).any()
+    assert torch.all(lse[:, :, :31] == -math.inf) and torch.isfinite(lse[:, :, 31:]).all()
+    ref, _ = attention_ref(q, k, v, causal=True)
+    base, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert_close("out", out, ref, base)
+
+
+class _Spy:
+    """The kernel's operators, recording the ``tiles`` option of each call."""
+
+    def __init__(self, ops, engines=None):
+        self.ops, self.tiles, self._engines = ops, [], engines
+
+    def forward(self, *args, **kwargs):
+        self.tiles.append(kwargs["tiles"])
+        return self.ops.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self.tiles.append(kwargs["tiles"])
+        return self.ops.backward(*args, **kwargs)
+
+    def engines(self):
+        return self.ops.engines() if self._engines is None else self._engines
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """The choice recomputed for the test (it is cached per process), and again after it."""
+    for cached in (cpu_tiles.engine_status, cpu_tiles.native):
+        cached.cache_clear()
+    yield
+    for cached in (cpu_tiles.engine_status, cpu_tiles.native):
+        cached.cache_clear()
+
+
+def _spy(monkeypatch, engines=None) -> _Spy:
+    assert cpu_build.status()[0]
+    spy = _Spy(cpu_build.module(), engines)
+    monkeypatch.setattr(cpu_build, "module", lambda: spy)
+    return spy
+
+
+def _one_call(dtype=torch.bfloat16):
+    q, k, v = _inputs(1, 20, 30, 2, 1, 32, dtype=dtype)
+    with flashattn.use_backend("cpu"):
+        flashattn.flash_attn_func(q, k, v, causal=True).sum().backward()
+
+
+@pytest.mark.parametrize("value", TILES)
+def test_the_switch_forces_the_tiles_of_bf16_calls_only(value, monkeypatch):
+    if value != "fp32" and cpu_tiles.engine_status(torch.bfloat16, value) is not None:
+        pytest.skip(f"{value} cannot run bf16 tiles here")
+    monkeypatch.setenv(cpu_tiles.ENV, value)
+    spy = _spy(monkeypatch)
+    _one_call()
+    _one_call(torch.float32)
+    assert spy.tiles == [value, value, "fp32", "fp32"]
+
+
+def test_auto_takes_the_first_engine_that_runs_else_fp32(monkeypatch):
+    monkeypatch.delenv(cpu_tiles.ENV, raising=False)
+    engine, why = cpu_tiles.native(torch.bfloat16)
+    spy = _spy(monkeypatch)
+    _one_call()
+    assert spy.tiles == [engine or "fp32"] * 2, why
+    if cpu_tiles.instructions(torch.bfloat16) is None and cpu_tiles.engine_status(torch.bfloat16, "onednn") is None:
+        assert engine == "onednn"
+
+
+def test_a_cpu_without_the_instructions_takes_fp32_tiles(monkeypatch, fresh_choice):
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False)
+    monkeypatch.delenv(cpu_tiles.ENV, raising=False)
+    spy = _spy(monkeypatch)
+    _one_call()
+    assert spy.tiles == ["fp32", "fp32"]
+    assert cpu_tiles.explain(torch.bfloat16) == ("fp32", "this CPU has neither AVX512_BF16 nor AMX")
+    monkeypatch.setenv(cpu_tiles.ENV, "native")
+    with pytest.raises(ValueError, match="FLASHATTN_CPU_TILES=native, but torch.bfloat16 tiles have no native engine"):
+        _one_call()
+
+
+def test_a_build_without_the_engines_takes_fp32_tiles_and_says_so(monkeypatch, fresh_choice, caplog):
+    if cpu_tiles.instructions(torch.bfloat16) is not None:
+        pytest.skip(cpu_tiles.instructions(torch.bfloat16))
+    monkeypatch.delenv(cpu_tiles.ENV, raising=False)
+    spy = _spy(monkeypatch, engines=[])
+    with caplog.at_level(logging.INFO, logger="flashattn"):
+        _one_call()
+    assert spy.tiles == ["fp32", "fp32"]
+    assert "no cpublas::brgemm" in cpu_tiles.explain(torch.bfloat16)[1]
+    assert sum("multiply fp32 tiles" in r.message for r in caplog.records) == 1
+
+
+def test_an_engine_that_fails_its_self_test_is_not_used(monkeypatch, fresh_choice, caplog):
+    if cpu_tiles.instructions(torch.bfloat16) is not None:
+        pytest.skip(cpu_tiles.instructions(torch.bfloat16))
+    monkeypatch.delenv(cpu_tiles.ENV, raising=False)
+    monkeypatch.setattr(cpu_tiles, "self_test", lambda dtype, engine: "out differs from the fp32 tiles' by 9")
+    spy = _spy(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="flashattn"):
+        _one_call()
+        _one_call()
+    assert spy.tiles == ["fp32"] * 4
+    warnings = [r.message for r in caplog.records if "failed their self-test" in r.message]
+    assert len(warnings) == len(cpu_tiles.ENGINES), warnings  # once per engine, not per call
+    monkeypatch.setenv(cpu_tiles.ENV, "onednn")
+    with pytest.raises(ValueError, match="allowed here: auto, fp32$"):
+        _one_call()
+
+
+def test_the_self_test_catches_an_engine_that_raises_or_is_wrong(monkeypatch):
+    """An engine the build declares but the CPU cannot run raises inside the kernel: the self-test says why."""
+    assert cpu_build.status()[0]
+    ops = cpu_build.module()
+
+    class Broken:
+        engines = ops.engines
+
+        @staticmethod
+        def forward(*args, **kwargs):
+            if kwargs["tiles"] != "fp32":
+                raise RuntimeError("brgemm: not supported on this CPU\nmore")
+            return ops.forward(*args, **kwargs)
+
+        backward = ops.backward
+
+    monkeypatch.setattr(cpu_build, "module", lambda: Broken)
+    assert cpu_tiles.self_test(torch.bfloat16, "onednn") == "RuntimeError: brgemm: not supported on this CPU"
+
+    class Wrong(Broken):
+        @staticmethod
+        def forward(q, k, v, out, lse, **kwargs):
+            ops.forward(q, k, v, out, lse, **kwargs)
+            if kwargs["tiles"] != "fp32":
+                out.mul_(1.5)
+
+    monkeypatch.setattr(cpu_build, "module", lambda: Wrong)
+    assert cpu_tiles.self_test(torch.bfloat16, "onednn").startswith("out differs from the fp32 tiles'")
+
+
+def test_bad_values_of_the_switch_are_named(monkeypatch):
+    monkeypatch.setenv(cpu_tiles.ENV, "fastest")
+    with pytest.raises(ValueError, match="FLASHATTN_CPU_TILES='fastest' is not one of auto, fp32, native, onednn"):
+        _one_call()
