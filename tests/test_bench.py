@@ -221,7 +221,7 @@ def test_cpu_roofline_reports_against_the_measured_ceilings_and_skips_what_would
     assert all(r["speedup"] > 0 for r in measured if r["impl"] == OURS)
     decode_rows = [r for r in rows if r["mode"] == "decode"]
     assert {r["impl"] for r in decode_rows} == set(roofline.IMPLS)
-    assert all(0 < r["of_read_bandwidth"] for r in decode_rows)
+    assert all(r["of_read_bandwidth"] > 0 for r in decode_rows)
 
 
 def test_cpu_flags_names_the_instruction_sets_that_matter(monkeypatch):

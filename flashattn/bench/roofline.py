@@ -123,8 +123,9 @@ def table(rows: list[dict], limits: dict) -> str:
     speedups = sorted((r["speedup"], r) for r in grid if r.get("speedup"))
     if speedups:
         worst, where = speedups[0]
-        lines.append(f"speedup over SDPA in {len(speedups)} cells: median {statistics.median(s for s, _ in speedups):.2f}"
-                     f", worst {worst:.2f} ({where['dtype']}, d={where['headdim']}, "
+        median = statistics.median(s for s, _ in speedups)
+        lines.append(f"speedup over SDPA in {len(speedups)} cells: median {median:.2f}, worst {worst:.2f} "
+                     f"({where['dtype']}, d={where['headdim']}, "
                      f"{'causal' if where['causal'] else 'full'}, {where['mode']}, N={where['seqlen']})")
     for row in rows:
         if row.get("mode") == "decode" and row.get("seconds"):
