@@ -305,7 +305,8 @@ def test_an_engine_that_fails_its_self_test_is_not_used(monkeypatch, fresh_choic
         _one_call()
     assert spy.tiles == ["fp32"] * 4
     warnings = [r.message for r in caplog.records if "failed their self-test" in r.message]
-    assert len(warnings) == len(cpu_tiles.ENGINES), warnings  # once per engine, not per call
+    built = [engine for engine in cpu_tiles.ENGINES if engine in spy.engines()]
+    assert len(warnings) == len(built), warnings  # once per engine this build has, not per call
     monkeypatch.setenv(cpu_tiles.ENV, "onednn")
     with pytest.raises(ValueError, match="allowed here: auto, fp32$"):
         _one_call()
