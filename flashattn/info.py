@@ -185,24 +185,23 @@ def gpu_families() -> list[dict]:
         return ", ".join(f"{kernel} {cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s"
                          for kernel, d, weight in entries for cfg in [tables.TABLES[name][kernel][(d, weight)]])
 
-    def row(fam: families.Family, archs: list[int], device: str | None) -> dict:
+    def row(fam: families.Family, archs: list, device: str | None) -> dict:
+        name = families.arch_name
         checked = [a for a in archs if a in families.CHECKED_OFFLINE]
         aliases = [a for a in archs if a not in checked and a in families.ARCHITECTURES]
-        status = (f"compiled and checked offline for {', '.join(f'sm_{a}' for a in checked)}" if checked else
+        status = (f"compiled and checked offline for {', '.join(map(name, checked))}" if checked else
                   "not checked offline")
         if aliases:
-            status += f" ({', '.join(f'sm_{a}' for a in aliases)}: as sm_{checked[0]})"
-        return {"device": device, "family": fam.name, "architectures": [f"sm_{a}" for a in archs],
+            status += f" ({', '.join(map(name, aliases))}: as {name(checked[0])})"
+        return {"device": device, "family": fam.name, "architectures": [name(a) for a in archs],
                 "cards": fam.cards, "shared_kib": fam.shared_bytes // 1024, "tensor_cores": fam.tensor_cores,
                 "tma": fam.tma, "configs_d128": sample(fam.name), "health": status + "; not run on hardware here"}
 
-    if torch.cuda.is_available() and not torch.version.hip:
-        rows = []
-        for i in range(torch.cuda.device_count()):
-            major, minor = torch.cuda.get_device_capability(i)
-            arch = 10 * major + minor
-            rows.append(row(families.family(arch), [arch], f"cuda:{i} {torch.cuda.get_device_name(i)}"))
-        return rows
+    if torch.cuda.is_available():
+        from .backends.triton import device_arch  # torch's device facts only: no triton
+
+        return [row(families.family(arch), [arch], f"cuda:{i} {torch.cuda.get_device_name(i)}")
+                for i in range(torch.cuda.device_count()) for arch in [device_arch(i)]]
     return [row(fam, [a for a, n in families.ARCHITECTURES.items() if n == fam.name], None)
             for fam in families.FAMILIES.values()]
 

@@ -39,8 +39,10 @@ def test_json_has_every_section_and_the_cpu_choice_with_its_reason(capsys, monke
     assert facts["cuda"]["available"] == bool(facts["cuda"]["devices"])
     families = facts["gpu_families"]
     if not facts["cuda"]["available"]:  # every family, each with the architectures it serves and its health
-        assert [f["family"] for f in families] == ["sm75", "sm80", "sm86", "sm90", "sm100", "sm120"]
-        assert {a for f in families for a in f["architectures"]} >= {"sm_75", "sm_86", "sm_89", "sm_100", "sm_120"}
+        assert [f["family"] for f in families] == ["sm75", "sm80", "sm86", "sm90", "sm100", "sm120",
+                                                   "cdna2", "cdna3", "rdna3"]
+        assert {a for f in families for a in f["architectures"]} >= {"sm_75", "sm_86", "sm_89", "sm_100", "sm_120",
+                                                                     "gfx90a", "gfx942", "gfx1100"}
         assert all("checked offline for" in f["health"] for f in families)
     text = info.format_text(facts)
     assert "Triton kernel configs by GPU family" in text and "99 KiB shared memory per block" in text

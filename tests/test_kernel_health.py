@@ -1,8 +1,9 @@
 """Every shipped Triton kernel configuration compiles, for every architecture of its GPU family (sm_75, 80, 86,
-89, 90, 100, 120), without register spills inside its loops (a value or two spilled before the loops and reloaded
-after them is allowed: a few instructions a program), within the architecture's shared memory per block, and on
-its tensor-core instructions: HMMA everywhere, wgmma (HGMMA) on sm_90 and tcgen05 on sm_100 where the tile allows
-(no GPU needed)."""
+89, 90, 100, 120; AMD gfx90a, gfx942, gfx1100), without register spills inside its loops (a value or two spilled
+before the loops and reloaded after them is allowed: a few instructions a program; on AMD no VGPR spilled to scratch
+memory), within the architecture's shared memory per block (AMD: LDS), and on its matrix instructions: HMMA
+everywhere on NVIDIA, wgmma (HGMMA) on sm_90 and tcgen05 on sm_100 where the tile allows, MFMA on CDNA, WMMA on
+RDNA 3 (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checko
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 HEAD_DIMS = (16, 32, 64, 128, 256, "192:128", "96:64")
-OTHER_ARCHS = (75, 86, 89, 100, 120)  # the families beside sm80 and sm90
+OTHER_ARCHS = (75, 86, 89, 100, 120, "gfx90a", "gfx942", "gfx1100")  # the families beside sm80 and sm90
 
 
 def _health(tmp_path, *args: str) -> list[dict]:
@@ -31,7 +32,7 @@ def _health(tmp_path, *args: str) -> list[dict]:
                           capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert out.exists(), done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    bad = [f"{r['kernel']}{'[block mask]' if r['block_mask'] else ''} sm_{r['arch']} d={r['head_dim']}"
+    bad = [f"{r['kernel']}{'[block mask]' if r['block_mask'] else ''} {r['arch']} d={r['head_dim']}"
            f" {r['variant']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]]
     assert not bad, "\n".join(bad)
     assert done.returncode == 0
@@ -59,11 +60,14 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
                and r["head_dim_v"] & (r["head_dim_v"] - 1) == 0)
 
 
-# The other families in make test: the most used calls (head dim 128, plain; 64 on sm_75, whose backward serves
-# no more), the forward and both backward kernels, about a CPU-minute each. `make health` runs every table.
+# The other families in make test: the most used calls (head dim 128, plain; 64 on sm_75 and RDNA 3, whose backward
+# serves no more), the forward and both backward kernels, about a CPU-minute each (AMD's: seconds). `make health`
+# runs every table.
 @pytest.mark.parametrize("arch", OTHER_ARCHS)
 def test_every_family_is_healthy_at_its_largest_common_head_dim(arch, tmp_path):
-    head_dim = 64 if arch == 75 else 128
+    from flashattn.backends.triton.families import family
+
+    head_dim = min(128, family(arch).max_grad_head_dim)
     rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", str(arch), "--variants", "plain",
                    "--tables", "forward,dkdv,dq")
     assert len(rows) == 3 and {r["arch"] for r in rows} == {arch}
@@ -73,11 +77,12 @@ def test_every_family_is_healthy_at_its_largest_common_head_dim(arch, tmp_path):
 @pytest.mark.parametrize("arch", OTHER_ARCHS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_other_families_are_healthy(arch, head_dim, tmp_path):
+    from flashattn.backends.triton.configs import WEIGHTS
     from tools.offline.health import TABLES, served
 
     rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", str(arch))
     dims = tuple(map(int, head_dim.split(":"))) if isinstance(head_dim, str) else head_dim
-    assert len(rows) == 5 * sum(served(table, dims, arch) for table in TABLES)
+    assert len(rows) == sum(served(table, dims, arch, weight) for table in TABLES for weight in WEIGHTS)
 
 
 # The kernels as they walk a block mask (decode's tiles too: a forward of <= 16 query rows), including the pairs

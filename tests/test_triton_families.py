@@ -35,21 +35,40 @@ def test_shared_memory_and_tensor_cores_by_family():
     from flashattn.backends.triton import families, tma
 
     kib = {arch: families.family(arch).shared_bytes // 1024 for arch in families.ARCHITECTURES}
-    assert kib == {75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
-    # Descriptors only where the matmuls are warpgroup-wide: not on consumer Blackwell's mma.sync.
+    assert kib == {75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99,
+                   "gfx90a": 64, "gfx942": 64, "gfx1100": 64, "gfx1101": 64, "gfx1102": 64}
+    # Descriptors only where the matmuls are warpgroup-wide: not on consumer Blackwell's mma.sync, nor on AMD.
     assert [arch for arch in families.ARCHITECTURES if tma.enabled(arch)] == [90, 100, 103]
     assert not tma.enabled(0)  # the interpreter
+    warps = {arch: families.family(arch).warp_size for arch in families.ARCHITECTURES if isinstance(arch, str)}
+    assert warps == {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1101": 32, "gfx1102": 32}
 
 
-def test_an_unlisted_architecture_gets_the_conservative_family_once(caplog):
+@pytest.mark.parametrize("arch,vendor", [(130, "cuda"), ("gfx1250", "hip")])
+def test_an_unlisted_architecture_gets_its_vendors_conservative_family_once(caplog, arch, vendor):
     from flashattn.backends.triton import families
 
     with caplog.at_level(logging.WARNING, logger="flashattn"):
-        first = families.family(130)
-        second = families.family(130)
-    assert first is second and first.name == families.CONSERVATIVE
-    assert first.shared_bytes == min(f.shared_bytes for f in families.FAMILIES.values())
-    assert len(caplog.records) == 1 and "sm_130" in caplog.records[0].getMessage()
+        first = families.family(arch)
+        second = families.family(arch)
+    assert first is second and first.name == families.CONSERVATIVE[vendor]
+    same_vendor = [f for a, name in families.ARCHITECTURES.items() if families.vendor(a) == vendor
+                   for f in [families.FAMILIES[name]]]
+    assert first.shared_bytes == min(f.shared_bytes for f in same_vendor)
+    assert len(caplog.records) == 1 and families.arch_name(arch) in caplog.records[0].getMessage()
+
+
+def test_a_rocm_gpu_is_keyed_by_its_gfx_name(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from flashattn.backends import triton as triton_path
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-"))
+    assert triton_path.device_arch(0) == "gfx942"
 
 
 def test_smaller_steps_down_to_the_smallest_tile():

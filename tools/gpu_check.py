@@ -64,9 +64,10 @@ class Step:
 def _device_arch() -> str:
     """The GPU's architecture for the health step (every table compiled for the card the run measures), else
     sm_80 and sm_90."""
-    if torch.cuda.is_available() and not torch.version.hip:
-        major, minor = torch.cuda.get_device_capability(0)
-        return str(10 * major + minor)
+    if torch.cuda.is_available():
+        from flashattn.backends.triton import device_arch
+
+        return str(device_arch(0))  # 10 x major + minor, or a ROCm GPU's gfx name
     return "80,90"
 
 
@@ -161,9 +162,11 @@ def _tests(out: Path, step: Step) -> str:
 
 
 def _health(out: Path, step: Step) -> str:
+    from flashattn.backends.triton.families import arch_name
+
     rows = json.loads((out / "health.json").read_text())
     bad = [r for r in rows if r["problems"]]
-    step.extra["problems"] = [f"{r['kernel']}{' [block mask]' if r.get('block_mask') else ''} sm_{r['arch']} "
+    step.extra["problems"] = [f"{r['kernel']}{' [block mask]' if r.get('block_mask') else ''} {arch_name(r['arch'])} "
                               f"d{r['head_dim']} {r['variant']}: "
                               f"{'; '.join(r['problems'])}" for r in bad]
     return f"{len(rows)} configs, {len(bad)} with problems"

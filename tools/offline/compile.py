@@ -1,11 +1,13 @@
-"""Compiling the Triton kernels for a GPU that is not there: what a call would launch, for any NVIDIA architecture.
+"""Compiling the Triton kernels for a GPU that is not there: what a call would launch, for any NVIDIA or AMD
+architecture.
 
 ``compiled_launches(arch, call)`` runs ``call`` (which calls the triton path's ``forward``/``backward``,
-``flashattn.backends.triton.attend``, on CPU tensors) with an offline CUDA driver standing in for the GPU and
+``flashattn.backends.triton.attend``, on CPU tensors) with an offline CUDA or HIP driver standing in for the GPU and
 ``launch.compile_only`` recording, so every kernel is compiled exactly as that call would launch it: the same
 arguments by name, hence the runtime's specialization (16-byte aligned pointers, unit strides, sizes divisible by
-16). ``cubin_report`` reads a binary's resource usage and SASS with the ``cuobjdump`` Triton ships. The health
-report and the kernel profile are built on these."""
+16). ``cubin_report`` reads an NVIDIA binary's resource usage and SASS with the ``cuobjdump`` Triton ships; on AMD,
+``kernel_counts`` reads the AMDGPU assembly Triton keeps (registers, scratch, MFMA/WMMA). The health report and
+the kernel profile are built on these."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import triton
+from triton.backends.amd.driver import HIPDriver
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
-from flashattn.backends.triton.families import ARCHITECTURES, CHECKED_OFFLINE, family
+from flashattn.backends.triton.families import ARCHITECTURES, CHECKED_OFFLINE, Arch, family, vendor
 from flashattn.backends.triton.launch import Compiled, compile_only
 
 from .sass import Sass
@@ -64,19 +67,37 @@ class _OfflineDriver(CudaDriver):
         return 0
 
 
+class _OfflineHipDriver(HIPDriver):
+    """The same for an AMD architecture (a gfx name): wavefronts of the family's width."""
+
+    def __init__(self, arch: str, max_shared: int = 2**31):  # no super().__init__(): it would load the HIP runtime
+        self.arch = arch
+        self.utils = _DeviceUtils(max_shared)
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("hip", self.arch, family(self.arch).warp_size)
+
+    def get_current_device(self) -> int:  # one per architecture, as on NVIDIA: Triton caches kernels per device
+        return 1000 + sorted(a for a in ARCHITECTURES if isinstance(a, str)).index(self.arch)
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+
 @contextmanager
-def _offline(arch: int, max_shared: int = 2**31):
+def _offline(arch: Arch, max_shared: int = 2**31):
     previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
-    driver.set_active(_OfflineDriver(arch, max_shared))
+    offline = _OfflineHipDriver(arch, max_shared) if vendor(arch) == "hip" else _OfflineDriver(arch, max_shared)
+    driver.set_active(offline)
     try:
         yield
     finally:
         driver._active = previous
 
 
-def compiled_launches(arch: int, call: Callable[[], object], *, max_shared: int = 2**31) -> list[Compiled]:
-    """The launches ``call`` makes, each compiled for sm_``arch`` instead of run, on a device with ``max_shared``
-    bytes of shared memory per block."""
+def compiled_launches(arch: Arch, call: Callable[[], object], *, max_shared: int = 2**31) -> list[Compiled]:
+    """The launches ``call`` makes, each compiled for ``arch`` (10 x major + minor, or a gfx name) instead of run,
+    on a device with ``max_shared`` bytes of shared memory per block."""
     with _offline(arch, max_shared), compile_only() as launches:
         call()
     return launches
@@ -121,10 +142,38 @@ class KernelCounts:
     tma_loads: int  # UTMALDG: tensor-descriptor copies
     main_loop: int  # instructions in the main loop (the leanest innermost loop with tensor-core instructions)
     per_score: float  # main_loop x warps / (BLOCK_M x BLOCK_N): warp-instructions per score element
+    mfma: int = 0  # AMD CDNA's matrix instructions (v_mfma_*)
+    wmma: int = 0  # AMD RDNA 3's (v_wmma_*)
+
+
+def amd_counts(launch: Compiled) -> KernelCounts:
+    """The counts of an AMD kernel, from the assembly Triton keeps: registers (architectural VGPRs plus CDNA's
+    accumulation AGPRs), ``spill_bytes`` the scratch segment a kernel that spills VGPRs to memory gets,
+    ``loop_spills`` the spilled VGPRs wherever they went (on CDNA first into AGPRs, which costs no memory), LDS,
+    and the matrix instructions."""
+    kernel = launch.kernel
+    asm = kernel.asm["amdgcn"]
+
+    def field(name: str) -> int:
+        found = re.search(rf"\.{name}:\s*(\d+)", asm)
+        return int(found.group(1)) if found else 0
+
+    def comment(name: str) -> int:
+        found = re.search(rf";\s*{name}:\s*(\d+)", asm)
+        return int(found.group(1)) if found else 0
+
+    scratch = field("private_segment_fixed_size") or comment("ScratchSize")
+    return KernelCounts(
+        launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], kernel.metadata.num_warps, kernel.metadata.num_stages,
+        comment("TotalNumVgprs") or comment("NumVgprs") + comment("NumAgprs"), scratch, field("vgpr_spill_count"),
+        kernel.metadata.shared, 0, 0, 0, 0, 0, 0, 0, 0.0, mfma=len(re.findall(r"\bv_mfma_", asm)),
+        wmma=len(re.findall(r"\bv_wmma_", asm)))
 
 
 def kernel_counts(launch: Compiled) -> KernelCounts:
     kernel = launch.kernel
+    if "amdgcn" in kernel.asm:
+        return amd_counts(launch)
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     loop = sass.main_loop()

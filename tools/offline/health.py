@@ -1,16 +1,18 @@
 """Kernel health report: compile every shipped kernel configuration offline for every architecture of every GPU
-family (sm_75, 80, 86, 89, 90, 100, 120; no GPU needed), through the real launcher, and read registers, spills
-and shared memory from the cubin, and which tensor-core instructions the matmuls use.
+family (NVIDIA sm_75, 80, 86, 89, 90, 100, 120; AMD gfx90a, gfx942, gfx1100; no GPU needed), through the real
+launcher, and read registers, spills and shared memory from the binary, and which matrix instructions the matmuls
+use.
 
-    python -m tools.offline.health [--json out.json] [--head-dims 64,128] [--archs 86,89] [--jobs 8] [--search]
-                                               [--block-masks without|with|both]
+    python -m tools.offline.health [--json out.json] [--head-dims 64,128] [--archs 86,89,gfx942] [--jobs 8]
+                                   [--search] [--block-masks without|with|both]
 
 The kernels are compiled exactly as a call would launch them (``launch.compile_only``: the same keyword arguments,
 so the runtime's specialization of aligned pointers, unit strides and divisible sizes), for a representative call
 per table entry with every feature its weight may serve switched on: the worst case for registers. Exit status 1
-when a configuration spills inside a loop, exceeds the target's shared memory, or its fp16/bf16 matmuls miss the
-family's tensor-core instructions: any at all (HMMA on Turing to consumer Blackwell), and where a warpgroup tile
-fits, wgmma (HGMMA) on sm_90 and tcgen05 (UTC*MMA) on sm_100.
+when a configuration spills inside a loop (AMD: spills VGPRs to scratch memory at all), exceeds the target's shared
+memory (AMD: LDS), or its fp16/bf16 matmuls miss the family's matrix instructions: any at all (HMMA on Turing to
+consumer Blackwell, MFMA on CDNA, WMMA on RDNA 3), and where a warpgroup tile fits, wgmma (HGMMA) on sm_90 and tcgen05
+(UTC*MMA) on sm_100.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from flashattn.backends.spec import AttentionSpec, BlockSparse, KeyCache, Saved, Varlen
 from flashattn.backends.triton import attend as backend
 from flashattn.backends.triton import configs
+from flashattn.backends.triton.families import Arch, arch_name, vendor
 
 from .compile import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
 
@@ -50,7 +53,7 @@ WARPGROUP_MMA = {"sm90": ("hgmma", "HGMMA (wgmma)"), "sm100": ("tcgen05", "UTC*M
 @dataclass
 class Health(KernelCounts):
     kernel: str = ""
-    arch: int = 0
+    arch: Arch = 0
     head_dim: int = 0
     head_dim_v: int = 0  # v's head dim (the same as head_dim unless the entry is a (d, dv) pair)
     variant: str = ""  # the table's weight: plain, light, heavy, fp32-light, fp32-heavy
@@ -125,8 +128,8 @@ def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = Fals
     return q, k, v, spec
 
 
-def _compile(table: str, weight: str, head_dim: HeadDims, arch: int, block_mask: bool) -> object:
-    """The compiled kernel that serves (table, head dim, weight) on sm_``arch``, through the backend's own launch
+def _compile(table: str, weight: str, head_dim: HeadDims, arch: Arch, block_mask: bool) -> object:
+    """The compiled kernel that serves (table, head dim, weight) on ``arch``, through the backend's own launch
     path."""
     q, k, v, spec = _inputs(table, weight, head_dim, block_mask)
 
@@ -145,17 +148,28 @@ def _table_of(kernel: str) -> str:
     return next(t for t, name in KERNEL_OF.items() if name == kernel)
 
 
-def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
+def check_one(table: str, head_dim: HeadDims, variant: str, arch: Arch,
               cfg: configs.KernelConfig | None = None, *, block_mask: bool = False) -> Health:
     """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it.
     ``head_dim`` is a padded head dim, or a (q/k, v) pair of head dims served by its padded maximum's entry;
     ``block_mask``: the kernel as it walks a block mask's tiles."""
     d, dv, key = _dims(head_dim)
     cfg = cfg or configs.lookup(table, arch, key, variant, block_mask=block_mask)
-    with configs.use(cfg, kernels=(table,)):  # through the real launch path, this kernel with this tile
-        counts = kernel_counts(_compile(table, variant, head_dim, arch, block_mask))
+    try:
+        with configs.use(cfg, kernels=(table,)):  # through the real launch path, this kernel with this tile
+            counts = kernel_counts(_compile(table, variant, head_dim, arch, block_mask))
+    except Exception as err:  # a config the compiler rejects (Triton's AMD backend fails on a few): unhealthy
+        counts = KernelCounts(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                              0, 0.0)
+        failure = (str(err).strip().splitlines() or [""])[-1][:200]
+        return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
+                      variant=variant, block_mask=block_mask,
+                      problems=[f"does not compile: {type(err).__name__}: {failure}"])
     problems = []
-    if counts.loop_spills:  # spilled before the loops and reloaded after them is a few instructions, not a problem
+    if vendor(arch) == "hip":
+        if counts.loop_spills and counts.spill_bytes:  # CDNA spills VGPRs into AGPRs first, which costs no memory
+            problems.append(f"spills {counts.loop_spills} VGPRs, {counts.spill_bytes} bytes of them to scratch")
+    elif counts.loop_spills:  # spilled before the loops and reloaded after them is a few instructions, not a problem
         problems.append(f"spills {counts.spill_bytes} bytes, {counts.loop_spills} local loads/stores in loops")
     if counts.shared_bytes > SHARED_LIMIT[arch]:
         problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
@@ -164,10 +178,15 @@ def check_one(table: str, head_dim: HeadDims, variant: str, arch: int,
                   variant=variant, block_mask=block_mask, problems=problems)
 
 
-def _tensor_core_problems(counts: KernelCounts, table: str, key: HeadDims, variant: str, arch: int) -> list[str]:
+def _tensor_core_problems(counts: KernelCounts, table: str, key: HeadDims, variant: str, arch: Arch) -> list[str]:
     """IEEE fp32 matmuls do not run on tensor cores; fp16/bf16 ones must from sm_80 on (below, Triton has no
-    tensor-core path), on the family's warpgroup-wide instructions where the tile allows."""
-    if variant.startswith("fp32") or arch < TENSOR_CORES_FROM:
+    tensor-core path), on the family's warpgroup-wide instructions where the tile allows, and on AMD's matrix
+    instructions (MFMA on CDNA, WMMA on RDNA 3)."""
+    if variant.startswith("fp32"):
+        return []
+    if vendor(arch) == "hip":
+        return [] if counts.mfma or counts.wmma else [f"no MFMA or WMMA instructions on {arch}"]
+    if arch < TENSOR_CORES_FROM:
         return []
     if not (counts.hmma or counts.hgmma or counts.tcgen05):
         return [f"no tensor-core instructions on sm_{arch}"]
@@ -184,21 +203,24 @@ TENSOR_CORES_FROM = 80
 FMA_TILE_AREA = 64 * 64
 
 
-def _candidates(cfg: configs.KernelConfig, arch: int) -> list[configs.KernelConfig]:
+def _candidates(cfg: configs.KernelConfig, arch: Arch) -> list[configs.KernelConfig]:
     """Configs to try instead of an unhealthy ``cfg``: its own tile with other warps and stages first, then ever
     smaller tiles; within a tile, deeper pipelines first."""
     sizes = (16, 32, 64, 128)
-    area = cfg.block_m * cfg.block_n if arch >= TENSOR_CORES_FROM else min(cfg.block_m * cfg.block_n, FMA_TILE_AREA)
+    matrix_units = vendor(arch) == "hip" or arch >= TENSOR_CORES_FROM
+    area = cfg.block_m * cfg.block_n if matrix_units else min(cfg.block_m * cfg.block_n, FMA_TILE_AREA)
     tiles = sorted(((m, n) for m in sizes for n in sizes if m * n <= area),
                    key=lambda t: ((t != (cfg.block_m, cfg.block_n)), -t[0] * t[1], -min(t)))
     warps = (cfg.num_warps, 12 - cfg.num_warps)  # 4 <-> 8
-    return [configs.KernelConfig(m, n, w, s) for m, n in tiles for s in (3, 2, 1) for w in warps
+    # AMD's software pipeliner streams with 2 stages (1: none); deeper ones only add LDS.
+    stages = (2, 1) if vendor(arch) == "hip" else (3, 2, 1)
+    return [configs.KernelConfig(m, n, w, s) for m, n in tiles for s in stages for w in warps
             if configs.KernelConfig(m, n, w, s) != cfg]
 
 
-def search(table: str, head_dim: HeadDims, variant: str, arch: int, block_mask: bool = False
+def search(table: str, head_dim: HeadDims, variant: str, arch: Arch, block_mask: bool = False
            ) -> configs.KernelConfig | None:
-    """The first of ``_candidates`` healthy on sm_``arch``, for an entry whose shipped config is not."""
+    """The first of ``_candidates`` healthy on ``arch``, for an entry whose shipped config is not."""
     shipped = configs.lookup(table, arch, _dims(head_dim)[2], variant, block_mask=block_mask)
     for cfg in _candidates(shipped, arch):
         if not check_one(table, head_dim, variant, arch, cfg, block_mask=block_mask).problems:
@@ -224,35 +246,41 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
         return pool.map(fn, entries, chunksize=1)
 
 
-def served(table: str, head_dim: HeadDims, arch: int) -> bool:
-    """Whether the triton path launches ``table``'s kernel for these head dims on sm_``arch`` (the backward's
-    ``Family.max_grad_head_dim``); entries it does not serve only fill a table."""
-    return table not in ("dkdv", "dq") or max(_dims(head_dim)[:2]) <= configs.family(arch).max_grad_head_dim
+def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain") -> bool:
+    """Whether the triton path launches ``table``'s kernel for these head dims and weight on ``arch`` (the family's
+    ``max_head_dim``, ``max_grad_head_dim`` and ``fp32``); entries it does not serve only fill a table."""
+    fam, largest = configs.family(arch), max(_dims(head_dim)[:2])
+    if variant.startswith("fp32") and not fam.fp32 or largest > fam.max_head_dim:
+        return False
+    return table not in ("dkdv", "dq") or largest <= fam.max_grad_head_dim
 
 
 def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,
-           archs: tuple[int, ...] = TARGETS, jobs: int = 1, block_masks: tuple[bool, ...] = (False,)
+           archs: tuple[Arch, ...] = TARGETS, jobs: int = 1, block_masks: tuple[bool, ...] = (False,)
            ) -> list[Health]:
     """Health rows of every (table, head dim, variant, target), once per ``block_masks`` entry (False: the plain
     kernels; True: as they walk a block mask)."""
     entries = [(table, d, variant, arch, sparse) for sparse in block_masks for table in tables for d in head_dims
-               for variant in variants for arch in archs if served(table, d, arch)]
+               for variant in variants for arch in archs if served(table, d, arch, variant)]
     return _map(_check, entries, jobs)
 
 
 def format_rows(rows: list[Health]) -> str:
-    lines = [f"{'kernel':40} {'sm':>3} {'d':>7} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
-             f"{'spill':>5} {'in loop':>7} {'smem':>7} {'hgmma':>5} {'at once':>7} {'tma':>3} {'inst/score':>10}  "
-             "problems"]
+    lines = [f"{'kernel':40} {'arch':>7} {'d':>7} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
+             f"{'spill':>5} {'in loop':>7} {'smem':>7} {'hgmma':>5} {'mfma':>5} {'wmma':>5} {'at once':>7} {'tma':>3} "
+             f"{'inst/score':>10}  problems"]
     for r in rows:
         dims = str(r.head_dim) if r.head_dim_v in (0, r.head_dim) else f"{r.head_dim}/{r.head_dim_v}"
         kernel = r.kernel + ("[block mask]" if r.block_mask else "")
-        lines.append(f"{kernel:40} {r.arch:3d} {dims:>7} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
+        lines.append(f"{kernel:40} {arch_name(r.arch):>7} {dims:>7} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
                      f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.loop_spills:7d} "
-                     f"{r.shared_bytes:7d} "
-                     f"{r.hgmma:5d} {r.hgmma_waited_at_once:7d} {r.tma_loads:3d} {r.per_score:10.3f}  "
-                     f"{'; '.join(r.problems) or 'ok'}")
+                     f"{r.shared_bytes:7d} {r.hgmma:5d} {r.mfma:5d} {r.wmma:5d} {r.hgmma_waited_at_once:7d} "
+                     f"{r.tma_loads:3d} {r.per_score:10.3f}  {'; '.join(r.problems) or 'ok'}")
     return "\n".join(lines)
+
+
+def _parse_arch(text: str) -> Arch:
+    return text if text.startswith("gfx") else int(text)
 
 
 def _parse_dims(text: str) -> HeadDims:
@@ -269,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tables", default=",".join(TABLES), help="comma-separated tables")
     p.add_argument("--variants", default=",".join(configs.WEIGHTS), help="comma-separated weights")
     p.add_argument("--archs", default=",".join(map(str, TARGETS)),
-                   help="comma-separated architectures (10 x major + minor)")
+                   help="comma-separated architectures: 10 x major + minor (NVIDIA) or gfx names (AMD)")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--search", action="store_true", help="for each unhealthy entry, find a healthy config")
     p.add_argument("--block-masks", choices=("without", "with", "both"), default="without",
@@ -277,13 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     block_masks = {"without": (False,), "with": (True,), "both": (False, True)}[a.block_masks]
     rows = report(tuple(_parse_dims(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
-                  variants=a.variants.split(","), archs=tuple(int(x) for x in a.archs.split(",")), jobs=a.jobs,
+                  variants=a.variants.split(","), archs=tuple(_parse_arch(x) for x in a.archs.split(",")), jobs=a.jobs,
                   block_masks=block_masks)
     if a.search:
         unhealthy = [(_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch, r.block_mask)
                      for r in rows if r.problems]
         for (table, d, variant, arch, sparse), found in _map(_search, unhealthy, a.jobs):
-            print(f"{table}{' [block mask]' if sparse else ''} sm_{arch} d={d} {variant}: {found}", flush=True)
+            print(f"{table}{' [block mask]' if sparse else ''} {arch_name(arch)} d={d} {variant}: {found}", flush=True)
     print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -39,6 +39,8 @@ def serves(request: Request) -> str | None:
         return "it is forward-only: train with the triton path (use_backend('auto') or 'triton')"
     if request.device != "cuda":
         return f"it runs on CUDA tensors, got {request.device} tensors"
+    if torch.version.hip:
+        return "it is NVIDIA CUDA C++ (NVRTC): a ROCm build of torch runs the triton path"
     return None
 
 

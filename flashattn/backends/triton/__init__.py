@@ -51,17 +51,34 @@ def serves(request: Request) -> str | None:
                 f"{blocks[0]} x {blocks[1]}")
     if request.mask_grad:
         return "it does not compute the gradient of an additive attn_mask that requires grad"
-    if request.grad and request.device == "cuda" and not interpreting():
-        fam = _gpu_family(torch.cuda.current_device())
-        if max(request.head_dim, request.head_dim_v) > fam.max_grad_head_dim:
-            return (f"its backward takes head dims up to {fam.max_grad_head_dim} on {fam.name} GPUs ({fam.cards}), "
-                    f"got {max(request.head_dim, request.head_dim_v)}")
+    if request.device == "cuda" and not interpreting():
+        return _family_declines(request, _gpu_family(torch.cuda.current_device()))
     return None
+
+
+def _family_declines(request: Request, fam) -> str | None:
+    """What this GPU's family (``families.Family``) leaves to the torch path: its limits on head dims and fp32."""
+    largest = max(request.head_dim, request.head_dim_v)
+    if request.dtype == torch.float32 and not fam.fp32:
+        return f"it takes float16 and bfloat16 on {fam.name} GPUs ({fam.cards}), got {request.dtype}"
+    if largest > fam.max_head_dim:
+        return f"it takes head dims up to {fam.max_head_dim} on {fam.name} GPUs ({fam.cards}), got {largest}"
+    if request.grad and largest > fam.max_grad_head_dim:
+        return (f"its backward takes head dims up to {fam.max_grad_head_dim} on {fam.name} GPUs ({fam.cards}), "
+                f"got {largest}")
+    return None
+
+
+def device_arch(index: int) -> int | str:
+    """GPU ``index``'s architecture as the families key it: 10 x major + minor on CUDA, the gfx name on ROCm."""
+    if torch.version.hip:
+        return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
 
 @functools.cache
 def _gpu_family(index: int):
     from .families import family  # tables only: no triton
 
-    major, minor = torch.cuda.get_device_capability(index)
-    return family(10 * major + minor)
+    return family(device_arch(index))

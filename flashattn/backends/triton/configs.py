@@ -32,9 +32,10 @@ def table_key(d: int, dv: int) -> int | tuple[int, int]:
     return pd if pd == pdv else (pd, pdv)
 
 
-def lookup(kernel: str, arch: int, head_dim: int | tuple[int, int], weight: str, *,
+def lookup(kernel: str, arch: int | str, head_dim: int | tuple[int, int], weight: str, *,
            block_mask: bool = False) -> KernelConfig:
-    """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on sm_``arch``: the most
+    """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on ``arch`` (10 x major +
+    minor, or a gfx name; ``families.family``): the most
     specific ``OVERRIDES`` entry (the call's head dims with and then without the block mask, then with a block mask
     its larger head dim), else the family's table entry of the larger head dim."""
     fam = family(arch).name

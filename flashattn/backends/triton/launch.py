@@ -173,14 +173,16 @@ class QueryRows:
         return {"sink": sink, "stride_sh": self.nq if self.swapped else 1, "stride_sm": 1 if self.swapped else 0}
 
 
-def target_arch() -> int:
-    """The architecture Triton compiles for, 10 x major + minor (the offline target under ``compile_only``); 0
-    under the interpreter or on a non-CUDA target."""
+def target_arch() -> int | str:
+    """The architecture Triton compiles for (the offline target under ``compile_only``): 10 x major + minor on
+    NVIDIA, the gfx name on AMD ("gfx942"); 0 under the interpreter or on another backend."""
     if interpreting():
         return 0
     from triton.runtime import driver  # at call time: the active driver is the GPU's, or the offline one
 
     target = driver.active.get_current_target()
+    if target.backend == "hip":
+        return str(target.arch).split(":")[0]  # "gfx942:sramecc+:xnack-" names its features after the chip
     return int(target.arch) if target.backend == "cuda" else 0
 
 

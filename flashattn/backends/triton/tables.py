@@ -6,7 +6,8 @@ mask tile; the "fp32-" weights serve fp32 inputs (IEEE fp32 matmuls: twice the b
 small tiles). ``OVERRIDES[family][kernel]`` holds the entries that differ from the table for a (q/k, v) head-dim
 pair or a kernel walking a block mask. sm75 (FMA matmuls), sm80 and sm90 are written out; the other families
 (``families.py``) are one of them with the entries their health search changed (``_derived``): less shared memory
-(sm86, sm120: 99 KiB) or other tensor-core instructions (sm100).
+(sm86, sm120: 99 KiB), other tensor-core instructions (sm100), or AMD's compiler and register files (cdna2,
+cdna3 from sm80; rdna3 from sm75).
 
 Every entry compiles, for every architecture of its family, without register spills inside its loops, within
 shared memory, and on the family's tensor-core instructions where the tile allows: ``python -m tools.offline.health``
@@ -184,7 +185,7 @@ C = KernelConfig
 # Filled in from `python -m tools.offline.health --search` for each family's architectures.
 # sm_86/sm_89 and sm_120: fp32 entries over 99 KiB of shared memory, and a few that spill on sm_86/sm_89 but not
 # sm_80; sm_100: heavy (dropout, mask), d = 64 and block-mask entries whose tcgen05 code spills where wgmma's did
-# not. (Block-mask entries searched at head dim 128 only so far.)
+# not. (Block-mask entries searched at head dim 128 only so far, here and for AMD.)
 _CHANGES: dict[str, tuple[str, Overrides]] = {
     "sm86": ("sm80", {
         "forward": {(32, "fp32-heavy", False): C(64, 32, 8, 2), (128, "fp32-light", True): C(16, 32, 4, 3)},
@@ -202,6 +203,67 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
     }),
     "sm120": ("sm80", {
         "dq": {(64, "fp32-heavy", False): C(128, 16, 8, 2), (128, "fp32-light", False): C(64, 16, 4, 2)},
+    }),
+    # AMD, searched on gfx90a, gfx942 and gfx1100 with Triton's AMD backend: CDNA's matrix cores take sm_80's
+    # tiles, but with dropout or a mask, at d = 256 and in dK/dV its compiler spills VGPRs (or, for a few configs,
+    # fails) where 4 wavefronts of 64 in place of 8 fit; RDNA 3 (wave32, no AGPRs) takes sm_75's small tiles, within
+    # the head dims and dtypes it serves (``families.py``).
+    "cdna2": ("sm80", {
+        "forward": {(16, "heavy", False): C(128, 64, 4, 1), (32, "heavy", False): C(128, 64, 4, 1),
+                    (64, "heavy", False): C(64, 64, 4, 2), (256, "heavy", False): C(64, 32, 4, 1),
+                    (64, "light", True): C(128, 64, 4, 2), (128, "fp32-light", True): C(16, 32, 8, 2),
+                    (128, "light", True): C(128, 64, 4, 1), (128, "plain", True): C(128, 64, 4, 2),
+                    (256, "light", True): C(64, 32, 4, 2), (256, "plain", True): C(64, 32, 4, 2)},
+        "decode": {(128, "fp32-heavy", False): C(16, 32, 4, 2), (256, "heavy", False): C(16, 32, 8, 2),
+                   (64, "fp32-light", True): C(16, 64, 4, 2), (64, "light", True): C(16, 128, 8, 2),
+                   (64, "plain", True): C(16, 128, 4, 2), (128, "light", True): C(16, 64, 4, 2),
+                   (128, "plain", True): C(16, 64, 4, 2), (256, "fp32-heavy", True): C(16, 16, 4, 2),
+                   (256, "heavy", True): C(16, 32, 4, 2), (256, "light", True): C(16, 32, 4, 2),
+                   (256, "plain", True): C(16, 32, 4, 2)},
+        "dkdv": {(16, "fp32-heavy", False): C(32, 32, 4, 2), (16, "light", False): C(32, 128, 4, 2),
+                 (32, "heavy", False): C(64, 16, 4, 2), (32, "plain", False): C(32, 128, 4, 2),
+                 (64, "light", False): C(64, 32, 4, 1), (64, "plain", False): C(64, 32, 4, 1),
+                 (128, "light", False): C(64, 32, 4, 1), (128, "plain", False): C(64, 32, 4, 1),
+                 ((256, 128), "fp32-light", True): C(16, 16, 8, 1), (128, "fp32-heavy", True): C(16, 32, 4, 2),
+                 (256, "fp32-light", True): C(16, 16, 4, 2)},
+        "dq": {(16, "heavy", False): C(64, 64, 4, 1), (32, "heavy", False): C(64, 64, 4, 1),
+               (128, "fp32-heavy", False): C(32, 32, 4, 2), (128, "light", False): C(128, 32, 8, 2),
+               (256, "fp32-light", False): C(16, 16, 4, 2), (256, "heavy", False): C(32, 64, 4, 1),
+               (256, "light", False): C(32, 32, 4, 2), (256, "plain", False): C(32, 32, 4, 2),
+               (64, "light", True): C(128, 32, 8, 2), (128, "light", True): C(128, 32, 8, 1),
+               (256, "heavy", True): C(64, 32, 4, 1)},
+    }),
+    "cdna3": ("sm80", {
+        "forward": {(16, "heavy", False): C(128, 64, 4, 1), (32, "heavy", False): C(128, 64, 4, 2),
+                    (64, "fp32-heavy", False): C(32, 32, 4, 1), (64, "heavy", False): C(64, 64, 4, 2),
+                    (256, "heavy", False): C(64, 32, 4, 1), (256, "light", False): C(64, 32, 4, 2),
+                    (64, "light", True): C(128, 64, 8, 2), (128, "fp32-light", True): C(16, 32, 8, 2),
+                    (128, "light", True): C(128, 64, 4, 2), (128, "plain", True): C(128, 64, 4, 2),
+                    (256, "plain", True): C(64, 32, 4, 2)},
+        "decode": {(16, "heavy", False): C(16, 64, 2, 1), (32, "heavy", False): C(16, 64, 4, 1),
+                   (64, "heavy", False): C(16, 64, 4, 1), (128, "fp32-heavy", False): C(16, 32, 4, 2),
+                   (128, "heavy", False): C(16, 64, 4, 1), (256, "heavy", False): C(16, 32, 8, 2),
+                   (64, "fp32-light", True): C(16, 64, 4, 2), (64, "light", True): C(16, 128, 8, 2),
+                   (64, "plain", True): C(16, 128, 4, 2), (128, "light", True): C(16, 64, 4, 2),
+                   (128, "plain", True): C(16, 64, 4, 2), (256, "fp32-heavy", True): C(16, 16, 4, 2),
+                   (256, "light", True): C(16, 32, 4, 2), (256, "plain", True): C(16, 32, 4, 2)},
+        "dkdv": {(16, "fp32-heavy", False): C(32, 32, 4, 2), (16, "light", False): C(32, 128, 4, 2),
+                 (32, "heavy", False): C(64, 16, 4, 2), (32, "plain", False): C(32, 128, 4, 2),
+                 (64, "light", False): C(64, 32, 4, 1), (64, "plain", False): C(64, 32, 4, 1),
+                 (128, "light", False): C(64, 32, 4, 1), (128, "plain", False): C(64, 32, 4, 1),
+                 ((256, 128), "fp32-light", True): C(16, 16, 8, 1), (128, "fp32-heavy", True): C(16, 32, 4, 2),
+                 (256, "fp32-light", True): C(16, 16, 4, 2)},
+        "dq": {((128, 64), "light", False): C(128, 32, 8, 2), (16, "heavy", False): C(64, 64, 4, 1),
+               (32, "heavy", False): C(64, 64, 4, 1), (128, "fp32-heavy", False): C(32, 32, 4, 2),
+               (256, "fp32-light", False): C(16, 16, 4, 2), (256, "heavy", False): C(32, 64, 4, 1),
+               (256, "light", False): C(32, 32, 4, 2), (256, "plain", False): C(32, 32, 4, 2),
+               ((128, 64), "light", True): C(128, 32, 8, 1)},
+    }),
+    "rdna3": ("sm75", {
+        "forward": {(64, "heavy", False): C(32, 32, 4, 1), (128, "heavy", False): C(64, 16, 8, 1)},
+        "decode": {(16, "heavy", False): C(32, 32, 4, 2), (32, "heavy", False): C(32, 32, 4, 2),
+                   (32, "light", True): C(16, 64, 4, 1)},
+        "dq": {(64, "heavy", False): C(64, 16, 8, 2), (64, "heavy", True): C(64, 16, 8, 1)},
     }),
 }
 del C

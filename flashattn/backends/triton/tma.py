@@ -42,16 +42,16 @@ def use(enabled: bool) -> Iterator[None]:
 WGMMA_ROWS = 64  # a warpgroup's wgmma tile: programs whose matmuls have fewer rows run on mma.sync
 
 
-def enabled(arch: int, *, matmul_rows: int = WGMMA_ROWS) -> bool:
+def enabled(arch: int | str, *, matmul_rows: int = WGMMA_ROWS) -> bool:
     """Descriptors by default on the families whose matmuls are warpgroup-wide (``families.Family.tma``: sm_90,
-    sm_100; ``arch`` = 10 x major + minor of the target Triton compiles for, 0 under the interpreter) for programs
+    sm_100; ``arch``: the target Triton compiles for, ``launch.target_arch()``, 0 under the interpreter) for programs
     whose matmuls have ``matmul_rows`` >= 64 rows; forced by ``use``.
     Below 64 rows the matmuls run on mma.sync, whose operands a descriptor-loaded, transposed tile reaches through
     registers: the d=256 dK/dV of 16 keys needs 210 registers with pointer loads and spills with descriptors."""
     forced = _forced.get()
     if forced is not None:
         return forced
-    return arch > 0 and family(arch).tma and matmul_rows >= WGMMA_ROWS
+    return arch != 0 and family(arch).tma and matmul_rows >= WGMMA_ROWS
 
 
 class View(NamedTuple):
