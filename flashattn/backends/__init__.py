@@ -36,6 +36,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError
 from . import cpu, cuda, tiled, triton
 from .request import Request
 from .spec import AttentionSpec, Saved
@@ -134,7 +135,7 @@ def _decide(request: Request) -> tuple[str, str]:
         return _first_serving(FORCED[name], request, f"{name!r} forced by {source}")
     reason = PATHS[name].serves(request)
     if reason is not None:
-        raise ValueError(f"flashattn: the {name} path cannot run this call on {request.describe()} (forced by "
+        raise ArgumentError(f"flashattn: the {name} path cannot run this call on {request.describe()} (forced by "
                          f"{source}): {reason}. Let flashattn choose (use_backend('auto'), or unset "
                          "FLASHATTN_BACKEND), or force a path that can.")
     return name, f"forced by {source}"

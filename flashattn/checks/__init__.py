@@ -7,7 +7,7 @@ layout, varlen offsets, paged keys), ``kvcache`` (cache layout, lengths, rotary)
 masks) and ``modules`` (merging, padding, context parallelism, ``flashattn.nn``, the transformers integration).
 """
 
-from ._base import FLOAT_DTYPES, fail
+from ._base import FLOAT_DTYPES, fail, validate_int
 from .flash import FLASH_OPTIONS, CheckedCall, check_flash, check_varlen, flash_arguments, unpack
 from .kvcache import KVCacheCall, check_kvcache
 from .modules import (
@@ -60,4 +60,5 @@ __all__ = [
     "fail",
     "flash_arguments",
     "unpack",
+    "validate_int",
 ]

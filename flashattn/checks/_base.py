@@ -1,8 +1,8 @@
 """The building blocks of every check: the error, tensors, dtypes and devices, head counts, and scalar options.
 
-Each ``validate_*`` raises a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, bad value) whose
-message starts with the function the user called, then names the argument, the value received and what is
-allowed.
+Each ``validate_*`` raises a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, bad value), each
+also a ``RuntimeError`` as ``flash_attn``'s errors are (``flashattn.errors``), whose message starts with the
+function the user called, then names the argument, the value received and what is allowed.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import operator
 import torch
 
 from ..backends.spec import accumulation_dtype
+from ..errors import as_argument_error
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 
 
 def fail(fn: str, message: str, kind: type[Exception] = ValueError) -> Exception:
-    """The error to raise: ``kind(f"{fn}: {message}")``."""
-    return kind(f"{fn}: {message}")
+    """The error to raise: ``kind(f"{fn}: {message}")``, where a ValueError or TypeError is also a RuntimeError
+    (``flashattn.errors``: what ``flash_attn``'s C++ checks raise)."""
+    return as_argument_error(kind)(f"{fn}: {message}")
 
 
 def validate_tensor(fn: str, name: str, t: object, ndim: int | None, layout: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable
 
 from triton.runtime.errors import OutOfResources
 
+from ...errors import ArgumentError
 from . import configs
 from .configs import KernelConfig
 
@@ -74,7 +75,7 @@ def launch_fitting(cfg: KernelConfig, run: Callable[[KernelConfig], None], *, ke
                 raise
             step = smaller(cfg)
             if step is None:
-                raise ValueError(f"flashattn: {_call(what)}: even a {_describe(cfg)} needs {err.required} bytes of "
+                raise ArgumentError(f"flashattn: {_call(what)}: even a {_describe(cfg)} needs {err.required} bytes of "
                                  f"shared memory, this GPU allows {err.limit} per block") from err
             _log.warning("flashattn: %s: the %s needs %d bytes of shared memory, this GPU allows %d per block; "
                          "trying a %s", _call(what), _describe(cfg), err.required, err.limit, _describe(step))

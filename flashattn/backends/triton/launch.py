@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...errors import ArgumentError
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse
 from . import configs, interpreting, tma
@@ -56,9 +57,9 @@ GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's programs per grid axis
 
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     """``kernel[grid](**kwargs)``, or, inside ``compile_only``, its compilation. A grid past CUDA's limits is a
-    ValueError here, not a launch failure that poisons the CUDA context."""
+    ValueError (and RuntimeError) here, not a launch failure that poisons the CUDA context."""
     if any(n > limit for n, limit in zip(grid, GRID_LIMITS, strict=False)):
-        raise ValueError(f"{kernel.fn.__name__}: grid {grid} exceeds CUDA's {GRID_LIMITS} programs per axis; "
+        raise ArgumentError(f"{kernel.fn.__name__}: grid {grid} exceeds CUDA's {GRID_LIMITS} programs per axis; "
                          "split the batch into smaller calls")
     recorded = _compile_only.get()
     if recorded is None:

@@ -1,0 +1,1 @@
+"""``flash_attn.layers`` on flashattn: ``rotary`` (``apply_rotary_emb``, ``RotaryEmbedding``)."""
