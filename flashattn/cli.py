@@ -8,6 +8,7 @@
     flashattn bench cuda-kernel           # the CUDA C++ kernel: compile, accuracy, forward timing
     flashattn bench block-mask            # a FlexAttention BlockMask against varlen and a dense mask
     flashattn info [--json]               # versions, devices, compilers, the path each call takes and why
+    flashattn explain [--pictures]        # an HTML page stepping through FlashAttention-1 and -2, tile by tile
 
 ``flashattn bench <subcommand> --help`` lists each one's options with their defaults.
 """
@@ -105,7 +106,62 @@ def demo(args: argparse.Namespace) -> int:
     meta = report.meta(device, args.command_line, {k: getattr(args, k) for k in DEMO_SWEEP})
     paths = report.write(results, meta, out_dir, "demo", [figure])
     print(f"\nwrote {' and '.join(map(str, paths))}" + ("" if len(paths) > 1 else " (install matplotlib for the plot)"))
+    print(f"4. The algorithm, tile by tile: {', '.join(map(str, _write_explain(out_dir / 'explain.html', True)))} "
+          "(open the page in a browser)")
     return 0
+
+
+def _write_explain(page: Path, pictures: bool, **problem) -> list[Path]:
+    from . import explain  # matplotlib only when pictures are drawn
+
+    trace = explain.record(**problem)
+    paths = [explain.write_page(trace, page)]
+    if pictures:
+        try:
+            paths += explain.write_pictures(trace, page.with_suffix(".png"), page.with_suffix(".gif"))
+        except ImportError:
+            print("   (install matplotlib for the PNG and GIF)")
+    return paths
+
+
+def explain_command(args: argparse.Namespace) -> int:
+    problem = {name: getattr(args, name) for name in ("n", "d", "block_rows", "block_cols", "causal", "seed")}
+    paths = _write_explain(Path(args.out), args.pictures, **problem)
+    print(f"wrote {', '.join(map(str, paths))}: open {paths[0]} in a browser (no network needed)")
+    return 0
+
+
+def _check_explain(args: argparse.Namespace) -> str | None:
+    from . import explain
+
+    found = explain.Problem(args.n, args.d, args.block_rows, args.block_cols, args.causal, args.seed).problems()
+    if found:
+        return "; ".join(found)
+    try:  # the size depends on the tiles' shapes: measured, a second or less
+        explain.render_page(explain.record(n=args.n, d=args.d, block_rows=args.block_rows,
+                                           block_cols=args.block_cols, causal=args.causal, seed=args.seed))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _add_explain(sub) -> None:
+    from .explain.trace import MAX_D, MAX_N
+
+    p = sub.add_parser("explain", help="an HTML page that steps through FlashAttention-1 and -2 tile by tile",
+                       description="Write one self-contained HTML page (no network, opens from disk) that steps "
+                                   "through FlashAttention-1 and -2 on a small problem, tile by tile, with every "
+                                   "number recorded while flashattn.reference runs; --pictures adds a PNG strip "
+                                   "and an animated GIF beside it.", formatter_class=options.HelpFormatter)
+    p.add_argument("--out", default="explain.html", help="the page to write")
+    p.add_argument("--n", type=int, default=12, help=f"queries and keys (1 to {MAX_N})")
+    p.add_argument("--d", type=int, default=4, help=f"head dim (1 to {MAX_D})")
+    p.add_argument("--block-rows", type=int, default=4, help="queries per tile (divides n)")
+    p.add_argument("--block-cols", type=int, default=4, help="keys per tile (divides n)")
+    p.add_argument("--causal", action="store_true", help="causal masking")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random Q, K, V, dO")
+    p.add_argument("--pictures", action="store_true", help="also write <out>.png (a strip) and <out>.gif")
+    p.set_defaults(func=explain_command, check=_check_explain, parser=p, timed=False)
 
 
 DEMO_IMPLS = (OURS, "sdpa", "plain")
@@ -176,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_info(sub)
+    _add_explain(sub)
     return parser
 
 

@@ -32,6 +32,8 @@ def test_demo_runs_and_writes_json_and_png(tmp_path, capsys):
     assert "load_1m" in meta["load"] and "load_warning" in meta
     assert all(r["seconds"] > 0 and r["peak_bytes"] >= 0 for r in results)
     assert (out / "demo.png").stat().st_size > 10_000
+    # the algorithm tile by tile, beside the plot: the page and its pictures
+    assert "\"fa2\"" in (out / "explain.html").read_text() and (out / "explain.gif").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])

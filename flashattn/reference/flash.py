@@ -22,6 +22,10 @@ import numpy as np
 from flashattn.reference.common import finite_shift, lse_from_stats, prepare_inputs, safe_divide, split_range
 from flashattn.reference.hbm import ALL, DEFAULT_SRAM, HBMArray, HBMCounter, as_counter
 
+#: ``trace(event, **values)``: called by the tiled rungs at every block step with the on-chip values of that step
+#: (``flashattn.explain`` records them to draw the algorithm); None, the default, costs one test per step.
+Trace = Callable[..., None]
+
 __all__ = [
     "fa1_block_sizes",
     "fa2_block_sizes",
@@ -66,9 +70,10 @@ def fa2_block_sizes(d: int, *, M: int) -> tuple[int, int]:
     return B, min(B, d)
 
 
-def flash_attention_v1(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = DEFAULT_SRAM,
+# The three arrays and every option by keyword (the SRAM size, scale, mask, tiles, counter and trace hook).
+def flash_attention_v1(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = DEFAULT_SRAM,  # noqa: PLR0913
                        scale: float | None = None, causal: bool = False, block_sizes: tuple[int, int] | None = None,
-                       hbm: HBMCounter | None = None) -> np.ndarray:
+                       hbm: HBMCounter | None = None, trace: Trace | None = None) -> np.ndarray:
     """Algorithm 1 (FlashAttention), line by line; ``K, V`` outer loop ``j``, ``Q`` inner loop ``i``.
 
     ``O, l, m`` live in HBM (initialised there, line 2) and are loaded and written back on
@@ -82,6 +87,7 @@ def flash_attention_v1(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = 
 
     Line 12 renormalises ``O_i`` on every step: ``O_i`` is always the exact attention output
     over the keys seen so far.  Block sizes default to :func:`fa1_block_sizes` ``(d, M=M)``.
+    ``trace("tile", rows=, cols=, S=, P=, m_old=, m_new=, l_old=, l_new=, rescale=, O=)`` sees every step.
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)`` -> ``O (N_q, d_v)``.
 
     >>> Q = K = np.eye(2); V = np.array([[1.0], [3.0]])
@@ -119,13 +125,17 @@ def flash_attention_v1(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = 
             Oh.store(rows, ALL, safe_divide(unnormalised, l_new[:, None]))  # line 12
             lh.store(rows, ALL, l_new)  # line 13
             mh.store(rows, ALL, m_new)
+            if trace is not None:
+                trace("tile", rows=rows, cols=cols, S=S_ij, P=P_tilde, m_old=m_i, m_new=m_new, l_old=l_i,
+                      l_new=l_new, rescale=old_weight, O=Oh.data[rows])
     return Oh.data  # line 16
 
 
-def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = DEFAULT_SRAM,
+def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M: int = DEFAULT_SRAM,  # noqa: PLR0913
                                scale: float | None = None, causal: bool = False,
                                block_sizes: tuple[int, int] | None = None,
-                               hbm: HBMCounter | None = None) -> tuple[np.ndarray, np.ndarray]:
+                               hbm: HBMCounter | None = None, trace: Trace | None = None
+                               ) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-2 forward: ``Q`` outer loop ``i``, ``K, V`` inner loop ``j``, deferred normalisation.
 
     ``Q_i`` is loaded once; the accumulator ``O~_i`` and the row statistics stay on chip::
@@ -139,7 +149,9 @@ def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M
         O_i = diag(l_i)^-1 O~_i,   L_i = m_i + log(l_i)                    (one division)
 
     ``O`` and ``L`` are each written once; fully masked rows give ``O = 0``, ``L = -inf``.
-    Block sizes default to :func:`fa2_block_sizes` ``(d, M=M)``.
+    Block sizes default to :func:`fa2_block_sizes` ``(d, M=M)``. ``trace("tile", rows=, cols=, S=, P=, m_old=,
+    m_new=, l_old=, l_new=, rescale=, O=)`` sees every step (``O``: the unnormalised accumulator), and
+    ``trace("row", rows=, O=, L=)`` every finished row block.
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)`` -> ``O (N_q, d_v)``, ``L (N_q,)``.
 
     >>> Q = K = np.eye(2); V = np.array([[1.0], [3.0]])
@@ -167,11 +179,16 @@ def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M
             shift = finite_shift(m_new)
             P_tilde = np.exp(S_ij - shift[:, None])
             rescale = np.exp(m - shift)  # e^{m_i(j-1) - m_ij}: old terms onto the new max
-            l = rescale * l + P_tilde.sum(axis=1)
+            l_new = rescale * l + P_tilde.sum(axis=1)
             acc = rescale[:, None] * acc + P_tilde @ Vh.load(cols)
-            m = m_new
+            if trace is not None:
+                trace("tile", rows=rows, cols=cols, S=S_ij, P=P_tilde, m_old=m, m_new=m_new, l_old=l, l_new=l_new,
+                      rescale=rescale, O=acc)
+            m, l = m_new, l_new
         Oh.store(rows, ALL, safe_divide(acc, l[:, None]))
         Lh.store(rows, ALL, lse_from_stats(m, l))
+        if trace is not None:
+            trace("row", rows=rows, O=Oh.data[rows], L=Lh.data[rows])
     return Oh.data, Lh.data
 
 
@@ -180,7 +197,7 @@ def flash_attention_v2_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, *, M
 def flash_attention_v2_backward(  # noqa: PLR0913
     Q: np.ndarray, K: np.ndarray, V: np.ndarray, O: np.ndarray, dO: np.ndarray, L: np.ndarray, *,
     M: int = DEFAULT_SRAM, scale: float | None = None, causal: bool = False,
-    block_sizes: tuple[int, int] | None = None, hbm: HBMCounter | None = None,
+    block_sizes: tuple[int, int] | None = None, hbm: HBMCounter | None = None, trace: Trace | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashAttention-2 backward (FA-2 paper, Algorithm 2): gradients by recomputing ``P`` from ``L``.
 
@@ -197,7 +214,8 @@ def flash_attention_v2_backward(  # noqa: PLR0913
 
     The loop order is FA-1's (``K, V`` outer), so block sizes default to
     :func:`fa1_block_sizes` ``(d, M=M)``: the resident ``K_j, V_j, dK_j, dV_j`` block is the large one.
-    Rows with ``L = -inf`` (fully masked) get zero gradient.
+    Rows with ``L = -inf`` (fully masked) get zero gradient. ``trace("tile", rows=, cols=, S=, P=, dP=, dS=,
+    dQ=, dK=, dV=)`` sees every step (dQ_i after the step; dK_j, dV_j accumulated so far).
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)``, ``O, dO (N_q, d_v)``, ``L (N_q,)``
     -> ``dQ (N_q, d)``, ``dK (N_k, d)``, ``dV (N_k, d_v)``.
 
@@ -236,6 +254,9 @@ def flash_attention_v2_backward(  # noqa: PLR0913
             dS_ij = P_ij * (dP_ij - D_i[:, None])
             dQh.store(rows, ALL, dQ_i + scores.scale * (dS_ij @ K_j))
             dK_j += scores.scale * (dS_ij.T @ Q_i)
+            if trace is not None:
+                trace("tile", rows=rows, cols=cols, S=S_ij, P=P_ij, dP=dP_ij, dS=dS_ij, dQ=dQh.data[rows], dK=dK_j,
+                      dV=dV_j)
         dKh.store(cols, ALL, dK_j)
         dVh.store(cols, ALL, dV_j)
     return dQh.data, dKh.data, dVh.data

@@ -82,6 +82,10 @@ class HBMCounter:
         self.write_bytes += elements * itemsize
         self.per_array.setdefault(name, [0, 0])[1] += elements
 
+    def note_access(self, name: str, kind: str, index: tuple[slice, ...]) -> None:
+        """Called with every load (``kind`` "read") and store ("write") and the block's ``index``; a hook for
+        recorders (``flashattn.explain``), which see where each block comes from. The tally does not need it."""
+
     def reads_of(self, name: str) -> int:
         """Elements read from the array called ``name`` (0 if never touched)."""
         return self.per_array.get(name, [0, 0])[0]
@@ -146,8 +150,10 @@ class HBMArray:
 
     def load(self, rows: slice = ALL, cols: slice = ALL) -> np.ndarray:
         """Copy ``self[rows, cols]`` to SRAM, counting its elements as reads."""
-        block = self._data[self._index(rows, cols)].copy()
+        index = self._index(rows, cols)
+        block = self._data[index].copy()
         self.counter.record_read(self.name, block.size, self.itemsize)
+        self.counter.note_access(self.name, "read", index)
         return block
 
     def store(self, rows: slice, cols: slice, value: np.ndarray | float) -> None:
@@ -155,6 +161,7 @@ class HBMArray:
         index = self._index(rows, cols)
         self._data[index] = value
         self.counter.record_write(self.name, self._data[index].size, self.itemsize)
+        self.counter.note_access(self.name, "write", index)
 
     def _index(self, rows: slice, cols: slice) -> tuple[slice, ...]:
         if self._data.ndim == 2:
