@@ -246,11 +246,14 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
         return pool.map(fn, entries, chunksize=1)
 
 
-def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain") -> bool:
-    """Whether the triton path launches ``table``'s kernel for these head dims and weight on ``arch`` (the family's
-    ``max_head_dim``, ``max_grad_head_dim`` and ``fp32``); entries it does not serve only fill a table."""
+def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain", block_mask: bool = False) -> bool:
+    """Whether the triton path launches ``table``'s kernel for these head dims and weight on ``arch``, plain or
+    walking a block mask (the family's ``max_head_dim``, ``max_grad_head_dim``, ``max_block_mask_head_dim`` and
+    ``fp32``); entries it does not serve only fill a table."""
     fam, largest = configs.family(arch), max(_dims(head_dim)[:2])
     if variant.startswith("fp32") and not fam.fp32 or largest > fam.max_head_dim:
+        return False
+    if block_mask and largest > fam.max_block_mask_head_dim:
         return False
     return table not in ("dkdv", "dq") or largest <= fam.max_grad_head_dim
 
@@ -261,7 +264,7 @@ def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=T
     """Health rows of every (table, head dim, variant, target), once per ``block_masks`` entry (False: the plain
     kernels; True: as they walk a block mask)."""
     entries = [(table, d, variant, arch, sparse) for sparse in block_masks for table in tables for d in head_dims
-               for variant in variants for arch in archs if served(table, d, arch, variant)]
+               for variant in variants for arch in archs if served(table, d, arch, variant, sparse)]
     return _map(_check, entries, jobs)
 
 

@@ -57,12 +57,16 @@ def serves(request: Request) -> str | None:
 
 
 def _family_declines(request: Request, fam) -> str | None:
-    """What this GPU's family (``families.Family``) leaves to the torch path: its limits on head dims and fp32."""
+    """What this GPU's family (``families.Family``) leaves to the torch path: its limits on head dims (with a
+    block mask, in the backward) and fp32."""
     largest = max(request.head_dim, request.head_dim_v)
     if request.dtype == torch.float32 and not fam.fp32:
         return f"it takes float16 and bfloat16 on {fam.name} GPUs ({fam.cards}), got {request.dtype}"
     if largest > fam.max_head_dim:
         return f"it takes head dims up to {fam.max_head_dim} on {fam.name} GPUs ({fam.cards}), got {largest}"
+    if request.uses("block mask") and largest > fam.max_block_mask_head_dim:
+        return (f"it walks block masks at head dims up to {fam.max_block_mask_head_dim} on {fam.name} GPUs "
+                f"({fam.cards}), got {largest}")
     if request.grad and largest > fam.max_grad_head_dim:
         return (f"its backward takes head dims up to {fam.max_grad_head_dim} on {fam.name} GPUs ({fam.cards}), "
                 f"got {largest}")

@@ -35,13 +35,16 @@ class Family(NamedTuple):
     warp_size: int = 32  # threads per warp (AMD: per wavefront)
     max_head_dim: int = 256  # the largest head dim any kernel serves on it
     fp32: bool = True  # whether it serves fp32 inputs (IEEE fp32 matmuls, off the matrix units)
+    max_block_mask_head_dim: int = 256  # the largest head dim its kernels serve walking a block mask
 
 
 KIB = 1024
 FAMILIES = {f.name: f for f in (
-    # Triton lowers tl.dot to tensor cores from sm_80 on: on Turing its matmuls are FMA, in small tiles.
+    # Triton lowers tl.dot to tensor cores from sm_80 on: on Turing its matmuls are FMA, in small tiles. Walking a
+    # block mask past head dim 128 they spill in every tile for fp32 with dropout or a mask (a 192/128 pair: about
+    # 2 KB in the loop), so such calls take the torch path.
     Family("sm75", "Turing: T4, RTX 20xx, Quadro RTX", "none (Triton's tl.dot is FMA below sm_80)", 64 * KIB,
-           tma=False, max_grad_head_dim=64),
+           tma=False, max_grad_head_dim=64, max_block_mask_head_dim=128),
     Family("sm80", "Ampere datacenter: A100, A30; Jetson Orin", "mma.sync m16n8k16", 163 * KIB, tma=False),
     Family("sm86", "Ampere and Ada consumer and workstation: RTX 30xx/40xx, A10, A40, L4, L40S", "mma.sync m16n8k16",
            99 * KIB, tma=False),
