@@ -183,6 +183,27 @@ def test_autograd_function_names_apply_positionally():
     out = fai.FlashAttnQKVPackedFunc.apply(qkv, 0.0, None, False, (-1, -1), 0.0, None, False, True, True)
     assert out[0].shape == q.shape and out[1].shape == (2, 4, 9)
     assert fai.maybe_contiguous(q.transpose(1, 3)).is_contiguous() and fai.round_multiple(130, 128) == 256
+    assert fai._get_block_size_n(q.device, 64, False, True) == 128
+    assert fai._get_block_size_n(q.device, 128, True, False) == 64
+    kv = torch.stack((k, v), dim=2)
+    out = fai.FlashAttnKVPackedFunc.apply(q, kv, 0.0, None, True, (-1, -1), 0.0, None, False, False, True)
+    torch.testing.assert_close(out, flashattn.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
+    vq, vk, vv, cu_q, cu_k, mq, mk = _varlen_case()
+    want = flashattn.flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, mq, mk, causal=True)
+    got = fai.FlashAttnVarlenFunc.apply(vq, vk, vv, cu_q, cu_k, mq, mk, 0.0, None, True, (-1, -1), 0.0, None, False,
+                                        False, None, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got = fai.FlashAttnVarlenKVPackedFunc.apply(vq, torch.stack((vk, vv), 1), cu_q, cu_k, mq, mk, 0.0, None, True,
+                                                (-1, -1), 0.0, None, False, False, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    packed = torch.stack((vq, vq, vq), 1)
+    got = fai.FlashAttnVarlenQKVPackedFunc.apply(packed, cu_q, mq, 0.0, None, True, (-1, -1), 0.0, None, False, False,
+                                                 True)
+    torch.testing.assert_close(got, flashattn.flash_attn_varlen_func(vq, vq, vq, cu_q, cu_q, mq, mq, causal=True),
+                               rtol=0, atol=0)
+    for name in ("_wrapped_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
+                 "_wrapped_flash_attn_varlen_backward"):
+        assert getattr(fai, name) is getattr(torch.ops.flash_attn, name.removeprefix("_wrapped"))
 
 
 def test_errors_are_value_and_runtime_errors_naming_function_argument_and_value():
@@ -275,6 +296,9 @@ def test_apply_rotary_emb_matches_the_formula(interleaved):
     assert rotary.apply_rotary_emb(y, cos, sin, interleaved, inplace=True) is y
     torch.testing.assert_close(y, rotary.apply_rotary_emb(x.detach(), cos, sin, interleaved))
     assert rotary.apply_rotary_emb_func is rotary.apply_rotary_emb
+    halves, pairs = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert rotary.rotate_half(halves).tolist() == [-3.0, -4.0, 1.0, 2.0]
+    assert rotary.rotate_half(pairs, interleaved=True).tolist() == [-2.0, 1.0, -4.0, 3.0]
     with pytest.raises(ValueError, match="cos has 20"):
         rotary.apply_rotary_emb(x, cos, sin, seqlen_offsets=15)
 
