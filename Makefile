@@ -5,8 +5,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # On the development and CI machines this resolves to a CPU wheel on local disk (seconds, not a GB download).
 TORCH  ?= torch==2.13.0
+# The oldest and newest Triton of the supported range (pyproject's triton extra): .venv has the oldest, the version
+# on the GPU machines; the newest lies beside it in $(TRITON_NEWEST_DIR), put first on PYTHONPATH for a second run
+# of the Triton tests.
+TRITON_OLDEST := 3.6.0
+TRITON_NEWEST := 3.9.0
+TRITON_NEWEST_DIR := $(VENV)/triton-newest
 
-.PHONY: demo test health lint clean gpu-check
+.PHONY: demo test health health-newest lint clean gpu-check
 # The newest numpy, apart from the venv's: the Triton interpreter the tests use needs numpy < 2.4, the library does
 # not (tests/test_info.py runs flashattn with this one).
 NEWEST_NUMPY := $(VENV)/newest-numpy
@@ -15,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test,plot,triton]"
+	$(PIP) install -q -e ".[test,plot,triton]" "triton==$(TRITON_OLDEST)"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -23,8 +29,18 @@ demo: $(VENV)/.installed
 
 # Every feature test runs on every execution path (the triton kernels under Triton's interpreter, the C++ kernel,
 # the tiled torch path) through one fixture, tests/conftest.py's ``path``.
-test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed
-	$(PY) -m pytest -n 2 -q -m "not health"
+test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.installed
+	FLASHATTN_EXPECT_TRITON=$(TRITON_OLDEST) $(PY) -m pytest -n 2 -q -m "not health"
+	FLASHATTN_EXPECT_TRITON=$(TRITON_NEWEST) PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m pytest -n 2 -q -m "not health" \
+		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))"
+
+# On the newest Triton: the Triton tests (every feature on the interpreted kernels, the shipped tiles, the families)
+# and the offline health of the most used calls on sm_100 and gfx942 (`make health-newest`: every family, d = 128).
+TRITON_NEWEST_HEALTH := largest_common_head_dim and (100 or gfx942) and not gfx1100
+
+$(TRITON_NEWEST_DIR)/.installed: Makefile
+	$(PIP) install -q --upgrade --no-deps --target $(TRITON_NEWEST_DIR) "triton==$(TRITON_NEWEST)"
+	touch $@
 
 $(NEWEST_NUMPY)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade --no-deps --target $(NEWEST_NUMPY) numpy
@@ -41,6 +57,11 @@ gpu-check:
 # architectures, sm_75 to sm_120 (no GPU; a few hours on 2 cores from a cold cache: use a larger machine).
 health: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q -m health tests/test_kernel_health.py
+
+# The same on the newest Triton of the range, head dim 128 (every kernel, weight and family): where its compiler
+# spills a config that 3.6's did not, `--search` finds the replacement for tables._TRITON_CHANGES.
+health-newest: $(VENV)/.installed $(TRITON_NEWEST_DIR)/.installed
+	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m tools.offline.health --head-dims 128 --jobs 2
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

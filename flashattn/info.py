@@ -178,12 +178,15 @@ def gpu_families() -> list[dict]:
     """The Triton kernels' GPU family (``backends/triton/families.py``) for each GPU present, or every family when
     there is none: architectures, shared memory per block, tensor-core instructions, a sample of its configs and
     whether they were compiled and checked offline for that architecture. Reads tables only: imports no triton."""
-    from .backends.triton import families, tables
+    from .backends.triton import configs, families, tables
 
-    def sample(name: str) -> str:
-        entries = (("forward", 128, "plain"), ("dkdv", 128, "plain"), ("dq", 128, "plain"))
+    def sample(arch) -> str:  # what this Triton release's calls get (its own entries included)
+        chosen = {kernel: configs.lookup(kernel, arch, 128, "plain") for kernel in ("forward", "dkdv", "dq")}
         return ", ".join(f"{kernel} {cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s"
-                         for kernel, d, weight in entries for cfg in [tables.TABLES[name][kernel][(d, weight)]])
+                         for kernel, cfg in chosen.items())
+
+    releases = "; ".join(f"triton {major}.{minor}: {what}" for (major, minor), what in tables.CHECKED_ON.items())
+    here = "none installed" if tables.TRITON is None else "{}.{}".format(*tables.TRITON)
 
     def row(fam: families.Family, archs: list, device: str | None) -> dict:
         name = families.arch_name
@@ -195,7 +198,8 @@ def gpu_families() -> list[dict]:
             status += f" ({', '.join(map(name, aliases))}: as {name(checked[0])})"
         return {"device": device, "family": fam.name, "architectures": [name(a) for a in archs],
                 "cards": fam.cards, "shared_kib": fam.shared_bytes // 1024, "tensor_cores": fam.tensor_cores,
-                "tma": fam.tma, "configs_d128": sample(fam.name), "health": status + "; not run on hardware here"}
+                "tma": fam.tma, "configs_d128": sample(archs[0]),
+                "health": f"{status} ({releases}; here: triton {here}); not run on hardware here"}
 
     if torch.cuda.is_available():
         from .backends.triton import device_arch  # torch's device facts only: no triton

@@ -186,3 +186,24 @@ def test_the_turing_backward_declines_head_dims_over_64(monkeypatch):
     assert triton_path.serves(request._replace(head_dim=64, head_dim_v=64)) is None
     monkeypatch.setattr(triton_path, "_gpu_family", lambda index: families.family(86))
     assert triton_path.serves(request) is None
+
+
+def test_turing_declines_block_masks_past_head_dim_128(monkeypatch):
+    """On sm_75 the kernels walking a block mask spill in every tile for fp32 with dropout or a mask at head dim 192
+    (the MLA pair): the triton path leaves block-mask calls past head dim 128 to the torch path there, and only
+    there."""
+    import torch
+
+    import flashattn.backends.triton as triton_path
+    from flashattn.backends.request import Request
+    from flashattn.backends.triton import families
+
+    monkeypatch.setattr(triton_path, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_path, "_gpu_family", lambda index: families.family(75))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    request = Request("cuda", torch.float32, 192, 128, features=("block mask",), mask_blocks=(128, 128))
+    assert "block masks at head dims up to 128 on sm75" in triton_path.serves(request)
+    assert triton_path.serves(request._replace(features=())) is None
+    assert triton_path.serves(request._replace(head_dim=128)) is None
+    monkeypatch.setattr(triton_path, "_gpu_family", lambda index: families.family(86))
+    assert triton_path.serves(request) is None

@@ -60,7 +60,10 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     ValueError (and RuntimeError) here, not a launch failure that poisons the CUDA context."""
     if any(n > limit for n, limit in zip(grid, GRID_LIMITS, strict=False)):
         raise ArgumentError(f"{kernel.fn.__name__}: grid {grid} exceeds CUDA's {GRID_LIMITS} programs per axis; "
-                         "split the batch into smaller calls")
+                            "split the batch into smaller calls")
+    # Fused multiply-adds, said explicitly: Triton 3.9 warns that its default turns them off in 3.10, and the
+    # configs were chosen (and their health checked) with them on.
+    kwargs = {**kwargs, "enable_fp_fusion": True}
     recorded = _compile_only.get()
     if recorded is None:
         kernel[grid](**kwargs)  # Triton raises OutOfResources before running if the GPU lacks the shared memory

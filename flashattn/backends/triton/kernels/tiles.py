@@ -30,8 +30,9 @@ def fast_div(x, y):
 
 @triton.jit
 def tanh(x):
-    # 1 - 2 / (e^{2x} + 1): saturates to +-1 for large |x| without overflow (inf -> 1, 0 -> -1).
-    return 1.0 - fast_div(2.0, tl.math.exp2((2.0 * LOG2E) * x) + 1.0)
+    # 1 - 2 / (e^{2x} + 1): saturates to +-1 for large |x| without overflow (inf -> 1, 0 -> -1). The constant is
+    # on the right: Triton 3.9's interpreter turns constexpr * tensor into a constexpr that tl.math refuses.
+    return 1.0 - fast_div(2.0, tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
