@@ -38,11 +38,11 @@ test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.instal
 # and the offline health of the most used calls on sm_100 and gfx942 (`make health-newest`: every family, d = 128).
 TRITON_NEWEST_HEALTH := largest_common_head_dim and (100 or gfx942) and not gfx1100
 
-$(TRITON_NEWEST_DIR)/.installed: Makefile
+$(TRITON_NEWEST_DIR)/.installed: Makefile $(VENV)/.installed
 	$(PIP) install -q --upgrade --no-deps --target $(TRITON_NEWEST_DIR) "triton==$(TRITON_NEWEST)"
 	touch $@
 
-$(NEWEST_NUMPY)/.installed: pyproject.toml
+$(NEWEST_NUMPY)/.installed: pyproject.toml $(VENV)/.installed
 	$(PIP) install -q --upgrade --no-deps --target $(NEWEST_NUMPY) numpy
 	touch $@
 

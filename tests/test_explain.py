@@ -87,6 +87,23 @@ def test_backward_steps_and_traffic():
     assert fa2_total < sum(trace["standard"]["hbm"].values())  # FA-2 moves less than standard attention
 
 
+def test_each_hbm_access_belongs_to_its_step():
+    """Loads come with the step that uses them, stores with the step that finishes them: FA-2 writes O and L only
+    at a row block's last tile, the backward writes dK_j and dV_j only at its key block's last tile, and every
+    access is within the step's tile."""
+    trace = record(n=8, d=4, block_rows=2, block_cols=4, causal=True)
+    for step in trace["fa2"]["steps"]:
+        writes = {a["array"]: a["rows"] for a in step["accesses"] if a["kind"] == "write"}
+        assert set(writes) == ({"O", "L"} if "row_done" in step else set())
+        assert all(rows == step["rows"] for rows in writes.values())
+        assert all(a["rows"] == step["cols"] for a in step["accesses"] if a["array"] in ("K", "V"))
+    steps = trace["backward"]["steps"]
+    for k, step in enumerate(steps):
+        last_of_column = k == len(steps) - 1 or steps[k + 1]["cols"] != step["cols"]
+        written = [a for a in step["accesses"] if a["kind"] == "write" and a["array"] in ("dK", "dV")]
+        assert len(written) == (2 if last_of_column else 0) and all(a["rows"] == step["cols"] for a in written)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--n", "0"], "--n must be in [1, 64]"),
     (["--n", "65"], "--n must be in [1, 64]"),

@@ -107,8 +107,8 @@ def test_dropout_through_rng_state_and_s_dmask():
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     fai._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.25, 0.25, False, -1, -1, 0.0, None, False,
                              rng_state)
-    torch.testing.assert_close(dq, q_.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dv, v_.grad, rtol=1e-5, atol=1e-5)
+    for got, want in ((dq, q_.grad), (dk, k_.grad), (dv, v_.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="rng_state"):
         fai._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.25, 0.25, False, -1, -1, 0.0, None, False)
 
@@ -139,6 +139,10 @@ def test_private_varlen_forward_and_backward():
     for got, want in ((dq, q_.grad), (dk, k_.grad), (dv, v_.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert softmax_d.shape == (4, q.shape[0] + 128 * 3)
+    delta = (dout * out).sum(-1).T  # (H, total_q); flash_attn puts sequence b's rows at cu_seqlens_q[b] + 128 b
+    for b in range(3):
+        start, stop = int(cu_q[b]), int(cu_q[b + 1])
+        torch.testing.assert_close(softmax_d[:, start + 128 * b : stop + 128 * b], delta[:, start:stop])
 
 
 def test_private_varlen_forward_with_seqused_and_leftpad_k():
@@ -175,6 +179,35 @@ def test_the_ops_are_registered_under_flash_attn_and_compile_fullgraph():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_defaults_read_as_ring_flash_attention_reads_them():
+    """ring-flash-attention builds its calls from the ops' defaults: getfullargspec(op._init_fn), then **params."""
+    import inspect
+
+    def get_default_args(func):
+        spec = inspect.getfullargspec(func._init_fn if hasattr(func, "_init_fn") else func)
+        defaults = spec.defaults if spec.defaults is not None else ()
+        args = dict(zip(spec.args, (None,) * (len(spec.args) - len(defaults)) + defaults, strict=True))
+        if "softcap" in args:
+            args["softcap"] = 0.0
+        return args
+
+    q, k, v = _qkv(nq=12, nk=12, d=16)
+    params = get_default_args(fai._flash_attn_forward)
+    assert list(params)[:4] == ["q", "k", "v", "dropout_p"] and params["return_softmax"] is None
+    params.update(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=0.25, causal=True, window_size_left=-1,
+                  window_size_right=-1, alibi_slopes=None, return_softmax=False)
+    out, lse, _, _ = fai._flash_attn_forward(**params)
+    torch.testing.assert_close(out, flashattn.flash_attn_func(q, k, v, softmax_scale=0.25, causal=True))
+    params = get_default_args(fai._flash_attn_backward)
+    assert params["rng_state"] is None and "dq" in params
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    params.update(dout=torch.ones_like(out), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                  dropout_p=0.0, softmax_scale=0.25, causal=True, window_size_left=-1, window_size_right=-1,
+                  alibi_slopes=None, deterministic=False)
+    fai._flash_attn_backward(**params)
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+
+
 def test_autograd_function_names_apply_positionally():
     q, k, v = _qkv(nq=9, nk=9, d=16)
     out = fai.FlashAttnFunc.apply(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False, True)
@@ -182,6 +215,10 @@ def test_autograd_function_names_apply_positionally():
     qkv = torch.stack((q, q, q), dim=2)
     out = fai.FlashAttnQKVPackedFunc.apply(qkv, 0.0, None, False, (-1, -1), 0.0, None, False, True, True)
     assert out[0].shape == q.shape and out[1].shape == (2, 4, 9)
+    leaf = q.clone().requires_grad_()
+    assert fai.FlashAttnFunc.apply(leaf, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False, True).requires_grad
+    assert not fai.FlashAttnFunc.apply(leaf, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False,
+                                       False).requires_grad  # is_grad_enabled=False records no graph
     assert fai.maybe_contiguous(q.transpose(1, 3)).is_contiguous() and fai.round_multiple(130, 128) == 256
     assert fai._get_block_size_n(q.device, 64, False, True) == 128
     assert fai._get_block_size_n(q.device, 128, True, False) == 64
@@ -254,8 +291,11 @@ def test_bert_padding_index_helpers():
     assert torch.equal(bert_padding.IndexPutFirstAxis.apply(picked, idx, 6), placed)
     placed.sum().backward()
     assert x.grad[idx].eq(1).all() and x.grad[[1, 3, 5]].eq(0).all()
+    x.grad = None
     out, residual = bert_padding.index_first_axis_residual(x, idx)
-    assert torch.equal(out, x[idx]) and not residual.requires_grad
+    assert torch.equal(out, x[idx]) and torch.equal(residual, x) and residual.data_ptr() == x.data_ptr()
+    (out.sum() + residual.sum()).backward()  # both outputs' gradients reach x, as in flash_attn's Function
+    assert x.grad[idx].eq(2).all() and x.grad[[1, 3, 5]].eq(1).all()
     assert bert_padding.IndexFirstAxisResidual.apply(x, idx)[0].shape == (3, 3)
 
 

@@ -26,7 +26,7 @@ PAGE_LIMIT = 2_000_000  # bytes: the page travels as an attachment or a CI artif
 
 def render_page(trace: dict) -> str:
     """The page for ``trace`` (from ``record``), as text; a ValueError if it would exceed ``PAGE_LIMIT``."""
-    template = (Path(__file__).parent / "page.html").read_text()
+    template = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
     data = json.dumps(trace, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")  # no "</script>"
     html = template.replace("__TRACE__", data)
     if len(html.encode()) > PAGE_LIMIT:
@@ -40,7 +40,7 @@ def write_page(trace: dict, path: Path | str) -> Path:
     html = render_page(trace)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(html)
+    path.write_text(html, encoding="utf-8")
     return path
 
 

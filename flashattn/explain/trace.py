@@ -69,10 +69,11 @@ class _Recorder(HBMCounter):
         rows = index[0]
         self._pending.append({"array": name, "kind": kind, "rows": _span(rows, None)})
 
-    def __call__(self, event: str, *, rows: slice, cols: slice | None = None, **values) -> None:
-        if event == "row":  # FA-2's finished row block: its writes belong to the step that finished it
-            last = self.steps[-1]
-            last["row_done"] = {k: _plain(v) for k, v in values.items()}
+    def __call__(self, event: str, *, rows: slice | None = None, cols: slice | None = None, **values) -> None:
+        if event in ("row", "col"):  # a finished row block (FA-2) or key block (the backward): its writes belong
+            last = self.steps[-1]   # to the step that finished it
+            if values:
+                last[f"{event}_done"] = {k: _plain(v) for k, v in values.items()}
             last["accesses"] += self._pending
         else:
             self.steps.append({"rows": _span(rows), "cols": _span(cols), "accesses": self._pending,

@@ -215,7 +215,8 @@ def flash_attention_v2_backward(  # noqa: PLR0913
     The loop order is FA-1's (``K, V`` outer), so block sizes default to
     :func:`fa1_block_sizes` ``(d, M=M)``: the resident ``K_j, V_j, dK_j, dV_j`` block is the large one.
     Rows with ``L = -inf`` (fully masked) get zero gradient. ``trace("tile", rows=, cols=, S=, P=, dP=, dS=,
-    dQ=, dK=, dV=)`` sees every step (dQ_i after the step; dK_j, dV_j accumulated so far).
+    dQ=, dK=, dV=)`` sees every step (dQ_i after the step; dK_j, dV_j accumulated so far), ``trace("col", cols=)``
+    every finished key block.
     Shapes: ``Q (N_q, d)``, ``K (N_k, d)``, ``V (N_k, d_v)``, ``O, dO (N_q, d_v)``, ``L (N_q,)``
     -> ``dQ (N_q, d)``, ``dK (N_k, d)``, ``dV (N_k, d_v)``.
 
@@ -259,6 +260,8 @@ def flash_attention_v2_backward(  # noqa: PLR0913
                       dV=dV_j)
         dKh.store(cols, ALL, dK_j)
         dVh.store(cols, ALL, dV_j)
+        if trace is not None:
+            trace("col", cols=cols)
     return dQh.data, dKh.data, dVh.data
 
 

@@ -22,6 +22,7 @@ program (the M dimension of all its matmuls, on the transposed tile S^T) by BLOC
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from dataclasses import dataclass
 
 
@@ -303,12 +304,14 @@ for _name, (_base, _changes) in _CHANGES.items():
 
 
 def installed_triton() -> tuple[int, int] | None:
-    """(major, minor) of the Triton on the path, read from its metadata (no import), or None."""
-    try:
-        major, minor = importlib.metadata.version("triton").split(".")[:2]
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return int(major), int(minor)
+    """(major, minor) of the Triton that ``import triton`` finds, from the metadata of whichever distribution
+    provides the module (triton, or torch's pytorch-triton and pytorch-triton-rocm builds), without importing it;
+    None if there is none or its version does not read."""
+    for distribution in importlib.metadata.packages_distributions().get("triton", []):
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(distribution))
+        if found:
+            return int(found[1]), int(found[2])
+    return None
 
 
 TRITON = installed_triton()

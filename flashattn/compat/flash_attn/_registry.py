@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -28,6 +29,10 @@ def register_op(name: str, impl: Callable, fake: Callable, *, mutates_args: tupl
         # flashattn's own op underneath would record one for inputs that require grad.
         with torch.no_grad():
             return impl(*args, **kwargs)
+
+    # Libraries read the ops' defaults with inspect.getfullargspec(op._init_fn) (ring-flash-attention does), which
+    # does not follow functools.wraps: the signature itself must say them.
+    without_autograd.__signature__ = inspect.signature(impl)
 
     op = torch.library.custom_op(f"flash_attn::{name}", without_autograd, mutates_args=mutates_args, schema=schema)
     op.register_fake(fake)

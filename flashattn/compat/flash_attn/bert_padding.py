@@ -40,8 +40,22 @@ def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -
 
 
 def index_first_axis_residual(input: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:  # noqa: A002
-    """``(input[indices], input.detach())``, as flash_attn's fused MLP uses it."""
-    return index_first_axis(input, indices), input.detach()
+    """``(input[indices], residual)``, as flash_attn's fused MLP uses it: the residual shares ``input``'s memory, and
+    the gradients of both outputs flow back to ``input``."""
+    _check_indices("index_first_axis_residual", indices, input.shape[0])
+    return _IndexFirstAxisResidual.apply(input, indices)
+
+
+class _IndexFirstAxisResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, indices):  # noqa: A002
+        ctx.save_for_backward(indices)
+        return input[indices], input.detach()  # a detached alias: no copy, and no in-place complaint on the view
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_residual):
+        (indices,) = ctx.saved_tensors
+        return grad_residual.clone().index_add_(0, indices, grad_output), None
 
 
 class _Apply:

@@ -253,7 +253,13 @@ def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     spec = dataclasses.replace(call.spec, seed=_seed(fn, call.spec.dropout_p, rng_state))
     _store_grads(fn, dout, Saved(call.q, call.k, call.v, out, softmax_lse), spec, dq=dq, dk=dk, dv=dv)
     delta = (dout.to(softmax_lse.dtype) * out.to(softmax_lse.dtype)).sum(-1).transpose(0, 1)  # (H, total_q)
-    return F.pad(delta, (0, 128 * (cu_seqlens_q.shape[0] - 1)))
+    # flash_attn's layout: sequence b's rows start at cu_seqlens_q[b] + 128 b.
+    batch = cu_seqlens_q.shape[0] - 1
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=q.shape[0])
+    padded = delta.new_zeros(delta.shape[0], q.shape[0] + 128 * batch)
+    padded[:, torch.arange(q.shape[0], device=q.device) + 128 * sequence] = delta
+    return padded
 
 
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -287,9 +293,10 @@ class _Applied:
 
     def apply(self, *args):
         kwargs = dict(zip(self._parameters, args, strict=True))
-        kwargs.pop("is_grad_enabled")  # autograd records whenever grad mode is on and an input requires grad
+        record = torch.is_grad_enabled() and bool(kwargs.pop("is_grad_enabled"))  # False: no graph, as flash_attn
         kwargs["return_attn_probs"] = kwargs.pop("return_softmax")
-        return self._function(**kwargs)
+        with torch.set_grad_enabled(record):
+            return self._function(**kwargs)
 
 
 _OPTIONS = "dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic return_softmax"
