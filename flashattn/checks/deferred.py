@@ -12,7 +12,7 @@ Example (what ``flashattn.checks`` does when ``torch.compiler.is_compiling()``):
     >>> checked_varlen("f", cu, cu, None, VarlenSizes(5, 5, 2, 3))
     Traceback (most recent call last):
     ...
-    ValueError: f: max_seqlen_q = 2 is smaller than the longest sequence, 3
+    flashattn.errors.ArgumentError: f: max_seqlen_q = 2 is smaller than the longest sequence, 3
 """
 
 from __future__ import annotations
