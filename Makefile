@@ -35,8 +35,8 @@ test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.instal
 		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))"
 
 # On the newest Triton: the Triton tests (every feature on the interpreted kernels, the shipped tiles, the families)
-# and the offline health of the most used calls on sm_100 and gfx942 (`make health-newest`: every family, d = 64,
-# 128, 256).
+# and the offline health of the most used calls on sm_100 and gfx942 (`make health-newest`: every family, d = 16
+# to 256).
 TRITON_NEWEST_HEALTH := largest_common_head_dim and (100 or gfx942) and not gfx1100
 
 $(TRITON_NEWEST_DIR)/.installed: Makefile $(VENV)/.installed
@@ -59,10 +59,10 @@ gpu-check:
 health: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q -m health tests/test_kernel_health.py
 
-# The same on the newest Triton of the range, head dims 64, 128, 256 (every kernel, weight and family): where its
+# The same on the newest Triton of the range, head dims 16 to 256 (every kernel, weight and family): where its
 # compiler spills a config that 3.6's did not, `--search` finds the replacement for tables._TRITON_CHANGES.
 health-newest: $(VENV)/.installed $(TRITON_NEWEST_DIR)/.installed
-	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m tools.offline.health --head-dims 64,128,256 --jobs 2
+	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m tools.offline.health --head-dims 16,32,64,128,256 --jobs 2
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -207,3 +207,28 @@ def test_turing_declines_block_masks_past_head_dim_128(monkeypatch):
     assert triton_path.serves(request._replace(head_dim=128)) is None
     monkeypatch.setattr(triton_path, "_gpu_family", lambda index: families.family(86))
     assert triton_path.serves(request) is None
+
+
+def test_calls_no_tile_compiles_on_the_installed_triton_are_declined(monkeypatch):
+    """tables.DECLINED (from _TRITON_DECLINES, by the installed release): Triton 3.9's AMD backend compiles CDNA's dQ
+    with dropout or a mask at head dim 32 in no tile, so those backward calls go to the torch path there; the forward,
+    other options, head dims and families are served."""
+    import torch
+
+    import flashattn.backends.triton as triton_path
+    from flashattn.backends.request import Request
+    from flashattn.backends.triton import families, tables
+
+    assert bool(tables.DECLINED) == (tables.TRITON is not None and tables.TRITON >= (3, 9))
+    monkeypatch.setattr(tables, "DECLINED", {"cdna3": {("dq", 32, "heavy")}})
+    monkeypatch.setattr(triton_path, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_path, "_gpu_family", lambda index: families.family("gfx942"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    request = Request("cuda", torch.bfloat16, 32, 32, features=("dropout",), grad=True)
+    assert "dq kernel for head dim 32 with dropout or a mask on cdna3" in triton_path.serves(request)
+    assert triton_path.serves(request._replace(grad=False)) is None
+    assert triton_path.serves(request._replace(features=("softcap",))) is None
+    assert triton_path.serves(request._replace(head_dim=64, head_dim_v=64)) is None
+    assert "head dim 32" in triton_path.serves(request._replace(head_dim=24, head_dim_v=32))  # padded to 32
+    monkeypatch.setattr(triton_path, "_gpu_family", lambda index: families.family(90))
+    assert triton_path.serves(request) is None

@@ -30,6 +30,7 @@ import torch
 from flashattn.backends.spec import AttentionSpec, BlockSparse, KeyCache, Saved, Varlen
 from flashattn.backends.triton import attend as backend
 from flashattn.backends.triton import configs
+from flashattn.backends.triton import tables as config_tables
 from flashattn.backends.triton.families import Arch, arch_name, vendor
 
 from .compile import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
@@ -249,11 +250,14 @@ def _map(fn, entries: list[tuple], jobs: int) -> list:
 def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain", block_mask: bool = False) -> bool:
     """Whether the triton path launches ``table``'s kernel for these head dims and weight on ``arch``, plain or
     walking a block mask (the family's ``max_head_dim``, ``max_grad_head_dim``, ``max_block_mask_head_dim`` and
-    ``fp32``); entries it does not serve only fill a table."""
+    ``fp32``, and ``tables.DECLINED`` on the installed Triton); entries it does not serve only fill a table."""
     fam, largest = configs.family(arch), max(_dims(head_dim)[:2])
     if variant.startswith("fp32") and not fam.fp32 or largest > fam.max_head_dim:
         return False
     if block_mask and largest > fam.max_block_mask_head_dim:
+        return False
+    declined = config_tables.DECLINED.get(fam.name, set())  # no tile compiles on the installed Triton
+    if (table, configs.padded_head_dim(largest), variant) in declined:
         return False
     return table not in ("dkdv", "dq") or largest <= fam.max_grad_head_dim
 

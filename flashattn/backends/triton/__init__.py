@@ -67,9 +67,34 @@ def _family_declines(request: Request, fam) -> str | None:
     if request.uses("block mask") and largest > fam.max_block_mask_head_dim:
         return (f"it walks block masks at head dims up to {fam.max_block_mask_head_dim} on {fam.name} GPUs "
                 f"({fam.cards}), got {largest}")
+    declined = _release_declines(request, fam.name)
+    if declined is not None:
+        return declined
     if request.grad and largest > fam.max_grad_head_dim:
         return (f"its backward takes head dims up to {fam.max_grad_head_dim} on {fam.name} GPUs ({fam.cards}), "
                 f"got {largest}")
+    return None
+
+
+def _release_declines(request: Request, family_name: str) -> str | None:
+    """A call whose kernel compiles in no tile with the installed Triton on this family (``tables.DECLINED``)."""
+    from . import configs, tables  # tables only: no triton
+
+    declined = tables.DECLINED.get(family_name, set())
+    if not declined:
+        return None
+    key = configs.table_key(request.head_dim, request.head_dim_v)
+    largest = max(key) if isinstance(key, tuple) else key
+    heavy = request.uses("dropout") or request.uses("attn_mask")
+    weights = ({"fp32-heavy"} if heavy else {"fp32-light"}) if request.dtype == torch.float32 else (
+        {"heavy"} if heavy else {"plain", "light"})
+    kernels = {"forward", "decode"} | ({"dkdv", "dq"} if request.grad else set())
+    for kernel, head_dim, weight in declined:
+        if kernel in kernels and head_dim == largest and weight in weights:
+            version = ".".join(map(str, tables.TRITON))
+            return (f"Triton {version} compiles its {kernel} kernel for head dim {head_dim} with "
+                    f"{'dropout or a mask' if 'heavy' in weight else 'these options'} on {family_name} GPUs in no "
+                    "tile (a compiler failure)")
     return None
 
 

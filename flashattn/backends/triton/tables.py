@@ -277,34 +277,48 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
 }
 # Newer Triton releases compile some entries differently: the same tile spills under 3.9 where it did not under
 # 3.6. From each release listed on, its entries replace the family's; found by the health search run under that
-# release (`make health-newest`: head dims 64, 128 and 256, every kernel, weight and family, so far).
+# release (`make health-newest`: head dims 16 to 256, every kernel, weight and family; not yet the pairs and the
+# block-mask entries).
 _TRITON_CHANGES: dict[tuple[int, int], dict[str, Overrides]] = {
     (3, 9): {
-        "sm80": {"dkdv": {(128, "fp32-heavy", False): C(32, 16, 8, 2)}},
+        "sm80": {"dkdv": {(32, "heavy", False): C(64, 16, 8, 2), (128, "fp32-heavy", False): C(32, 16, 8, 2)}},
         "sm86": {"dq": {(128, "fp32-heavy", False): C(32, 32, 8, 2)}},
-        "sm90": {"forward": {(64, "heavy", False): C(128, 64, 8, 2), (128, "plain", False): C(128, 128, 8, 3)},
+        "sm90": {"forward": {(32, "heavy", False): C(64, 64, 8, 3), (64, "heavy", False): C(128, 64, 8, 2),
+                             (128, "plain", False): C(128, 128, 8, 3)},
                  "dkdv": {(64, "heavy", False): C(16, 64, 8, 3), (64, "fp32-heavy", False): C(32, 32, 8, 2),
                           (128, "plain", False): C(32, 64, 8, 3), (128, "light", False): C(16, 64, 8, 3)},
-                 "dq": {(64, "light", False): C(128, 64, 8, 3), (128, "fp32-light", False): C(16, 64, 4, 3),
+                 "dq": {(16, "heavy", False): C(64, 64, 8, 2), (64, "light", False): C(128, 64, 8, 3),
+                        (128, "fp32-light", False): C(16, 64, 4, 3),
                         (128, "fp32-heavy", False): C(16, 64, 8, 3)}},
-        "sm100": {"forward": {(64, "plain", False): C(128, 128, 8, 1), (64, "light", False): C(128, 128, 8, 1),
+        "sm100": {"forward": {(16, "heavy", False): C(64, 64, 8, 3), (32, "heavy", False): C(64, 64, 8, 3),
+                              (64, "plain", False): C(128, 128, 8, 1), (64, "light", False): C(128, 128, 8, 1),
                               (128, "plain", False): C(128, 128, 8, 1)},
-                  "dkdv": {(64, "fp32-heavy", False): C(32, 32, 8, 3), (128, "plain", False): C(32, 64, 8, 2)},
-                  "dq": {(64, "plain", False): C(64, 128, 8, 2), (64, "light", False): C(64, 128, 8, 3)}},
+                  "dkdv": {(16, "heavy", False): C(32, 64, 8, 3), (64, "fp32-heavy", False): C(32, 32, 8, 3),
+                           (128, "plain", False): C(32, 64, 8, 2)},
+                  "dq": {(16, "heavy", False): C(64, 64, 8, 3), (64, "plain", False): C(64, 128, 8, 2),
+                         (64, "light", False): C(64, 128, 8, 3)}},
         "cdna2": {"forward": {(128, "light", False): C(128, 64, 4, 2), (256, "light", False): C(64, 32, 4, 2)},
-                  "dkdv": {(128, "light", False): C(32, 64, 4, 2), (128, "fp32-light", False): C(16, 64, 4, 2)},
+                  "dkdv": {(32, "heavy", False): C(64, 16, 4, 1), (128, "light", False): C(32, 64, 4, 2),
+                           (128, "fp32-light", False): C(16, 64, 4, 2)},
                   "dq": {(128, "light", False): C(128, 32, 4, 2), (256, "light", False): C(32, 32, 4, 1),
                          (256, "heavy", False): C(64, 32, 4, 1)}},
         "cdna3": {"forward": {(128, "plain", False): C(128, 64, 4, 2), (128, "light", False): C(128, 64, 4, 2)},
-                  "dkdv": {(128, "light", False): C(32, 64, 4, 1), (128, "fp32-light", False): C(16, 64, 4, 2)},
+                  "dkdv": {(32, "light", False): C(32, 128, 4, 2), (32, "heavy", False): C(64, 16, 4, 1),
+                           (128, "light", False): C(32, 64, 4, 1), (128, "fp32-light", False): C(16, 64, 4, 2)},
                   "dq": {(64, "fp32-light", False): C(64, 32, 4, 2), (128, "light", False): C(128, 32, 4, 2),
                          (256, "heavy", False): C(128, 16, 4, 1)}},
         "rdna3": {"forward": {(128, "light", False): C(16, 32, 8, 1), (128, "heavy", False): C(16, 16, 8, 2)},
                   "decode": {(128, "plain", False): C(16, 32, 8, 2), (128, "light", False): C(16, 32, 8, 1),
                              (128, "heavy", False): C(16, 16, 8, 2)},
-                  "dq": {(64, "plain", False): C(64, 16, 8, 2), (64, "light", False): C(64, 16, 8, 2),
-                         (64, "heavy", False): C(16, 16, 8, 1)}},
+                  "dq": {(32, "heavy", False): C(64, 16, 8, 2), (64, "plain", False): C(64, 16, 8, 2),
+                         (64, "light", False): C(64, 16, 8, 2), (64, "heavy", False): C(16, 16, 8, 1)}},
     },
+}
+# What no tile compiles on a release, (kernel, padded head dim, weight) per family: the triton path declines such
+# calls there (the torch path runs them). Triton 3.9's AMD backend fails ("PassManager::run failed") on CDNA's dQ
+# with dropout or a mask at head dim 32, in every tile the search tries.
+_TRITON_DECLINES: dict[tuple[int, int], dict[str, set[tuple[str, int, str]]]] = {
+    (3, 9): {"cdna2": {("dq", 32, "heavy")}, "cdna3": {("dq", 32, "heavy")}},
 }
 del C
 for _name, (_base, _changes) in _CHANGES.items():
@@ -324,7 +338,12 @@ def installed_triton() -> tuple[int, int] | None:
 
 TRITON = installed_triton()
 # What the offline health checked on each Triton release: the ends of the supported range.
-CHECKED_ON = {(3, 6): "every shipped config", (3, 9): "head dims 64, 128, 256, every kernel and weight"}
+CHECKED_ON = {(3, 6): "every shipped config", (3, 9): "head dims 16-256, every kernel and weight"}
+DECLINED: dict[str, set[tuple[str, int, str]]] = {}  # this release's: family -> {(kernel, head dim, weight)}
+for _release, _families in sorted(_TRITON_DECLINES.items()):
+    if TRITON is not None and _release <= TRITON:
+        for _name, _entries in _families.items():
+            DECLINED.setdefault(_name, set()).update(_entries)
 for _release, _families in sorted(_TRITON_CHANGES.items()):
     if TRITON is not None and _release <= TRITON:
         for _name, _kernels in _families.items():
