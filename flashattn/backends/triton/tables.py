@@ -329,8 +329,13 @@ def installed_triton() -> tuple[int, int] | None:
     """(major, minor) of the Triton that ``import triton`` finds, from the metadata of whichever distribution
     provides the module (triton, or torch's pytorch-triton and pytorch-triton-rocm builds), without importing it;
     None if there is none or its version does not read."""
-    for distribution in importlib.metadata.packages_distributions().get("triton", []):
-        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(distribution))
+    try:  # the usual case, without scanning every installed distribution (tens of ms)
+        distributions = [importlib.metadata.distribution("triton")]
+    except importlib.metadata.PackageNotFoundError:
+        distributions = [importlib.metadata.distribution(name)
+                         for name in importlib.metadata.packages_distributions().get("triton", [])]
+    for distribution in distributions:
+        found = re.match(r"(\d+)\.(\d+)", distribution.version)
         if found:
             return int(found[1]), int(found[2])
     return None

@@ -14,6 +14,8 @@ Example (after ``flashattn.install_as_flash_attn()``)::
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -58,16 +60,10 @@ class _IndexFirstAxisResidual(torch.autograd.Function):
         return grad_residual.clone().index_add_(0, indices, grad_output), None
 
 
-class _Apply:
-    """``IndexFirstAxis.apply(...)``: flash_attn exposes these helpers as autograd Functions too."""
-
-    def __init__(self, function):
-        self.apply = function
-
-
-IndexFirstAxis = _Apply(index_first_axis)
-IndexPutFirstAxis = _Apply(index_put_first_axis)
-IndexFirstAxisResidual = _Apply(index_first_axis_residual)
+# flash_attn exposes these helpers as autograd Functions too: ``IndexFirstAxis.apply(...)``.
+IndexFirstAxis = SimpleNamespace(apply=index_first_axis)
+IndexPutFirstAxis = SimpleNamespace(apply=index_put_first_axis)
+IndexFirstAxisResidual = SimpleNamespace(apply=index_first_axis_residual)
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: Tensor,
@@ -78,12 +74,9 @@ def unpad_input_for_concatenated_sequences(hidden_states: Tensor,
     within each sample."""
     fn = "unpad_input_for_concatenated_sequences"
     lengths = attention_mask_in_length
-    if not isinstance(lengths, Tensor) or lengths.dim() != 2 or lengths.is_floating_point():
-        raise checks.fail(fn, "attention_mask_in_length must be an integer tensor (batch, seqlen) of sample "
-                              f"lengths, got {getattr(lengths, 'shape', type(lengths).__name__)}")
-    if not isinstance(hidden_states, Tensor) or tuple(hidden_states.shape[:2]) != tuple(lengths.shape):
-        raise checks.fail(fn, f"hidden_states must be (batch, seqlen, ...) = {tuple(lengths.shape)} + ..., got "
-                              f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
+    checks.check_padding_mask(fn, "attention_mask_in_length", hidden_states=hidden_states, mask=lengths)
+    if lengths.is_floating_point():
+        raise checks.fail(fn, f"attention_mask_in_length holds sample lengths: an integer tensor, got {lengths.dtype}")
     used = lengths.sum(dim=-1)
     seqlen = lengths.shape[-1]
     if bool((lengths < 0).any()) or bool((used > seqlen).any()):

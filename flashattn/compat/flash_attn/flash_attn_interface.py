@@ -103,9 +103,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: f
     call = checks.check_flash(fn, q, k, v, **_options(dropout_p, softmax_scale, causal, window_size_left,
                                                       window_size_right, softcap, alibi_slopes,
                                                       return_softmax=return_softmax))
-    spec = dataclasses.replace(call.spec, seed=_dropout_seed(call.spec.dropout_p, q.device))
-    out, lse, probs = attention(call.q, call.k, call.v, spec, return_probs=return_softmax)
-    return out, lse, _padded_probs(probs, return_softmax, q), _rng_state(spec.seed, q)
+    return _run_forward(call, return_softmax)
 
 
 def _forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
@@ -132,11 +130,9 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
     call = checks.check_flash(fn, q, k, v, **_options(dropout_p, softmax_scale, causal, window_size_left,
                                                       window_size_right, softcap, alibi_slopes,
                                                       deterministic=deterministic))
-    _check_saved(fn, dout=dout, out=out, lse=softmax_lse, q=q, v=v, lse_shape=(q.shape[0], q.shape[2], q.shape[1]))
-    spec = dataclasses.replace(call.spec, seed=_seed(fn, call.spec.dropout_p, rng_state))
-    _store_grads(fn, dout, Saved(call.q, call.k, call.v, out, softmax_lse), spec, dq=dq, dk=dk, dv=dv)
-    delta = (dout.to(softmax_lse.dtype) * out.to(softmax_lse.dtype)).sum(-1).transpose(1, 2)  # (B, H, Nq)
-    return F.pad(delta, (0, round_multiple(q.shape[1], 128) - q.shape[1]))
+    delta = _run_backward(fn, call, dout=dout, out=out, lse=softmax_lse, rng_state=rng_state, dq=dq, dk=dk, dv=dv,
+                          lse_shape=(q.shape[0], q.shape[2], q.shape[1]))
+    return F.pad(delta, (0, round_multiple(q.shape[1], 128) - q.shape[1]))  # (B, H, Nq rounded up to 128)
 
 
 def _backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
@@ -166,8 +162,20 @@ def _check_saved(fn: str, *, dout: Tensor, out: Tensor, lse: Tensor, q: Tensor, 
                               f"{tuple(lse.shape) if isinstance(lse, Tensor) else type(lse).__name__}")
 
 
-def _store_grads(fn: str, dout: Tensor, saved: Saved, spec, **buffers: Tensor | None) -> None:
-    """The block's gradients into the caller's dq, dk and dv (as flash_attn writes them); a None is skipped."""
+def _run_forward(call, return_softmax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The checked call's (out, lse, S_dmask, rng_state), as flash_attn's forwards return them."""
+    spec = dataclasses.replace(call.spec, seed=_dropout_seed(call.spec.dropout_p, call.q.device))
+    out, lse, probs = attention(call.q, call.k, call.v, spec, return_probs=return_softmax)
+    return out, lse, _padded_probs(probs, return_softmax, call.q), _rng_state(spec.seed, call.q)
+
+
+def _run_backward(fn: str, call, *, dout: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor | None,
+                  lse_shape: tuple[int, ...], **buffers: Tensor | None) -> Tensor:
+    """The checked call's gradients into the caller's dq, dk and dv (as flash_attn writes them; a None is
+    skipped); returns rowsum(dO * O) in lse's layout, the softmax_d flash_attn's backwards return (unpadded)."""
+    _check_saved(fn, dout=dout, out=out, lse=lse, q=call.q, v=call.v, lse_shape=lse_shape)
+    spec = dataclasses.replace(call.spec, seed=_seed(fn, call.spec.dropout_p, rng_state))
+    saved = Saved(call.q, call.k, call.v, out, lse)
     grads = attention_backward(dout, None, saved, spec, backend=choose(saved.q, saved.k, saved.v, spec))
     for (name, buffer), grad in zip(buffers.items(), grads, strict=True):
         if buffer is None:
@@ -176,6 +184,8 @@ def _store_grads(fn: str, dout: Tensor, saved: Saved, spec, **buffers: Tensor | 
             raise checks.fail(fn, f"{name} must be None or a tensor of shape {tuple(grad.shape)}, got "
                                   f"{tuple(buffer.shape) if isinstance(buffer, Tensor) else type(buffer).__name__}")
         buffer.copy_(grad)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, Nq, H) or (total_q, H)
+    return delta.transpose(-1, -2) if delta.dim() == 2 else delta.transpose(1, 2)
 
 
 def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -193,9 +203,7 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
                                **_options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                                           softcap, alibi_slopes, return_softmax=return_softmax))
-    spec = dataclasses.replace(call.spec, seed=_dropout_seed(call.spec.dropout_p, q.device))
-    out, lse, probs = attention(call.q, call.k, call.v, spec, return_probs=return_softmax)
-    return out, lse, _padded_probs(probs, return_softmax, q), _rng_state(spec.seed, q)
+    return _run_forward(call, return_softmax)
 
 
 def _used_keys(fn: str, k: Tensor, v: Tensor, cu_seqlens_k: Tensor, *, leftpad_k: Tensor | None,
@@ -213,9 +221,10 @@ def _used_keys(fn: str, k: Tensor, v: Tensor, cu_seqlens_k: Tensor, *, leftpad_k
     if leftpad_k is not None:
         starts = starts + leftpad_k.long()
     lengths = (ends - starts).clamp(min=0)
-    index = torch.cat([torch.arange(int(s), int(s) + int(n), device=k.device)
-                       for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)])
-    return k[index], v[index], F.pad(lengths.cumsum(0).to(torch.int32), (1, 0))
+    cu = F.pad(lengths.cumsum(0), (1, 0))
+    total = int(cu[-1])  # the packed keys' count sizes the gather: one host read, as the varlen checks do anyway
+    index = torch.arange(total, device=k.device) + torch.repeat_interleave(starts - cu[:-1], lengths, output_size=total)
+    return k[index], v[index], cu.to(torch.int32)
 
 
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -249,10 +258,8 @@ def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                **_options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                                           softcap, alibi_slopes, deterministic=deterministic))
-    _check_saved(fn, dout=dout, out=out, lse=softmax_lse, q=q, v=v, lse_shape=(q.shape[1], q.shape[0]))
-    spec = dataclasses.replace(call.spec, seed=_seed(fn, call.spec.dropout_p, rng_state))
-    _store_grads(fn, dout, Saved(call.q, call.k, call.v, out, softmax_lse), spec, dq=dq, dk=dk, dv=dv)
-    delta = (dout.to(softmax_lse.dtype) * out.to(softmax_lse.dtype)).sum(-1).transpose(0, 1)  # (H, total_q)
+    delta = _run_backward(fn, call, dout=dout, out=out, lse=softmax_lse, rng_state=rng_state, dq=dq, dk=dk, dv=dv,
+                          lse_shape=(q.shape[1], q.shape[0]))  # (H, total_q)
     # flash_attn's layout: sequence b's rows start at cu_seqlens_q[b] + 128 b.
     batch = cu_seqlens_q.shape[0] - 1
     lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()

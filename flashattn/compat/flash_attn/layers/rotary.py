@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .... import checks
-from ....rotary import apply_rotary
+from ....rotary import apply_rotary, positions
 
 __all__ = ["RotaryEmbedding", "apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_kv_",
            "apply_rotary_emb_qkv_", "apply_rotary_emb_torch", "rotate_half"]
@@ -46,12 +46,10 @@ def apply_rotary_emb_torch(x: Tensor, cos: Tensor, sin: Tensor, interleaved: boo
 def _positions(fn: str, x: Tensor, seqlen_offsets: int | Tensor, cu_seqlens: Tensor | None,
                table_rows: int) -> Tensor:
     """Each token's row of the cos/sin table: (batch, seqlen), (1, seqlen), or (1, total) for a packed batch."""
-    if cu_seqlens is None:
-        steps = torch.arange(x.shape[1], device=x.device)
-        if isinstance(seqlen_offsets, Tensor):
-            pos = seqlen_offsets.to(x.device).long().reshape(-1, 1) + steps
-        else:
-            pos = (checks.validate_int(fn, "seqlen_offsets", seqlen_offsets) + steps)[None]
+    if cu_seqlens is None:  # flashattn.rotary's positions: start_b + t, one start per sequence or one for all
+        start = (seqlen_offsets.reshape(-1) if isinstance(seqlen_offsets, Tensor)
+                 else torch.tensor([checks.validate_int(fn, "seqlen_offsets", seqlen_offsets)]))
+        pos = positions(start.to(x.device), x.shape[1])
     else:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=x.shape[0])
