@@ -47,12 +47,13 @@ $(NEWEST_NUMPY)/.installed: pyproject.toml $(VENV)/.installed
 	$(PIP) install -q --upgrade --no-deps --target $(NEWEST_NUMPY) numpy
 	touch $@
 
-# On a machine with a GPU: tests, CUDA kernel checks, sweeps against every SDPA backend and FlexAttention, decode,
-# kernel health, into one folder under benchmarks/results (commit it). Uses .venv when there is one, else the
-# system python (a GPU image with torch and triton and no network).
+# On a lent GPU, first: the kernel smoke, the GPU tests, the headline speed, decode and block masks, within a budget
+# (420 s by default), results into $OUT when set (else benchmarks/results/gpu-check-<device>-<date>/): summary.md,
+# gpu-check.json and gpu-check.tgz. Uses .venv when there is one, else the system python (a GPU image with torch and
+# triton and no network).
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
-	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check --out "benchmarks/results/gpu-check-{device}-{date}"
+	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check
 
 # Every shipped Triton config, plain and walking a block mask, compiled offline for every GPU family's
 # architectures, sm_75 to sm_120 (no GPU; a few hours on 2 cores from a cold cache: use a larger machine).

@@ -100,6 +100,31 @@ def _unavailable(name: str) -> str | None:
     return None
 
 
+def _selected_paths() -> tuple[str, ...]:
+    """``FLASHATTN_TEST_PATHS`` (comma-separated), else every path: a GPU machine's short lease runs the triton
+    path's tests alone (``tools.gpu_check``), the CPU paths being CI's."""
+    chosen = tuple(p for p in os.environ.get("FLASHATTN_TEST_PATHS", "").split(",") if p) or PATHS
+    unknown = [p for p in chosen if p not in PATHS]
+    if unknown:
+        raise pytest.UsageError(f"FLASHATTN_TEST_PATHS names {', '.join(unknown)}; the paths are {', '.join(PATHS)}")
+    return chosen
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the tests of the paths ``FLASHATTN_TEST_PATHS`` leaves out."""
+    chosen = _selected_paths()
+    if chosen == PATHS:
+        return
+    def kept(item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        return callspec is None or callspec.params.get("path", chosen[0]) in chosen
+
+    dropped = [item for item in items if not kept(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if kept(item)]
+
+
 @pytest.fixture(params=PATHS)
 def path(request):
     """Runs the test once per execution path, forced for the test's body (``ExecutionPath``). A file or test may

@@ -6,7 +6,9 @@ Implementations take q, k, v in the flash layout (batch, seqlen, heads, headdim)
 CPU: torch has no peak-memory counter for CPU tensors, so ``measure`` runs each case in a fresh subprocess that
 warms up on a tiny problem (loading code, starting threads), resets the kernel's peak-RSS mark
 (``/proc/self/clear_refs``), and reports how far the peak rose over what it held just before the call.
-CUDA: CUDA events around each call, L2 flushed before each, and ``torch.cuda.max_memory_allocated``.
+CUDA: CUDA events around each call, L2 flushed before each, and ``torch.cuda.max_memory_allocated``; the first
+full-size call, which compiles what the implementation needs (Triton kernels, FlexAttention's graph), runs before
+any of them and is reported apart as ``first_call_seconds``.
 
 Run one case by hand::
 
@@ -138,6 +140,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 FORWARD_ONLY = (OURS_CUDA,)  # measured in "fwd" cases only
+COMPILED = ("flex",)  # torch.compile'd: seconds of compiling per new shape, so measured after the others
 
 
 @dataclass
@@ -212,13 +215,21 @@ def run_here(case: Case) -> dict:
     shape = (case.batch, case.seqlen, case.heads, case.headdim)
     grad = case.mode != "fwd"
     q, k, v = (torch.randn(shape, dtype=dtype, device=case.device, requires_grad=grad) for _ in range(3))
-    tiny = [t.detach()[:, : min(case.seqlen, 16)].requires_grad_(grad) for t in (q, k, v)]
-    _make_step(fn, *tiny, case.causal, case.mode)()  # load code and start thread pools outside the measurement
+    cuda = case.device.startswith("cuda")
+    start = time.perf_counter()
+    if cuda:  # the first full-size call compiles what it needs (Triton kernels, FlexAttention's graph): kept apart
+        _make_step(fn, q, k, v, case.causal, case.mode)()
+        torch.cuda.synchronize()
+    else:  # load code and start thread pools outside the measurement, on a tiny problem (no compiles on CPU)
+        tiny = [t.detach()[:, : min(case.seqlen, 16)].requires_grad_(grad) for t in (q, k, v)]
+        _make_step(fn, *tiny, case.causal, case.mode)()
+    first_call = time.perf_counter() - start
     step = _make_step(fn, q, k, v, case.causal, case.mode)
     peak = peak_bytes(step, case.device)  # also the warm-up of the timing loop
     times = time_calls(step, case.repeats, case.device)
     seconds = statistics.median(times)
-    return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": peak}
+    return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": peak,
+            "first_call_seconds": first_call if cuda else None}
 
 
 def peak_bytes(step: Callable[[], object], device: str) -> int:

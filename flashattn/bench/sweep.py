@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from . import options, report
-from .measure import FORWARD_ONLY, IMPLEMENTATIONS, MODES, OURS, OURS_CUDA, Case, measure, run_here
+from . import ceilings, options, report
+from .measure import COMPILED, FORWARD_ONLY, IMPLEMENTATIONS, MODES, OURS, OURS_CUDA, Case, measure, run_here
 
 HELP = "sweep our attention against every baseline on this machine (TFLOP/s, time, memory)"
 CUDA_BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex", "plain")
@@ -55,6 +56,8 @@ class Sweep:
                    impls=[OURS, *CPU_BASELINES], repeats=3)
 
     def cases(self) -> list[Case]:
+        """Every point and implementation; compiled implementations (FlexAttention) after all the others, so a
+        sweep stopped early has every point of the rest."""
         out = []
         for mode in self.modes:
             for d in self.headdims:
@@ -66,15 +69,19 @@ class Sweep:
                             out.append(Case(impl, n, batch=max(1, self.tokens // n), heads=max(1, self.hidden // d),
                                             headdim=d, dtype=self.dtype, device=self.device, causal=causal,
                                             repeats=self.repeats, mode=mode))
-        return out
+        return sorted(out, key=lambda c: c.impl in COMPILED)
 
 
 def available(impls: list[str], device: str, dtype: str) -> dict[str, str | None]:
-    """Each implementation -> None if it runs here (forward and backward on a tiny problem), else the reason."""
+    """Each implementation -> None if it runs here (forward and backward on a tiny problem), else the reason.
+    Compiled ones are not probed (a probe would cost a compile of its own): their cases report their errors."""
     reasons: dict[str, str | None] = {}
     for impl in impls:
         if impl not in IMPLEMENTATIONS:
             reasons[impl] = f"unknown implementation; choose from {', '.join(IMPLEMENTATIONS)}"
+            continue
+        if impl in COMPILED and device.startswith("cuda"):
+            reasons[impl] = None
             continue
         try:
             run_here(Case(impl, 32, batch=1, heads=2, headdim=64, dtype=dtype, device=device, repeats=1,
@@ -85,8 +92,9 @@ def available(impls: list[str], device: str, dtype: str) -> dict[str, str | None
     return reasons
 
 
-def run(sweep: Sweep, progress: bool = True) -> list[dict]:
-    """Measure every case of the sweep (skipping implementations that cannot run here) and add the ratios."""
+def run(sweep: Sweep, progress: bool = True, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Measure every case of the sweep (skipping implementations that cannot run here) and add the ratios;
+    ``on_row(rows)`` after each case (the command writes the JSON so far: a sweep stopped early keeps it)."""
     reasons = available(sweep.impls, sweep.device, sweep.dtype)
     rows = [{"impl": impl, "error": f"unavailable: {why}"} for impl, why in reasons.items() if why]
     todo = [c for c in sweep.cases() if reasons[c.impl] is None]
@@ -94,8 +102,11 @@ def run(sweep: Sweep, progress: bool = True) -> list[dict]:
         if case.impl == "plain" and case.plain_attention_bytes > sweep.plain_limit_gib * 2**30:
             rows.append({**asdict(case), "seconds": None, "tflops": None, "peak_bytes": None,
                          "error": "skipped: its N x N tensors exceed plain_limit_gib"})
-            continue
-        rows.append(measure(case, isolate=sweep.isolate))
+        else:
+            rows.append(measure(case, isolate=sweep.isolate))
+        if on_row is not None:
+            add_ratios(rows)
+            on_row(rows)
     add_ratios(rows)
     return rows
 
@@ -156,6 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_per_device(p, "--repeats", "timed runs per case, the median is reported", Sweep)
     p.add_argument("--in-process", action="store_true",
                    help="on CPU, measure in this process (faster; memory readings less exact)")
+    p.add_argument("--ceilings", action="store_true",
+                   help="first measure the device's matmul rate and bandwidth (meta.ceilings), to judge against")
     options.add_output(p, "bench-<device>")
 
 
@@ -177,15 +190,18 @@ def command(args: argparse.Namespace) -> int:
     sweep = from_args(args)
     print(f"flashattn bench sweep on {sweep.device}: {len(sweep.cases())} cases, implementations "
           f"{', '.join(sweep.impls)}")
-    rows = run(sweep, progress=not args.quiet)
+    meta = report.meta(sweep.device, args.command_line, sweep)
+    if args.ceilings:
+        meta["ceilings"] = ceilings.measure(sweep.device, sweep.dtype, quick=not sweep.device.startswith("cuda"))
+        print("ceilings: " + ", ".join(f"{k} {v}" for k, v in meta["ceilings"].items()))
+    stem = args.name or f"bench-{sweep.device.split(':')[0]}"
+    rows = run(sweep, progress=not args.quiet, on_row=lambda so_far: report.write(so_far, meta, Path(args.out), stem))
     for r in rows:
         if "seqlen" not in r:
             print(f"  {r['impl']}: {r['error']}")
     print(table(rows))
     for line in report.errors(rows, "mode", "headdim", "causal", "seqlen"):
         print(line)
-    meta = report.meta(sweep.device, args.command_line, sweep)
-    stem = args.name or f"bench-{sweep.device.split(':')[0]}"
     for path in report.write(rows, meta, Path(args.out), stem, figures(sweep, meta["device"])):
         print(f"wrote {path}")
     return 0

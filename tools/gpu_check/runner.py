@@ -1,0 +1,163 @@
+"""The budgeted run of gpu-check's steps and its command line (the package docstring says what it does)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import clock, headlines, pack, plan
+from .plan import ROOT, Step
+
+DEFAULT_BUDGET = 420.0
+GRACE = 8.0  # seconds between the interrupt and the kill of a step that overran
+RESERVE = GRACE + 4.0  # kept back from the steps: the last grace period and the final packing
+
+
+def _environment(step: Step, work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({k: v.format(out=work) for k, v in step.env.items()})
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env[clock.ENV] = str(work / f"{step.name}.compile.jsonl")
+    return env
+
+
+def run_step(step: Step, work: Path, allowed: float) -> None:
+    """Run ``step`` for at most ``allowed`` seconds (its whole process group), its output into ``<name>.log``."""
+    step.allowed = allowed
+    args = [a.format(out=work) for a in step.args]
+    log = (work / f"{step.name}.log").open("w")
+    stdout = (work / step.stdout_to).open("w") if step.stdout_to else log
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "tools.gpu_check.step", *args], stdout=stdout,
+                            stderr=log if step.stdout_to else subprocess.STDOUT, env=_environment(step, work),
+                            cwd=ROOT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=max(allowed, 0.1))
+        step.status = "ok" if code == 0 else f"failed ({code})"
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        step.status = "stopped (budget)"
+    finally:
+        step.seconds = time.perf_counter() - start
+        log.close()
+        if stdout is not log:
+            stdout.close()
+    if step.stdout_to and step.status != "ok":
+        log_text = (work / step.stdout_to).read_text()
+        with (work / f"{step.name}.log").open("a") as f:  # a failed step's stdout belongs in its log
+            f.write("\n--- stdout ---\n" + log_text)
+    step.compile = clock.total(work / f"{step.name}.compile.jsonl")
+    step.headline = headlines.headline(work, step)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the step's process group (pytest writes its report, benchmarks their partial rows), then kill."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=GRACE)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run(steps: list[Step], *, work: Path, dest: Path, budget: float, header: dict) -> list[Step]:
+    """Every step in order within ``budget`` seconds; the results rewritten into ``dest`` after each."""
+    start = time.perf_counter()
+    for step in steps:
+        remaining = budget - RESERVE - (time.perf_counter() - start)
+        allowed = min(step.share * budget, remaining)
+        if allowed < step.least:
+            step.status = "skipped (budget)"
+            print(f"[gpu-check] {step.name}: skipped (budget: {max(remaining, 0):.0f} s left, needs "
+                  f"{step.least:.0f})", flush=True)
+        else:
+            print(f"[gpu-check] {step.name} (up to {allowed:.0f} s) ...", flush=True)
+            run_step(step, work, allowed)
+            print(f"[gpu-check] {step.name}: {step.status} in {step.seconds:.0f} s. {step.headline}", flush=True)
+        header["seconds"] = time.perf_counter() - start
+        pack.write(dest, work, steps, header)
+    return steps
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _versions() -> str:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return f"Python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton_version}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help=f"seconds for the whole run, compiles included (default {DEFAULT_BUDGET:.0f})")
+    p.add_argument("--out", default="benchmarks/results/gpu-check-{device}-{date}",
+                   help="where the results go when $OUT is unset; {device} and {date} are filled in")
+    p.add_argument("--smoke", action="store_true", help="every step at toy sizes on the CPU (no GPU needed)")
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes for the kernel smoke and the tests")
+
+
+def command(args: argparse.Namespace) -> int:
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("tools.gpu_check: no CUDA device here; --smoke runs every step at toy sizes on the CPU",
+              file=sys.stderr)
+        return 2
+    if args.budget < 2 * RESERVE:
+        print(f"tools.gpu_check: --budget must be at least {2 * RESERVE:.0f} seconds, got {args.budget:g}",
+              file=sys.stderr)
+        return 2
+    device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    slug = "-".join(device.lower().replace("nvidia", "").replace("(smoke)", "smoke").split())
+    if os.environ.get("OUT"):  # a lent GPU: only what lands in $OUT comes back, at most 8 files
+        dest = Path(os.environ["OUT"])
+        work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    else:
+        dest = work = Path(args.out.format(device=slug, date=date))
+    work.mkdir(parents=True, exist_ok=True)
+    header = {"device": device, "date": date, "versions": _versions(), "budget": args.budget, "seconds": 0.0,
+              "commit": _commit(), "command": args.command_line, "smoke": args.smoke}
+    steps = (plan.smoke if args.smoke else plan.full)(args.jobs)
+    run(steps, work=work, dest=dest, budget=args.budget, header=header)
+    print()
+    print(pack.details(steps, work))
+    print(f"gpu-check on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "
+          f"({', '.join(pack.FILES)})")
+    print(pack.step_table(steps))
+    return 0 if all(s.status in ("ok", "skipped (budget)") for s in steps) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    package_doc = sys.modules[__package__].__doc__
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=package_doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = ["python", "-m", "tools.gpu_check", *argv]
+    return command(args)
