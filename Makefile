@@ -12,7 +12,7 @@ TRITON_OLDEST := 3.6.0
 TRITON_NEWEST := 3.9.0
 TRITON_NEWEST_DIR := $(VENV)/triton-newest
 
-.PHONY: demo test health health-newest lint clean gpu-check
+.PHONY: demo test health health-newest lint clean gpu-check gpu-cache
 # The newest numpy, apart from the venv's: the Triton interpreter the tests use needs numpy < 2.4, the library does
 # not (tests/test_info.py runs flashattn with this one).
 NEWEST_NUMPY := $(VENV)/newest-numpy
@@ -54,6 +54,20 @@ $(NEWEST_NUMPY)/.installed: pyproject.toml $(VENV)/.installed
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check
+
+# The Triton kernels the kernel smoke and the headline launch, compiled here for the lent GPUs (sm_90) into
+# .gpu-cache/triton.tgz, which gpu-check unpacks when the call carries it (carry: .gpu-cache/triton.tgz and
+# .gpu-cache/probe). Their image's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton
+# 3.6.0 and torch 2.11 (a CUDA build: a ~4 GB download into $(GPU_CACHE_VENV)); about 6 minutes on 2 cores.
+GPU_CACHE_VENV := .venv-gpu-cache
+GPU_CACHE_PYTHON ?= python3.12
+gpu-cache:
+	test -x $(GPU_CACHE_VENV)/bin/python || $(GPU_CACHE_PYTHON) -m venv $(GPU_CACHE_VENV)
+	$(GPU_CACHE_VENV)/bin/pip install -q torch==2.11.0 triton==3.6.0 "numpy<2.4" tqdm ninja
+	rm -rf .gpu-cache && mkdir -p .gpu-cache
+	PYTHONPATH=. $(GPU_CACHE_VENV)/bin/python -m tools.gpu_check.cache --probe .gpu-cache/probe --target 90
+	PYTHONPATH=. $(GPU_CACHE_VENV)/bin/python -m tools.gpu_check.cache --build .gpu-cache/triton --target 90
+	tar czf .gpu-cache/triton.tgz -C .gpu-cache triton && rm -rf .gpu-cache/triton
 
 # Every shipped Triton config, plain and walking a block mask, compiled offline for every GPU family's
 # architectures, sm_75 to sm_120 (no GPU; a few hours on 2 cores from a cold cache: use a larger machine).

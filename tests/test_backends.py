@@ -172,19 +172,24 @@ def test_the_op_schema_is_derived_from_the_options_type():
 
 @pytest.mark.skipif(not TRITON, reason="triton missing")
 def test_backward_runs_on_the_path_of_its_forward(monkeypatch):
-    """A forward under use_backend("triton") is differentiated by triton even when backward runs outside the block
-    (where the automatic choice for these CPU tensors is another path)."""
+    """A forward under use_backend() is differentiated by that path even when backward runs outside the block,
+    where the automatic choice for the same tensors is another path: triton on CPU tensors (the interpreter) while
+    auto picks cpu or torch; on a GPU, torch on CUDA tensors while auto picks triton."""
     from flashattn.backends import cpu, tiled
+    from flashattn.backends.triton import attend, interpreting
+
+    on_gpu = torch.cuda.is_available() and not interpreting()
+    device, forced, others = ("cuda", "torch", (attend,)) if on_gpu else ("cpu", "triton", (cpu, tiled))
 
     def refuse(*args, **kwargs):
         raise AssertionError("the backward ran on another path")
 
-    monkeypatch.setattr(cpu, "backward", refuse)
-    monkeypatch.setattr(tiled, "backward", refuse)
-    q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True) for _ in range(3))
-    with flashattn.use_backend("triton"):
+    for other in others:
+        monkeypatch.setattr(other, "backward", refuse)
+    q, k, v = (torch.randn(1, 9, 2, 16, device=device, requires_grad=True) for _ in range(3))
+    with flashattn.use_backend(forced):
         out = flashattn.flash_attn_func(q, k, v, causal=True)
-    assert backends.choose(q, k, v, AttentionSpec(scale=0.25)) in ("cpu", "torch")
+    assert backends.choose(q, k, v, AttentionSpec(scale=0.25)) != forced
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 

@@ -297,3 +297,20 @@ def test_triton_block_kernels_compile_for_hopper():
             for d in (64, 128)} <= set(rows)
     for name, counts in rows.items():
         assert counts["loop_spills"] == 0 and counts["hgmma"] > 0, (name, counts)
+
+
+def test_a_block_mask_works_under_inference_mode(path):
+    """Serving code runs under ``torch.inference_mode()``, where the tiles derived from the mask are inference
+    tensors without a version counter: they are computed each call instead of kept, with the same result as
+    outside inference mode (first seen on an H200, in gpu-check's block-mask benchmark)."""
+    nq = nk = 96
+    mask_mod, heads = _mask_mods(nq, nk, path.device)["document causal"]
+    q, k, v = (torch.randn(1, n, h, 32, device=path.device) for n, h in ((nq, 4), (nk, 2), (nk, 2)))
+    block_mask = flex.create_block_mask(mask_mod, None, heads, nq, nk, device=path.device, BLOCK_SIZE=(32, 32))
+    want = flashattn.flash_attn_func(q, k, v, block_mask=block_mask)
+    with torch.inference_mode():
+        twice = [flashattn.flash_attn_func(q, k, v, block_mask=block_mask) for _ in range(2)]
+        inner = flex.create_block_mask(mask_mod, None, heads, nq, nk, device=path.device, BLOCK_SIZE=(32, 32))
+        made_inside = flashattn.flash_attn_func(q, k, v, block_mask=inner)
+    for got in (*twice, made_inside):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

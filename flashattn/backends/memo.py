@@ -17,7 +17,8 @@ class PerTensor:
     """The answers for the few tensors seen last, each with an ``extra`` key compared by ``==`` and ``also``
     tensors (None allowed) that must be the same objects at the same versions. An in-place write bumps a tensor's
     version counter, which invalidates its answer; a tensor that died cannot be confused with a new one at the
-    same address (the entry holds weak references).
+    same address (the entry holds weak references). Inference-mode tensors, which have no version counter, are
+    never kept.
 
     Example::
 
@@ -32,6 +33,11 @@ class PerTensor:
     def get(self, tensor: torch.Tensor, extra: object, compute: Callable[[], T], *,
             also: tuple[torch.Tensor | None, ...] = ()) -> T:
         keys = (tensor, *also)
+        if any(t is not None and t.is_inference() for t in keys):
+            # An inference-mode tensor keeps no version counter, so an in-place write to it could not be told
+            # from the tensor the answer was for: computed each time (a model's mask made outside inference
+            # mode, the usual case, is still kept).
+            return compute()
         versions = tuple(None if t is None else t._version for t in keys)
         for refs, seen_versions, seen, value in self.entries:
             if (len(refs) == len(keys) and all((r is None and t is None) or (r is not None and r() is t)

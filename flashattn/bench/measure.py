@@ -77,14 +77,19 @@ def flex_attention(q, k, v, causal):
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(config, name):
                 setattr(config, name, max(getattr(config, name), 256))
+        # The "bwd" mode differentiates one saved forward many times (retain_graph=True), which a compiled
+        # backward that donates its saved buffers refuses.
+        if hasattr(torch._functorch.config, "donated_buffer"):
+            torch._functorch.config.donated_buffer = False
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     block_mask = None
     if causal:
         n = q.shape[-2]
         key = ("causal", n, str(q.device))
-        if key not in _FLEX:
-            _FLEX[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device)
+        if key not in _FLEX:  # made outside inference mode: a later backward through it saves its tensors
+            with torch.inference_mode(False):
+                _FLEX[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device)
         block_mask = _FLEX[key]
     return _FLEX["fn"](q, k, v, block_mask=block_mask).transpose(1, 2)
 

@@ -10,11 +10,19 @@ again on the GPU with the cache carried: equal facts and a hit there mean a carr
 
     python -m tools.gpu_check.cache --facts                          # JSON
     python -m tools.gpu_check.cache --probe DIR [--target 90]       # compile into DIR, report hit or miss
+    python -m tools.gpu_check.cache --build DIR [--target 90]       # the smoke's and headline's kernels
+
+``--build`` (``make gpu-cache``) compiles, for the target and without a GPU, every Triton kernel the kernel smoke
+and the headline benchmark launch, as they launch them (the public API on CPU tensors served as the GPU would
+serve them, ``launch.compile_only`` under the offline driver), into ``DIR``, binaries only. A GPU machine whose
+``facts()`` match (the H200 and H100 images: Python 3.12, the PyPI wheel of Triton 3.6.0) then loads them instead
+of compiling; the launcher stubs are still built there, and FlexAttention's ``torch.compile`` is not cached.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -87,15 +95,68 @@ def probe(cache_dir: Path, target: int | None = None) -> dict:
     return {**seen, "hash": kernel.hash, "target": target}
 
 
+def _headline_calls() -> list:
+    """The calls the headline benchmark times: bf16, 16k tokens at 8k per sequence, hidden 2048, forward under
+    inference mode and forward + backward."""
+    import torch
+
+    import flashattn
+
+    def call(d: int, causal: bool, train: bool):
+        def run():
+            q, k, v = (torch.randn(2, 8192, 2048 // d, d, dtype=torch.bfloat16, requires_grad=train)
+                       for _ in range(3))
+            if train:
+                out = flashattn.flash_attn_func(q, k, v, causal=causal)
+                torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            else:
+                with torch.inference_mode():
+                    flashattn.flash_attn_func(q, k, v, causal=causal)
+        return run
+
+    return [call(d, causal, train) for d in (64, 128) for causal in (False, True) for train in (False, True)]
+
+
+def build(cache_dir: Path, target: int = 90) -> dict:
+    """Compile the smoke's and the headline's kernels for ``target`` into ``cache_dir``; {"kernels": entries in
+    the cache, "seconds"}."""
+    import time
+
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
+    os.environ["TRITON_STORE_BINARY_ONLY"] = "1"  # cubin and metadata: what a load needs, a tenth of the bytes
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("FLASHATTN_CPU_KERNEL", "0")
+    import flashattn
+    import flashattn.backends.triton as triton_path
+    from tools.offline.compile import compiled_launches
+
+    from . import smoke
+
+    # CPU tensors served as the GPU serves CUDA ones (the family's own limits aside): the launches, arguments and
+    # specialization are the GPU's, only compiled instead of run.
+    triton_path.interpreting = lambda: True
+    start = time.perf_counter()
+    calls = [lambda c=case: smoke.CHECKS[c.kernel](c, smoke.FULL, "cpu") for case in smoke.cases(tiny=False)]
+    for call in [*calls, *_headline_calls()]:
+        # AssertionError: the smoke judging outputs that were never computed.
+        with flashattn.use_backend("triton"), contextlib.suppress(AssertionError):
+            compiled_launches(target, call)
+    return {"kernels": sum(1 for _ in cache_dir.iterdir()), "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.gpu_check.cache", description=__doc__.split("\n\n")[0])
     p.add_argument("--facts", action="store_true", help="print what the cache keys are made of here (JSON)")
     p.add_argument("--probe", type=Path, help="compile the probe kernel into this cache folder")
-    p.add_argument("--target", type=int, default=None, help="architecture for --probe (default: this GPU)")
+    p.add_argument("--build", type=Path, help="compile the smoke's and headline's kernels into this folder")
+    p.add_argument("--target", type=int, default=None,
+                   help="architecture for --probe (default: this GPU) and --build (default: 90)")
     args = p.parse_args(argv)
     result = {}
-    if args.facts or not args.probe:
+    if args.facts or not (args.probe or args.build):
         result["facts"] = facts()
+    if args.build:
+        result["build"] = build(args.build, args.target or 90)
     if args.probe:
         result["probe"] = probe(args.probe, args.target)
     print(json.dumps(result, indent=1))

@@ -88,7 +88,9 @@ def write(dest: Path, work: Path, plan: list[Step], header: dict) -> None:
     summary = {**header, "steps": [asdict(s) for s in plan]}
     lines = [f"# gpu-check on {header['device']}, {header['date']}", "",
              f"{header['versions']}; budget {header['budget']:.0f} s, {header['seconds']:.0f} s used; "
-             f"commit {header['commit']}; `{' '.join(header['command'])}`", "",
+             f"commit {header['commit']}; `{' '.join(header['command'])}`"
+             + (f"; carried Triton cache: {header['triton_cache']['entries']} kernels" if header.get("triton_cache")
+                else ""), "",
              "```", step_table(plan), "```", "", details(plan, work)]
     text = "\n".join(lines).encode()
     payload = json.dumps(summary, indent=1, default=str).encode()

@@ -6,9 +6,11 @@ import argparse
 import contextlib
 import datetime
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -55,7 +57,9 @@ def run_step(step: Step, work: Path, allowed: float) -> None:
         log_text = (work / step.stdout_to).read_text()
         with (work / f"{step.name}.log").open("a") as f:  # a failed step's stdout belongs in its log
             f.write("\n--- stdout ---\n" + log_text)
-    step.compile = clock.total(work / f"{step.name}.compile.jsonl")
+    events = work / f"{step.name}.compile.jsonl"
+    step.compile = clock.total(events)  # the sums go into gpu-check.json; the events themselves are noise
+    events.unlink(missing_ok=True)
     step.headline = headlines.headline(work, step)
 
 
@@ -90,6 +94,18 @@ def run(steps: list[Step], *, work: Path, dest: Path, budget: float, header: dic
     return steps
 
 
+def carried_cache() -> dict | None:
+    """Unpack a carried Triton cache (``make gpu-cache``: ``.gpu-cache/triton.tgz``) beside the work folder, for
+    every step's ``TRITON_CACHE_DIR``; None when none was carried or one is set already."""
+    archive = ROOT / ".gpu-cache" / "triton.tgz"
+    if not archive.is_file() or os.environ.get("TRITON_CACHE_DIR"):
+        return None
+    target = Path(tempfile.mkdtemp(prefix="triton-cache-"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return {"dir": str(target / "triton"), "entries": sum(1 for _ in (target / "triton").iterdir())}
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
@@ -118,6 +134,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke", action="store_true", help="every step at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes for the kernel smoke and the tests")
+    p.add_argument("--steps", default=None,
+                   help="comma-separated: only these steps, in plan order (a targeted second call); default all")
 
 
 def command(args: argparse.Namespace) -> int:
@@ -143,7 +161,24 @@ def command(args: argparse.Namespace) -> int:
     header = {"device": device, "date": date, "versions": _versions(), "budget": args.budget, "seconds": 0.0,
               "commit": _commit(), "command": args.command_line, "smoke": args.smoke}
     steps = (plan.smoke if args.smoke else plan.full)(args.jobs)
-    run(steps, work=work, dest=dest, budget=args.budget, header=header)
+    if args.steps:
+        chosen = args.steps.split(",")
+        unknown = [name for name in chosen if name not in {s.name for s in steps}]
+        if unknown:
+            print(f"tools.gpu_check: --steps names {', '.join(unknown)}; the steps are "
+                  f"{', '.join(s.name for s in steps)}", file=sys.stderr)
+            return 2
+        steps = [s for s in steps if s.name in chosen]
+    cache = carried_cache()
+    if cache:
+        header["triton_cache"] = cache
+        for step in steps:
+            step.env.setdefault("TRITON_CACHE_DIR", cache["dir"])
+    try:
+        run(steps, work=work, dest=dest, budget=args.budget, header=header)
+    finally:
+        if cache:
+            shutil.rmtree(Path(cache["dir"]).parent, ignore_errors=True)
     print()
     print(pack.details(steps, work))
     print(f"gpu-check on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "

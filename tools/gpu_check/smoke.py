@@ -10,7 +10,8 @@ in four and merged). Shapes are odd on purpose (173 queries, 251 keys, GQA 4:2),
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
 error names the case that caused it, and the worker restarts with a fresh CUDA context) or ``declined`` (the
 Triton path does not serve it on this GPU, with its reason). Workers run in parallel, one subprocess each, so
-Triton compiles on every core; each appends its results to ``smoke-<i>.jsonl`` as it goes.
+Triton compiles on every core; each appends its results to ``smoke-<i>.jsonl`` as it goes (merged into
+``smoke.json`` at the end).
 
     python -m tools.gpu_check.smoke --out DIR               # on a GPU
     TRITON_INTERPRET=1 python -m tools.gpu_check.smoke --tiny --out DIR   # on the CPU, toy sizes
@@ -308,6 +309,8 @@ def run(out: Path, jobs: int, tiny: bool) -> list[dict]:
                 restarts[i] += 1
                 running[i] = subprocess.Popen([*command, "--worker", str(i)], env=env)
     by_name = {r["case"]: r for i in range(count) for r in _done(_log(out, i))}
+    for i in range(count):  # merged into smoke.json by the caller
+        _log(out, i).unlink(missing_ok=True)
     return [by_name.get(c.name, {"case": c.name, **asdict(c), "status": "not run",
                                  "reason": "its worker stopped (see smoke.log)"}) for c in cases(tiny)]
 
