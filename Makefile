@@ -57,7 +57,7 @@ gpu-check:
 
 # The Triton kernels the kernel smoke and the headline launch, compiled here for the lent GPUs (sm_90) into
 # .gpu-cache/triton.tgz, which gpu-check unpacks when the call carries it (carry: .gpu-cache/triton.tgz and
-# .gpu-cache/probe). Their image's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton
+# .gpu-cache/probe). Not yet hit on an H200 (their keys differ; benchmarks/NOTES.md): an experiment, not a saving. Their image's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton
 # 3.6.0 and torch 2.11 (a CUDA build: a ~4 GB download into $(GPU_CACHE_VENV)); about 6 minutes on 2 cores.
 GPU_CACHE_VENV := .venv-gpu-cache
 GPU_CACHE_PYTHON ?= python3.12

@@ -149,6 +149,30 @@ def test_the_kernel_smoke_names_what_went_wrong(fault, monkeypatch):
 
 
 @needs_triton
+def test_an_interrupted_kernel_smoke_still_reports_what_finished(tmp_path):
+    """gpu-check stops an overrunning step with SIGINT to its process group: the smoke then writes smoke.json with
+    the cases done and the rest marked not run, instead of leaving only its workers' logs."""
+    import signal
+    import time
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FLASHATTN_CPU_KERNEL": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.gpu_check.smoke", "--tiny", "--jobs", "1", "--out",
+                             str(tmp_path)], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "smoke-0.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=120)
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    assert data["counts"]["ok"] >= 1 and data["counts"]["ok"] + data["counts"]["not run"] == len(data["cases"])
+    assert data["counts"]["not run"] > 0
+    assert all(r["reason"] == "interrupted: the step ran out of time" for r in data["cases"]
+               if r["status"] == "not run")
+    assert not list(tmp_path.glob("smoke-*.jsonl"))
+
+
+@needs_triton
 def test_the_kernel_smoke_passes_the_real_kernels_and_poisons_their_outputs(monkeypatch):
     """On the interpreted kernels every check passes; and an output the kernel leaves unwritten is NaN, so the
     smoke would call it wrong."""
@@ -207,3 +231,25 @@ def test_without_a_gpu_the_full_check_is_refused(tmp_path):
     assert done.returncode == 2
     assert "--smoke" in done.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_cache_index_names_each_kernel_and_what_was_carried(tmp_path):
+    """After a GPU run, ``triton-cache.json`` lists the cache's kernels (carried or compiled there) and keeps the IR
+    of a few forward kernels compiled on the device, to diff against an offline build whose keys missed."""
+    from tools.gpu_check.runner import cache_index
+
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    work.mkdir()
+    for key, name in (("aa11", "attention_forward_kernel"), ("bb22", "attention_backward_dq_kernel"),
+                      ("cc33", "attention_forward_kernel")):
+        (cache / key).mkdir(parents=True)
+        (cache / key / f"{name}.json").write_text("{}")
+        (cache / key / f"__grp__{name}.json").write_text("{}")
+        (cache / key / f"{name}.source").write_text(f"module {key}")
+    cache_index(cache, work, carried={"cc33"})
+    index = json.loads((work / "triton-cache.json").read_text())
+    assert [(e["hash"], e["name"], e["carried"]) for e in index["entries"]] == [
+        ("aa11", "attention_forward_kernel", False), ("bb22", "attention_backward_dq_kernel", False),
+        ("cc33", "attention_forward_kernel", True)]
+    assert index["carried_present"] == 1
+    assert [p.name for p in (work / "triton-ir").iterdir()] == ["aa11.source"]

@@ -14,9 +14,10 @@ again on the GPU with the cache carried: equal facts and a hit there mean a carr
 
 ``--build`` (``make gpu-cache``) compiles, for the target and without a GPU, every Triton kernel the kernel smoke
 and the headline benchmark launch, as they launch them (the public API on CPU tensors served as the GPU would
-serve them, ``launch.compile_only`` under the offline driver), into ``DIR``, binaries only. A GPU machine whose
-``facts()`` match (the H200 and H100 images: Python 3.12, the PyPI wheel of Triton 3.6.0) then loads them instead
-of compiling; the launcher stubs are still built there, and FlexAttention's ``torch.compile`` is not cached.
+serve them, ``launch.compile_only`` under the offline driver), into ``DIR``, binaries only, for a GPU machine whose
+``facts()`` match (the H200 and H100 images: Python 3.12, the PyPI wheel of Triton 3.6.0) to load instead of
+compiling (launcher stubs and FlexAttention's ``torch.compile`` are not cached). The probe kernel is reused there;
+these kernels were not yet, on the H200 of 2026-11-26 (their keys differ: ``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -128,12 +129,15 @@ def build(cache_dir: Path, target: int = 90) -> dict:
     os.environ.setdefault("FLASHATTN_CPU_KERNEL", "0")
     import flashattn
     import flashattn.backends.triton as triton_path
+    import flashattn.backends.triton.launch  # noqa: F401 (bound to the real ``interpreting`` before the patch)
     from tools.offline.compile import compiled_launches
 
     from . import smoke
 
-    # CPU tensors served as the GPU serves CUDA ones (the family's own limits aside): the launches, arguments and
-    # specialization are the GPU's, only compiled instead of run.
+    # CPU tensors served as the GPU serves CUDA ones (the family's own limits aside): ``serves`` reads the package's
+    # ``interpreting`` at each call, while the launcher keeps its own (imported above), so the launches, arguments
+    # and specialization are the GPU's, only compiled instead of run. (Patched before the launcher was imported,
+    # the first build compiled the interpreter's upcast variants, which the H200 never asked for.)
     triton_path.interpreting = lambda: True
     start = time.perf_counter()
     calls = [lambda c=case: smoke.CHECKS[c.kernel](c, smoke.FULL, "cpu") for case in smoke.cases(tiny=False)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import shutil
 import signal
@@ -106,9 +107,29 @@ def carried_cache() -> dict | None:
     return {"dir": str(target / "triton"), "entries": sum(1 for _ in (target / "triton").iterdir())}
 
 
+def cache_index(cache_dir: Path, work: Path, carried: set[str], samples: int = 3) -> None:
+    """``triton-cache.json`` in the work folder: every kernel in the Triton cache the steps used, by name and key,
+    and whether a carried cache brought it; with the IR of a few forward kernels compiled here
+    (``triton-ir/``): what to diff against a cache built offline when its keys do not match."""
+    entries, copied = [], 0
+    for entry in sorted(p for p in cache_dir.iterdir() if p.is_dir()) if cache_dir.is_dir() else []:
+        names = [f.name.removesuffix(".json") for f in entry.glob("*.json") if not f.name.startswith("__grp__")]
+        entries.append({"hash": entry.name, "name": names[0] if names else None, "carried": entry.name in carried})
+        if entry.name not in carried and names and names[0] == "attention_forward_kernel" and copied < samples:
+            for ir in [*entry.glob("*.ttir"), *entry.glob("*.source")][:1]:
+                (work / "triton-ir").mkdir(exist_ok=True)
+                shutil.copy(ir, work / "triton-ir" / f"{entry.name[:16]}{ir.suffix}")
+                copied += 1
+    hits = sum(e["carried"] for e in entries)
+    (work / "triton-cache.json").write_text(json.dumps({"dir": str(cache_dir), "carried": len(carried),
+                                                         "entries": entries, "carried_present": hits}, indent=1))
+
+
 def _commit() -> str:
+    """The checkout's commit, ``-dirty`` when the working tree differs (a GPU machine gets the working tree with the
+    session's first commit)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT,
                               timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -174,11 +195,17 @@ def command(args: argparse.Namespace) -> int:
         header["triton_cache"] = cache
         for step in steps:
             step.env.setdefault("TRITON_CACHE_DIR", cache["dir"])
+    cache_dir = Path(cache["dir"]) if cache else Path(os.environ.get("TRITON_CACHE_DIR")
+                                                      or Path.home() / ".triton" / "cache")
+    carried = {p.name for p in cache_dir.iterdir()} if cache else set()
     try:
         run(steps, work=work, dest=dest, budget=args.budget, header=header)
+        if not args.smoke:
+            cache_index(cache_dir, work, carried)
+            pack.write(dest, work, steps, header)
     finally:
         if cache:
-            shutil.rmtree(Path(cache["dir"]).parent, ignore_errors=True)
+            shutil.rmtree(cache_dir.parent, ignore_errors=True)
     print()
     print(pack.details(steps, work))
     print(f"gpu-check on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "

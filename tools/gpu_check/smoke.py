@@ -297,22 +297,28 @@ def run(out: Path, jobs: int, tiny: bool) -> list[dict]:
                *(["--tiny"] if tiny else [])]
     restarts = dict.fromkeys(range(count), 0)
     running = {i: subprocess.Popen([*command, "--worker", str(i)], env=env) for i in range(count)}
-    while running:
-        time.sleep(0.2)
-        for i, proc in list(running.items()):
-            code = proc.poll()
-            if code is None:
-                continue
-            del running[i]
-            left = len(cases(tiny)[i::count]) - len(_done(_log(out, i)))
-            if code != 0 and left > 0 and restarts[i] < RESTARTS:
-                restarts[i] += 1
-                running[i] = subprocess.Popen([*command, "--worker", str(i)], env=env)
+    why = "its worker stopped (see smoke.log)"
+    try:
+        while running:
+            time.sleep(0.2)
+            for i, proc in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[i]
+                left = len(cases(tiny)[i::count]) - len(_done(_log(out, i)))
+                if code != 0 and left > 0 and restarts[i] < RESTARTS:
+                    restarts[i] += 1
+                    running[i] = subprocess.Popen([*command, "--worker", str(i)], env=env)
+    except KeyboardInterrupt:  # gpu-check's time limit: report what finished
+        why = "interrupted: the step ran out of time"
+        for proc in running.values():
+            proc.kill()
     by_name = {r["case"]: r for i in range(count) for r in _done(_log(out, i))}
     for i in range(count):  # merged into smoke.json by the caller
         _log(out, i).unlink(missing_ok=True)
-    return [by_name.get(c.name, {"case": c.name, **asdict(c), "status": "not run",
-                                 "reason": "its worker stopped (see smoke.log)"}) for c in cases(tiny)]
+    return [by_name.get(c.name, {"case": c.name, **asdict(c), "status": "not run", "reason": why})
+            for c in cases(tiny)]
 
 
 def matrix(rows: list[dict]) -> str:
