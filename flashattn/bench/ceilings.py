@@ -5,7 +5,7 @@ written); on CPU, the roofline benchmark's product rate and read bandwidth, on s
 
     >>> limits = measure("cpu", "float32", quick=True)
     >>> sorted(limits)
-    ['bandwidth_gbps', 'bandwidth_kind', 'matmul_tflops', 'matmul_dtype']
+    ['bandwidth_gbps', 'bandwidth_kind', 'matmul_dtype', 'matmul_tflops']
 """
 
 from __future__ import annotations
