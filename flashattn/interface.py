@@ -97,8 +97,11 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         >>> flash_attn_func(q, k, v, causal=True).shape
         torch.Size([2, 128, 8, 64])
     """
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
-        "flash_attn_func", q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        "flash_attn_func", q, k, v, **options, learnable_sink=learnable_sink,
         block_mask=block_mask,
     )
     return _flash_result(call, return_attn_probs)
@@ -122,8 +125,11 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     """
     fn = "flash_attn_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3)
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
-        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink, block_mask=block_mask,
+        fn, q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -145,8 +151,11 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     """
     fn = "flash_attn_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2)
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
-        fn, q, k, v, **checks.flash_arguments(locals()), learnable_sink=learnable_sink, block_mask=block_mask,
+        fn, q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -188,9 +197,12 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
         torch.Size([10, 4, 32])
     """
     fn = "flash_attn_varlen_func"
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, block_table=block_table, **checks.flash_arguments(locals()),
+        max_seqlen_k=max_seqlen_k, block_table=block_table, **options,
         learnable_sink=learnable_sink,
     )
     return _flash_result(call, return_attn_probs)
@@ -213,9 +225,12 @@ def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     """
     fn = "flash_attn_varlen_qkvpacked_func"
     q, k, v = checks.unpack(fn, "qkv", qkv, 3, varlen=True)
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        max_seqlen_k=max_seqlen, **options, learnable_sink=learnable_sink,
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -238,9 +253,12 @@ def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     """
     fn = "flash_attn_varlen_kvpacked_func"
     k, v = checks.unpack(fn, "kv", kv, 2, varlen=True)
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, **checks.flash_arguments(locals()), learnable_sink=learnable_sink,
+        max_seqlen_k=max_seqlen_k, **options, learnable_sink=learnable_sink,
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -295,7 +313,12 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         >>> out.shape, bool(k_cache[0, 10].eq(k[0, 0]).all())
         (torch.Size([2, 1, 8, 32]), True)
     """
-    call = checks.check_kvcache("flash_attn_with_kvcache", **locals())
+    call = checks.check_kvcache(
+        "flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+        num_splits=num_splits, return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink)
     with torch.no_grad():
         q, k = call.q, call.k
         if call.rotary is not None:

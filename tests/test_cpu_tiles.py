@@ -273,6 +273,7 @@ def test_a_cpu_without_the_instructions_takes_fp32_tiles(monkeypatch, fresh_choi
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
         monkeypatch.setattr(torch.cpu, probe, lambda: False)
     monkeypatch.delenv(cpu_tiles.ENV, raising=False)
+    monkeypatch.delenv(cpu_build.ISA_ENV, raising=False)  # the probes, not the switch, say why here
     spy = _spy(monkeypatch)
     _one_call()
     assert spy.tiles == ["fp32", "fp32"]
@@ -333,10 +334,14 @@ def test_the_self_test_catches_an_engine_that_raises_or_is_wrong(monkeypatch):
 
     class Wrong(Broken):
         @staticmethod
-        def forward(q, k, v, out, lse, **kwargs):
-            ops.forward(q, k, v, out, lse, **kwargs)
+        def forward(q, k, v, out, lse, **kwargs):  # computed on fp32 tiles whatever is asked: any CPU runs it
+            ops.forward(q, k, v, out, lse, **{**kwargs, "tiles": "fp32"})
             if kwargs["tiles"] != "fp32":
                 out.mul_(1.5)
+
+        @staticmethod
+        def backward(*args, **kwargs):
+            return ops.backward(*args, **{**kwargs, "tiles": "fp32"})
 
     monkeypatch.setattr(cpu_build, "module", lambda: Wrong)
     assert cpu_tiles.self_test(torch.bfloat16, "onednn").startswith("out differs from the fp32 tiles'")
@@ -346,3 +351,25 @@ def test_bad_values_of_the_switch_are_named(monkeypatch):
     monkeypatch.setenv(cpu_tiles.ENV, "fastest")
     with pytest.raises(ValueError, match="FLASHATTN_CPU_TILES='fastest' is not one of auto, fp32, native, onednn"):
         _one_call()
+
+
+def test_the_avx2_switch_hides_the_engines_and_builds_for_avx2(monkeypatch, fresh_choice):
+    """``FLASHATTN_CPU_ISA=avx2`` (what ``make test`` runs the CPU-kernel tests under a second time): bf16 takes fp32
+    tiles for the switch's stated reason, ``native`` is refused as on an AVX2-only CPU, and the build targets
+    x86-64-v3 with AVX2 vectors; an unknown value is named."""
+    if cpu_build.isa() != "avx2":
+        monkeypatch.setenv(cpu_build.ISA_ENV, "avx2")
+        try:
+            cpu_build.isa()
+        except ValueError as e:
+            pytest.skip(str(e))
+    assert "-march=x86-64-v3" in cpu_build.compile_flags() and "-DCPU_CAPABILITY=AVX2" in cpu_build.compile_flags()
+    monkeypatch.delenv(cpu_tiles.ENV, raising=False)
+    assert cpu_tiles.explain(torch.bfloat16)[0] == "fp32"
+    assert "FLASHATTN_CPU_ISA=avx2 hides them" in cpu_tiles.explain(torch.bfloat16)[1]
+    monkeypatch.setenv(cpu_tiles.ENV, "native")
+    with pytest.raises(ValueError, match="no native engine"):
+        cpu_tiles.choose(torch.bfloat16)
+    monkeypatch.setenv(cpu_build.ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="FLASHATTN_CPU_ISA='avx9000' is not one of native, avx2"):
+        cpu_build.isa()

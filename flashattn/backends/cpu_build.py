@@ -6,7 +6,9 @@ one folder per sources, compiler flags, CPU (it is compiled for the host's instr
 cpp_extension locks the folder, so two processes building at once wait for each other. The library registers typed
 operators (``TORCH_LIBRARY``) in a namespace named after the build: ``module()`` is ``torch.ops.<that name>``.
 A failed or broken build is logged once, and the ``cpu`` path then declines CPU calls (the ``torch`` path serves
-them) instead of raising. ``FLASHATTN_CPU_KERNEL=0`` turns the kernel off.
+them) instead of raising. ``FLASHATTN_CPU_KERNEL=0`` turns the kernel off. ``FLASHATTN_CPU_ISA=avx2`` builds it
+for AVX2 and FMA only (``-march=x86-64-v3``) and hides the 16-bit dot-product engines (``cpu_tiles``), so an
+AVX-512 machine runs what an AVX2-only one does: the test suite proves both on one host that way.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ SOURCES = (SOURCE, *(SOURCE.parent / name for name in ("cpu_vec.h", "cpu_common.
                                                      "cpu_forward.h", "cpu_backward.h")))
 # -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
 # opens its own parallel region, which a busy machine slows several times over.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+ISA_ENV = "FLASHATTN_CPU_ISA"
+ISAS = {"native": "-march=native", "avx2": "-march=x86-64-v3"}  # x86-64-v3: AVX2, FMA, F16C, BMI
 # at::vec::Vectorized picks its lane width from CPU_CAPABILITY, which torch defines for its own kernels only: the
 # widest the host runs (-march=native compiles for it), else the portable one.
 CAPABILITIES = (("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq")), ("AVX2", ("avx2", "fma")))
@@ -50,9 +53,29 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
+def isa() -> str:
+    """``FLASHATTN_CPU_ISA``: ``native`` (the default: every instruction this CPU has) or ``avx2`` (x86 only)."""
+    chosen = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if chosen not in ISAS:
+        raise ValueError(f"flashattn: {ISA_ENV}={chosen!r} is not one of {', '.join(ISAS)}")
+    if chosen == "avx2" and (platform.machine() not in ("x86_64", "AMD64")
+                             or not set(_cpu_signature().split()).issuperset(("avx2", "fma"))):
+        raise ValueError(f"flashattn: {ISA_ENV}=avx2 needs an x86-64 CPU with AVX2 and FMA; this one "
+                         f"({platform.machine()}) has not")
+    return chosen
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags of the build: ``FLAGS``, the target (``FLASHATTN_CPU_ISA``), ``CPU_CAPABILITY``."""
+    return [*FLAGS, ISAS[isa()], *capability_flags()]
+
+
 def capability_flags() -> list[str]:
-    """The ``CPU_CAPABILITY`` defines for this host (x86: AVX512 or AVX2 where all their flags are present)."""
+    """The ``CPU_CAPABILITY`` defines for this host (x86: AVX512 or AVX2 where all their flags are present; AVX2
+    under ``FLASHATTN_CPU_ISA=avx2``)."""
     flags = set(_cpu_signature().split())
+    if isa() == "avx2":
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     for name, needs in CAPABILITIES:
         if platform.machine() in ("x86_64", "AMD64") and flags.issuperset(needs):
             return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"]
@@ -60,7 +83,8 @@ def capability_flags() -> list[str]:
 
 
 def build_name() -> str:
-    key = "\n".join([*(path.read_text() for path in SOURCES), " ".join(FLAGS), _cpu_signature(), torch.__version__])
+    key = "\n".join([*(path.read_text() for path in SOURCES), " ".join(compile_flags()), _cpu_signature(),
+                     torch.__version__])
     return "flashattn_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -82,7 +106,11 @@ def _load():
     truncated or foreign library left by a killed build) is removed and built once more before giving up."""
     if os.environ.get("FLASHATTN_CPU_KERNEL", "1").strip() == "0":
         return None, "FLASHATTN_CPU_KERNEL=0"
-    folder = cache_dir() / build_name()
+    try:
+        folder = cache_dir() / build_name()
+    except ValueError as exc:  # a FLASHATTN_CPU_ISA this machine cannot honour
+        _log.warning("%s; CPU calls run on the torch path", exc)
+        return None, str(exc).removeprefix("flashattn: ")
     try:
         return _build(folder), f"built in {folder}"
     except Exception as exc:  # no compiler, a failed build, a broken cache: the torch path runs instead
@@ -103,13 +131,29 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def _build(folder: Path):
-    from torch.utils.cpp_extension import load
+class _NoCudaNotice(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (a CUDA build of torch on a machine without a
+    GPU says it when cpp_extension loads): it is about CUDA, and this build is C++ for the CPU."""
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No CUDA runtime is found" not in record.getMessage()
+
+
+def _build(folder: Path):
     _put_ninja_on_path()
-    folder.mkdir(parents=True, exist_ok=True)
-    load(name=folder.name, sources=[str(SOURCE)], extra_cflags=[*FLAGS, *capability_flags()],
-         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False, is_python_module=False)
+    torch_log, quiet = logging.getLogger("torch.utils.cpp_extension"), _NoCudaNotice()
+    torch_log.addFilter(quiet)
+    try:
+        from torch.utils.cpp_extension import load
+
+        if not any(folder.glob("*.so")):  # said once: the first call on a machine waits for this
+            _log.warning("flashattn: building the C++ CPU kernel for this machine (once per CPU and torch version, "
+                         "about 30 s; cached in %s)", folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        load(name=folder.name, sources=[str(SOURCE)], extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
+             build_directory=str(folder), verbose=False, is_python_module=False)
+    finally:
+        torch_log.removeFilter(quiet)
     ops = getattr(torch.ops, folder.name)
     for name in ("forward", "backward", "engines"):  # a library that loaded but registered nothing fails here
         getattr(ops, name)

@@ -44,7 +44,10 @@ def _cpu_has(probe: str) -> bool:
 
 
 def instructions(dtype: torch.dtype) -> str | None:
-    """None if this CPU has dot-product instructions for ``dtype``, else why not."""
+    """None if this CPU has dot-product instructions for ``dtype``, else why not (``FLASHATTN_CPU_ISA=avx2`` hides
+    them: the kernel then runs as on an AVX2-only CPU)."""
+    if dtype in HALF_DTYPES and os.environ.get(cpu_build.ISA_ENV, "").strip().lower() == "avx2":
+        return f"{cpu_build.ISA_ENV}=avx2 hides them (as on a CPU without AVX512_BF16 or AMX)"
     if dtype == torch.bfloat16:
         if _cpu_has("avx512_bf16") or _cpu_has("amx_tile"):
             return None

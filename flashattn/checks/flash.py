@@ -68,9 +68,12 @@ FLASH_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap
                  "return_attn_probs")
 
 
-def flash_arguments(arguments: dict) -> dict:
-    """The ``flash_attn_func`` options among a public function's arguments (pass ``locals()``)."""
-    return {name: arguments[name] for name in FLASH_OPTIONS}
+def flash_arguments(**options) -> dict:
+    """The ``flash_attn_func`` options of a public function's call, each by name (``FLASH_OPTIONS``, all of them).
+    Named one by one, not read from ``locals()``: torch.compile before 2.12 cannot trace ``locals()``."""
+    if set(options) != set(FLASH_OPTIONS):  # a programming error inside the library, never the user's
+        raise TypeError(f"flash_arguments: expected the options {FLASH_OPTIONS}, got {tuple(options)}")
+    return options
 
 
 def flash_options(fn: str, q: torch.Tensor, *, batch: int, learnable_sink: object = None,

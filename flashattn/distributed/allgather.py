@@ -82,8 +82,11 @@ def allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noq
     heads at a time; default all) instead of passing it around a ring. Same arguments and returns as
     ``ring_flash_attn_func``."""
     fn = "allgather_flash_attn_func"
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = check(fn, q, k, v, group=group, learnable_sink=learnable_sink,
-                 **checks.flash_arguments(locals()))
+                 **options)
     step = checks.check_heads_per_step(fn, kv_heads_per_step, default=call.k.shape[2])
     out, lse = _AllGatherAttention.apply(call.q, call.k, call.v, call.spec.sink, call.spec, step, group)
     return (out, lse, None) if return_attn_probs else out

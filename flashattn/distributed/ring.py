@@ -106,8 +106,11 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     Returns this rank's rows of the output, or (out, softmax_lse (batch, nheads, local_len), None) with
     ``return_attn_probs``: exactly what one device computes for these rows. Differentiable.
     """
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     return _ring("ring_flash_attn_func", "contiguous", q, k, v, group=group, learnable_sink=learnable_sink,
-                 **checks.flash_arguments(locals()))
+                 **options)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa: PLR0913 (flash_attn's)
@@ -115,5 +118,8 @@ def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # n
                                 deterministic=False, return_attn_probs=False, group=None, learnable_sink=None):
     """``ring_flash_attn_func`` on the zigzag layout (``shard(x, "zigzag")``: rank r holds chunks r and
     2w - 1 - r of 2w), which gives every rank the same causal work."""
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     return _ring("zigzag_ring_flash_attn_func", "zigzag", q, k, v, group=group, learnable_sink=learnable_sink,
-                 **checks.flash_arguments(locals()))
+                 **options)

@@ -40,8 +40,11 @@ def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None,  # noqa:
     """``flash_attn_func`` over a contiguously sharded sequence by head parallelism (all-to-all). Same arguments
     and returns as ``ring_flash_attn_func``; nheads and nheads_k must be multiples of the world size."""
     fn = "ulysses_flash_attn_func"
+    options = checks.flash_arguments(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = check(fn, q, k, v, group=group, learnable_sink=learnable_sink,
-                 **checks.flash_arguments(locals()))
+                 **options)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     checks.check_head_parallel(fn, nheads=call.q.shape[2], nheads_k=call.k.shape[2], world=world)
     qh, kh, vh = (_AllToAll.apply(t, 2, 1, group) for t in (call.q, call.k, call.v))
