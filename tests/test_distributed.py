@@ -135,6 +135,25 @@ def test_triton_blocks_match_one_device(tmp_path):
     assert not failures, "\n".join(failures)
 
 
+def _without_all_to_all_body(rank, world):
+    """Ulysses where the backend has no all-to-all (gloo before torch 2.12 says "does not support alltoall"): the
+    exchange goes by pairwise sends and receives, with the same results."""
+    from flashattn.distributed import ulysses
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Backend gloo does not support alltoall")
+
+    dist.all_to_all = refuse
+    failures = _layouts_body(rank, world, "float64", names=("ulysses",), cases=(0, 1))
+    return failures + ([] if ulysses._NO_ALL_TO_ALL == {"gloo"} else ["the pairwise exchange was not used"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_without_an_all_to_all_exchanges_pairwise(world, tmp_path):
+    failures = _spawn(_without_all_to_all_body, world, tmp_path)
+    assert not failures, "\n".join(failures)
+
+
 def _errors_body(rank, world):
     import flashattn.distributed as fd
 

@@ -15,6 +15,38 @@ from ..ops import attention
 from .common import check, head_spec
 
 
+_NO_ALL_TO_ALL: set[str] = set()  # backends that said they have no all-to-all (gloo before torch 2.12)
+
+
+def _pairwise(received: list, sends: list, group) -> None:
+    """The all-to-all as point-to-point sends and receives, for a backend without one: chunk j to rank j, chunk
+    from rank j into ``received[j]``, the rank's own chunk copied."""
+    rank = dist.get_rank(group)
+    received[rank].copy_(sends[rank])
+    ops = []
+    for j in range(dist.get_world_size(group)):
+        if j != rank:
+            peer = j if group is None else dist.get_global_rank(group, j)
+            ops += [dist.P2POp(dist.isend, sends[j], peer, group), dist.P2POp(dist.irecv, received[j], peer, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def all_to_all(received: list, sends: list, group) -> None:
+    """``dist.all_to_all``, or, on a backend without it (gloo in torch 2.11: "does not support alltoall"), the same
+    exchange by pairwise sends and receives."""
+    backend = str(dist.get_backend(group))
+    if backend not in _NO_ALL_TO_ALL:
+        try:
+            dist.all_to_all(received, sends, group=group)
+            return
+        except RuntimeError as err:
+            if "alltoall" not in str(err).replace("_", "").lower():
+                raise
+            _NO_ALL_TO_ALL.add(backend)
+    _pairwise(received, sends, group)
+
+
 class _AllToAll(torch.autograd.Function):
     """Split ``x`` into world chunks along ``scatter_dim``, send chunk j to rank j, and concatenate what arrives
     along ``gather_dim``. Its gradient is the opposite all-to-all."""
@@ -25,7 +57,7 @@ class _AllToAll(torch.autograd.Function):
         world = dist.get_world_size(group)
         sends = [c.contiguous() for c in x.chunk(world, scatter_dim)]
         received = [torch.empty_like(sends[0]) for _ in range(world)]
-        dist.all_to_all(received, sends, group=group)
+        all_to_all(received, sends, group)
         return torch.cat(received, gather_dim)
 
     @staticmethod
