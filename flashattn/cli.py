@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -124,9 +125,16 @@ def _write_explain(page: Path, pictures: bool, **problem) -> list[Path]:
     return paths
 
 
+def _explain_page(out: str) -> Path:
+    """The page ``--out`` names: ``out`` itself when it ends in .html, else ``out/explain.html`` (a folder, as
+    ``demo --out`` takes)."""
+    path = Path(out)
+    return path if path.suffix.lower() in (".html", ".htm") and not path.is_dir() else path / "explain.html"
+
+
 def explain_command(args: argparse.Namespace) -> int:
     problem = {name: getattr(args, name) for name in ("n", "d", "block_rows", "block_cols", "causal", "seed")}
-    paths = _write_explain(Path(args.out), args.pictures, **problem)
+    paths = _write_explain(_explain_page(args.out), args.pictures, **problem)
     print(f"wrote {', '.join(map(str, paths))}: open {paths[0]} in a browser (no network needed)")
     return 0
 
@@ -137,6 +145,16 @@ def _check_explain(args: argparse.Namespace) -> str | None:
     found = explain.Problem(args.n, args.d, args.block_rows, args.block_cols, args.causal, args.seed).problems()
     if found:
         return "; ".join(found)
+    page = _explain_page(args.out)
+    in_the_way = next((p for p in page.parents if p.exists() and not p.is_dir()), None)
+    if in_the_way is not None:
+        return f"--out {args.out}: {in_the_way} is a file, not a folder"
+    try:  # the folder it goes in, made if missing; no permission is a usage error
+        page.parent.mkdir(parents=True, exist_ok=True)
+        if page.is_dir() or not os.access(page.parent, os.W_OK) or (page.exists() and not os.access(page, os.W_OK)):
+            raise PermissionError(f"{page} cannot be written")
+    except OSError as err:
+        return f"--out {args.out}: {err.strerror or err}"
     try:  # the size depends on the tiles' shapes: measured, a second or less
         explain.render_page(explain.record(n=args.n, d=args.d, block_rows=args.block_rows,
                                            block_cols=args.block_cols, causal=args.causal, seed=args.seed))
@@ -153,14 +171,15 @@ def _add_explain(sub) -> None:
                                    "through FlashAttention-1 and -2 on a small problem, tile by tile, with every "
                                    "number recorded while flashattn.reference runs; --pictures adds a PNG strip "
                                    "and an animated GIF beside it.", formatter_class=options.HelpFormatter)
-    p.add_argument("--out", default="explain.html", help="the page to write")
-    p.add_argument("--n", type=int, default=12, help=f"queries and keys (1 to {MAX_N})")
-    p.add_argument("--d", type=int, default=4, help=f"head dim (1 to {MAX_D})")
-    p.add_argument("--block-rows", type=int, default=4, help="queries per tile (divides n)")
-    p.add_argument("--block-cols", type=int, default=4, help="keys per tile (divides n)")
+    p.add_argument("--out", default="explain.html",
+                   help="the page to write (a .html file), or a folder for explain.html and its pictures")
+    p.add_argument("--n", type=int, default=12, help=f"queries and keys, 1 to {MAX_N}")
+    p.add_argument("--d", type=int, default=4, help=f"head dim, 1 to {MAX_D}")
+    p.add_argument("--block-rows", type=int, default=4, help="queries per tile, dividing n")
+    p.add_argument("--block-cols", type=int, default=4, help="keys per tile, dividing n")
     p.add_argument("--causal", action="store_true", help="causal masking")
     p.add_argument("--seed", type=int, default=0, help="seed of the random Q, K, V, dO")
-    p.add_argument("--pictures", action="store_true", help="also write <out>.png (a strip) and <out>.gif")
+    p.add_argument("--pictures", action="store_true", help="also write a PNG strip and an animated GIF beside the page")
     p.set_defaults(func=explain_command, check=_check_explain, parser=p, timed=False)
 
 

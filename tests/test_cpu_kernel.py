@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,31 @@ def test_a_build_that_does_not_load_is_rebuilt(monkeypatch, tmp_path, caplog):
         assert any("rebuilding" in r.getMessage() for r in caplog.records)
     finally:
         cpu_build._load.cache_clear()
+
+
+def test_the_first_build_says_what_it_builds_and_keeps_torchs_cuda_notice_out(monkeypatch, tmp_path, caplog):
+    """The first call on a machine waits ~30 s for the build: one line says what, where and that it happens once;
+    torch's "No CUDA runtime is found" (a CUDA build of torch on a machine without a GPU) is not shown for it. A
+    cached build says nothing. The compiler is stubbed (``cpp_extension.load``)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def load(name, build_directory, **kwargs):
+        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='/x'")
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        raise RuntimeError("stub: nothing was compiled")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    folder = tmp_path / "flashattn_cpu_test"
+    for attempt in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="stub"):
+            cpu_build._build(folder)
+        said = [r.getMessage() for r in caplog.records]
+        assert not any("No CUDA runtime" in m for m in said), said
+        building = [m for m in said if "building the C++ CPU kernel" in m]
+        assert len(building) == (1 if attempt == 0 else 0), said
+        if building:
+            assert str(folder) in building[0] and "once per CPU and torch version" in building[0]
 
 
 def test_what_the_cpu_path_declines_it_says_why_and_the_torch_path_serves():

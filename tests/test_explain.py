@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashattn.cli import main
+from flashattn.cli import build_parser, main
 from flashattn.explain import PAGE_LIMIT, record, render_page, write_page
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +122,22 @@ def test_bad_options_are_usage_errors(argv, message, capsys, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):
         options = {a.strip("-").replace("-", "_"): int(b) for a, b in zip(argv[::2], argv[1::2], strict=True)}
         render_page(record(**{"n": 12, **options}))
+
+
+def test_out_takes_a_folder_or_a_page_and_a_bad_path_is_a_usage_error(tmp_path, capsys):
+    """``--out DIR`` (existing or not) writes DIR/explain.html with its pictures beside it, as ``demo --out`` takes
+    a folder; a path through a file is a usage error naming it, never a traceback."""
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    assert main(["explain", "--out", str(folder)]) == 0 and (folder / "explain.html").is_file()
+    assert main(["explain", "--out", str(tmp_path / "new" / "deeper")]) == 0
+    assert (tmp_path / "new" / "deeper" / "explain.html").is_file()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as done:
+        main(["explain", "--out", str(tmp_path / "a-file" / "page.html")])
+    assert done.value.code == 2 and "a-file is a file, not a folder" in capsys.readouterr().err
+    help_text = build_parser().parse_known_args(["explain"])[0].parser.format_help()
+    assert ") (" not in help_text  # no two parentheses run together
 
 
 def test_the_page_is_self_contained_and_small(tmp_path):
