@@ -93,6 +93,11 @@ def nvrtc_available() -> bool:
 def _unavailable(name: str) -> str | None:
     if name == "triton" and not TRITON:
         return "triton is not installed"
+    if name == "triton":
+        from flashattn.backends.triton import unsupported_release
+
+        if unsupported_release():
+            return unsupported_release()
     if name == "triton" and not (GPU or INTERPRETED):
         return "no GPU and TRITON_INTERPRET is not set"
     if name == "cpu" and not HAS_COMPILER:

@@ -23,7 +23,9 @@ from torch import Tensor
 from .values import CacheSizes, VarlenSizes, check_cache_values, check_varlen_values
 
 
-@torch.library.custom_op("flashattn::check_varlen", mutates_args=())
+# Schemas given, not inferred from the annotations: torch before 2.5 cannot read string annotations.
+@torch.library.custom_op("flashattn::check_varlen", mutates_args=(), schema="(Tensor cu_seqlens_q, Tensor "
+                         "cu_seqlens_k, Tensor? block_table, int[] sizes, str fn) -> Tensor[]")
 def _check_varlen(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_table: Tensor | None, sizes: list[int],
                   fn: str) -> list[Tensor]:
     total_q, total_k, max_q, max_k, num_pages, page_size = sizes
@@ -45,7 +47,8 @@ def checked_varlen(fn: str, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_ta
     return tuple(_check_varlen(cu_seqlens_q, cu_seqlens_k, block_table, flat, fn))
 
 
-@torch.library.custom_op("flashattn::check_kvcache", mutates_args=())
+@torch.library.custom_op("flashattn::check_kvcache", mutates_args=(), schema="(Tensor? seqlens, Tensor? leftpad, "
+                         "Tensor? batch_idx, Tensor? block_table, int[] sizes, str fn) -> Tensor[]")
 def _check_kvcache(seqlens: Tensor | None, leftpad: Tensor | None, batch_idx: Tensor | None,
                    block_table: Tensor | None, sizes: list[int], fn: str) -> list[Tensor]:
     batch, capacity, new, rows, paged, pages, page_size, rotary, reach = sizes

@@ -34,11 +34,30 @@ def installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# The Triton releases the kernels are written and checked for, [first, past the last): pyproject's triton extra.
+RELEASES = ((3, 6), (3, 10))
+
+
+def unsupported_release() -> str | None:
+    """Why the installed Triton cannot run the kernels (a release outside ``RELEASES``: older torch pins older
+    Triton, e.g. torch 2.4 its 3.0), else None; read from the package metadata, without importing triton."""
+    from .tables import TRITON  # tables only: no triton
+
+    if TRITON is None or RELEASES[0] <= TRITON < RELEASES[1]:
+        return None
+    last = (RELEASES[1][0], RELEASES[1][1] - 1)
+    return (f"triton {TRITON[0]}.{TRITON[1]} is installed and its kernels need {RELEASES[0][0]}.{RELEASES[0][1]} to "
+            f"{last[0]}.{last[1]} (pip install 'flashattn[triton]'; torch before 2.11 pins an older triton)")
+
+
 def serves(request: Request) -> str | None:
     """CUDA tensors (CPU ones under the interpreter) of fp16, bf16 or fp32, head dims up to 256, every feature
     but the gradient of an additive ``attn_mask``, and block masks whose blocks are multiples of 16."""
     if not installed():
         return "triton is not installed (pip install 'flashattn[triton]')"
+    old_or_new = unsupported_release()
+    if old_or_new is not None:
+        return old_or_new
     if request.device != "cuda" and not (request.device == "cpu" and interpreting()):
         return f"it runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got {request.device} tensors"
     if request.dtype not in DTYPES:
