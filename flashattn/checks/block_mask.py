@@ -13,6 +13,8 @@ of it (the block lists were built that way too): it must not depend on that inde
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..backends.memo import PerTensor
@@ -22,11 +24,16 @@ from ._base import fail
 _CONVERTED = PerTensor()
 
 
+# Looked up once, at import (outside any torch.compile trace): torch 2.4 has no FlexAttention, and Dynamo there
+# refuses to trace an import that fails instead of raising ImportError.
+_HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
 def _block_mask_type() -> type | None:
-    try:
-        from torch.nn.attention.flex_attention import BlockMask
-    except ImportError:  # pragma: no cover - torch without FlexAttention
+    if not _HAS_FLEX:
         return None
+    from torch.nn.attention.flex_attention import BlockMask
+
     return BlockMask
 
 

@@ -14,7 +14,6 @@ from .. import checks
 from ..ops import attention
 from .common import check, head_spec
 
-
 _NO_ALL_TO_ALL: set[str] = set()  # backends that said they have no all-to-all (gloo before torch 2.12)
 
 

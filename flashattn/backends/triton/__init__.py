@@ -10,8 +10,10 @@ served only under it (the automatic choice never sends CPU tensors here: ``flash
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
+import re
 
 import torch
 
@@ -38,15 +40,31 @@ def installed() -> bool:
 RELEASES = ((3, 6), (3, 10))
 
 
+@functools.cache
+def installed_release() -> tuple[int, int] | None:
+    """(major, minor) of the Triton that ``import triton`` finds, from the metadata of whichever distribution
+    provides the module (triton, or torch's pytorch-triton and pytorch-triton-rocm builds), without importing it;
+    None if there is none or its version does not read."""
+    try:  # the usual case, without scanning every installed distribution (tens of ms)
+        distributions = [importlib.metadata.distribution("triton")]
+    except importlib.metadata.PackageNotFoundError:
+        distributions = [importlib.metadata.distribution(name)
+                         for name in importlib.metadata.packages_distributions().get("triton", [])]
+    for distribution in distributions:
+        found = re.match(r"(\d+)\.(\d+)", distribution.version)
+        if found:
+            return int(found[1]), int(found[2])
+    return None
+
+
 def unsupported_release() -> str | None:
     """Why the installed Triton cannot run the kernels (a release outside ``RELEASES``: older torch pins older
     Triton, e.g. torch 2.4 its 3.0), else None; read from the package metadata, without importing triton."""
-    from .tables import TRITON  # tables only: no triton
-
-    if TRITON is None or RELEASES[0] <= TRITON < RELEASES[1]:
+    release = installed_release()
+    if release is None or RELEASES[0] <= release < RELEASES[1]:
         return None
     last = (RELEASES[1][0], RELEASES[1][1] - 1)
-    return (f"triton {TRITON[0]}.{TRITON[1]} is installed and its kernels need {RELEASES[0][0]}.{RELEASES[0][1]} to "
+    return (f"triton {release[0]}.{release[1]} is installed and its kernels need {RELEASES[0][0]}.{RELEASES[0][1]} to "
             f"{last[0]}.{last[1]} (pip install 'flashattn[triton]'; torch before 2.11 pins an older triton)")
 
 
@@ -55,11 +73,11 @@ def serves(request: Request) -> str | None:
     but the gradient of an additive ``attn_mask``, and block masks whose blocks are multiples of 16."""
     if not installed():
         return "triton is not installed (pip install 'flashattn[triton]')"
+    if request.device != "cuda" and not (request.device == "cpu" and interpreting()):
+        return f"it runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got {request.device} tensors"
     old_or_new = unsupported_release()
     if old_or_new is not None:
         return old_or_new
-    if request.device != "cuda" and not (request.device == "cpu" and interpreting()):
-        return f"it runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got {request.device} tensors"
     if request.dtype not in DTYPES:
         return f"it takes float16, bfloat16 and float32, got {request.dtype}"
     if max(request.head_dim, request.head_dim_v) > MAX_HEAD_DIM:

@@ -21,9 +21,9 @@ program (the M dimension of all its matmuls, on the transposed tile S^T) by BLOC
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
 from dataclasses import dataclass
+
+from . import installed_release
 
 
 @dataclass(frozen=True)
@@ -325,23 +325,7 @@ for _name, (_base, _changes) in _CHANGES.items():
     TABLES[_name], OVERRIDES[_name] = _derived(_base, _changes)
 
 
-def installed_triton() -> tuple[int, int] | None:
-    """(major, minor) of the Triton that ``import triton`` finds, from the metadata of whichever distribution
-    provides the module (triton, or torch's pytorch-triton and pytorch-triton-rocm builds), without importing it;
-    None if there is none or its version does not read."""
-    try:  # the usual case, without scanning every installed distribution (tens of ms)
-        distributions = [importlib.metadata.distribution("triton")]
-    except importlib.metadata.PackageNotFoundError:
-        distributions = [importlib.metadata.distribution(name)
-                         for name in importlib.metadata.packages_distributions().get("triton", [])]
-    for distribution in distributions:
-        found = re.match(r"(\d+)\.(\d+)", distribution.version)
-        if found:
-            return int(found[1]), int(found[2])
-    return None
-
-
-TRITON = installed_triton()
+TRITON = installed_release()
 # What the offline health checked on each Triton release: the ends of the supported range.
 CHECKED_ON = {(3, 6): "every shipped config", (3, 9): "head dims 16-256, every kernel and weight"}
 DECLINED: dict[str, set[tuple[str, int, str]]] = {}  # this release's: family -> {(kernel, head dim, weight)}
