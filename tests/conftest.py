@@ -24,6 +24,21 @@ from flashattn.backends import Request, cpu_build, explain
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 GPU = torch.cuda.is_available()
 TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _triton_missing() -> str | None:
+    """Why the Triton kernels cannot be tested here (not installed, or a release outside the kernels' range, as
+    older torch pins), else None."""
+    if not TRITON:
+        return "triton is not installed"
+    from flashattn.backends.triton import unsupported_release
+
+    return unsupported_release()
+
+
+TRITON_MISSING = _triton_missing()
+# The one skip for tests of the Triton kernels (compiled offline or interpreted).
+needs_triton = pytest.mark.skipif(TRITON_MISSING is not None, reason=TRITON_MISSING or "")
 INTERPRETED = not GPU and os.environ.get("TRITON_INTERPRET") == "1"
 PATHS = ("triton", "cpu", "torch")
 FLOAT64_PATHS = ("cpu", "torch")  # the Triton kernels take no float64: tests of float64 exactness run on these
@@ -91,13 +106,8 @@ def nvrtc_available() -> bool:
 
 
 def _unavailable(name: str) -> str | None:
-    if name == "triton" and not TRITON:
-        return "triton is not installed"
-    if name == "triton":
-        from flashattn.backends.triton import unsupported_release
-
-        if unsupported_release():
-            return unsupported_release()
+    if name == "triton" and TRITON_MISSING:
+        return TRITON_MISSING
     if name == "triton" and not (GPU or INTERPRETED):
         return "no GPU and TRITON_INTERPRET is not set"
     if name == "cpu" and not HAS_COMPILER:

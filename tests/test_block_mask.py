@@ -12,7 +12,7 @@ import torch
 from oracle import assert_close, attention_ref, oracle_kwargs
 
 import flashattn
-from conftest import with_dropout_mask
+from conftest import needs_triton, with_dropout_mask
 from flashattn import checks
 from flashattn.backends import Request, explain
 
@@ -149,6 +149,7 @@ def test_only_partial_tiles_are_evaluated():
     assert int((kind == 0).sum()) > kind.numel() // 2  # most tiles are skipped
 
 
+@needs_triton
 def test_triton_probabilities_follow_the_block_mask():
     """``return_attn_probs`` (dropout's S_dmask) walks the same block lists as the output: zero where the mask
     hides, the torch path's values elsewhere."""
@@ -279,6 +280,7 @@ print(json.dumps(rows))
 """
 
 
+@needs_triton
 def test_triton_block_kernels_compile_for_hopper():
     """The interpreter runs the kernels as Python; the compiler is stricter (a loop-carried name may not change
     type). Compile the block-mask launches for sm_90 as a real call would (no GPU needed)."""

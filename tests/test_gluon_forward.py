@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from triton_versions import recorded_on_oldest
 
+from conftest import needs_triton
+
 ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+pytestmark = [needs_triton,
               recorded_on_oldest("the experimental Gluon forward (Gluon's API changes between releases)")]
 
 # Our tl forward on sm_90 at the same shape (python -m tools.offline.profile), 128 x 128 tiles.

@@ -5,7 +5,6 @@ that overruns is stopped without losing what came before, every result lands in 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_triton
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["info", "smoke", "tests", "headline", "decode", "block-mask", "cuda-kernel"]
 STATUSES = ("ok", "skipped (budget)", "stopped (budget)")
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="the kernel smoke runs the Triton kernels (interpreted here)")
+
 
 
 def _gpu_check(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -189,7 +189,7 @@ def test_the_kernel_smoke_passes_the_real_kernels_and_poisons_their_outputs(monk
     assert not torch.empty(3).fill_(0).isnan().any()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="probes Triton's compiler")
+@needs_triton
 def test_the_cache_probe_compiles_for_a_target_and_hits_the_second_time(tmp_path):
     """What decides whether a Triton cache built here is reused on the GPU machine: the same key facts, and a
     probe kernel that hits the carried cache."""

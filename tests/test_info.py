@@ -61,8 +61,11 @@ def test_cuda_calls_are_explained_with_a_reason_for_each_rule(monkeypatch):
     monkeypatch.delenv("FLASHATTN_BACKEND", raising=False)
     rows = info.backend_choices(cuda=True)
     cuda = {(r["dtype"], r["head_dim"]): r for r in rows if r["device"] == "cuda"}
-    assert cuda[("float64", 64)]["backend"] == "torch" and "float64" in cuda[("float64", 64)]["reason"]
-    assert cuda[("bfloat16", 320)]["backend"] == "torch" and "320" in cuda[("bfloat16", 320)]["reason"]
+    # The first rule that declines names itself (a Triton outside the kernels' range comes before the dtype's).
+    assert cuda[("float64", 64)]["backend"] == "torch"
+    assert any(why in cuda[("float64", 64)]["reason"] for why in ("float64", "is installed"))
+    assert cuda[("bfloat16", 320)]["backend"] == "torch"
+    assert any(why in cuda[("bfloat16", 320)]["reason"] for why in ("320", "is installed"))
     # torch where triton is not installed, and the reason says so
     assert {r["backend"] for k, r in cuda.items() if k[1] <= 128 and k[0] != "float64"} <= {"triton", "torch"}
 

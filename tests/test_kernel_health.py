@@ -7,7 +7,6 @@ RDNA 3 (no GPU needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_triton
+
 ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = needs_triton
 HEAD_DIMS = (16, 32, 64, 128, 256, "192:128", "96:64")
 OTHER_ARCHS = (75, 86, 89, 100, 120, "gfx90a", "gfx942", "gfx1100")  # the families beside sm80 and sm90
 

@@ -8,16 +8,15 @@ strides are 1 and specialized away). No GPU needed; the interpreter cannot show 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 
-import pytest
+from conftest import needs_triton
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = needs_triton
 
 
 def _calls():

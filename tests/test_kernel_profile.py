@@ -6,7 +6,6 @@ a strict expected failure, so reaching it fails the suite until the marker goes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +15,11 @@ from pathlib import Path
 import pytest
 from triton_versions import recorded_on_oldest
 
+from conftest import needs_triton
+
 ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+pytestmark = [needs_triton,
               recorded_on_oldest("the committed kernel profile")]
 BASELINE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kernel-profile-sm90-2026-11-23.json"
 FORWARD_TARGET = 0.26  # warp-instructions per score element; Triton's tutorial forward: 0.24

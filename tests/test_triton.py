@@ -13,8 +13,9 @@ import torch
 from oracle import attention_ref, check_against_oracle, feature_kwargs, make_inputs
 
 import flashattn
+from conftest import needs_triton
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = needs_triton
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 if not GPU and os.environ.get("TRITON_INTERPRET") != "1":

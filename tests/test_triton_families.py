@@ -4,7 +4,6 @@ down instead of failing (on a fake device: compiled offline, no GPU needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -14,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+from conftest import needs_triton
+
+pytestmark = needs_triton
 ROOT = Path(__file__).resolve().parents[1]
 
 

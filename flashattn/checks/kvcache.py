@@ -69,8 +69,11 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     new = 0 if k is None else k.shape[1]
     # Rotary positions are cache positions, as in flash_attn: from cache_seqlens over the new keys (and the
     # queries when they advance), whatever the left padding.
-    sizes = indices.sizes._replace(new=new, rotary_positions=None if rotary is None else rotary[0].shape[0],
-                                   rotary_reach=max(new, q.shape[1] if local else 1))
+    known = indices.sizes  # rebuilt, not _replace()d: torch 2.8's Dynamo refuses to trace NamedTuple._replace
+    sizes = CacheSizes(batch=known.batch, capacity=known.capacity, new=new, cache_rows=known.cache_rows,
+                       paged=known.paged, num_pages=known.num_pages, page_size=known.page_size,
+                       rotary_positions=None if rotary is None else rotary[0].shape[0],
+                       rotary_reach=max(new, q.shape[1] if local else 1))
     (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes)
     cache = KeyCache(
         k_start=torch.zeros_like(seqlens) if leftpad is None else leftpad,

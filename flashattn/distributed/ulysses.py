@@ -27,7 +27,7 @@ def _pairwise(received: list, sends: list, group) -> None:
         if j != rank:
             peer = j if group is None else dist.get_global_rank(group, j)
             ops += [dist.P2POp(dist.isend, sends[j], peer, group), dist.P2POp(dist.irecv, received[j], peer, group)]
-    for request in dist.batch_isend_irecv(ops):
+    for request in dist.batch_isend_irecv(ops) if ops else ():  # one rank: nothing to exchange
         request.wait()
 
 

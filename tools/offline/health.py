@@ -59,15 +59,26 @@ class Health(KernelCounts):
     head_dim_v: int = 0  # v's head dim (the same as head_dim unless the entry is a (d, dv) pair)
     variant: str = ""  # the table's weight: plain, light, heavy, fp32-light, fp32-heavy
     block_mask: bool = False  # the kernel walking a block mask's tile lists (forward, dK/dV, dQ)
+    call: str = "laden"  # the call's specialization (CALLS)
     problems: list[str] = dataclasses.field(default_factory=list)
 
 
-def _spec(table: str, weight: str, tensors: dict, block_mask: bool) -> AttentionSpec:
-    """Every feature a call of this weight may use: plain calls the band both sides (and, for the forward, keys in
-    a paged KV cache or packed); light ones softcap and ALiBi too (fp32-light serves plain calls as well); heavy
-    ones dropout and an additive mask on top. With ``block_mask`` the tiles of a block mask (dense calls; its
-    partial tiles take the additive mask's place)."""
-    spec = AttentionSpec(scale=0.125, window_left=64, window_right=0)
+# The calls compiled per table. "laden": every feature a call of the entry's weight may use at once, the worst case
+# for registers. The others are the specializations users launch, which the compiler pipelines differently (a
+# dense forward's contiguous loads stream through more shared memory than a paged one's): "dense" (no band),
+# "causal" (a band), "varlen" (packed sequences), "paged" (keys in a paged KV cache).
+CALLS = {"forward": ("laden", "dense", "causal", "varlen", "paged"), "decode": ("laden", "dense"),
+         "dkdv": ("laden", "dense", "varlen"), "dq": ("laden", "dense", "varlen")}
+
+
+def _spec(table: str, weight: str, tensors: dict, block_mask: bool, call: str = "laden") -> AttentionSpec:
+    """The call's features. "laden": every feature a call of this weight may use: plain calls the band both sides
+    (and, for the forward, keys in a paged KV cache or packed); light ones softcap and ALiBi too (fp32-light serves
+    plain calls as well); heavy ones dropout and an additive mask on top. With ``block_mask`` the tiles of a block
+    mask (dense calls; its partial tiles take the additive mask's place). The other calls (``CALLS``) keep the
+    weight's features and change only the layout and the band."""
+    band = {"window_left": 64, "window_right": 0} if call in ("laden", "causal") else {}
+    spec = AttentionSpec(scale=0.125, **band)
     if weight != "plain":
         spec = dataclasses.replace(spec, softcap=30.0, alibi_slopes=tensors["alibi"])
     if block_mask:
@@ -76,8 +87,12 @@ def _spec(table: str, weight: str, tensors: dict, block_mask: bool) -> Attention
         return dataclasses.replace(spec, **heavy)
     if weight.endswith("heavy"):
         return dataclasses.replace(spec, dropout_p=0.1, seed=tensors["seed"], attn_mask=tensors["mask"])
-    if table in ("forward", "decode"):
+    if call == "laden" and table in ("forward", "decode") or call == "paged":
         return dataclasses.replace(spec, varlen=tensors["varlen"], cache=tensors["cache"])
+    if call == "varlen":
+        return dataclasses.replace(spec, varlen=tensors["varlen"])
+    if call == "dense" and table == "decode":
+        return dataclasses.replace(spec, cache=tensors["dense_cache"])
     return spec
 
 
@@ -102,7 +117,7 @@ def _causal_blocks(nq: int, nk: int, block: int = 128) -> BlockSparse:
                        block, block)
 
 
-def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = False):
+def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = False, call: str = "laden"):
     """(q, k, v, spec) of a representative call: 2 sequences of 256 tokens (1 query for decode), 4:2 heads."""
     d, dv, _ = _dims(head_dim)
     dtype = torch.float32 if weight.startswith("fp32") else torch.float16
@@ -117,22 +132,27 @@ def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = Fals
         "varlen": Varlen(cu_q, cu_q, nq, n),
         "cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n,
                           block_table=torch.arange(b * n // page, dtype=torch.int32).view(b, -1)),
+        "dense_cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n),
         "blocks": _causal_blocks(nq, n),
     }
-    spec = _spec(table, weight, tensors, block_mask)
-    if spec.varlen is not None:  # packed q; a paged cache of (pages, page size, heads, dim)
+    spec = _spec(table, weight, tensors, block_mask, call)
+    if spec.varlen is not None and spec.cache is not None:  # packed q; a paged cache of (pages, page size, heads, dim)
         q = torch.empty(b * nq, h, d, dtype=dtype)
         k, v = (torch.empty(b * n // page, page, hk, dim, dtype=dtype) for dim in (d, dv))
+    elif spec.varlen is not None:  # packed q, k and v
+        q = torch.empty(b * nq, h, d, dtype=dtype)
+        k, v = (torch.empty(b * n, hk, dim, dtype=dtype) for dim in (d, dv))
     else:
         q = torch.empty(b, nq, h, d, dtype=dtype)
         k, v = (torch.empty(b, n, hk, dim, dtype=dtype) for dim in (d, dv))
     return q, k, v, spec
 
 
-def _compile(table: str, weight: str, head_dim: HeadDims, arch: Arch, block_mask: bool) -> object:
-    """The compiled kernel that serves (table, head dim, weight) on ``arch``, through the backend's own launch
-    path."""
-    q, k, v, spec = _inputs(table, weight, head_dim, block_mask)
+def _compile(table: str, weight: str, head_dim: HeadDims, arch: Arch, block_mask: bool, call: str = "laden"
+             ) -> object:
+    """The compiled kernel that serves (table, head dim, weight) on ``arch`` for ``call``, through the backend's
+    own launch path."""
+    q, k, v, spec = _inputs(table, weight, head_dim, block_mask, call)
 
     def call():
         if table in ("forward", "decode"):
@@ -150,21 +170,21 @@ def _table_of(kernel: str) -> str:
 
 
 def check_one(table: str, head_dim: HeadDims, variant: str, arch: Arch,
-              cfg: configs.KernelConfig | None = None, *, block_mask: bool = False) -> Health:
+              cfg: configs.KernelConfig | None = None, *, block_mask: bool = False, call: str = "laden") -> Health:
     """Compile (table, head dim, variant) for ``arch`` with the config its family ships (or ``cfg``) and judge it.
     ``head_dim`` is a padded head dim, or a (q/k, v) pair of head dims served by its padded maximum's entry;
-    ``block_mask``: the kernel as it walks a block mask's tiles."""
+    ``block_mask``: the kernel as it walks a block mask's tiles; ``call``: which of the table's ``CALLS``."""
     d, dv, key = _dims(head_dim)
     cfg = cfg or configs.lookup(table, arch, key, variant, block_mask=block_mask)
     try:
         with configs.use(cfg, kernels=(table,)):  # through the real launch path, this kernel with this tile
-            counts = kernel_counts(_compile(table, variant, head_dim, arch, block_mask))
+            counts = kernel_counts(_compile(table, variant, head_dim, arch, block_mask, call))
     except Exception as err:  # a config the compiler rejects (Triton's AMD backend fails on a few): unhealthy
         counts = KernelCounts(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                               0, 0.0)
         failure = (str(err).strip().splitlines() or [""])[-1][:200]
         return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
-                      variant=variant, block_mask=block_mask,
+                      variant=variant, block_mask=block_mask, call=call,
                       problems=[f"does not compile: {type(err).__name__}: {failure}"])
     problems = []
     if vendor(arch) == "hip":
@@ -176,7 +196,7 @@ def check_one(table: str, head_dim: HeadDims, variant: str, arch: Arch,
         problems.append(f"shared memory {counts.shared_bytes} > {SHARED_LIMIT[arch]}")
     problems += _tensor_core_problems(counts, table, key, variant, arch)
     return Health(**dataclasses.asdict(counts), kernel=KERNEL_OF[table], arch=arch, head_dim=d, head_dim_v=dv,
-                  variant=variant, block_mask=block_mask, problems=problems)
+                  variant=variant, block_mask=block_mask, call=call, problems=problems)
 
 
 def _tensor_core_problems(counts: KernelCounts, table: str, key: HeadDims, variant: str, arch: Arch) -> list[str]:
@@ -221,17 +241,20 @@ def _candidates(cfg: configs.KernelConfig, arch: Arch) -> list[configs.KernelCon
 
 def search(table: str, head_dim: HeadDims, variant: str, arch: Arch, block_mask: bool = False
            ) -> configs.KernelConfig | None:
-    """The first of ``_candidates`` healthy on ``arch``, for an entry whose shipped config is not."""
+    """The first of ``_candidates`` healthy on ``arch`` in every call of the table, for an entry whose shipped
+    config is not."""
     shipped = configs.lookup(table, arch, _dims(head_dim)[2], variant, block_mask=block_mask)
+    calls = ("laden",) if block_mask else CALLS[table]
     for cfg in _candidates(shipped, arch):
-        if not check_one(table, head_dim, variant, arch, cfg, block_mask=block_mask).problems:
+        if not any(check_one(table, head_dim, variant, arch, cfg, block_mask=block_mask, call=call).problems
+                   for call in calls):
             return cfg
     return None
 
 
 def _check(entry: tuple) -> Health:
-    *args, block_mask = entry
-    return check_one(*args, block_mask=block_mask)
+    *args, block_mask, call = entry
+    return check_one(*args, block_mask=block_mask, call=call)
 
 
 def _search(entry: tuple) -> tuple[tuple, configs.KernelConfig | None]:
@@ -263,26 +286,27 @@ def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain", b
 
 
 def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,
-           archs: tuple[Arch, ...] = TARGETS, jobs: int = 1, block_masks: tuple[bool, ...] = (False,)
-           ) -> list[Health]:
-    """Health rows of every (table, head dim, variant, target), once per ``block_masks`` entry (False: the plain
-    kernels; True: as they walk a block mask)."""
-    entries = [(table, d, variant, arch, sparse) for sparse in block_masks for table in tables for d in head_dims
-               for variant in variants for arch in archs if served(table, d, arch, variant, sparse)]
+           archs: tuple[Arch, ...] = TARGETS, jobs: int = 1, block_masks: tuple[bool, ...] = (False,),
+           calls: tuple[str, ...] = ("laden", "dense", "causal", "varlen", "paged")) -> list[Health]:
+    """Health rows of every (table, head dim, variant, target, call), once per ``block_masks`` entry (False: the
+    plain kernels, in each of the table's ``CALLS`` among ``calls``; True: as they walk a block mask, laden)."""
+    entries = [(table, d, variant, arch, sparse, call) for sparse in block_masks for table in tables
+               for d in head_dims for variant in variants for arch in archs if served(table, d, arch, variant, sparse)
+               for call in (("laden",) if sparse else CALLS[table]) if call in calls]
     return _map(_check, entries, jobs)
 
 
 def format_rows(rows: list[Health]) -> str:
     lines = [f"{'kernel':40} {'arch':>7} {'d':>7} {'variant':10} {'tile':>8} {'warps':>5} {'stg':>3} {'regs':>4} "
              f"{'spill':>5} {'in loop':>7} {'smem':>7} {'hgmma':>5} {'mfma':>5} {'wmma':>5} {'at once':>7} {'tma':>3} "
-             f"{'inst/score':>10}  problems"]
+             f"{'inst/score':>10} {'call':>6}  problems"]
     for r in rows:
         dims = str(r.head_dim) if r.head_dim_v in (0, r.head_dim) else f"{r.head_dim}/{r.head_dim_v}"
         kernel = r.kernel + ("[block mask]" if r.block_mask else "")
         lines.append(f"{kernel:40} {arch_name(r.arch):>7} {dims:>7} {r.variant:10} {r.block_m:>4}x{r.block_n:<3} "
                      f"{r.num_warps:5d} {r.num_stages:3d} {r.registers:4d} {r.spill_bytes:5d} {r.loop_spills:7d} "
                      f"{r.shared_bytes:7d} {r.hgmma:5d} {r.mfma:5d} {r.wmma:5d} {r.hgmma_waited_at_once:7d} "
-                     f"{r.tma_loads:3d} {r.per_score:10.3f}  {'; '.join(r.problems) or 'ok'}")
+                     f"{r.tma_loads:3d} {r.per_score:10.3f} {r.call:>6}  {'; '.join(r.problems) or 'ok'}")
     return "\n".join(lines)
 
 
@@ -309,14 +333,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search", action="store_true", help="for each unhealthy entry, find a healthy config")
     p.add_argument("--block-masks", choices=("without", "with", "both"), default="without",
                    help="the plain kernels, the kernels walking a block mask, or both")
+    p.add_argument("--calls", default="laden,dense,causal,varlen,paged",
+                   help="comma-separated specializations, each where its table has it: laden (every feature of the "
+                        "weight), dense, causal, varlen, paged")
     a = p.parse_args(argv)
     block_masks = {"without": (False,), "with": (True,), "both": (False, True)}[a.block_masks]
     rows = report(tuple(_parse_dims(d) for d in a.head_dims.split(",")), tables=a.tables.split(","),
                   variants=a.variants.split(","), archs=tuple(_parse_arch(x) for x in a.archs.split(",")), jobs=a.jobs,
-                  block_masks=block_masks)
+                  block_masks=block_masks, calls=tuple(a.calls.split(",")))
     if a.search:
-        unhealthy = [(_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch, r.block_mask)
-                     for r in rows if r.problems]
+        unhealthy = list(dict.fromkeys((_table_of(r.kernel), (r.head_dim, r.head_dim_v), r.variant, r.arch,
+                                        r.block_mask) for r in rows if r.problems))
         for (table, d, variant, arch, sparse), found in _map(_search, unhealthy, a.jobs):
             print(f"{table}{' [block mask]' if sparse else ''} {arch_name(arch)} d={d} {variant}: {found}", flush=True)
     print(format_rows(rows))

@@ -47,8 +47,12 @@ __all__ = [
     "_wrapped_flash_attn_forward", "_wrapped_flash_attn_varlen_backward", "_wrapped_flash_attn_varlen_forward",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
-    "maybe_contiguous", "round_multiple",
+    "maybe_contiguous", "round_multiple", "USE_TRITON_ROCM",
 ]
+
+# flash_attn's switch to its Triton kernels for AMD GPUs (FLASH_ATTENTION_TRITON_AMD_ENABLE). flashattn runs its own
+# kernels on every device, so flash_attn's ROCm paths are never taken; its tests read the name to skip ROCm cases.
+USE_TRITON_ROCM = False
 
 
 def maybe_contiguous(x: Tensor | None) -> Tensor | None:
