@@ -29,10 +29,36 @@ demo: $(VENV)/.installed
 
 # Every feature test runs on every execution path (the triton kernels under Triton's interpreter, the C++ kernel,
 # the tiled torch path) through one fixture, tests/conftest.py's ``path``.
-test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.installed
+test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.installed $(TORCH_RANGE_DIR)/.installed
 	FLASHATTN_EXPECT_TRITON=$(TRITON_OLDEST) $(PY) -m pytest -n 2 -q -m "not health"
 	FLASHATTN_EXPECT_TRITON=$(TRITON_NEWEST) PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m pytest -n 2 -q -m "not health" \
 		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))"
+	FLASHATTN_CPU_ISA=avx2 $(PY) -m pytest -n 2 -q -p no:cacheprovider $(AVX2_TESTS)
+	for v in $(TORCH_RANGE); do echo "torch $$v:"; FLASHATTN_EXPECT_TORCH=$$v \
+		PYTHONPATH=$(TORCH_RANGE_DIR)/$$v:$(TORCH_RANGE_DIR)/$(TORCH_NEWEST) \
+		$(PY) -m pytest -n 2 -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; done
+
+# The CPU kernel's tests again as on a CPU without AVX-512, AVX512_BF16 or AMX (FLASHATTN_CPU_ISA=avx2: an AVX2
+# build, the 16-bit dot-product engines hidden), whatever this host has: CI's machines differ between runs.
+AVX2_TESTS := tests/test_cpu_tiles.py tests/test_cpu_kernel.py
+
+# torch: pyproject declares torch >= 2.7 (2.6's Dynamo cannot trace the checks under torch.compile). .venv holds 2.13
+# (a CPU build on local disk); `make test` also runs the drop-in, compile and distributed tests on the range's ends
+# and on the GPU machines' 2.11, each release in a folder of its own put first on PYTHONPATH. PyPI's Linux builds
+# are CUDA builds (they run on the CPU): 2.14.1 and its CUDA 13 libraries lie on local disk, 2.11 borrows them,
+# 2.7.1 brings its CUDA 12 ones and Triton 3.3 (whose kernels flashattn declines: the triton path's tests skip).
+TORCH_OLDEST := 2.7.1
+TORCH_GPU := 2.11.0
+TORCH_NEWEST := 2.14.1
+TORCH_RANGE := $(TORCH_OLDEST) $(TORCH_GPU) $(TORCH_NEWEST)
+TORCH_RANGE_DIR := $(VENV)/torch-range
+TORCH_RANGE_TESTS := tests/test_torch_versions.py tests/test_dropin.py tests/test_distributed.py tests/test_examples.py
+
+$(TORCH_RANGE_DIR)/.installed: Makefile $(VENV)/.installed
+	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_NEWEST) "torch==$(TORCH_NEWEST)"
+	$(PIP) install -q --upgrade --no-deps --target $(TORCH_RANGE_DIR)/$(TORCH_GPU) "torch==$(TORCH_GPU)"
+	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_OLDEST) "torch==$(TORCH_OLDEST)"
+	touch $@
 
 # On the newest Triton: the Triton tests (every feature on the interpreted kernels, the shipped tiles, the families)
 # and the offline health of the most used calls on sm_100 and gfx942 (`make health-newest`: every family, d = 16

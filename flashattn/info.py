@@ -157,6 +157,10 @@ def triton() -> dict:
     except Exception as err:
         return {"usable": False, "version": None, "detail": f"installed but fails to import: {err}"}
     version = getattr(triton_module, "__version__", None)
+    from .backends.triton import unsupported_release
+
+    if unsupported_release():
+        return {"usable": False, "version": version, "detail": unsupported_release()}
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     on_gpu = torch.cuda.is_available() and not interpreting
     if not on_gpu and not interpreting:

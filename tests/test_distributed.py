@@ -138,22 +138,25 @@ def test_triton_blocks_match_one_device(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-def _without_all_to_all_body(rank, world):
-    """Ulysses where the backend has no all-to-all (gloo before torch 2.12 says "does not support alltoall"): the
-    exchange goes by pairwise sends and receives, with the same results."""
-    from flashattn.distributed import ulysses
+def _without_collectives_body(rank, world):
+    """Ulysses and the all-gather layout where the backend has neither all-to-all nor reduce-scatter (gloo in
+    torch 2.7): the exchange goes by pairwise sends and receives, the sum by an all-reduce, with the same results."""
+    from flashattn.distributed import collectives
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("Backend gloo does not support alltoall")
+    def refuse(what):
+        def collective(*args, **kwargs):
+            raise RuntimeError(f"ProcessGroupGloo does not support {what}")
+        return collective
 
-    dist.all_to_all = refuse
-    failures = _layouts_body(rank, world, "float64", names=("ulysses",), cases=(0, 1))
-    return failures + ([] if {"gloo"} == ulysses._NO_ALL_TO_ALL else ["the pairwise exchange was not used"])
+    dist.all_to_all, dist.reduce_scatter = refuse("alltoall"), refuse("reduce_scatter")
+    failures = _layouts_body(rank, world, "float64", names=("ulysses", "allgather by head"), cases=(0, 1))
+    used = {name: backends for name, backends in collectives._MISSING.items()}
+    return failures + ([] if used == {"all_to_all": {"gloo"}, "reduce_scatter": {"gloo"}} else [f"routes: {used}"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ulysses_without_an_all_to_all_exchanges_pairwise(world, tmp_path):
-    failures = _spawn(_without_all_to_all_body, world, tmp_path)
+def test_without_all_to_all_or_reduce_scatter_the_layouts_take_other_routes(world, tmp_path):
+    failures = _spawn(_without_collectives_body, world, tmp_path)
     assert not failures, "\n".join(failures)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import flashattn
+from conftest import needs_triton
 from flashattn import info
 from flashattn.cli import main
 
@@ -131,15 +132,25 @@ def test_missing_triton_is_reported_not_raised(monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs Triton's interpreter (conftest.py switches it on where there is no GPU)")
+@needs_triton
 def test_triton_runs_its_probe_kernel_in_the_interpreter(monkeypatch):
-    pytest.importorskip("triton")
     monkeypatch.setattr(info.torch.cuda, "is_available", lambda: False)
     found = info.triton()
     assert found["usable"] and "ran a test kernel in the interpreter" in found["detail"], found["detail"]
 
 
-def test_triton_without_a_gpu_or_the_interpreter_says_what_it_would_need(monkeypatch):
+def test_a_triton_outside_the_kernels_range_is_reported_unusable(monkeypatch):
+    """torch before 2.11 pins an older Triton (2.7: 3.3): info says so instead of running a probe that fails."""
     pytest.importorskip("triton")
+    from flashattn.backends import triton as triton_path
+
+    monkeypatch.setattr(triton_path, "installed_release", lambda: (3, 3))
+    found = info.triton()
+    assert found["usable"] is False and "triton 3.3 is installed and its kernels need 3.6 to 3.9" in found["detail"]
+
+
+@needs_triton
+def test_triton_without_a_gpu_or_the_interpreter_says_what_it_would_need(monkeypatch):
     monkeypatch.setattr(info.torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     found = info.triton()

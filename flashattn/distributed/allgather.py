@@ -14,6 +14,7 @@ from .. import checks
 from ..backends import choose
 from ..backends.spec import AttentionSpec, Saved, accumulation_dtype
 from ..ops import attention, attention_backward
+from .collectives import reduce_scatter
 from .common import block_spec, check, head_spec, sink_grad_of, visible
 
 
@@ -69,7 +70,7 @@ class _AllGatherAttention(torch.autograd.Function):
             # Every rank holds a gradient for the whole sequence: sum them, each rank keeping its own chunk.
             for full, mine in ((dkf, dk), (dvf, dv)):
                 part = torch.empty_like(mine[:, :, h0:h1])
-                dist.reduce_scatter(part, [c.contiguous() for c in full.chunk(world, 1)], group=group)
+                reduce_scatter(part, [c.contiguous() for c in full.chunk(world, 1)], group)
                 mine[:, :, h0:h1] = part
         return dq, dk, dv, sink_grad_of(ctx, 3, dout, dlse, out, lse, sink), None, None, None
 

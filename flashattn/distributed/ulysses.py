@@ -12,38 +12,8 @@ import torch.distributed as dist
 
 from .. import checks
 from ..ops import attention
+from .collectives import all_to_all
 from .common import check, head_spec
-
-_NO_ALL_TO_ALL: set[str] = set()  # backends that said they have no all-to-all (gloo before torch 2.12)
-
-
-def _pairwise(received: list, sends: list, group) -> None:
-    """The all-to-all as point-to-point sends and receives, for a backend without one: chunk j to rank j, chunk
-    from rank j into ``received[j]``, the rank's own chunk copied."""
-    rank = dist.get_rank(group)
-    received[rank].copy_(sends[rank])
-    ops = []
-    for j in range(dist.get_world_size(group)):
-        if j != rank:
-            peer = j if group is None else dist.get_global_rank(group, j)
-            ops += [dist.P2POp(dist.isend, sends[j], peer, group), dist.P2POp(dist.irecv, received[j], peer, group)]
-    for request in dist.batch_isend_irecv(ops) if ops else ():  # one rank: nothing to exchange
-        request.wait()
-
-
-def all_to_all(received: list, sends: list, group) -> None:
-    """``dist.all_to_all``, or, on a backend without it (gloo in torch 2.11: "does not support alltoall"), the same
-    exchange by pairwise sends and receives."""
-    backend = str(dist.get_backend(group))
-    if backend not in _NO_ALL_TO_ALL:
-        try:
-            dist.all_to_all(received, sends, group=group)
-            return
-        except RuntimeError as err:
-            if "alltoall" not in str(err).replace("_", "").lower():
-                raise
-            _NO_ALL_TO_ALL.add(backend)
-    _pairwise(received, sends, group)
 
 
 class _AllToAll(torch.autograd.Function):
