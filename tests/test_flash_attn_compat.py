@@ -5,6 +5,7 @@ ValueError and RuntimeError, and the refusal to shadow a real flash_attn."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -42,7 +43,12 @@ def test_modules_resolve_to_flashattn_and_install_is_idempotent():
     for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
                  "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
                  "flash_attn_with_kvcache"):
-        assert getattr(flash_attn, name) is getattr(flashattn, name) is getattr(fai, name)
+        ours = getattr(flash_attn, name)
+        assert ours is getattr(fai, name)
+        # flashattn's own function, or (where it returns S_dmask) that function handing S_dmask out scaled as
+        # flash_attn's kernels store it (test_s_dmask_reads_back_as_flash_attns_tests_read_it).
+        assert getattr(ours, "__wrapped__", ours) is getattr(flashattn, name)
+        assert inspect.signature(ours) == inspect.signature(getattr(flashattn, name))
 
 
 def test_refuses_to_shadow_a_real_flash_attn_unless_forced(tmp_path):
@@ -99,7 +105,7 @@ def test_dropout_through_rng_state_and_s_dmask():
     assert s_dmask.shape == (2, 4, 128, 128) and int(rng_state[0]) != 0
     torch.manual_seed(7)  # the public function draws the same dropout key
     q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, _, ref_dmask = flashattn.flash_attn_func(q_, k_, v_, 0.25, 0.25, return_attn_probs=True)
+    ref_out, _, ref_dmask = flash_attn.flash_attn_func(q_, k_, v_, 0.25, 0.25, return_attn_probs=True)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(s_dmask[:, :, :20, :24], ref_dmask, rtol=0, atol=0)
     dout = torch.randn_like(out)
@@ -111,6 +117,34 @@ def test_dropout_through_rng_state_and_s_dmask():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="rng_state"):
         fai._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.25, 0.25, False, -1, -1, 0.0, None, False)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_s_dmask_reads_back_as_flash_attns_tests_read_it(dropout_p, causal):
+    """flash_attn's kernels store S_dmask per block of ``_get_block_size_n`` keys as exp(score - running max of
+    the row when that block was reached, walking from the last block); its tests recover the weights by multiplying
+    each block by exp(that max - lse). Under flash_attn's names the same recovery gives flashattn's weights, with
+    dropout's sign; flashattn's own functions give the weights directly."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, n, 3, 40, dtype=torch.float64) for n in (37, 150, 150))
+    torch.manual_seed(11)
+    _, lse, scaled = flash_attn.flash_attn_func(q, k, v, dropout_p, causal=causal, return_attn_probs=True)
+    torch.manual_seed(11)
+    _, _, weights = flashattn.flash_attn_func(q, k, v, dropout_p, causal=causal, return_attn_probs=True)
+    if dropout_p == 0:
+        assert scaled is weights is None  # as flash_attn: no S_dmask without dropout
+        return
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 40**0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(37, 150, dtype=torch.bool).triu(150 - 37 + 1), float("-inf"))
+    block = fai._get_block_size_n(q.device, 40, True, causal)
+    maxima = torch.stack([s.amax(-1) for s in scores.split(block, -1)], -1)
+    running = maxima.flip(-1).cummax(-1).values.flip(-1)
+    read = torch.cat([s * torch.exp(m - lse).unsqueeze(-1)
+                      for s, m in zip(scaled.split(block, -1), running.unbind(-1), strict=True)], -1)
+    torch.testing.assert_close(read, weights, rtol=1e-9, atol=1e-12)
+    assert torch.equal(torch.signbit(scaled), torch.signbit(weights))
 
 
 def _varlen_case(seed=0, d=32):

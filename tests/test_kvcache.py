@@ -424,6 +424,12 @@ def bad_args():
         ("int64_block_table", {**base, "block_table": torch.zeros(2, 2, dtype=torch.int64),
                                "k_cache": torch.randn(4, 5, 2, 16), "v_cache": torch.randn(4, 5, 2, 16)},
          "block_table"),
+        # Past what its block_table row can hold (flash_attn's own test matches "block_table" here): one page of 5.
+        ("paged_cache_overflow", {**base, "block_table": torch.zeros(2, 1, dtype=torch.int32), "cache_seqlens":
+                                  torch.tensor([5, 2], dtype=torch.int32), "k_cache": torch.randn(4, 5, 2, 16),
+                                  "v_cache": torch.randn(4, 5, 2, 16)},
+         r"cache_seqlens\[0\] = 5 plus 1 new keys does not fit the 5 positions its block_table row gives it "
+         r"\(1 page of 5\)"),
     ]
 
 

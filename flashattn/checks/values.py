@@ -129,8 +129,10 @@ def check_cache_values(fn: str, tensors: tuple, sizes: CacheSizes, *, known_leng
     pads = pads or [0] * sizes.batch
     for b in range(sizes.batch):
         if lengths[b] < 0 or lengths[b] + sizes.new > sizes.capacity:
-            raise fail(fn, f"cache_seqlens[{b}] = {lengths[b]} plus {sizes.new} new keys does not fit the cache's "
-                           f"{sizes.capacity} positions")
+            pages = sizes.capacity // sizes.page_size
+            room = (f"the {sizes.capacity} positions its block_table row gives it ({pages} page{'s' * (pages != 1)} "
+                    f"of {sizes.page_size})" if sizes.paged else f"the cache's {sizes.capacity} positions")
+            raise fail(fn, f"cache_seqlens[{b}] = {lengths[b]} plus {sizes.new} new keys does not fit {room}")
         if not 0 <= pads[b] <= lengths[b]:
             raise fail(fn, f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {lengths[b]}]")
     if rows is not None:

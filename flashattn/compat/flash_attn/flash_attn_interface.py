@@ -24,25 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import checks
+from ... import checks, interface
 from ...backends import choose
 from ...backends.spec import Saved, accumulation_dtype
-from ...interface import (
-    _dropout_seed,
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from ...interface import _dropout_seed, flash_attn_with_kvcache
 from ...ops import attention, attention_backward
 from ._registry import register_op
+from .probs import flash_scaled, with_flash_probs
 
 __all__ = [
     "FlashAttnFunc", "FlashAttnKVPackedFunc", "FlashAttnQKVPackedFunc", "FlashAttnVarlenFunc",
     "FlashAttnVarlenKVPackedFunc", "FlashAttnVarlenQKVPackedFunc", "_flash_attn_backward", "_flash_attn_forward",
+    "_flash_attn_backward_fake", "_flash_attn_forward_fake", "_flash_attn_varlen_backward_fake",
+    "_flash_attn_varlen_forward_fake",
     "_flash_attn_varlen_backward", "_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
     "_wrapped_flash_attn_forward", "_wrapped_flash_attn_varlen_backward", "_wrapped_flash_attn_varlen_forward",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -64,9 +58,18 @@ def round_multiple(x: int, m: int) -> int:
 
 
 def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
-    """The key block of flash_attn's CUDA kernels, by which its tests lay out ``S_dmask``; flashattn's
-    ``S_dmask`` is the probabilities themselves, so any block size reads it right."""
+    """The key block by which ``S_dmask`` is scaled (``probs.flash_scaled``), as flash_attn's CUDA kernels' and
+    its tests' own; any block size would do, the two need only agree."""
     return 128 if head_dim <= 64 and not is_dropout else 64
+
+
+# The public functions, with S_dmask scaled as flash_attn's (probs.py); flashattn's own give the weights.
+flash_attn_func = with_flash_probs(interface.flash_attn_func, _get_block_size_n)
+flash_attn_qkvpacked_func = with_flash_probs(interface.flash_attn_qkvpacked_func, _get_block_size_n)
+flash_attn_kvpacked_func = with_flash_probs(interface.flash_attn_kvpacked_func, _get_block_size_n)
+flash_attn_varlen_func = with_flash_probs(interface.flash_attn_varlen_func, _get_block_size_n)
+flash_attn_varlen_qkvpacked_func = with_flash_probs(interface.flash_attn_varlen_qkvpacked_func, _get_block_size_n)
+flash_attn_varlen_kvpacked_func = with_flash_probs(interface.flash_attn_varlen_kvpacked_func, _get_block_size_n)
 
 
 def _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
@@ -107,11 +110,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: f
     call = checks.check_flash(fn, q, k, v, **_options(dropout_p, softmax_scale, causal, window_size_left,
                                                       window_size_right, softcap, alibi_slopes,
                                                       return_softmax=return_softmax))
-    return _run_forward(call, return_softmax)
+    return _run_forward(call, return_softmax, causal=causal)
 
 
-def _forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                  alibi_slopes, return_softmax):
+def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                             alibi_slopes, return_softmax):
     batch, nq, nheads, _ = q.shape
     lse = q.new_empty(batch, nheads, nq, dtype=accumulation_dtype(q.dtype))
     probs = (q.new_empty(batch, nheads, round_multiple(nq, 128), round_multiple(k.shape[1], 128))
@@ -120,7 +123,7 @@ def _forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, w
 
 
 _flash_attn_forward = register_op(
-    "_flash_attn_forward", _forward, _forward_fake, mutates_args=(),
+    "_flash_attn_forward", _forward, _flash_attn_forward_fake, mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, float dropout_p, float softmax_scale, bool causal, "
            "SymInt window_size_left, SymInt window_size_right, float softcap, Tensor? alibi_slopes, "
            "bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -139,14 +142,15 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
     return F.pad(delta, (0, round_multiple(q.shape[1], 128) - q.shape[1]))  # (B, H, Nq rounded up to 128)
 
 
-def _backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                   window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                              window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                              rng_state=None):
     batch, nq, nheads, _ = q.shape
     return q.new_empty(batch, nheads, round_multiple(nq, 128), dtype=accumulation_dtype(q.dtype))
 
 
 _flash_attn_backward = register_op(
-    "_flash_attn_backward", _backward, _backward_fake, mutates_args=("dq", "dk", "dv"),
+    "_flash_attn_backward", _backward, _flash_attn_backward_fake, mutates_args=("dq", "dk", "dv"),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a1!)? dq, "
            "Tensor(a2!)? dk, Tensor(a3!)? dv, float dropout_p, float softmax_scale, bool causal, "
            "SymInt window_size_left, SymInt window_size_right, float softcap, Tensor? alibi_slopes, "
@@ -166,10 +170,13 @@ def _check_saved(fn: str, *, dout: Tensor, out: Tensor, lse: Tensor, q: Tensor, 
                               f"{tuple(lse.shape) if isinstance(lse, Tensor) else type(lse).__name__}")
 
 
-def _run_forward(call, return_softmax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _run_forward(call, return_softmax: bool, *, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The checked call's (out, lse, S_dmask, rng_state), as flash_attn's forwards return them."""
     spec = dataclasses.replace(call.spec, seed=_dropout_seed(call.spec.dropout_p, call.q.device))
     out, lse, probs = attention(call.q, call.k, call.v, spec, return_probs=return_softmax)
+    if return_softmax:
+        block = _get_block_size_n(probs.device, call.q.shape[-1], spec.dropout_p > 0, causal)
+        probs = flash_scaled(probs, block=block)
     return out, lse, _padded_probs(probs, return_softmax, call.q), _rng_state(spec.seed, call.q)
 
 
@@ -207,7 +214,7 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
                                **_options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                                           softcap, alibi_slopes, return_softmax=return_softmax))
-    return _run_forward(call, return_softmax)
+    return _run_forward(call, return_softmax, causal=causal)
 
 
 def _used_keys(fn: str, k: Tensor, v: Tensor, cu_seqlens_k: Tensor, *, leftpad_k: Tensor | None,
@@ -231,10 +238,10 @@ def _used_keys(fn: str, k: Tensor, v: Tensor, cu_seqlens_k: Tensor, *, leftpad_k
     return k[index], v[index], cu.to(torch.int32)
 
 
-def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                         causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                         return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False,
-                         num_splits=0):
+def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                    softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                    alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                                    seqused_k=None, zero_tensors=False, num_splits=0):
     batch = cu_seqlens_q.shape[0] - 1
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype))
     probs = (q.new_empty(batch, q.shape[1], round_multiple(max_seqlen_q, 128), round_multiple(max_seqlen_k, 128))
@@ -243,7 +250,7 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 _flash_attn_varlen_forward = register_op(
-    "_flash_attn_varlen_forward", _varlen_forward, _varlen_forward_fake, mutates_args=(),
+    "_flash_attn_varlen_forward", _varlen_forward, _flash_attn_varlen_forward_fake, mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
            "SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, SymInt window_size_left=-1, "
            "SymInt window_size_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, bool return_softmax=False, "
@@ -273,15 +280,17 @@ def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return padded
 
 
-def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                          softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False):
+def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                     zero_tensors=False):
     total = q.shape[0] + 128 * (cu_seqlens_q.shape[0] - 1)
     return q.new_empty(q.shape[1], total, dtype=accumulation_dtype(q.dtype))
 
 
 _flash_attn_varlen_backward = register_op(
-    "_flash_attn_varlen_backward", _varlen_backward, _varlen_backward_fake, mutates_args=("dq", "dk", "dv"),
+    "_flash_attn_varlen_backward", _varlen_backward, _flash_attn_varlen_backward_fake,
+    mutates_args=("dq", "dk", "dv"),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a1!)? dq, "
            "Tensor(a2!)? dk, Tensor(a3!)? dv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
            "SymInt max_seqlen_k, float dropout_p, float softmax_scale, bool causal, SymInt window_size_left, "
