@@ -213,17 +213,20 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
     "sm120": ("sm80", {
         "dq": {(64, "fp32-heavy", False): C(128, 16, 8, 2), (128, "fp32-light", False): C(64, 16, 4, 2)},
     }),
-    # AMD, searched on gfx90a, gfx942 and gfx1100 with Triton's AMD backend: CDNA's matrix cores take sm_80's
+    # AMD, searched on gfx90a, gfx942 and gfx1100 with Triton's AMD backend, in every call the health compiles
+    # (a dense forward's pipelined loads take more LDS than the paged one's): CDNA's matrix cores take sm_80's
     # tiles, but with dropout or a mask, at d = 256 and in dK/dV its compiler spills VGPRs (or, for a few configs,
     # fails) where 4 wavefronts of 64 in place of 8 fit; RDNA 3 (wave32, no AGPRs) takes sm_75's small tiles, within
     # the head dims and dtypes it serves (``families.py``).
     "cdna2": ("sm80", {
         "forward": {(16, "heavy", False): C(128, 64, 4, 1), (32, "heavy", False): C(128, 64, 4, 1),
+                    (64, "light", False): C(128, 64, 4, 2), (128, "fp32-light", False): C(16, 32, 8, 2),
                     (64, "heavy", False): C(64, 64, 4, 2), (256, "heavy", False): C(64, 32, 4, 1),
                     (64, "light", True): C(128, 64, 4, 2), (128, "fp32-light", True): C(16, 32, 8, 2),
                     (128, "light", True): C(128, 64, 4, 1), (128, "plain", True): C(128, 64, 4, 2),
                     (256, "light", True): C(64, 32, 4, 2), (256, "plain", True): C(64, 32, 4, 2)},
         "decode": {(128, "fp32-heavy", False): C(16, 32, 4, 2), (256, "heavy", False): C(16, 32, 8, 2),
+                   (64, "fp32-light", False): C(16, 64, 4, 2),
                    (64, "fp32-light", True): C(16, 64, 4, 2), (64, "light", True): C(16, 128, 8, 2),
                    (64, "plain", True): C(16, 128, 4, 2), (128, "light", True): C(16, 64, 4, 2),
                    (128, "plain", True): C(16, 64, 4, 2), (256, "fp32-heavy", True): C(16, 16, 4, 2),
@@ -236,7 +239,8 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
                  ((256, 128), "fp32-light", True): C(16, 16, 8, 1), (128, "fp32-heavy", True): C(16, 32, 4, 2),
                  (256, "fp32-light", True): C(16, 16, 4, 2)},
         "dq": {(16, "heavy", False): C(64, 64, 4, 1), (32, "heavy", False): C(64, 64, 4, 1),
-               (128, "fp32-heavy", False): C(32, 32, 4, 2), (128, "light", False): C(128, 32, 8, 2),
+               (128, "fp32-heavy", False): C(32, 32, 4, 2), (128, "light", False): C(128, 32, 4, 2),
+               ((96, 64), "light", False): C(128, 32, 4, 2),
                (256, "fp32-light", False): C(16, 16, 4, 2), (256, "heavy", False): C(32, 64, 4, 1),
                (256, "light", False): C(32, 32, 4, 2), (256, "plain", False): C(32, 32, 4, 2),
                (64, "light", True): C(128, 32, 8, 2), (128, "light", True): C(128, 32, 8, 1),
@@ -248,10 +252,11 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
                     (256, "heavy", False): C(64, 32, 4, 1), (256, "light", False): C(64, 32, 4, 2),
                     (64, "light", True): C(128, 64, 8, 2), (128, "fp32-light", True): C(16, 32, 8, 2),
                     (128, "light", True): C(128, 64, 4, 2), (128, "plain", True): C(128, 64, 4, 2),
-                    (256, "plain", True): C(64, 32, 4, 2)},
+                    (256, "plain", True): C(64, 32, 4, 2), (128, "fp32-light", False): C(16, 32, 8, 2)},
         "decode": {(16, "heavy", False): C(16, 64, 2, 1), (32, "heavy", False): C(16, 64, 4, 1),
                    (64, "heavy", False): C(16, 64, 4, 1), (128, "fp32-heavy", False): C(16, 32, 4, 2),
                    (128, "heavy", False): C(16, 64, 4, 1), (256, "heavy", False): C(16, 32, 8, 2),
+                   (64, "fp32-light", False): C(16, 64, 4, 2),
                    (64, "fp32-light", True): C(16, 64, 4, 2), (64, "light", True): C(16, 128, 8, 2),
                    (64, "plain", True): C(16, 128, 4, 2), (128, "light", True): C(16, 64, 4, 2),
                    (128, "plain", True): C(16, 64, 4, 2), (256, "fp32-heavy", True): C(16, 16, 4, 2),
@@ -263,16 +268,19 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
                  ((256, 128), "fp32-light", True): C(16, 16, 8, 1), (128, "fp32-heavy", True): C(16, 32, 4, 2),
                  (256, "fp32-light", True): C(16, 16, 4, 2)},
         "dq": {((128, 64), "light", False): C(128, 32, 8, 2), (16, "heavy", False): C(64, 64, 4, 1),
+               ((96, 64), "light", False): C(128, 32, 4, 2),
                (32, "heavy", False): C(64, 64, 4, 1), (128, "fp32-heavy", False): C(32, 32, 4, 2),
                (256, "fp32-light", False): C(16, 16, 4, 2), (256, "heavy", False): C(32, 64, 4, 1),
                (256, "light", False): C(32, 32, 4, 2), (256, "plain", False): C(32, 32, 4, 2),
                ((128, 64), "light", True): C(128, 32, 8, 1)},
     }),
     "rdna3": ("sm75", {
-        "forward": {(64, "heavy", False): C(32, 32, 4, 1), (128, "heavy", False): C(64, 16, 8, 1)},
+        "forward": {(32, "heavy", False): C(64, 32, 8, 2), (64, "heavy", False): C(64, 16, 4, 2),
+                    (128, "heavy", False): C(64, 16, 8, 1)},
         "decode": {(16, "heavy", False): C(32, 32, 4, 2), (32, "heavy", False): C(32, 32, 4, 2),
-                   (32, "light", True): C(16, 64, 4, 1)},
-        "dq": {(64, "heavy", False): C(64, 16, 8, 2), (64, "heavy", True): C(64, 16, 8, 1)},
+                   (32, "light", True): C(16, 64, 4, 1), (128, "heavy", False): C(16, 32, 8, 1)},
+        "dq": {(16, "heavy", False): C(32, 32, 4, 2), (32, "heavy", False): C(32, 32, 8, 1),
+               (64, "heavy", False): C(64, 16, 8, 2), (64, "heavy", True): C(64, 16, 8, 1)},
     }),
 }
 # Newer Triton releases compile some entries differently: the same tile spills under 3.9 where it did not under
