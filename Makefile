@@ -27,17 +27,6 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/flashattn demo --out demo-output
 
-# Every feature test runs on every execution path (the triton kernels under Triton's interpreter, the C++ kernel,
-# the tiled torch path) through one fixture, tests/conftest.py's ``path``.
-test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.installed $(TORCH_RANGE_DIR)/.installed
-	FLASHATTN_EXPECT_TRITON=$(TRITON_OLDEST) $(PY) -m pytest -n 2 -q -m "not health"
-	FLASHATTN_EXPECT_TRITON=$(TRITON_NEWEST) PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m pytest -n 2 -q -m "not health" \
-		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))"
-	FLASHATTN_CPU_ISA=avx2 $(PY) -m pytest -n 2 -q -p no:cacheprovider $(AVX2_TESTS)
-	for v in $(TORCH_RANGE); do echo "torch $$v:"; FLASHATTN_EXPECT_TORCH=$$v \
-		PYTHONPATH=$(TORCH_RANGE_DIR)/$$v:$(TORCH_RANGE_DIR)/$(TORCH_NEWEST) \
-		$(PY) -m pytest -n 2 -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; done
-
 # The CPU kernel's tests again as on a CPU without AVX-512, AVX512_BF16 or AMX (FLASHATTN_CPU_ISA=avx2: an AVX2
 # build, the 16-bit dot-product engines hidden), whatever this host has: CI's machines differ between runs.
 AVX2_TESTS := tests/test_cpu_tiles.py tests/test_cpu_kernel.py
@@ -53,6 +42,17 @@ TORCH_NEWEST := 2.14.1
 TORCH_RANGE := $(TORCH_OLDEST) $(TORCH_GPU) $(TORCH_NEWEST)
 TORCH_RANGE_DIR := $(VENV)/torch-range
 TORCH_RANGE_TESTS := tests/test_torch_versions.py tests/test_dropin.py tests/test_distributed.py tests/test_examples.py
+
+# Every feature test runs on every execution path (the triton kernels under Triton's interpreter, the C++ kernel,
+# the tiled torch path) through one fixture, tests/conftest.py's ``path``.
+test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.installed $(TORCH_RANGE_DIR)/.installed
+	FLASHATTN_EXPECT_TRITON=$(TRITON_OLDEST) $(PY) -m pytest -n 2 -q -m "not health"
+	FLASHATTN_EXPECT_TRITON=$(TRITON_NEWEST) PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m pytest -n 2 -q -m "not health" \
+		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))"
+	FLASHATTN_CPU_ISA=avx2 $(PY) -m pytest -n 2 -q -p no:cacheprovider $(AVX2_TESTS)
+	for v in $(TORCH_RANGE); do echo "torch $$v:"; FLASHATTN_EXPECT_TORCH=$$v \
+		PYTHONPATH=$(TORCH_RANGE_DIR)/$$v:$(TORCH_RANGE_DIR)/$(TORCH_NEWEST) \
+		$(PY) -m pytest -n 2 -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; done
 
 $(TORCH_RANGE_DIR)/.installed: Makefile $(VENV)/.installed
 	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_NEWEST) "torch==$(TORCH_NEWEST)"

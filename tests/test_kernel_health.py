@@ -46,7 +46,7 @@ def _health(tmp_path, *args: str) -> list[dict]:
 @pytest.mark.parametrize("head_dim", [128, *(pytest.param(d, marks=pytest.mark.health) for d in HEAD_DIMS
                                              if d != 128)])
 def test_shipped_configs_are_healthy(head_dim, tmp_path):
-    rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", "80,90")
+    rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", "80,90", "--calls", "laden")
     assert len(rows) == 4 * 5 * 2  # three kernels (the forward with two tables) x five weights x two targets
     hopper = [r for r in rows
               if r["arch"] == 90 and not r["variant"].startswith("fp32") and "decode" not in r["kernel"]]
@@ -62,16 +62,27 @@ def test_shipped_configs_are_healthy(head_dim, tmp_path):
 
 
 # The other families in make test: the most used calls (head dim 128, plain; 64 on sm_75 and RDNA 3, whose backward
-# serves no more), the forward and both backward kernels, about a CPU-minute each (AMD's: seconds). `make health`
-# runs every table.
+# serves no more), the forward and both backward kernels, laden and dense, about a CPU-minute each (AMD's: seconds).
+# `make health` runs every table in every call (dense, causal, varlen, paged, decode's dense cache).
 @pytest.mark.parametrize("arch", OTHER_ARCHS)
 def test_every_family_is_healthy_at_its_largest_common_head_dim(arch, tmp_path):
     from flashattn.backends.triton.families import family
 
     head_dim = min(128, family(arch).max_grad_head_dim)
     rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", str(arch), "--variants", "plain",
-                   "--tables", "forward,dkdv,dq")
-    assert len(rows) == 3 and {r["arch"] for r in rows} == {arch}
+                   "--tables", "forward,dkdv,dq", "--calls", "laden,dense")
+    assert len(rows) == 6 and {r["arch"] for r in rows} == {arch} and {r["call"] for r in rows} == {"laden", "dense"}
+
+
+# The calls users launch specialize differently from the laden one: on CDNA the fp32 forward at head dim 128 shipped a
+# tile whose dense (and causal, and varlen) launches pipeline their loads through 67,584 bytes of LDS, over the
+# 65,536 a workgroup has, while the laden, paged one took 34,816. Seconds on AMD's backend.
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx942"])
+def test_cdna_fp32_forward_fits_its_lds_in_every_call(arch, tmp_path):
+    rows = _health(tmp_path, "--head-dims", "128", "--archs", arch, "--variants", "fp32-light", "--tables",
+                   "forward,decode")
+    assert {r["call"] for r in rows} == {"laden", "dense", "causal", "varlen", "paged"}
+    assert max(r["shared_bytes"] for r in rows) <= 65536
 
 
 @pytest.mark.health
@@ -79,11 +90,12 @@ def test_every_family_is_healthy_at_its_largest_common_head_dim(arch, tmp_path):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_other_families_are_healthy(arch, head_dim, tmp_path):
     from flashattn.backends.triton.configs import WEIGHTS
-    from tools.offline.health import TABLES, served
+    from tools.offline.health import TABLES, calls_of, served
 
     rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", str(arch))
     dims = tuple(map(int, head_dim.split(":"))) if isinstance(head_dim, str) else head_dim
-    assert len(rows) == sum(served(table, dims, arch, weight) for table in TABLES for weight in WEIGHTS)
+    assert len(rows) == sum(len(calls_of(table, weight, False)) for table in TABLES for weight in WEIGHTS
+                            if served(table, dims, arch, weight))
 
 
 # The kernels as they walk a block mask (decode's tiles too: a forward of <= 16 query rows), including the pairs

@@ -244,7 +244,7 @@ def search(table: str, head_dim: HeadDims, variant: str, arch: Arch, block_mask:
     """The first of ``_candidates`` healthy on ``arch`` in every call of the table, for an entry whose shipped
     config is not."""
     shipped = configs.lookup(table, arch, _dims(head_dim)[2], variant, block_mask=block_mask)
-    calls = _calls(table, variant, block_mask)
+    calls = calls_of(table, variant, block_mask)
     for cfg in _candidates(shipped, arch):
         if not any(check_one(table, head_dim, variant, arch, cfg, block_mask=block_mask, call=call).problems
                    for call in calls):
@@ -252,7 +252,7 @@ def search(table: str, head_dim: HeadDims, variant: str, arch: Arch, block_mask:
     return None
 
 
-def _calls(table: str, variant: str, block_mask: bool) -> tuple[str, ...]:
+def calls_of(table: str, variant: str, block_mask: bool) -> tuple[str, ...]:
     """The calls an entry is compiled in: a block mask's are dense; a heavy weight's additive mask is a dense
     call's, so its layouts collapse to laden (the band) and dense."""
     if block_mask:
@@ -300,7 +300,7 @@ def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=T
     plain kernels, in each of the table's ``CALLS`` among ``calls``; True: as they walk a block mask, laden)."""
     entries = [(table, d, variant, arch, sparse, call) for sparse in block_masks for table in tables
                for d in head_dims for variant in variants for arch in archs if served(table, d, arch, variant, sparse)
-               for call in _calls(table, variant, sparse) if call in calls]
+               for call in calls_of(table, variant, sparse) if call in calls]
     return _map(_check, entries, jobs)
 
 
