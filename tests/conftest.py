@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_versions import TRITON_MISSING
 
 import flashattn
 from flashattn.backends import Request, cpu_build, explain
@@ -26,19 +27,6 @@ GPU = torch.cuda.is_available()
 TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _triton_missing() -> str | None:
-    """Why the Triton kernels cannot be tested here (not installed, or a release outside the kernels' range, as
-    older torch pins), else None."""
-    if not TRITON:
-        return "triton is not installed"
-    from flashattn.backends.triton import unsupported_release
-
-    return unsupported_release()
-
-
-TRITON_MISSING = _triton_missing()
-# The one skip for tests of the Triton kernels (compiled offline or interpreted).
-needs_triton = pytest.mark.skipif(TRITON_MISSING is not None, reason=TRITON_MISSING or "")
 INTERPRETED = not GPU and os.environ.get("TRITON_INTERPRET") == "1"
 PATHS = ("triton", "cpu", "torch")
 FLOAT64_PATHS = ("cpu", "torch")  # the Triton kernels take no float64: tests of float64 exactness run on these

@@ -10,9 +10,9 @@ import inspect
 
 import pytest
 import torch
+from triton_versions import TRITON_MISSING
 
 import flashattn
-from conftest import TRITON_MISSING
 from flashattn import backends
 from flashattn.backends import Request, explain
 from flashattn.backends.spec import AttentionSpec, KeyCache, Varlen

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import assert_close, attention_ref, oracle_kwargs
+from triton_versions import needs_triton
 
 import flashattn
-from conftest import needs_triton, with_dropout_mask
+from conftest import with_dropout_mask
 from flashattn import checks
 from flashattn.backends import Request, explain
 

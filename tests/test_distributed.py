@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from conftest import TRITON_MISSING
+from triton_versions import TRITON_MISSING
 
 FUNCS = {  # name: (function, layout, its own keyword arguments)
     "ring": ("ring_flash_attn_func", "contiguous", {}),

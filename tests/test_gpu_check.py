@@ -14,8 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from conftest import needs_triton
+from triton_versions import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["info", "smoke", "tests", "headline", "decode", "block-mask", "cuda-kernel"]

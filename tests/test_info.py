@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from triton_versions import needs_triton
 
 import flashattn
-from conftest import needs_triton
 from flashattn import info
 from flashattn.cli import main
 

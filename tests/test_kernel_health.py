@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import needs_triton
+from triton_versions import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 

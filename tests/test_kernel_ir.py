@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-from conftest import needs_triton
+from triton_versions import needs_triton
 
 pytestmark = needs_triton
 

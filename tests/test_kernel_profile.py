@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from triton_versions import recorded_on_oldest
-
-from conftest import needs_triton
+from triton_versions import needs_triton, recorded_on_oldest
 
 ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checkout
 

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 from oracle import attention_ref, check_against_oracle, feature_kwargs, make_inputs
+from triton_versions import needs_triton
 
 import flashattn
-from conftest import needs_triton
 
 pytestmark = needs_triton
 GPU = torch.cuda.is_available()

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import needs_triton
+from triton_versions import needs_triton
 
 pytestmark = needs_triton
 ROOT = Path(__file__).resolve().parents[1]

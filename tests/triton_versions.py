@@ -24,3 +24,19 @@ def recorded_on_oldest(what: str) -> pytest.MarkDecorator:
     version = installed()
     return pytest.mark.skipif(version not in (None, OLDEST),
                               reason=f"{what} was recorded with triton {OLDEST}; this is triton {version}")
+
+
+def missing() -> str | None:
+    """Why the Triton kernels cannot be tested here (not installed, or a release outside the kernels' range, as
+    older torch pins), else None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    from flashattn.backends.triton import unsupported_release
+
+    return unsupported_release()
+
+
+# Here, not in conftest.py: processes that tests spawn import test modules with the checkout's root first on
+# sys.path, where another conftest.py lies.
+TRITON_MISSING = missing()
+needs_triton = pytest.mark.skipif(TRITON_MISSING is not None, reason=TRITON_MISSING or "")

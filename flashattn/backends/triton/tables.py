@@ -186,9 +186,9 @@ def _derived(base: str, changes: Overrides) -> tuple[Table, Overrides]:
 C = KernelConfig
 # Filled in from `python -m tools.offline.health --search` for each family's architectures.
 # sm_86/sm_89 and sm_120: fp32 entries over 99 KiB of shared memory, and a few that spill on sm_86/sm_89 but not
-# sm_80; sm_100: heavy (dropout, mask), d = 64 and block-mask entries whose tcgen05 code spills where wgmma's did
-# not; the MLA pairs (192/128, 96/64) where their padded entry spills. (Block-mask entries searched at head dim
-# 128 and the pairs only so far, here and for AMD.)
+# sm_80; sm_100: heavy (dropout, mask), d = 64, dense d = 128 dK/dV and block-mask entries whose tcgen05 code
+# spills where wgmma's did not; the MLA pairs (192/128, 96/64) where their padded entry spills. (Block-mask
+# entries searched at head dim 128 and the pairs only so far, here and for AMD.)
 _CHANGES: dict[str, tuple[str, Overrides]] = {
     "sm86": ("sm80", {
         "forward": {(32, "fp32-heavy", False): C(64, 32, 8, 2), (128, "fp32-light", True): C(16, 32, 4, 3),
@@ -202,6 +202,7 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
                     (64, "heavy", False): C(64, 64, 8, 3), (128, "light", True): C(128, 64, 8, 3),
                     ((256, 128), "fp32-light", True): C(64, 16, 8, 3)},
         "dkdv": {(16, "heavy", False): C(32, 64, 8, 1), (64, "plain", False): C(32, 64, 8, 3),
+                 (128, "plain", False): C(32, 64, 8, 1), (128, "light", False): C(16, 64, 8, 1),
                  (64, "heavy", False): C(16, 64, 4, 1), (128, "fp32-light", True): C(16, 64, 8, 3),
                  ((128, 64), "plain", False): C(32, 64, 4, 1), ((128, 64), "plain", True): C(32, 64, 8, 3),
                  ((128, 64), "light", True): C(16, 64, 8, 3)},
