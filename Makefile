@@ -12,7 +12,7 @@ TRITON_OLDEST := 3.6.0
 TRITON_NEWEST := 3.9.0
 TRITON_NEWEST_DIR := $(VENV)/triton-newest
 
-.PHONY: demo test health health-newest lint clean gpu-check gpu-cache
+.PHONY: demo test health health-newest lint clean gpu-check gpu-cache gpu-tune
 # The newest numpy, apart from the venv's: the Triton interpreter the tests use needs numpy < 2.4, the library does
 # not (tests/test_info.py runs flashattn with this one).
 NEWEST_NUMPY := $(VENV)/newest-numpy
@@ -81,10 +81,16 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check
 
+# On a lent GPU, after gpu-check: the Triton kernels' configs timed there (420 s by default; docs/gpu.md), the
+# winners returned as measured-<family>.json, for flashattn/backends/triton/measured/.
+gpu-tune:
+	PYTHONPATH=. $(GPU_PY) -m tools.gpu_tune
+
 # The Triton kernels the kernel smoke and the headline launch, compiled here for the lent GPUs (sm_90) into
 # .gpu-cache/triton.tgz, which gpu-check unpacks when the call carries it (carry: .gpu-cache/triton.tgz and
-# .gpu-cache/probe). Not yet hit on an H200 (their keys differ; benchmarks/NOTES.md): an experiment, not a saving. Their image's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton
-# 3.6.0 and torch 2.11 (a CUDA build: a ~4 GB download into $(GPU_CACHE_VENV)); about 6 minutes on 2 cores.
+# .gpu-cache/probe). Not yet hit on an H200 (their keys differ; benchmarks/NOTES.md): an experiment, not a
+# saving. Their image's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton 3.6.0
+# and torch 2.11 (a CUDA build: a ~4 GB download into $(GPU_CACHE_VENV)); about 6 minutes on 2 cores.
 GPU_CACHE_VENV := .venv-gpu-cache
 GPU_CACHE_PYTHON ?= python3.12
 gpu-cache:

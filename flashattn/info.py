@@ -40,8 +40,8 @@ __all__ = ["ENVIRONMENT", "backend_choices", "collect", "compiler", "cuda_device
 ENVIRONMENT = (
     ("FLASHATTN_BACKEND", "force a path for every call: auto, triton, cpu, torch or cuda (flashattn.use_backend() "
                           "takes precedence)", "auto"),
-    ("FLASHATTN_NVRTC", "path of libnvrtc.so for the cuda backend, tried before torch's and the toolkit's",
-     "searched"),
+    ("FLASHATTN_NVRTC", "libnvrtc.so for the cuda backend, tried before torch's and the toolkit's", "searched"),
+    ("FLASHATTN_TRITON_MEASURED", "a JSON file of measured Triton configs (tools.gpu_tune's) used first", "unset"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),

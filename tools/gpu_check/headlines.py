@@ -130,7 +130,7 @@ HEADLINES = {"info": _info, "smoke": _smoke, "tests": _tests, "tests-cuda": _tes
 
 
 def headline(work: Path, step: Step) -> str:
-    reader = HEADLINES.get(step.name)
+    reader = HEADLINES.get(step.reader or step.name)
     if reader is None:
         return ""
     try:

@@ -18,7 +18,10 @@ from flashattn.tables import table
 
 from .plan import Step
 
-FILES = ("summary.md", "gpu-check.json", "gpu-check.tgz")
+
+def files(tool: str = "gpu-check") -> tuple[str, str, str]:
+    """The three result files of ``tool`` (gpu-check, or gpu-tune, which packs its results the same way)."""
+    return "summary.md", f"{tool}.json", f"{tool}.tgz"
 LOG_LIMIT = 2 * 2**20  # the tail of each log that goes into the archive
 
 
@@ -84,9 +87,12 @@ def _archive(work: Path, skip: set[Path]) -> bytes:
 
 
 def write(dest: Path, work: Path, plan: list[Step], header: dict) -> None:
-    """Write the three files into ``dest`` (and the first two into ``work``, for the archive)."""
+    """Write the three files (``files(header["tool"])``) into ``dest`` (and the first two into ``work``, for the
+    archive)."""
+    tool = header.get("tool", "gpu-check")
+    summary_name, json_name, archive_name = files(tool)
     summary = {**header, "steps": [asdict(s) for s in plan]}
-    lines = [f"# gpu-check on {header['device']}, {header['date']}", "",
+    lines = [f"# {tool} on {header['device']}, {header['date']}", "",
              f"{header['versions']}; budget {header['budget']:.0f} s, {header['seconds']:.0f} s used; "
              f"commit {header['commit']}; `{' '.join(header['command'])}`"
              + (f"; carried Triton cache: {header['triton_cache']['entries']} kernels" if header.get("triton_cache")
@@ -96,6 +102,6 @@ def write(dest: Path, work: Path, plan: list[Step], header: dict) -> None:
     payload = json.dumps(summary, indent=1, default=str).encode()
     for folder in {dest, work}:
         folder.mkdir(parents=True, exist_ok=True)
-        _replace(folder / "summary.md", text)
-        _replace(folder / "gpu-check.json", payload)
-    _replace(dest / "gpu-check.tgz", _archive(work, skip={work / "gpu-check.tgz"}))
+        _replace(folder / summary_name, text)
+        _replace(folder / json_name, payload)
+    _replace(dest / archive_name, _archive(work, skip={work / archive_name}))

@@ -41,6 +41,7 @@ class Step:
     least: float
     env: dict[str, str] = field(default_factory=dict)
     stdout_to: str | None = None  # a file in the work folder that receives stdout (when the step is ok)
+    reader: str | None = None  # the ``headlines.HEADLINES`` entry that summarizes it, when not its name
     status: str = "pending"
     seconds: float = 0.0
     allowed: float = 0.0

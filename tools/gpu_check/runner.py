@@ -14,6 +14,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import clock, headlines, pack, plan
@@ -76,21 +77,26 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run(steps: list[Step], *, work: Path, dest: Path, budget: float, header: dict) -> list[Step]:
-    """Every step in order within ``budget`` seconds; the results rewritten into ``dest`` after each."""
+def run(steps: list[Step], *, work: Path, dest: Path, budget: float, header: dict,
+        after_step: Callable[[], None] | None = None) -> list[Step]:
+    """Every step in order within ``budget`` seconds; ``after_step()`` after each (a caller's own results), then
+    the results rewritten into ``dest``."""
     start = time.perf_counter()
+    tool = header.get("tool", "gpu-check")
     for step in steps:
         remaining = budget - RESERVE - (time.perf_counter() - start)
         allowed = min(step.share * budget, remaining)
         if allowed < step.least:
             step.status = "skipped (budget)"
-            print(f"[gpu-check] {step.name}: skipped (budget: {max(remaining, 0):.0f} s left, needs "
+            print(f"[{tool}] {step.name}: skipped (budget: {max(remaining, 0):.0f} s left, needs "
                   f"{step.least:.0f})", flush=True)
         else:
-            print(f"[gpu-check] {step.name} (up to {allowed:.0f} s) ...", flush=True)
+            print(f"[{tool}] {step.name} (up to {allowed:.0f} s) ...", flush=True)
             run_step(step, work, allowed)
-            print(f"[gpu-check] {step.name}: {step.status} in {step.seconds:.0f} s. {step.headline}", flush=True)
+            print(f"[{tool}] {step.name}: {step.status} in {step.seconds:.0f} s. {step.headline}", flush=True)
         header["seconds"] = time.perf_counter() - start
+        if after_step is not None:
+            after_step()
         pack.write(dest, work, steps, header)
     return steps
 
@@ -209,7 +215,7 @@ def command(args: argparse.Namespace) -> int:
     print()
     print(pack.details(steps, work))
     print(f"gpu-check on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "
-          f"({', '.join(pack.FILES)})")
+          f"({', '.join(pack.files())})")
     print(pack.step_table(steps))
     return 0 if all(s.status in ("ok", "skipped (budget)") for s in steps) else 1
 

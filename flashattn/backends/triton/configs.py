@@ -13,16 +13,18 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from .families import FAMILIES, Family, family
+from .measured import load as _load_measured
 from .tables import KERNELS, OVERRIDES, TABLES, WEIGHTS, KernelConfig
 
-__all__ = ["FAMILIES", "KERNELS", "OVERRIDES", "TABLES", "WEIGHTS", "Family", "KernelConfig", "family", "lookup",
-           "shipped", "use", "forced", "split_heuristic", "padded_head_dim", "table_key"]
+__all__ = ["FAMILIES", "KERNELS", "MEASURED", "OVERRIDES", "TABLES", "WEIGHTS", "Family", "KernelConfig",
+           "family", "lookup", "shipped", "use", "forced", "split_heuristic", "padded_head_dim", "table_key"]
 
 DECODE_MAX_ROWS = 16
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
 INTERPRETER = KernelConfig(32, 32, 1, 1)
 PREPROCESS_BLOCK_M = 64
 MERGE_BLOCK_M = 16
+MEASURED = _load_measured()  # family -> kernel -> (head dim, weight) -> config timed fastest on a GPU (measured.py)
 
 
 def table_key(d: int, dv: int) -> int | tuple[int, int]:
@@ -37,20 +39,22 @@ def lookup(kernel: str, arch: int | str, head_dim: int | tuple[int, int], weight
     """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on ``arch`` (10 x major +
     minor, or a gfx name; ``families.family``): the most
     specific ``OVERRIDES`` entry (the call's head dims with and then without the block mask, then with a block mask
-    its larger head dim), else the family's table entry of the larger head dim."""
+    its larger head dim), else the family's measured entry (``MEASURED``), else its table entry, of the larger head
+    dim."""
     fam = family(arch).name
     largest = max(head_dim) if isinstance(head_dim, tuple) else head_dim
     for key in ((head_dim, weight, block_mask), (head_dim, weight, False), (largest, weight, block_mask)):
         found = OVERRIDES[fam].get(kernel, {}).get(key)
         if found is not None:
             return found
-    return TABLES[fam][kernel][(largest, weight)]
+    measured = MEASURED.get(fam, {}).get(kernel, {}).get((largest, weight))
+    return measured if measured is not None else TABLES[fam][kernel][(largest, weight)]
 
 
 def shipped() -> set[KernelConfig]:
-    """Every distinct config of every table."""
-    return {cfg for tables in (TABLES, OVERRIDES) for kernels in tables.values() for table in kernels.values()
-            for cfg in table.values()}
+    """Every distinct config of every table, override and measured entry."""
+    return {cfg for tables in (TABLES, OVERRIDES, MEASURED) for kernels in tables.values()
+            for table in kernels.values() for cfg in table.values()}
 
 
 _forced: ContextVar[tuple[KernelConfig, tuple[str, ...]] | None] = ContextVar("flashattn_triton_config",

@@ -1,0 +1,61 @@
+"""Kernel configs measured on a GPU: the entries that the tuning sweep (``python -m tools.gpu_tune``) found fastest,
+which take precedence over the family's table (``tables.py``) and yield to its head-dim-pair and block-mask
+overrides.
+
+A family's entries live in ``measured/<family>.json`` (shipped with the package). ``FLASHATTN_TRITON_MEASURED``
+names one more such file, read after them: how a tuning run times the comparison with what it just measured, and
+how a user tries a sweep's result before it ships. The file format::
+
+    {"family": "sm90",
+     "entries": [{"kernel": "forward", "head_dim": 128, "weight": "plain", "config": [128, 128, 8, 2],
+                  "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-26", "triton": "3.6.0", ...}]}
+
+    >>> parse({"family": "sm90", "entries": [{"kernel": "dq", "head_dim": 64, "weight": "plain",
+    ...                                       "config": [128, 64, 8, 2]}]})["dq"][(64, "plain")]
+    KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .tables import KERNELS, WEIGHTS, KernelConfig
+
+ENV = "FLASHATTN_TRITON_MEASURED"
+FOLDER = Path(__file__).with_name("measured")
+Measured = dict[str, dict[tuple[int, str], KernelConfig]]  # kernel -> (padded head dim, weight) -> config
+
+
+def parse(data: dict) -> Measured:
+    """A measured file's entries by kernel and (head dim, weight); an entry that names no known kernel or weight,
+    or a config that is not four positive integers, is an error naming it."""
+    out: Measured = {}
+    for entry in data.get("entries", []):
+        kernel, weight, config = entry.get("kernel"), entry.get("weight"), entry.get("config")
+        if kernel not in KERNELS or weight not in WEIGHTS:
+            raise ValueError(f"a measured config names kernel {kernel!r} and weight {weight!r}; the kernels are "
+                             f"{', '.join(KERNELS)}, the weights {', '.join(WEIGHTS)}")
+        if not (isinstance(config, list) and len(config) == 4 and all(isinstance(x, int) and x > 0 for x in config)):
+            raise ValueError(f"a measured config must be [block_m, block_n, num_warps, num_stages], got {config!r}")
+        out.setdefault(kernel, {})[(int(entry["head_dim"]), weight)] = KernelConfig(*config)
+    return out
+
+
+def load(folder: Path = FOLDER, extra: str | None = None) -> dict[str, Measured]:
+    """family -> its measured entries: the shipped files, then ``extra`` (default ``$FLASHATTN_TRITON_MEASURED``)
+    on top of them."""
+    extra = os.environ.get(ENV) if extra is None else extra
+    files = sorted(folder.glob("*.json")) + ([Path(extra)] if extra else [])
+    found: dict[str, Measured] = {}
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+            family = data["family"]
+            entries = parse(data)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"flashattn: the measured Triton configs in {path} do not read: {e}") from e
+        for kernel, table in entries.items():
+            found.setdefault(family, {}).setdefault(kernel, {}).update(table)
+    return found

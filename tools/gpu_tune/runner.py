@@ -1,0 +1,142 @@
+"""gpu-tune's plan, the measured table it assembles after every step, and its command line."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from tools.gpu_check import headlines, pack
+from tools.gpu_check.plan import SDPA_BASELINES, Step
+from tools.gpu_check.runner import DEFAULT_BUDGET, RESERVE, _commit, _versions, run
+
+MARGIN = 1.02  # a faster config is adopted when it beats the table's by this much (the timings' noise is ~1%)
+# In order of value: the most used calls first (bf16, d = 128, forward then backward), so a run cut off early
+# still returns them. The tables do not tell fp16 from bf16 (the same tiles and instructions): bf16 is timed.
+TUNED = (("forward", 128), ("backward", 128), ("forward", 64), ("backward", 64), ("decode", 128),
+         ("forward", 256), ("backward", 256), ("decode", 64))
+
+
+def steps(*, smoke: bool, jobs: int, measured: str) -> list[Step]:
+    interpret = {"TRITON_INTERPRET": "1", "FLASHATTN_CPU_KERNEL": "0"} if smoke else {}
+    plan = []
+    for group, d in TUNED[:3] if smoke else TUNED:
+        name = f"{'fwd' if group == 'forward' else 'bwd' if group == 'backward' else 'decode'}-d{d}"
+        args = ["tools.gpu_tune.sweep", "--group", group, "--head-dim", str(16 if smoke else d), "--out", "{out}",
+                "--name", name, "--jobs", str(jobs)] + (["--smoke"] if smoke else [])
+        share = 0.16 if d == 128 and group != "decode" else 0.1
+        plan.append(Step(name, args, share, 2 if smoke else 25, env=dict(interpret), reader="tune"))
+    compare = ["flashattn", "bench", "sweep", "--modes", "fwd,bwd", "--quiet", "--out", "{out}", "--name", "compare"]
+    if smoke:
+        compare += ["--seqlens", "64", "--headdims", "16", "--causal", "false", "--baselines", "sdpa", "--repeats",
+                    "1", "--tokens", "64", "--hidden", "32", "--in-process", "--device", "cpu"]
+    else:
+        compare += ["--seqlens", "1024,4096,16384,32768", "--headdims", "64,128,256", "--baselines", SDPA_BASELINES,
+                    "--tokens", "32768", "--repeats", "10", "--ceilings"]
+    # The comparison runs with the configs just measured: the launcher reads them from this file.
+    plan.append(Step("compare", compare, 1.0, 3 if smoke else 60, env={**interpret, "FLASHATTN_TRITON_MEASURED":
+                                                                      measured}, reader="headline"))
+    return plan
+
+
+def merge(work: Path, header: dict) -> dict:
+    """The measured table from every tuning step's winners so far: what ``measured-<family>.json`` holds."""
+    entries, family = [], None
+    for path in sorted(work.glob("*-d*.json")):
+        data = json.loads(path.read_text())
+        family = data.get("family", family)
+        for kernel, w in data.get("winners", {}).items():
+            speedup = 1 / w["vs_shipped"]
+            adopted = w["config"] if speedup >= MARGIN else w["shipped_config"]  # within noise: keep the table's
+            entries.append({"kernel": kernel, "head_dim": data["head_dim"], "weight": "plain", "config": adopted,
+                            "fastest": w["config"],
+                            "shipped_config": w["shipped_config"], "ms": w["ms"], "shipped_ms": w["shipped_ms"],
+                            "tflops": w.get("tflops"), "speedup": round(speedup, 3),
+                            "dtype": data["dtype"], "device": header["device"], "date": header["date"],
+                            "versions": header["versions"], "commit": header["commit"]})
+    return {"family": family, "entries": entries}
+
+
+def _tune_headline(work: Path, step: Step) -> str:
+    data = json.loads((work / f"{step.name}.json").read_text())
+    rows = data["rows"]
+    parts = []
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        mine = [r for r in rows if r["kernel"] == kernel]
+        ok = sum(r.get("status") == "ok" for r in mine)
+        w = data["winners"].get(kernel)
+        best = (f"{'x'.join(map(str, w['config'][:2]))}/{w['config'][2]}w/{w['config'][3]}s "
+                f"{1 / w['vs_shipped']:.2f}x the table's") if w else "no winner"
+        parts.append(f"{kernel}: {ok}/{len(mine)} timed, {best}")
+    return "; ".join(parts) + (" (interrupted)" if data.get("interrupted") else "")
+
+
+headlines.HEADLINES["tune"] = _tune_headline
+
+
+def command(args: argparse.Namespace) -> int:
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("tools.gpu_tune: no CUDA device here; --smoke runs every step at toy sizes on the CPU", file=sys.stderr)
+        return 2
+    device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    slug = "-".join(device.lower().replace("nvidia", "").replace("(smoke)", "smoke").split())
+    if os.environ.get("OUT"):
+        dest = Path(os.environ["OUT"])
+        work = Path(tempfile.mkdtemp(prefix="gpu-tune-"))
+    else:
+        dest = work = Path(args.out.format(device=slug, date=date))
+    work.mkdir(parents=True, exist_ok=True)
+    header = {"tool": "gpu-tune", "device": device, "date": date, "versions": _versions(), "budget": args.budget,
+              "seconds": 0.0, "commit": _commit(), "command": args.command_line, "smoke": args.smoke}
+    measured = work / "measured.json"
+    plan = steps(smoke=args.smoke, jobs=args.jobs, measured=str(measured))
+    if args.steps:
+        chosen = args.steps.split(",")
+        unknown = [n for n in chosen if n not in {s.name for s in plan}]
+        if unknown:
+            print(f"tools.gpu_tune: --steps names {', '.join(unknown)}; the steps are "
+                  f"{', '.join(s.name for s in plan)}", file=sys.stderr)
+            return 2
+        plan = [s for s in plan if s.name in chosen]
+
+    def after_step() -> None:  # the measured table, current after every step, for the archive and the next steps
+        table = merge(work, header)
+        if table["family"]:  # one entry per line: a committed file reads and diffs by entry
+            text = (f'{{"family": "{table["family"]}", "entries": [\n'
+                    + ",\n".join(json.dumps(e) for e in table["entries"]) + "\n]}\n")
+            measured.write_text(text)
+            (dest / f"measured-{table['family']}.json").write_text(text)
+
+    run(plan, work=work, dest=dest, budget=args.budget, header=header, after_step=after_step)
+    print()
+    print(pack.details(plan, work))
+    print(f"gpu-tune on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "
+          f"({', '.join(pack.files('gpu-tune'))}, measured-<family>.json)")
+    print(pack.step_table(plan))
+    return 0 if all(s.status in ("ok", "skipped (budget)") for s in plan) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    doc = sys.modules[__package__].__doc__
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_tune", description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help=f"seconds for the whole run, compiles included (default {DEFAULT_BUDGET:.0f})")
+    p.add_argument("--out", default="benchmarks/results/gpu-tune-{device}-{date}",
+                   help="where the results go when $OUT is unset; {device} and {date} are filled in")
+    p.add_argument("--smoke", action="store_true", help="every step at toy sizes on the CPU (no GPU needed)")
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes compiling candidates")
+    p.add_argument("--steps", default=None, help="comma-separated: only these steps, in plan order")
+    args = p.parse_args(argv)
+    if args.budget < 2 * RESERVE:
+        p.error(f"--budget must be at least {2 * RESERVE:.0f} seconds, got {args.budget:g}")
+    args.command_line = ["python", "-m", "tools.gpu_tune", *argv]
+    return command(args)
