@@ -36,6 +36,7 @@ AVX2_TESTS := tests/test_cpu_tiles.py tests/test_cpu_kernel.py
 # and on the GPU machines' 2.11, each release in a folder of its own put first on PYTHONPATH. PyPI's Linux builds
 # are CUDA builds (they run on the CPU): 2.14.1 and its CUDA 13 libraries lie on local disk, 2.11 borrows them,
 # 2.7.1 brings its CUDA 12 ones and Triton 3.3 (whose kernels flashattn declines: the triton path's tests skip).
+# The C++ CPU kernel is built against the range's ends; on 2.11 (the GPU machines') the torch path serves the CPU.
 TORCH_OLDEST := 2.7.1
 TORCH_GPU := 2.11.0
 TORCH_NEWEST := 2.14.1
@@ -48,9 +49,10 @@ TORCH_RANGE_TESTS := tests/test_torch_versions.py tests/test_dropin.py tests/tes
 test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.installed $(TORCH_RANGE_DIR)/.installed
 	FLASHATTN_EXPECT_TRITON=$(TRITON_OLDEST) $(PY) -m pytest -n 2 -q -m "not health"
 	FLASHATTN_EXPECT_TRITON=$(TRITON_NEWEST) PYTHONPATH=$(TRITON_NEWEST_DIR) $(PY) -m pytest -n 2 -q -m "not health" \
-		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))"
+		-p no:cacheprovider -k "triton or ($(TRITON_NEWEST_HEALTH))" $(TRITON_NEWEST_TESTS)
 	FLASHATTN_CPU_ISA=avx2 $(PY) -m pytest -n 2 -q -p no:cacheprovider $(AVX2_TESTS)
-	for v in $(TORCH_RANGE); do echo "torch $$v:"; FLASHATTN_EXPECT_TORCH=$$v \
+	for v in $(TORCH_RANGE); do echo "torch $$v:"; cpu_kernel=1; [ $$v = $(TORCH_GPU) ] && cpu_kernel=0; \
+		FLASHATTN_CPU_KERNEL=$$cpu_kernel FLASHATTN_EXPECT_TORCH=$$v \
 		PYTHONPATH=$(TORCH_RANGE_DIR)/$$v:$(TORCH_RANGE_DIR)/$(TORCH_NEWEST) \
 		$(PY) -m pytest -n 2 -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; done
 
@@ -64,6 +66,12 @@ $(TORCH_RANGE_DIR)/.installed: Makefile $(VENV)/.installed
 # and the offline health of the most used calls on sm_100 and gfx942 (`make health-newest`: every family, d = 16
 # to 256).
 TRITON_NEWEST_HEALTH := largest_common_head_dim and (100 or gfx942) and not gfx1100
+# Where the Triton release matters; test_flash_api's triton cases (the same kernels as test_triton's, at more shapes),
+# the C++ kernel's and the distributed ones run on the oldest only.
+TRITON_NEWEST_TESTS := tests/test_triton.py tests/test_triton_families.py tests/test_kernel_health.py \
+	tests/test_block_mask.py tests/test_kvcache.py tests/test_varlen.py tests/test_sdpa.py tests/test_sinks.py \
+	tests/test_value_head_dim.py tests/test_info.py tests/test_backends.py tests/test_triton_versions.py \
+	tests/test_autograd.py tests/test_layout.py tests/test_gpu_check.py tests/test_gpu_tune.py flashattn/backends/triton
 
 $(TRITON_NEWEST_DIR)/.installed: Makefile $(VENV)/.installed
 	$(PIP) install -q --upgrade --no-deps --target $(TRITON_NEWEST_DIR) "triton==$(TRITON_NEWEST)"
