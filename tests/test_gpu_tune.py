@@ -24,7 +24,7 @@ def test_the_smoke_run_returns_a_measured_table_through_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out)}
-    done = subprocess.run([sys.executable, "-m", "tools.gpu_tune", "--smoke", "--budget", "90", "--steps",
+    done = subprocess.run([sys.executable, "-m", "tools.gpu_tune", "--smoke", "--budget", "60", "--steps",
                            "fwd-d128,bwd-d128"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert done.returncode in (0, 1), done.stderr[-3000:]
     names = sorted(p.name for p in out.iterdir())
