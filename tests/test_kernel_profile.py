@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]  # tools/ is imported from the checko
 
 pytestmark = [needs_triton,
               recorded_on_oldest("the committed kernel profile")]
-BASELINE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kernel-profile-sm90-2026-11-23.json"
+BASELINE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kernel-profile-sm90-2026-11-26.json"
 FORWARD_TARGET = 0.26  # warp-instructions per score element; Triton's tutorial forward: 0.24
 BACKWARD_TARGET = 0.75  # dK/dV + dQ together
 SLACK = 1.02  # a compiler's scheduling noise; more than this is a regression
@@ -61,7 +61,8 @@ def test_forward_main_loop_meets_the_target(rows):
             assert forward <= FORWARD_TARGET, (d, causal, forward)
 
 
-BACKWARD_MISS = "d=64 meets it (0.67-0.70); d=128 0.83-0.85: dK/dV is register-bound (NOTES.md, v0.2)"
+BACKWARD_MISS = ("d=64 meets it (0.64-0.66); d=128 0.80-0.82: dK/dV is register-bound, and dQ's 128 x 128 tile "
+                 "(0.22) spills in its causal walk (NOTES.md, v0.2)")
 
 
 @pytest.mark.xfail(strict=True, reason=BACKWARD_MISS)

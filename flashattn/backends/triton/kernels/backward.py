@@ -48,8 +48,8 @@ class KeyBlock(NamedTuple):
     o_n: Any  # its key indices
     q: Any  # Operand: the queries at this head
     do: Any  # Operand: dO at this head
-    p_lse: Any  # lse at this head's first query (queries have unit stride)
-    p_delta: Any  # delta at this head's first query, as lse
+    p_lse2: Any  # lse2 (lse in log2 units, +inf for rows without keys) at this head's first query (unit stride)
+    p_delta: Any  # delta at this head's first query, as lse2
     dropout: Any  # Dropout
 
 
@@ -68,14 +68,15 @@ class QueryBlock(NamedTuple):
 
 @triton.jit
 def attention_backward_preprocess_kernel(
-    out, dout, dlse, delta,
+    out, dout, dlse, lse, delta, lse2,
     stride_ob, stride_on, stride_oh, stride_od,
     stride_dob, stride_don, stride_doh, stride_dod,
     num_heads, seqlen_q, head_dim_v,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """delta_i = rowsum(dO_i * O_i) - dlse_i, in fp32 (the dlse term is the gradient of the returned lse; ``dlse``
-    None when it has none)."""
+    None when it has none), and lse2_i: lse_i in log2 units, +inf where a row sees no key (lse -inf), so that
+    2^(s - lse2) is P, and 0 for such rows, with one FFMA and no select in the backward's loops."""
     start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -90,6 +91,8 @@ def attention_backward_preprocess_kernel(
     if dlse is not None:
         b_delta = b_delta - tl.load(dlse + o_rows, mask=o_m < seqlen_q, other=0.0).to(tl.float32)
     tl.store(delta + o_rows, b_delta, mask=o_m < seqlen_q)
+    b_lse = tl.load(lse + o_rows, mask=o_m < seqlen_q, other=0.0)
+    tl.store(lse2 + o_rows, tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E, mask=o_m < seqlen_q)
 
 
 @triton.jit
@@ -111,9 +114,8 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
         # With a descriptor, rows past the sequence read another's queries: their lse is +inf, so P = 0.
         b_qt = load_block(args.q, start_m, o_m, nq, o_d, UPCAST, True)
         b_do = load_block(args.do, start_m, o_m, nq, o_dv, UPCAST)
-        # Rows past the sequence or that see no key have lse = -inf: read +inf, so their P is 0.
-        b_lse = tl.load(args.p_lse + o_m, mask=o_m < nq, other=float("inf"))
-        b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
+        # Rows past the sequence read +inf, as rows that see no key hold: their P is 0.
+        b_lse2 = tl.load(args.p_lse2 + o_m, mask=o_m < nq, other=float("inf"))
         b_delta = tl.load(args.p_delta + o_m, mask=o_m < nq, other=0.0)
         b_st, b_tt = score_tile(b_k, b_qt, o_m, o_n, scoring, MASKED, PLAIN, True)
         b_pt = tl.math.exp2(b_st * s_scale - b_lse2[None, :])
@@ -131,7 +133,7 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    q, k, v, dout, lse, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, dout, lse2, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
     q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -171,17 +173,17 @@ def attention_backward_dkdv_kernel(
     full = full_query_range(start_n, nq, nk, band, span, BLOCK_M, BLOCK_N)
     for g in range(0, group_size):
         h = hk * group_size + g
-        o_stats = b * stride_lb + h * stride_lh + q0  # lse and delta of this head's queries
+        o_stats = b * stride_lb + h * stride_lh + q0  # lse2 and delta of this head's queries
         p_q = q + b * stride_qb + q0 * stride_qn + h * stride_qh
         p_do = dout + b * stride_dob + q0 * stride_don + h * stride_doh
-        p_lse, p_delta = lse + o_stats, delta + o_stats
+        p_lse2, p_delta = lse2 + o_stats, delta + o_stats
         q_at, do_at = tma_origin(q_tma, b, h, q0), tma_origin(do_tma, b, h, q0)
         b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = Scoring(nq, nk, band, scale, softcap, b_slope, p_mask, stride_mq, stride_mk)
         dropout = Dropout(b_seed, dropout_p, (b * num_heads + h) * seqlen_q, seqlen_k)
         args = KeyBlock(b_k, b_v, o_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
-                        Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_lse, p_delta,
+                        Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_lse2, p_delta,
                         dropout)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
             grads = walk_listed(_key_grads, grads, args, span, start_n // blocks.kv_block, b, h, blocks, scoring,
@@ -224,7 +226,7 @@ def _query_grads(b_dq, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.co
 
 @triton.jit
 def attention_backward_dq_kernel(
-    q, k, v, dout, lse, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, dout, lse2, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
     q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -256,8 +258,7 @@ def attention_backward_dq_kernel(
                        + h * stride_doh, stride_don, stride_dod, head_dim_v, None)
     b_do = load_block(do_block, 0, o_m, nq, o_dv, UPCAST)
     o_stats = b * stride_lb + h * stride_lh + q0
-    b_lse = tl.load(lse + o_stats + o_m, mask=o_m < nq, other=float("inf"))
-    b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
+    b_lse2 = tl.load(lse2 + o_stats + o_m, mask=o_m < nq, other=float("inf"))
     b_delta = tl.load(delta + o_stats + o_m, mask=o_m < nq, other=0.0)
     b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
