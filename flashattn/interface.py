@@ -54,7 +54,8 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
-    block_mask: BlockMask | None = None,
+    block_mask: BlockMask | None = None, *, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> FlashResult:
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile; a drop-in for
     ``flash_attn.flash_attn_func``.
@@ -83,6 +84,9 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
             without an N x N mask. Blocks it marks empty are skipped (forward and backward), full ones run without
             mask code, and partial ones take ``mask_mod``, evaluated once on those blocks only; its block size is
             the kernels' tile. Combines with the other options (causal, window, ...) as an intersection.
+        q_descale, k_descale, v_descale: FlashAttention-3's FP8 interface: with q, k, v in
+            ``torch.float8_e4m3fn`` (or ``float8_e5m2``), (batch, nheads_k) float32 scales or None (1); the call
+            attends ``x.float() * descale`` and returns bfloat16. Forward only.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) when ``return_attn_probs``:
@@ -101,9 +105,8 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
-        "flash_attn_func", q, k, v, **options, learnable_sink=learnable_sink,
-        block_mask=block_mask,
-    )
+        "flash_attn_func", q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     return _flash_result(call, return_attn_probs)
 
 
@@ -270,7 +273,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
     cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None, block_table: Tensor | None = None,
     softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None, num_splits: int = 0,
-    return_softmax_lse: bool = False, learnable_sink: Tensor | None = None,
+    return_softmax_lse: bool = False, learnable_sink: Tensor | None = None, *, q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None, v_descale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention for inference against a KV cache, appending the new keys and values in place first; a drop-in
     for ``flash_attn.flash_attn_with_kvcache``. No gradients (inference only, as in flash_attn).
@@ -298,6 +302,10 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
             log-sum-exp; 0 chooses from batch, heads, cache length and the number of multiprocessors.
         return_softmax_lse: also return the log-sum-exp (batch, nheads, seqlen_q), float32 (float64 for
             float64 inputs).
+        q_descale, k_descale, v_descale: FlashAttention-3's FP8 scales, (batch, nheads_k) float32 or None (1):
+            with caches in ``torch.float8_e4m3fn`` or ``float8_e5m2`` the call attends ``cache.float() *
+            descale``, read tile by tile. q may be FP8 too (out is then bfloat16) or 16-bit; new k, v in 16-bit
+            or float32 are quantized into an FP8 cache (``k / k_descale``, saturated), FP8 ones copied.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when ``return_softmax_lse``.
@@ -318,7 +326,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-        num_splits=num_splits, return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink)
+        num_splits=num_splits, return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     with torch.no_grad():
         q, k = call.q, call.k
         if call.rotary is not None:
@@ -330,8 +339,9 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
                 k = apply_rotary(k, cos, sin, at, interleaved=call.rotary_interleaved)
         cache = call.spec.cache
         if k is not None:
+            scales = call.spec.descale
             kvcache.append(call.k_cache, call.v_cache, k, call.v, at=call.cache_seqlens, batch_idx=cache.batch_idx,
-                           block_table=cache.block_table)
+                           block_table=cache.block_table, descale=None if scales is None else (scales.k, scales.v))
         out, lse, _ = attention(q, call.k_cache, call.v_cache, call.spec)
     return (out, lse) if return_softmax_lse else out
 

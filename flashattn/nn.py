@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import checks
-from .backends.spec import accumulation_dtype
+from .backends.spec import FP8_DTYPES, accumulation_dtype
 from .interface import attention_with_weights, flash_attn_func, flash_attn_with_kvcache, scaled_dot_product_attention
 from .rotary import apply_rotary
 
@@ -243,11 +243,15 @@ def _torch_mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, s
 @dataclass
 class KVCache:
     """One layer's key/value cache for generation: ``k``, ``v`` (batch, max_seqlen, kv_heads, head_dim) and the
-    number of tokens stored per sequence, ``seqlens`` (batch,) int32. ``SelfAttention`` appends in place."""
+    number of tokens stored per sequence, ``seqlens`` (batch,) int32. ``SelfAttention`` appends in place. An FP8
+    cache (``new_cache(dtype=torch.float8_e4m3fn)``) also has ``k_descale``, ``v_descale`` (batch, kv_heads)
+    float32: new tokens are stored as ``k / k_descale`` (saturated) and read as ``cache * k_descale``."""
 
     k: Tensor
     v: Tensor
     seqlens: Tensor
+    k_descale: Tensor | None = None
+    v_descale: Tensor | None = None
 
     def reset(self) -> None:
         """Forget the stored tokens (the memory is reused)."""
@@ -314,15 +318,21 @@ class SelfAttention(nn.Module):
             self._cos, self._sin = angles.cos().to(dtype), angles.sin().to(dtype)
         return self._cos, self._sin
 
-    def new_cache(self, batch_size: int, max_seqlen: int, *, device=None, dtype=None) -> KVCache:
+    def new_cache(self, batch_size: int, max_seqlen: int, *, device=None, dtype=None,
+                  descale: float = 1.0) -> KVCache:
         """An empty cache for ``batch_size`` sequences of up to ``max_seqlen`` tokens (prompt + generated), on the
-        device and in the dtype of the weights unless given."""
+        device and in the dtype of the weights unless given. In FP8 (``torch.float8_e4m3fn`` or ``float8_e5m2``:
+        half the bytes of bf16, for 16-bit weights) keys and values are stored divided by ``descale``."""
         checks.check_generation("SelfAttention.new_cache", causal=self.causal)
         weight = self.qkv.weight
         device, dtype = device or weight.device, dtype or weight.dtype
         shape = (batch_size, max_seqlen, self.num_kv_heads, self.head_dim)
+        scales = {}
+        if dtype in FP8_DTYPES:
+            scales = {name: torch.full((batch_size, self.num_kv_heads), float(descale), device=device)
+                      for name in ("k_descale", "v_descale")}
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
-                       torch.zeros(batch_size, device=device, dtype=torch.int32))
+                       torch.zeros(batch_size, device=device, dtype=torch.int32), **scales)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The attention of the cache-free path: q (batch, seqlen, num_heads, head_dim) and k, v (batch, seqlen,
@@ -354,6 +364,7 @@ class SelfAttention(nn.Module):
                 cos, sin = self._rotary_table(cache.k.shape[1], x.device, accumulation_dtype(x.dtype))
                 # float32 tables, as in the training path, so both rotate identically in low precision.
                 rotary = {"rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": self.rotary_interleaved}
-            out = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=cache.seqlens, **rotary, **options)
+            out = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=cache.seqlens, **rotary, **options,
+                                          k_descale=cache.k_descale, v_descale=cache.v_descale)
             cache.seqlens += n
         return self.out(out.reshape(b, n, self.num_heads * self.head_dim))

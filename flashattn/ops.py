@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .backends.spec import AttentionSpec, Saved, accumulation_dtype
+from .backends.spec import AttentionSpec, Saved, accumulation_dtype, output_dtype
 
 _SPEC = AttentionSpec.op_schema()
 _MASK_GRAD_INDEX = 3 + AttentionSpec.arg_index("attn_mask")  # of attn_mask among the forward op's inputs
@@ -46,7 +46,7 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Ten
     else:
         batch, nq, h = q.shape[:3]
         nk = k.shape[1]
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=output_dtype(q.dtype))
     lse = q.new_empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
     probs = q.new_empty(batch, h, nq, nk) if return_probs else q.new_empty(0)
     return out, lse, probs

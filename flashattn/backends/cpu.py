@@ -48,6 +48,8 @@ def serves(request: Request) -> str | None:
         return f"it takes float16, bfloat16, float32 and float64, got {request.dtype}"
     if request.uses("return_attn_probs"):
         return "it does not return the probabilities (return_attn_probs with dropout, a testing aid)"
+    if request.uses("fp8"):
+        return "it does not read FP8 inputs yet (the torch path does)"
     built, why = cpu_build.status()
     return None if built else f"its C++ kernel is not available ({why})"
 

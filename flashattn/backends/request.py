@@ -21,7 +21,7 @@ from .spec import AttentionSpec
 # The options a path may or may not implement, by the names its refusals use ("window": a sliding window, beyond
 # the causal mask that every path serves).
 FEATURES = ("varlen", "kv cache", "alibi", "sink", "attn_mask", "block mask", "dropout", "softcap", "window",
-            "return_attn_probs")
+            "return_attn_probs", "fp8")
 
 
 class Request(NamedTuple):
@@ -56,6 +56,7 @@ class Request(NamedTuple):
             "attn_mask": spec.attn_mask is not None, "block mask": spec.block_sparse is not None,
             "dropout": spec.dropout_p > 0, "softcap": spec.softcap > 0,
             "window": spec.window_left >= 0 or spec.window_right > 0, "return_attn_probs": return_probs,
+            "fp8": spec.descale is not None,
         }
         blocks = spec.block_sparse
         grad_enabled = torch.is_grad_enabled()

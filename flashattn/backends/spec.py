@@ -129,6 +129,31 @@ class BlockSparse:
     kv_block: int = 128
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the output for queries of ``dtype``: bfloat16 for FP8 queries (FlashAttention-3's rule), else
+    the queries' own."""
+    return torch.bfloat16 if dtype in FP8_DTYPES else dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Descale:
+    """The scales of FP8 inputs (FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``): the call attends
+    ``x.float() * descale[b, hk]`` for each of q, k, v, whose FP8 values are read and widened tile by tile. Each is
+    (B, Hk) float32 (B: the batch, or the sequences of a varlen batch; Hk: the key/value heads, for q too), ones
+    where the caller gave none or the input is not FP8."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+
+    def rows(self, i: int) -> Descale:
+        """The scales of batch entry ``i`` alone ((1, Hk) each)."""
+        return Descale(self.q[i : i + 1], self.k[i : i + 1], self.v[i : i + 1])
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionSpec:
     """Options of one attention call, already checked by ``flashattn.checks``.
@@ -155,6 +180,7 @@ class AttentionSpec:
             dense q, k, v only.
         varlen: q (and k, v unless ``cache``) are packed sequences: q (total_q, H, D), lse (H, total_q).
         cache: keys and values live in a KV cache (dense or paged): forward only.
+        descale: FP8 inputs' scales (``Descale``); None when no input is FP8. Forward only.
     """
 
     scale: float
@@ -172,6 +198,7 @@ class AttentionSpec:
     block_sparse: BlockSparse | None = None
     varlen: Varlen | None = None
     cache: KeyCache | None = None
+    descale: Descale | None = None
 
     def band(self, nq: int, nk: int) -> Band:
         return Band.of(nq, nk, left=self.window_left, right=self.window_right, bottom_right=self.bottom_right,
@@ -296,5 +323,5 @@ def _unflatten_nested(cls: type, values: Iterator) -> object | None:
 
 # (field name, its dataclass type or None) per class, computed once: every op call rebuilds a spec.
 _FIELDS = {cls: tuple((name, kind if dataclasses.is_dataclass(kind) else None) for name, kind, _ in _field_types(cls))
-           for cls in (AttentionSpec, BlockSparse, Varlen, KeyCache)}
+           for cls in (AttentionSpec, BlockSparse, Varlen, KeyCache, Descale)}
 _PLANS = {AttentionSpec: _plan(AttentionSpec)}

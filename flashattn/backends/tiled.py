@@ -22,7 +22,7 @@ from .masking import Band, sum_to_shape
 from .merge import merge_states, with_sink
 from .philox import dropout_keep
 from .request import Request
-from .spec import AttentionSpec, Saved, accumulation_dtype
+from .spec import AttentionSpec, Saved, accumulation_dtype, output_dtype
 
 NAME = "torch"
 
@@ -72,6 +72,11 @@ class _TiledCall:
         self.alibi = None if alibi is None else alibi.to(self.acc).view(alibi.shape[0], hk, g, 1, 1)
         self.sink = None if spec.sink is None else spec.sink.to(self.acc).view(1, hk, g, 1)
         self.mask = None if mask is None else self._heads5(mask)
+        # FP8 inputs: each tile is widened, then scaled per (batch, key/value head), never the whole tensor.
+        scales = spec.descale
+        self.q_scale = None if scales is None else scales.q.view(b, hk, 1, 1, 1).to(self.acc)
+        self.kv_scales = None if scales is None else (scales.k.view(b, hk, 1, 1).to(self.acc),
+                                                      scales.v.view(b, hk, 1, 1).to(self.acc))
         self.block_k = max(1, min(nk, MAX_BLOCK_K))
         self.block_q = max(1, min(nq, max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, b * h * self.block_k))))
         self.blocks = spec.block_sparse
@@ -115,10 +120,14 @@ class _TiledCall:
 
     def q_block(self, r0: int, r1: int) -> torch.Tensor:
         """Q_i * scale in the accumulation dtype: scaling the (rows x D) block, not the (rows x cols) tile."""
-        return (self.q[:, :, :, r0:r1].to(self.acc) * self.spec.scale).contiguous()
+        qb = self.q[:, :, :, r0:r1].to(self.acc) * self.spec.scale
+        return (qb if self.q_scale is None else qb * self.q_scale).contiguous()
 
     def kv_block(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, c0:c1].to(self.acc).contiguous(), self.v[:, :, c0:c1].to(self.acc).contiguous()
+        kb, vb = self.k[:, :, c0:c1].to(self.acc), self.v[:, :, c0:c1].to(self.acc)
+        if self.kv_scales is not None:
+            kb, vb = kb * self.kv_scales[0], vb * self.kv_scales[1]
+        return kb.contiguous(), vb.contiguous()
 
     def scores(self, qb, kb, r0, r1, c0, c1, need_tanh=False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """S_ij for rows [r0, r1) x columns [c0, c1) from the scaled ``qb``, shape (B, Hk, G, r1-r0, c1-c0),
@@ -216,9 +225,10 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
 
 
 def _results(q, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised out (q's layout with v's head dim, q's dtype) and lse (``spec.lse_shape``, in the
-    accumulation dtype): every element is written by the forward (tests poison them with NaN)."""
-    out = _uninitialized(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    """Uninitialised out (q's layout with v's head dim, q's dtype; bfloat16 for FP8 q) and lse
+    (``spec.lse_shape``, in the accumulation dtype): every element is written by the forward (tests poison them
+    with NaN)."""
+    out = _uninitialized(*q.shape[:-1], v.shape[-1], dtype=output_dtype(q.dtype), device=q.device)
     lse = _uninitialized(*spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype), device=q.device)
     return out, lse
 
@@ -228,7 +238,8 @@ def _sequence_spec(spec: AttentionSpec, i: int) -> AttentionSpec:
     entry's ALiBi slopes (user masks do not go with packed or cached keys)."""
     alibi = spec.alibi_slopes
     row = alibi if alibi is None or alibi.shape[0] == 1 else alibi[i : i + 1]
-    return dataclasses.replace(spec, alibi_slopes=row, varlen=None, cache=None)
+    descale = None if spec.descale is None else spec.descale.rows(i)
+    return dataclasses.replace(spec, alibi_slopes=row, varlen=None, cache=None, descale=descale)
 
 
 def _forward_cache(q, k_cache, v_cache, spec: AttentionSpec, *, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-from ..backends.spec import accumulation_dtype
+from ..backends.spec import FP8_DTYPES, accumulation_dtype
 from ..errors import as_argument_error
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -26,17 +26,19 @@ def fail(fn: str, message: str, kind: type[Exception] = ValueError) -> Exception
     return as_argument_error(kind)(f"{fn}: {message}")
 
 
-def validate_tensor(fn: str, name: str, t: object, ndim: int | None, layout: str) -> torch.Tensor:
+def validate_tensor(fn: str, name: str, t: object, ndim: int | None, layout: str, *,
+                    fp8: bool = False) -> torch.Tensor:
     """A floating-point tensor with ``ndim`` dimensions (None: at least 2), described as ``layout`` in the
-    error."""
+    error; FP8 ones too where ``fp8``."""
     if not isinstance(t, torch.Tensor):
         raise fail(fn, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}", TypeError)
     if ndim is None and t.dim() < 2:
         raise fail(fn, f"{name} must have at least 2 dimensions {layout}, got shape {tuple(t.shape)}")
     if ndim is not None and t.dim() != ndim:
         raise fail(fn, f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise fail(fn, f"{name} has dtype {t.dtype}; supported dtypes are {_DTYPE_NAMES}", TypeError)
+    if t.dtype not in FLOAT_DTYPES and not (fp8 and t.dtype in FP8_DTYPES):
+        names = _DTYPE_NAMES.replace(" or ", ", ") + ", float8_e4m3fn or float8_e5m2" if fp8 else _DTYPE_NAMES
+        raise fail(fn, f"{name} has dtype {t.dtype}; supported dtypes are {names}", TypeError)
     return t
 
 

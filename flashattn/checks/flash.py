@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.spec import AttentionSpec, KeyCache, Varlen
+from . import fp8
 from ._base import (
     fail,
     validate_alibi,
@@ -46,9 +47,9 @@ def flash_layout(fn: str, q: object, k: object, v: object, names=("q", "k", "v")
     uses 192 for q/k and 128 for v); out then has v's."""
     layouts = ("(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)",
                "(batch, seqlen_k, nheads_k, headdim_v)")
-    q = validate_tensor(fn, names[0], q, 4, layouts[0])
-    k = validate_tensor(fn, names[1], k, 4, layouts[1])
-    v = validate_tensor(fn, names[2], v, 4, layouts[2])
+    q = validate_tensor(fn, names[0], q, 4, layouts[0], fp8=True)
+    k = validate_tensor(fn, names[1], k, 4, layouts[1], fp8=True)
+    v = validate_tensor(fn, names[2], v, 4, layouts[2], fp8=True)
     validate_same(fn, dict(zip(names, (q, k, v), strict=True)))
     if k.shape[:3] != v.shape[:3]:
         raise fail(fn, f"{names[1]} and {names[2]} must agree on (batch, seqlen_k, nheads_k), got "
@@ -106,7 +107,13 @@ def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, s
     are the keyword arguments of ``flash_attn_func`` after q, k, v, and ``block_mask`` a FlexAttention
     ``BlockMask`` or None."""
     q, k, v = flash_layout(fn, q, k, v, names)
+    given = {n: options.pop(n, None) for n in ("q_descale", "k_descale", "v_descale")}
     spec = flash_options(fn, q, batch=q.shape[0], **options)
+    scales = fp8.descale(fn, inputs=dict(zip(names, (q, k, v), strict=True)), given=given, batch=q.shape[0],
+                         nheads_k=k.shape[2])
+    if scales is not None:
+        fp8.validate_fp8_forward(fn, q, **options)
+        spec = dataclasses.replace(spec, descale=scales)
     if block_mask is not None:
         spec = dataclasses.replace(spec, block_sparse=validate_block_mask(
             fn, "block_mask", block_mask, batch=q.shape[0], nheads=q.shape[2], nq=q.shape[1], nk=k.shape[1], ref=q))

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends.spec import AttentionSpec, KeyCache
+from . import fp8
 from ._base import (
     fail,
     validate_count,
@@ -17,7 +18,6 @@ from ._base import (
     validate_head_dim,
     validate_heads,
     validate_int,
-    validate_same,
     validate_tensor,
 )
 from .deferred import checked_cache
@@ -63,6 +63,9 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     inference = {"dropout_p": 0.0, "deterministic": False, "return_attn_probs": False}
     spec = flash_options(fn, q, batch=q.shape[0], learnable_sink=a["learnable_sink"],
                          **{n: a[n] if n in a else inference[n] for n in FLASH_OPTIONS})
+    scales = fp8.descale(fn, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache},
+                         given={n: a.get(n) for n in ("q_descale", "k_descale", "v_descale")}, batch=q.shape[0],
+                         nheads_k=k_cache.shape[2])
     local = spec.window_left >= 0 or spec.window_right >= 0
     interleaved = validate_flag(fn, "rotary_interleaved", a["rotary_interleaved"])
     rotary = _rotary(fn, a["rotary_cos"], a["rotary_sin"], q)
@@ -84,7 +87,7 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
         num_splits=num_splits,
     )
     return KVCacheCall(
-        q, k_cache, v_cache, k, v, dataclasses.replace(spec, cache=cache),
+        q, k_cache, v_cache, k, v, dataclasses.replace(spec, cache=cache, descale=scales),
         cache_seqlens=seqlens,
         rotary=rotary, rotary_interleaved=interleaved,
         q_positions_advance=local,
@@ -121,10 +124,10 @@ def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes) -> tuple[tupl
 def _cache_layout(fn: str, q, k_cache, v_cache, *, paged: bool) -> tuple[torch.Tensor, ...]:
     cache_layout = ("(num_pages, page_size, nheads_k, headdim)" if paged else
                     "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    q = validate_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    k_cache = validate_tensor(fn, "k_cache", k_cache, 4, cache_layout)
-    v_cache = validate_tensor(fn, "v_cache", v_cache, 4, cache_layout)
-    validate_same(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    q = validate_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)", fp8=True)
+    k_cache = validate_tensor(fn, "k_cache", k_cache, 4, cache_layout, fp8=True)
+    v_cache = validate_tensor(fn, "v_cache", v_cache, 4, cache_layout, fp8=True)
+    fp8.validate_cache_dtypes(fn, q, k_cache, v_cache)
     if k_cache.shape[:3] != v_cache.shape[:3]:  # v's head dim may differ (as in flash_attn_func)
         raise fail(fn, f"k_cache and v_cache must agree on all but the head dim, got {tuple(k_cache.shape)} and "
                        f"{tuple(v_cache.shape)}")
@@ -143,8 +146,9 @@ def _new_keys(fn: str, q, k_cache, v_cache, k, v, *,
     if k is None:
         return None, None
     layout = "(batch, seqlen_new, nheads_k, headdim)"
-    k, v = validate_tensor(fn, "k", k, 4, layout), validate_tensor(fn, "v", v, 4, layout)
-    validate_same(fn, {"q": q, "k": k, "v": v})
+    k = validate_tensor(fn, "k", k, 4, layout, fp8=True)
+    v = validate_tensor(fn, "v", v, 4, layout, fp8=True)
+    fp8.validate_new_keys_dtype(fn, k_cache, k, v)
     expected = (q.shape[0], k.shape[1], *k_cache.shape[2:])
     expected_v = (*expected[:3], v_cache.shape[3])
     if tuple(k.shape) != expected or tuple(v.shape) != expected_v:

@@ -88,6 +88,8 @@ def serves(request: Request) -> str | None:
                 f"{blocks[0]} x {blocks[1]}")
     if request.mask_grad:
         return "it does not compute the gradient of an additive attn_mask that requires grad"
+    if request.uses("fp8"):
+        return "it does not read FP8 inputs yet (the torch path does)"
     if request.device == "cuda" and not interpreting():
         return _family_declines(request, _gpu_family(torch.cuda.current_device()))
     return None

@@ -1,0 +1,186 @@
+"""FP8 inputs, FlashAttention-3's interface: q, k, v (or a KV cache) in float8 with per (batch, kv head) descales.
+Ground truth is float64 on the dequantized values; the bar is twice the error of PyTorch's attention in bfloat16
+over the same dequantized values (what a bf16 model reading the FP8 cache would compute)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashattn
+from flashattn import flash_attn_func, flash_attn_with_kvcache
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _quantized(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """x (B, N, H, D) over scale (B, Hk) repeated to x's heads, in ``dtype``."""
+    return (x / scale.repeat_interleave(x.shape[2] // scale.shape[1], 1)[:, None, :, None]).to(dtype)
+
+
+def _dequantized(x: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    return x.to(dtype) * scale.to(dtype).repeat_interleave(x.shape[2] // scale.shape[1], 1)[:, None, :, None]
+
+
+def _reference(q, k, v, *, causal=False, lengths=None, dtype=torch.float64):
+    """Plain attention in ``dtype`` (flash layout, GQA, bottom-right causal, keys past ``lengths`` unseen)."""
+    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    nq, nk = q.shape[2], k.shape[2]
+    seen = torch.ones(q.shape[0], 1, nq, nk, dtype=torch.bool)
+    if lengths is not None:
+        seen &= torch.arange(nk)[None, None, None, :] < lengths.view(-1, 1, 1, 1)
+    if causal:
+        ends = (lengths if lengths is not None else torch.full((q.shape[0],), nk)).view(-1, 1, 1, 1)
+        seen &= torch.arange(nk).view(1, 1, 1, -1) <= torch.arange(nq).view(1, 1, -1, 1) + ends - nq
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=q.shape[-1] ** -0.5)
+    return torch.nan_to_num(out).transpose(1, 2)
+
+
+def _error(x, truth) -> float:
+    return float((x.double() - truth).abs().max())
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_matches_float64_on_the_dequantized_values(dtype, causal):
+    torch.manual_seed(0)
+    b, nq, nk, h, hk, d = 2, 37, 113, 4, 2, 40
+    scales = [torch.rand(b, hk) + 0.25 for _ in range(3)]
+    q, k, v = (_quantized(torch.randn(b, n, heads, d), s, dtype)
+               for n, heads, s in ((nq, h, scales[0]), (nk, hk, scales[1]), (nk, hk, scales[2])))
+    out = flash_attn_func(q, k, v, causal=causal, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+    assert out.dtype == torch.bfloat16 and out.shape == (b, nq, h, d)
+    wide = [_dequantized(t, s) for t, s in zip((q, k, v), scales, strict=True)]
+    truth = _reference(*wide, causal=causal)
+    baseline = _error(_reference(*(t.bfloat16() for t in wide), causal=causal, dtype=torch.bfloat16), truth)
+    assert _error(out, truth) <= 2 * baseline, (_error(out, truth), baseline)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_an_fp8_cache_read_by_16_bit_queries(paged, q_dtype):
+    torch.manual_seed(1)
+    b, h, hk, d, capacity, page = 3, 8, 2, 64, 40, 7
+    k_scale, v_scale = torch.rand(b, hk) + 0.5, torch.rand(b, hk) + 0.5
+    lengths = torch.tensor([5, 0, 29], dtype=torch.int32)  # sequence 1 sees only its new tokens
+    keys, values = torch.randn(b, capacity, hk, d), torch.randn(b, capacity, hk, d)
+    k_new, v_new = torch.randn(b, 2, hk, d, dtype=q_dtype), torch.randn(b, 2, hk, d, dtype=q_dtype)
+    k_cache, v_cache = _quantized(keys, k_scale, FP8[0]), _quantized(values, v_scale, FP8[0])
+    q = torch.randn(b, 2, h, d, dtype=q_dtype)
+    kwargs = {"cache_seqlens": lengths, "causal": True, "k_descale": k_scale, "v_descale": v_scale}
+    if paged:  # each sequence's positions on pages in a shuffled order, one page left over
+        pages_per_seq = -(-capacity // page)
+        order = torch.randperm(b * pages_per_seq + 1)[: b * pages_per_seq].view(b, pages_per_seq)
+        k_pages = torch.zeros(b * pages_per_seq + 1, page, hk, d, dtype=FP8[0])
+        v_pages = torch.zeros_like(k_pages)
+        for i in range(b):
+            for p in range(pages_per_seq):
+                rows = slice(p * page, min((p + 1) * page, capacity))
+                n = rows.stop - rows.start
+                k_pages[order[i, p], :n], v_pages[order[i, p], :n] = k_cache[i, rows], v_cache[i, rows]
+        out = flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=order.int(), **kwargs)
+        flat = [torch.cat([pages[order[i]].flatten(0, 1)[:capacity][None] for i in range(b)]) for pages in
+                (k_pages, v_pages)]
+        k_cache, v_cache = flat
+    else:
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    assert out.dtype == q_dtype
+    ends = lengths + 2
+    for i in range(b):  # the new tokens were quantized into the cache with its descales
+        stored = _dequantized(k_cache[i : i + 1, lengths[i] : ends[i]], k_scale[i : i + 1])
+        assert torch.allclose(stored, k_new[i : i + 1].double(), rtol=0.07, atol=0.02 * float(k_scale[i].max()))
+    wide_k, wide_v = _dequantized(k_cache, k_scale), _dequantized(v_cache, v_scale)
+    truth = _reference(q, wide_k, wide_v, causal=True, lengths=ends)
+    baseline = _error(_reference(q, wide_k.to(q_dtype), wide_v.to(q_dtype), causal=True, lengths=ends,
+                                 dtype=q_dtype), truth)
+    assert _error(out, truth) <= 2 * baseline + 1e-6, (_error(out, truth), baseline)
+
+
+def test_fp8_new_keys_are_copied_and_16_bit_ones_saturate():
+    k_cache, v_cache = (torch.zeros(1, 4, 1, 2, dtype=FP8[0]) for _ in range(2))
+    q = torch.randn(1, 1, 1, 2, dtype=torch.bfloat16)
+    big = torch.tensor([[[[1000.0, -1e6]]]], dtype=torch.bfloat16)
+    flash_attn_with_kvcache(q, k_cache, v_cache, big, big, cache_seqlens=0, k_descale=torch.ones(1, 1),
+                            v_descale=torch.full((1, 1), 2.0))
+    assert k_cache[0, 0, 0].float().tolist() == [448.0, -448.0]  # e4m3fn's largest finite value, not inf or NaN
+    assert v_cache[0, 0, 0].float().tolist() == [448.0, -448.0]
+    exact = torch.tensor([[[[1.5, -0.25]]]]).to(FP8[0])
+    flash_attn_with_kvcache(q, k_cache, v_cache, exact, exact, cache_seqlens=1)
+    assert torch.equal(k_cache[0, 1].view(torch.uint8), exact[0, 0].view(torch.uint8))
+
+
+def test_nan_in_an_fp8_cache_reaches_the_rows_that_see_it_and_no_row_past_the_length():
+    k_cache = torch.zeros(1, 3, 1, 4, dtype=FP8[0])
+    v_cache = torch.zeros_like(k_cache)
+    v_cache[0, 2, 0, 0] = float("nan")  # e4m3fn has NaN (and no inf)
+    q = torch.randn(1, 3, 1, 4, dtype=torch.bfloat16)
+    assert flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3)[0, :, 0, 0].isnan().all()
+    assert not flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2).isnan().any()
+
+
+def test_an_empty_fp8_cache_row_outputs_zero():
+    k_cache, v_cache = (torch.randn(2, 5, 1, 8).to(FP8[0]) for _ in range(2))
+    q = torch.randn(2, 1, 2, 8, dtype=torch.bfloat16)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 5], dtype=torch.int32),
+                                       return_softmax_lse=True)
+    assert out[0].eq(0).all() and torch.isneginf(lse[0]).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "words"), [
+    ({"k_descale": torch.ones(2, 3)}, ValueError, ["k_descale", "(batch, nheads_k) = (2, 2)", "(2, 3)"]),
+    ({"v_descale": torch.ones(2, 2, dtype=torch.float64)}, TypeError, ["v_descale", "float32", "float64"]),
+    ({"k_descale": [[1.0, 1.0]]}, TypeError, ["k_descale", "list"]),
+    ({"q_descale": torch.ones(2, 2)}, ValueError, ["q_descale scales FP8 inputs", "bfloat16"]),
+])
+def test_bad_descales_are_errors_naming_them(kwargs, error, words):
+    cache = torch.zeros(2, 4, 2, 8, dtype=FP8[0])
+    q = torch.randn(2, 1, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(error) as e:
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=2, **kwargs)
+    assert str(e.value).startswith("flash_attn_with_kvcache: ") and all(w in str(e.value) for w in words), e.value
+
+
+def test_what_fp8_inputs_do_not_go_with():
+    x = torch.randn(1, 4, 2, 8).to(FP8[0])
+    with pytest.raises(ValueError, match="dropout_p must be 0 with FP8 inputs"):
+        flash_attn_func(x, x, x, dropout_p=0.1)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):  # an FP8 cache, float32 queries
+        flash_attn_with_kvcache(torch.randn(1, 1, 2, 8), x, x)
+    with pytest.raises(TypeError, match="q has dtype torch.float8_e4m3fn; supported dtypes are float16"):
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        flashattn.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 4, 4)
+    with pytest.raises(TypeError, match="has dtype torch.float8_e4m3fn but q has torch.bfloat16"):
+        flash_attn_func(x.bfloat16(), x, x)
+
+
+def test_fp8_calls_run_on_the_torch_path_and_the_others_say_why():
+    x = torch.randn(1, 4, 2, 8).to(FP8[0])
+    with pytest.raises(ValueError, match="triton") as e, flashattn.use_backend("triton"):
+        flash_attn_func(x, x, x)
+    assert "FP8" in str(e.value) or "float8" in str(e.value)
+    with flashattn.use_backend("cpu"):  # the C++ kernel hands what it does not serve to the torch path
+        assert flash_attn_func(x, x, x).dtype == torch.bfloat16
+    with flashattn.use_backend("torch"):
+        assert math.isfinite(float(flash_attn_func(x, x, x).float().sum()))
+
+
+def test_self_attention_generates_with_an_fp8_cache_close_to_its_bf16_one():
+    from flashattn.nn import SelfAttention
+
+    torch.manual_seed(2)
+    layer = SelfAttention(64, 4, 2).to(torch.bfloat16).eval()
+    x = torch.randn(2, 9, 64, dtype=torch.bfloat16)
+    outs = {}
+    for dtype in (torch.bfloat16, FP8[0]):
+        cache = layer.new_cache(batch_size=2, max_seqlen=16, dtype=dtype)
+        with torch.no_grad():
+            layer(x[:, :8], cache=cache)  # prefill, then one decoding step
+            outs[dtype] = layer(x[:, 8:], cache=cache)
+        assert cache.k.dtype == dtype and cache.seqlens.tolist() == [9, 9]
+    assert cache.k_descale.shape == (2, 2)
+    gap = (outs[FP8[0]].float() - outs[torch.bfloat16].float()).abs().max()
+    assert 0 < gap < 0.05 * outs[torch.bfloat16].float().abs().max(), gap  # e4m3's 3 mantissa bits, not garbage
