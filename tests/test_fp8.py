@@ -4,14 +4,13 @@ over the same dequantized values (what a bf16 model reading the FP8 cache would 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flashattn
 from flashattn import flash_attn_func, flash_attn_with_kvcache
+from flashattn.backends import cpu_build
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -40,19 +39,32 @@ def _reference(q, k, v, *, causal=False, lengths=None, dtype=torch.float64):
     return torch.nan_to_num(out).transpose(1, 2)
 
 
+def _counting(forward, calls: list):
+    """The kernel's forward, recording each call's kv_format."""
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("kv_format", 0))
+        return forward(*args, **kwargs)
+    return counted
+
+
 def _error(x, truth) -> float:
     return float((x.double() - truth).abs().max())
 
 
+PATHS = ["torch"] + (["cpu"] if cpu_build.status()[0] else [])  # the C++ kernel where it is built
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_forward_matches_float64_on_the_dequantized_values(dtype, causal):
+def test_fp8_forward_matches_float64_on_the_dequantized_values(dtype, causal, path):
     torch.manual_seed(0)
     b, nq, nk, h, hk, d = 2, 37, 113, 4, 2, 40
     scales = [torch.rand(b, hk) + 0.25 for _ in range(3)]
     q, k, v = (_quantized(torch.randn(b, n, heads, d), s, dtype)
                for n, heads, s in ((nq, h, scales[0]), (nk, hk, scales[1]), (nk, hk, scales[2])))
-    out = flash_attn_func(q, k, v, causal=causal, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+    with flashattn.use_backend(path):
+        out = flash_attn_func(q, k, v, causal=causal, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
     assert out.dtype == torch.bfloat16 and out.shape == (b, nq, h, d)
     wide = [_dequantized(t, s) for t, s in zip((q, k, v), scales, strict=True)]
     truth = _reference(*wide, causal=causal)
@@ -60,9 +72,10 @@ def test_fp8_forward_matches_float64_on_the_dequantized_values(dtype, causal):
     assert _error(out, truth) <= 2 * baseline, (_error(out, truth), baseline)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_an_fp8_cache_read_by_16_bit_queries(paged, q_dtype):
+def test_an_fp8_cache_read_by_16_bit_queries(paged, q_dtype, path):
     torch.manual_seed(1)
     b, h, hk, d, capacity, page = 3, 8, 2, 64, 40, 7
     k_scale, v_scale = torch.rand(b, hk) + 0.5, torch.rand(b, hk) + 0.5
@@ -82,12 +95,14 @@ def test_an_fp8_cache_read_by_16_bit_queries(paged, q_dtype):
                 rows = slice(p * page, min((p + 1) * page, capacity))
                 n = rows.stop - rows.start
                 k_pages[order[i, p], :n], v_pages[order[i, p], :n] = k_cache[i, rows], v_cache[i, rows]
-        out = flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=order.int(), **kwargs)
+        with flashattn.use_backend(path):
+            out = flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=order.int(), **kwargs)
         flat = [torch.cat([pages[order[i]].flatten(0, 1)[:capacity][None] for i in range(b)]) for pages in
                 (k_pages, v_pages)]
         k_cache, v_cache = flat
     else:
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+        with flashattn.use_backend(path):
+            out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
     assert out.dtype == q_dtype
     ends = lengths + 2
     for i in range(b):  # the new tokens were quantized into the cache with its descales
@@ -157,17 +172,44 @@ def test_what_fp8_inputs_do_not_go_with():
         flash_attn_func(x.bfloat16(), x, x)
 
 
-def test_fp8_calls_run_on_the_torch_path_and_the_others_say_why():
+def test_the_triton_path_declines_fp8_by_name():
     x = torch.randn(1, 4, 2, 8).to(FP8[0])
     with pytest.raises(ValueError, match="triton") as e, flashattn.use_backend("triton"):
         flash_attn_func(x, x, x)
-    assert "FP8" in str(e.value) or "float8" in str(e.value)
-    with flashattn.use_backend("cpu"):  # the C++ kernel hands what it does not serve to the torch path
-        assert flash_attn_func(x, x, x).dtype == torch.bfloat16
-    with flashattn.use_backend("torch"):
-        assert math.isfinite(float(flash_attn_func(x, x, x).float().sum()))
+    assert "float8_e4m3fn" in str(e.value)
 
 
+@pytest.mark.skipif(not cpu_build.status()[0], reason="the C++ CPU kernel is not built here")
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_the_cpu_kernel_widens_fp8_tiles_as_the_torch_path_reads_them(dtype, paged, monkeypatch):
+    """The C++ kernel (FP8 rows widened tile by tile, k's descale folded into q, v's on each output row) against
+    the torch path, on a decode step and a chunked prefill, GQA 4:1, split across the threads."""
+    torch.manual_seed(3)
+    b, h, hk, d, capacity = 2, 8, 2, 96, 300
+    k_cache, v_cache = (_quantized(torch.randn(b, capacity, hk, d) * 3, torch.ones(b, hk), dtype) for _ in range(2))
+    scales = {"k_descale": torch.rand(b, hk) + 0.5, "v_descale": torch.rand(b, hk) + 0.5}
+    lengths = torch.tensor([113, 290], dtype=torch.int32)
+    table = None
+    if paged:  # pages of 25 rows, in reverse order
+        table = torch.arange(b * 12).flip(0).view(b, 12).int()
+        k_cache, v_cache = (c.view(b * 12, 25, hk, d).flip(0).contiguous() for c in (k_cache, v_cache))
+    calls = []
+    monkeypatch.setattr(cpu_build.module(), "forward", _counting(cpu_build.module().forward, calls), raising=False)
+    rows = [(table[i].long()[:, None] * 25 + torch.arange(25)).flatten()[:capacity] if paged else None
+            for i in range(b)]
+    wide = [torch.cat([_dequantized((c.flatten(0, 1)[rows[i]] if paged else c[i])[None], s[i : i + 1])
+                       for i in range(b)]) for c, s in ((k_cache, scales["k_descale"]), (v_cache, scales["v_descale"]))]
+    for nq in (1, 7):
+        q = torch.randn(b, nq, h, d, dtype=torch.bfloat16)
+        with flashattn.use_backend("cpu"):
+            out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, block_table=table,
+                                          **scales)
+        truth = _reference(q, *wide, causal=True, lengths=lengths)
+        baseline = _error(_reference(q, *(w.bfloat16() for w in wide), causal=True, lengths=lengths,
+                                     dtype=torch.bfloat16), truth)
+        assert _error(out, truth) <= 2 * baseline, (nq, _error(out, truth), baseline)
+    assert calls == [1 + (dtype == torch.float8_e5m2)] * 2  # the C++ kernel ran, on FP8 bytes
 def test_self_attention_generates_with_an_fp8_cache_close_to_its_bf16_one():
     from flashattn.nn import SelfAttention
 
@@ -184,3 +226,20 @@ def test_self_attention_generates_with_an_fp8_cache_close_to_its_bf16_one():
     assert cache.k_descale.shape == (2, 2)
     gap = (outs[FP8[0]].float() - outs[torch.bfloat16].float()).abs().max()
     assert 0 < gap < 0.05 * outs[torch.bfloat16].float().abs().max(), gap  # e4m3's 3 mantissa bits, not garbage
+
+
+@pytest.mark.skipif(not cpu_build.status()[0], reason="the C++ CPU kernel is not built here")
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_cpu_kernel_widens_every_fp8_byte_exactly(dtype, q_dtype):
+    """One visible key: the output is its value row, every one of the 256 bytes (NaN, inf, subnormals, zeros)
+    widened by the kernel, exactly as torch converts it."""
+    every = torch.arange(256, dtype=torch.uint8).view(dtype)
+    v_cache = every.view(1, 1, 1, 256)
+    k_cache = torch.zeros(1, 1, 1, 256, dtype=dtype)
+    q = torch.zeros(1, 1, 2, 256, dtype=q_dtype)
+    with flashattn.use_backend("cpu"):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1)
+    want = every.to(q_dtype).expand(2, 256)
+    same = (out[0, 0] == want) | (out[0, 0].isnan() & want.isnan())
+    assert same.all(), every.view(torch.uint8)[~same[0]].tolist()

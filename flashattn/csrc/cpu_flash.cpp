@@ -51,7 +51,9 @@ void check_layout(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "the head dim must be contiguous");
   TORCH_CHECK(q.size(2) % k.size(2) == 0, "query heads must be a multiple of key/value heads");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v dtypes differ");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() || k.scalar_type() == at::kByte,
+              "q, k, v dtypes differ (k and v may be FP8 bytes)");
 }
 
 // `keep` holds the tensors the problem points into (converted ALiBi slopes, mask, page table) alive.
@@ -145,15 +147,32 @@ void dispatch_tiles(const Tensor& q, Engine engine, const Fn& fn) {
 // stays within L2.
 constexpr int64_t kShortQueryKeys = 64;
 
-void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Options& o) {
+// kv_format 0: k and v have q's dtype; 1 or 2: they are FP8 (e4m3fn, e5m2) bytes, widened tile by tile, and
+// v_descale (S, Hk) float32 scales the output (the caller folds k's descale into q).
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Options& o,
+             int64_t kv_format, const optional<Tensor>& v_descale) {
   check_layout(q, k, v);
+  TORCH_CHECK((kv_format != 0) == (k.scalar_type() == at::kByte && q.scalar_type() != at::kByte),
+              "kv_format must be 1 or 2 exactly when k and v are FP8 bytes");
   at::NoGradGuard no_grad;
   std::vector<Tensor> keep;
   Problem p = make_problem(o, q, k, v, keep);
   if (p.short_queries()) p.block_n = std::min(p.block_n, kShortQueryKeys);
+  p.kv_format = static_cast<flash_cpu::KvFormat>(kv_format);
+  if (v_descale) {
+    keep.push_back(v_descale->to(at::kFloat).contiguous());
+    TORCH_CHECK(keep.back().numel() == static_cast<int64_t>(p.seqs.size()) * p.kv_heads,
+                "v_descale must be (sequences, kv heads)");
+    p.v_descale = keep.back().data_ptr<float>();
+  }
   const Engine engine = engine_of(o.tiles);
   dispatch_tiles(q, engine, [&](auto policy) {
-    flash_cpu::forward_kernel<typename decltype(policy)::type>(p, engine, q, k, v, out, lse);
+    using Tiles = typename decltype(policy)::type;
+    if (kv_format != 0) {
+      flash_cpu::forward_kernel<Tiles, uint8_t>(p, engine, q, k, v, out, lse);
+    } else {
+      flash_cpu::forward_kernel<Tiles>(p, engine, q, k, v, out, lse);
+    }
   });
 }
 
@@ -193,10 +212,12 @@ void forward_op(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, 
                 const optional<Tensor>& alibi, const optional<Tensor>& sink, double dropout_p, int64_t seed,
                 int64_t counter_rows, int64_t counter_cols, const optional<Tensor>& mask,
                 const optional<Tensor>& tile_kind, const optional<Tensor>& partial_id,
-                const optional<Tensor>& partial_masks, c10::string_view tiles) {
+                const optional<Tensor>& partial_masks, c10::string_view tiles, int64_t kv_format,
+                const optional<Tensor>& v_descale) {
   forward(q, k, v, out, lse,
           Options{seqs, block_table, diagonal, scale, softcap, left, right, block_m, block_n, alibi, sink, dropout_p,
-                  seed, counter_rows, counter_cols, mask, tile_kind, partial_id, partial_masks, tiles});
+                  seed, counter_rows, counter_cols, mask, tile_kind, partial_id, partial_masks, tiles},
+          kv_format, v_descale);
 }
 
 void backward_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
@@ -228,7 +249,8 @@ std::vector<std::string> engines() {
 #define FLASHATTN_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define FLASHATTN_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 FLASHATTN_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, *, " FLASHATTN_OPTIONS ") -> ()");
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, *, " FLASHATTN_OPTIONS
+        ", int kv_format=0, Tensor? v_descale=None) -> ()");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? dlse, Tensor(a!) dq, "
         "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)? dmask, *, " FLASHATTN_OPTIONS ") -> ()");
   m.def("engines() -> str[]", &engines);

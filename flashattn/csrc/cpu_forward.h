@@ -28,9 +28,13 @@ struct ForwardScratch {
   Tiles tiles;
   Buffer<acc_t> acc, z, row_max, row_sum;  // acc, row_max, row_sum: one slab per kv head of the task
   Buffer<int64_t> g, i;
+  Buffer<scalar_t> wide_k, wide_v;  // FP8 keys and values: the tile's rows widened, one slab per kv head
+  std::vector<KeyRows<scalar_t>> keys_of, values_of;  // the tile's rows per kv head of the task
   ForwardScratch(const Problem& p, Engine engine, int64_t heads)
       : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v), z(p.block_n),
-        row_max(heads * p.block_m), row_sum(heads * p.block_m), g(p.block_m), i(p.block_m) {}
+        row_max(heads * p.block_m), row_sum(heads * p.block_m), g(p.block_m), i(p.block_m),
+        wide_k(p.kv_format == KvFormat::same ? 0 : heads * p.block_n * p.dim),
+        wide_v(p.kv_format == KvFormat::same ? 0 : heads * p.block_n * p.dim_v) {}
 };
 
 // How a forward is cut into tasks: decode-like calls (every sequence's query rows of a kv head fit one block, no
@@ -39,6 +43,7 @@ struct ForwardScratch {
 // serves at half speed), and split long key ranges into pieces until the threads have work; other calls take one
 // kv head per task and the whole key range.
 constexpr int64_t kStageBytes = 256 * 1024;
+constexpr int64_t kAhead = 8;  // FP8 rows asked for ahead of their widening
 
 struct ForwardPlan {
   int64_t heads = 1, pieces = 1, piece_len = 0;
@@ -58,13 +63,16 @@ struct ForwardPlan {
   }
 };
 
-// out (B, Nq, H, Dv) in q's dtype; lse (B, H, Nq) in acc_t (rows that see no key: out 0, lse -inf).
-template <typename Tiles>
+// out (B, Nq, H, Dv) in q's dtype; lse (B, H, Nq) in acc_t (rows that see no key: out 0, lse -inf). kv_t: the
+// keys' and values' element type, q's, or uint8_t for FP8 ones (p.kv_format), widened tile by tile.
+template <typename Tiles, typename kv_t = typename Tiles::scalar_t>
 void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     at::Tensor& out, at::Tensor& lse) {
   using scalar_t = typename Tiles::scalar_t;
   using acc_t = typename Tiles::acc_t;
-  const Rows<scalar_t> qr = rows_of<scalar_t>(q), kr = rows_of<scalar_t>(k), vr = rows_of<scalar_t>(v);
+  constexpr bool kWiden = !std::is_same_v<kv_t, scalar_t>;
+  const Rows<scalar_t> qr = rows_of<scalar_t>(q);
+  const Rows<kv_t> kr = rows_of<kv_t>(k), vr = rows_of<kv_t>(v);
   const Rows<scalar_t> orows = rows_of<scalar_t>(out);
   acc_t* lse_p = lse.data_ptr<acc_t>();
   const int64_t lse_b = lse.stride(0), lse_h = lse.stride(1);
@@ -117,7 +125,10 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         m = top;
       }
     }
-    const acc_t inv = l > 0 ? kept / l : acc_t(0);
+    const acc_t v_scale = p.v_descale == nullptr
+                              ? acc_t(1)
+                              : static_cast<acc_t>(p.v_descale[(&s - p.seqs.data()) * p.kv_heads + h / p.group]);
+    const acc_t inv = l > 0 ? kept * v_scale / l : acc_t(0);
     scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i) * orows.row_stride +
                     h * orows.head_stride;
     for (int64_t d = 0; d < DV; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
@@ -138,17 +149,41 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     const int64_t ld = sc.tiles.ld();
     const auto visit = [&](int64_t c0, const bool* tile) {
       const int64_t cols = std::min(BN, s.nk - c0);
+      // The tile's rows of each kv head of the task, as the tile products read them. FP8 rows are widened first,
+      // row by row across the task's heads (adjacent in memory), asking for the rows ahead as the packings do.
+      const auto rows_of_heads = [&](const Rows<kv_t>& rows, Buffer<scalar_t>& wide, int64_t width,
+                                     std::vector<KeyRows<scalar_t>>& out_rows) {
+        out_rows.clear();
+        if constexpr (kWiden) {
+          const KeyRows<kv_t> first = KeyRows<kv_t>::of(p, rows, task.seq, s, task.hk0, c0);
+          for (int64_t r = 0; r < cols; ++r) {
+            if (r + kAhead < cols) prefetch_rows(first, r + kAhead, 1, task.heads * width);
+            for (int64_t slab = 0; slab < task.heads; ++slab) {
+              const kv_t* src = first(r) + slab * (rows.head_stride);
+              widen_fp8(src, wide.data() + (slab * BN + r) * width, width, p.kv_format);
+            }
+          }
+          for (int64_t slab = 0; slab < task.heads; ++slab) {
+            out_rows.push_back(KeyRows<scalar_t>::uniform(wide.data() + slab * BN * width, width));
+          }
+        } else {
+          for (int64_t slab = 0; slab < task.heads; ++slab) {
+            out_rows.push_back(KeyRows<scalar_t>::of(p, rows, task.seq, s, task.hk0 + slab, c0));
+          }
+        }
+      };
+      rows_of_heads(kr, sc.wide_k, p.dim, sc.keys_of);
+      rows_of_heads(vr, sc.wide_v, DV, sc.values_of);
       if (task.heads > 1) {  // every head's K and V of the tile packed first, the rows read in order
         sc.tiles.pack_heads(
-            task.heads, cols, [&](int64_t slab) { return KeyRows<scalar_t>::of(p, kr, task.seq, s, task.hk0 + slab, c0); },
-            [&](int64_t slab) { return KeyRows<scalar_t>::of(p, vr, task.seq, s, task.hk0 + slab, c0); });
+            task.heads, cols, [&](int64_t slab) { return sc.keys_of[slab]; },
+            [&](int64_t slab) { return sc.values_of[slab]; });
       }
       for (int64_t slab = 0; slab < task.heads; ++slab) {
         const int64_t hk = task.hk0 + slab;
         acc_t *acc = sc.acc.data() + slab * MR * DV, *row_max = sc.row_max.data() + slab * p.block_m,
               *row_sum = sc.row_sum.data() + slab * p.block_m;
-        const KeyRows<scalar_t> keys = KeyRows<scalar_t>::of(p, kr, task.seq, s, hk, c0),
-                                values = KeyRows<scalar_t>::of(p, vr, task.seq, s, hk, c0);
+        const KeyRows<scalar_t> keys = sc.keys_of[slab], values = sc.values_of[slab];
         if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
         acc_t* scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n) : sc.tiles.scores(p, keys, cols, n);
         for (int64_t r = 0; r < n; ++r) {
