@@ -57,6 +57,7 @@ class DecodeCase:
     num_splits: int = 0  # 0: the implementation chooses how many pieces to split each cache into
     cache_seqlens: str = "int"  # how cache_seqlens is passed: a Python "int" or an int32 (batch,) "tensor"
     repeats: int = 30
+    cache_dtype: str = ""  # ours reads the cache in this dtype (an FP8 one); "" = dtype. The baseline reads dtype.
 
     @property
     def element_size(self) -> int:
@@ -64,8 +65,10 @@ class DecodeCase:
 
     @property
     def cache_bytes(self) -> int:
-        """The K and V rows attended: each is read once, whatever the number of query heads sharing it."""
-        return 2 * self.batch * self.cache_len * self.heads_kv * self.headdim * self.element_size
+        """The K and V rows attended: each is read once, whatever the number of query heads sharing it (counted
+        in the cache's dtype: an FP8 cache's bytes)."""
+        size = torch.finfo(getattr(torch, self.cache_dtype or self.dtype)).bits // 8
+        return 2 * self.batch * self.cache_len * self.heads_kv * self.headdim * size
 
     @property
     def q_bytes(self) -> int:
@@ -87,6 +90,8 @@ class DecodeCase:
         q = torch.randn(self.batch, self.seqlen_q, self.heads_q, self.headdim, dtype=dtype, device=self.device)
         shape = (self.batch, self.cache_len, self.heads_kv, self.headdim)
         k, v = (torch.randn(shape, dtype=dtype, device=self.device) for _ in range(2))
+        if self.cache_dtype and self.cache_dtype != self.dtype:  # stored in FP8 with descale 1
+            k, v = (t.to(getattr(torch, self.cache_dtype)) for t in (k, v))
         seqlens: int | torch.Tensor = self.cache_len
         if self.cache_seqlens == "tensor":
             seqlens = torch.full((self.batch,), self.cache_len, dtype=torch.int32, device=self.device)
@@ -100,6 +105,8 @@ def _ours(case: DecodeCase, q, k, v, seqlens) -> Callable[[], torch.Tensor]:
 
 def _sdpa(case: DecodeCase, q, k, v, seqlens) -> Callable[[], torch.Tensor]:
     # Views, not copies: (B, L, Hk, D) transposed is the layout SDPA's flash and efficient kernels read natively.
+    # SDPA reads no FP8: against an FP8 cache it reads the same values widened once to q's dtype, before timing.
+    k, v = (t.to(q.dtype) for t in (k, v))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     return lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
 
@@ -134,6 +141,7 @@ class DecodeSweep:
     num_splits: int = 0
     cache_seqlens: str = "int"
     repeats: int = 30
+    cache_dtype: str = ""
     copy_gib: float = 1.0  # per buffer; far larger than L2, so the copy runs at HBM speed
     copy_repeats: int = 10
     headroom_gib: float = 2.0  # left free for workspaces, split-KV partials, the allocator and the L2 flush
@@ -148,7 +156,8 @@ class DecodeSweep:
 
     def cases(self) -> list[DecodeCase]:
         return [DecodeCase(b, n, self.heads_q, self.heads_kv, self.headdim, self.dtype, self.device,
-                           num_splits=self.num_splits, cache_seqlens=self.cache_seqlens, repeats=self.repeats)
+                           num_splits=self.num_splits, cache_seqlens=self.cache_seqlens, repeats=self.repeats,
+                           cache_dtype=self.cache_dtype)
                 for b in self.batches for n in self.cache_lens]
 
 
@@ -321,6 +330,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-seqlens", default="int", choices=("int", "tensor"),
                    help="pass cache_seqlens as a Python int or an int32 (batch,) tensor")
     options.add_dtype(p)
+    p.add_argument("--cache-dtype", default=None, choices=("float8_e4m3fn", "float8_e5m2"),
+                   help="store the KV cache in FP8 (descale 1); the baseline reads it widened to --dtype")
     options.add_per_device(p, "--repeats", "timed runs per case, the median is reported", DecodeSweep)
     options.add_output(p, "decode-<device>")
 
@@ -329,7 +340,7 @@ def from_args(args: argparse.Namespace) -> DecodeSweep:
     """The device's default decode sweep with the options given on the command line."""
     sweep = DecodeSweep.for_device(args.device or options.default_device())
     for name in ("batches", "cache_lens", "heads_q", "heads_kv", "headdim", "num_splits", "cache_seqlens", "dtype",
-                 "repeats"):
+                 "repeats", "cache_dtype"):
         if getattr(args, name) is not None:
             setattr(sweep, name, getattr(args, name))
     return sweep
@@ -339,6 +350,8 @@ def check(args: argparse.Namespace) -> str | None:
     sweep = from_args(args)
     if sweep.heads_q % sweep.heads_kv:
         return f"--heads-q {sweep.heads_q} is not a multiple of --heads-kv {sweep.heads_kv}"
+    if sweep.cache_dtype and sweep.dtype not in ("float16", "bfloat16"):
+        return f"--cache-dtype {sweep.cache_dtype} is read by 16-bit queries: pass --dtype bfloat16 or float16"
     return None
 
 
