@@ -4,9 +4,12 @@ over the same dequantized values (what a bf16 model reading the FP8 cache would 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_versions import TRITON_MISSING
 
 import flashattn
 from flashattn import flash_attn_func, flash_attn_with_kvcache
@@ -51,7 +54,9 @@ def _error(x, truth) -> float:
     return float((x.double() - truth).abs().max())
 
 
-PATHS = ["torch"] + (["cpu"] if cpu_build.status()[0] else [])  # the C++ kernel where it is built
+# The C++ kernel where it is built; the Triton kernels under the interpreter (CPU tensors; a GPU runs gpu-check).
+PATHS = (["torch"] + (["cpu"] if cpu_build.status()[0] else [])
+         + (["triton"] if TRITON_MISSING is None and os.environ.get("TRITON_INTERPRET") == "1" else []))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -172,11 +177,10 @@ def test_what_fp8_inputs_do_not_go_with():
         flash_attn_func(x.bfloat16(), x, x)
 
 
-def test_the_triton_path_declines_fp8_by_name():
+def test_fp8_probabilities_are_refused_by_name():
     x = torch.randn(1, 4, 2, 8).to(FP8[0])
-    with pytest.raises(ValueError, match="triton") as e, flashattn.use_backend("triton"):
-        flash_attn_func(x, x, x)
-    assert "float8_e4m3fn" in str(e.value)
+    with pytest.raises(ValueError, match="return_attn_probs is not available with FP8 inputs"):
+        flash_attn_func(x, x, x, return_attn_probs=True)
 
 
 @pytest.mark.skipif(not cpu_build.status()[0], reason="the C++ CPU kernel is not built here")
@@ -243,3 +247,37 @@ def test_the_cpu_kernel_widens_every_fp8_byte_exactly(dtype, q_dtype):
     want = every.to(q_dtype).expand(2, 256)
     same = (out[0, 0] == want) | (out[0, 0].isnan() & want.isnan())
     assert same.all(), every.view(torch.uint8)[~same[0]].tolist()
+
+
+FP8_COMPILE = """
+import sys, torch
+from flashattn.backends.spec import AttentionSpec, Descale, KeyCache
+from flashattn.backends.triton import attend
+from tools.offline.compile import compiled_launches, kernel_counts
+for dtype, nq in ((torch.float8_e4m3fn, 1), (torch.float8_e5m2, 256)):
+    q, cache, ones = torch.empty(2, nq, 32, 128, dtype=torch.bfloat16), torch.empty(2, 4096, 8, 128, dtype=dtype), \\
+        torch.ones(2, 8)
+    cached = KeyCache(torch.zeros(2, dtype=torch.int32), torch.full((2,), 4096, dtype=torch.int32), 4096)
+    spec = AttentionSpec(scale=0.088, window_right=0, cache=cached, descale=Descale(ones, ones, ones))
+    for launch in compiled_launches(90, lambda: attend.forward(q, cache, cache, spec)):
+        if launch.name == "attention_forward_kernel":
+            c = kernel_counts(launch)
+            print(dtype, nq, c.spill_bytes, c.hgmma + c.hmma)
+"""
+
+
+@pytest.mark.skipif(TRITON_MISSING is not None, reason=TRITON_MISSING or "")
+def test_the_triton_kernels_read_fp8_caches_compiled_for_hopper():
+    """Compiled offline for sm_90 through the real launcher: a decode step on an e4m3fn cache and a prefill chunk
+    on an e5m2 one, each widening its tiles in registers, without spills and on the tensor cores."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", FP8_COMPILE], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 2, done.stderr[-3000:]
+    for dtype, nq, spills, matmuls in rows:
+        assert int(spills) == 0 and int(matmuls) > 0, (dtype, nq, spills, matmuls)

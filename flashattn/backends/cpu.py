@@ -28,7 +28,7 @@ import torch
 from . import cpu_build, cpu_tiles
 from .masking import sum_to_shape
 from .request import Request
-from .spec import FP8_DTYPES, AttentionSpec, Descale, Saved, accumulation_dtype, output_dtype
+from .spec import FP8_DTYPES, AttentionSpec, Descale, Saved, accumulation_dtype
 
 NAME = "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,7 +127,7 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     lse = torch.empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
     fp8 = {} if spec.descale is None else _fp8_arguments(k, spec.descale)
     if spec.descale is not None:
-        q, k, v = _fp8_queries(q, spec.descale), k.view(torch.uint8), v.view(torch.uint8)
+        q, k, v = spec.descale.folded_queries(q), k.view(torch.uint8), v.view(torch.uint8)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
     cpu_build.module().forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,
@@ -139,14 +139,6 @@ def _fp8_arguments(k: torch.Tensor, descale: Descale) -> dict:
     """The kernel's FP8 options: the keys' format (1 e4m3fn, 2 e5m2; the kernel widens each tile's rows) and v's
     descale per (sequence, kv head), which scales each output row."""
     return {"kv_format": 1 if k.dtype == torch.float8_e4m3fn else 2, "v_descale": descale.v}
-
-
-def _fp8_queries(q: torch.Tensor, descale: Descale) -> torch.Tensor:
-    """q times its descale and k's (both (B, Hk), per query head of the group), in q's 16-bit dtype, or bfloat16
-    for FP8 q: the kernel's scores are then q.k of the widened, unscaled keys."""
-    group = q.shape[2] // descale.k.shape[1]
-    factor = (descale.q * descale.k).repeat_interleave(group, 1)[:, None, :, None]
-    return (q.float() * factor).to(output_dtype(q.dtype))
 
 
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):

@@ -153,6 +153,23 @@ class Descale:
         """The scales of batch entry ``i`` alone ((1, Hk) each)."""
         return Descale(self.q[i : i + 1], self.k[i : i + 1], self.v[i : i + 1])
 
+    def folded_queries(self, q: Tensor) -> Tensor:
+        """q (B, Nq, H, D) times its descale and k's, per query head of the kv head's group, in q's 16-bit dtype
+        (bfloat16 for FP8 q): what the kernels that widen FP8 keys without scaling them multiply by.
+
+            >>> one = torch.ones(1, 1)
+            >>> Descale(one, 2 * one, one).folded_queries(torch.ones(1, 1, 2, 4, dtype=torch.float16)).flatten()[0]
+            tensor(2., dtype=torch.float16)
+        """
+        group = q.shape[2] // self.k.shape[1]
+        factor = (self.q * self.k).repeat_interleave(group, 1)[:, None, :, None]
+        return (q.float() * factor).to(output_dtype(q.dtype))
+
+    def scale_values(self, out: Tensor, dtype: torch.dtype) -> Tensor:
+        """out (B, Nq, H, Dv), computed with unscaled FP8 values, times v's descale per query head, in ``dtype``."""
+        group = out.shape[2] // self.v.shape[1]
+        return (out.float() * self.v.repeat_interleave(group, 1)[:, None, :, None]).to(dtype)
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionSpec:

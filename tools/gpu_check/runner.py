@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from . import clock, headlines, pack, plan
 from .plan import ROOT, Step
@@ -165,37 +166,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: only these steps, in plan order (a targeted second call); default all")
 
 
-def command(args: argparse.Namespace) -> int:
+class Start(NamedTuple):
+    """Where a run's results go and what it says of itself: ``dest`` ($OUT, else ``--out``), ``work`` (a
+    temporary folder under $OUT's run, else ``dest``), the ``header`` of its summary, and the steps chosen."""
+
+    dest: Path
+    work: Path
+    header: dict
+    steps: list[Step]
+
+
+def start(args: argparse.Namespace, *, tool: str, steps: list[Step]) -> Start | int:
+    """The set-up gpu-check and gpu-tune share: the device check, ``--budget``'s floor, the folders, the header and
+    ``--steps``; an exit status (2) with the reason on stderr where the run cannot start."""
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        print("tools.gpu_check: no CUDA device here; --smoke runs every step at toy sizes on the CPU",
-              file=sys.stderr)
+        print(f"{tool}: no CUDA device here; --smoke runs every step at toy sizes on the CPU", file=sys.stderr)
         return 2
     if args.budget < 2 * RESERVE:
-        print(f"tools.gpu_check: --budget must be at least {2 * RESERVE:.0f} seconds, got {args.budget:g}",
-              file=sys.stderr)
+        print(f"{tool}: --budget must be at least {2 * RESERVE:.0f} seconds, got {args.budget:g}", file=sys.stderr)
         return 2
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     slug = "-".join(device.lower().replace("nvidia", "").replace("(smoke)", "smoke").split())
     if os.environ.get("OUT"):  # a lent GPU: only what lands in $OUT comes back, at most 8 files
         dest = Path(os.environ["OUT"])
-        work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        work = Path(tempfile.mkdtemp(prefix=f"{tool}-"))
     else:
         dest = work = Path(args.out.format(device=slug, date=date))
     work.mkdir(parents=True, exist_ok=True)
-    header = {"device": device, "date": date, "versions": _versions(), "budget": args.budget, "seconds": 0.0,
-              "commit": _commit(), "command": args.command_line, "smoke": args.smoke}
-    steps = (plan.smoke if args.smoke else plan.full)(args.jobs)
+    header = {"tool": tool, "device": device, "date": date, "versions": _versions(), "budget": args.budget,
+              "seconds": 0.0, "commit": _commit(), "command": args.command_line, "smoke": args.smoke}
     if args.steps:
         chosen = args.steps.split(",")
         unknown = [name for name in chosen if name not in {s.name for s in steps}]
         if unknown:
-            print(f"tools.gpu_check: --steps names {', '.join(unknown)}; the steps are "
-                  f"{', '.join(s.name for s in steps)}", file=sys.stderr)
+            print(f"{tool}: --steps names {', '.join(unknown)}; the steps are {', '.join(s.name for s in steps)}",
+                  file=sys.stderr)
             return 2
         steps = [s for s in steps if s.name in chosen]
+    return Start(dest, work, header, steps)
+
+
+def finish(begun: Start, *, also: str = "") -> int:
+    """The findings, the line saying where the results are (``also``: files beyond the three) and the step table,
+    printed last; the exit status (1 when a step failed or was stopped)."""
+    steps, header = begun.steps, begun.header
+    print()
+    print(pack.details(steps, begun.work))
+    print(f"{header['tool']} on {header['device']} in {header['seconds']:.0f} s of {header['budget']:.0f}; results "
+          f"in {begun.dest}/ ({', '.join(pack.files(header['tool']))}{also})")
+    print(pack.step_table(steps))
+    return 0 if all(s.status in ("ok", "skipped (budget)") for s in steps) else 1
+
+
+def command(args: argparse.Namespace) -> int:
+    begun = start(args, tool="gpu-check", steps=(plan.smoke if args.smoke else plan.full)(args.jobs))
+    if isinstance(begun, int):
+        return begun
+    dest, work, header, steps = begun
     cache = carried_cache()
     if cache:
         header["triton_cache"] = cache
@@ -212,12 +242,7 @@ def command(args: argparse.Namespace) -> int:
     finally:
         if cache:
             shutil.rmtree(cache_dir.parent, ignore_errors=True)
-    print()
-    print(pack.details(steps, work))
-    print(f"gpu-check on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "
-          f"({', '.join(pack.files())})")
-    print(pack.step_table(steps))
-    return 0 if all(s.status in ("ok", "skipped (budget)") for s in steps) else 1
+    return finish(begun)
 
 
 def main(argv: list[str] | None = None) -> int:

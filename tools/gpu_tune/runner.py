@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
-from tools.gpu_check import headlines, pack
+from tools.gpu_check import headlines
 from tools.gpu_check.plan import SDPA_BASELINES, Step
-from tools.gpu_check.runner import DEFAULT_BUDGET, RESERVE, _commit, _versions, run
+from tools.gpu_check.runner import DEFAULT_BUDGET, finish, run, start
 
 MARGIN = 1.02  # a faster config is adopted when it beats the table's by this much (the timings' noise is ~1%)
 # In order of value: the most used calls first (bf16, d = 128, forward then backward), so a run cut off early
@@ -79,32 +77,15 @@ headlines.HEADLINES["tune"] = _tune_headline
 
 
 def command(args: argparse.Namespace) -> int:
-    import torch
-
-    if not args.smoke and not torch.cuda.is_available():
-        print("tools.gpu_tune: no CUDA device here; --smoke runs every step at toy sizes on the CPU", file=sys.stderr)
-        return 2
-    device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    slug = "-".join(device.lower().replace("nvidia", "").replace("(smoke)", "smoke").split())
-    if os.environ.get("OUT"):
-        dest = Path(os.environ["OUT"])
-        work = Path(tempfile.mkdtemp(prefix="gpu-tune-"))
-    else:
-        dest = work = Path(args.out.format(device=slug, date=date))
-    work.mkdir(parents=True, exist_ok=True)
-    header = {"tool": "gpu-tune", "device": device, "date": date, "versions": _versions(), "budget": args.budget,
-              "seconds": 0.0, "commit": _commit(), "command": args.command_line, "smoke": args.smoke}
-    measured = work / "measured.json"
-    plan = steps(smoke=args.smoke, jobs=args.jobs, measured=str(measured))
-    if args.steps:
-        chosen = args.steps.split(",")
-        unknown = [n for n in chosen if n not in {s.name for s in plan}]
-        if unknown:
-            print(f"tools.gpu_tune: --steps names {', '.join(unknown)}; the steps are "
-                  f"{', '.join(s.name for s in plan)}", file=sys.stderr)
-            return 2
-        plan = [s for s in plan if s.name in chosen]
+    measured_name = "measured.json"
+    begun = start(args, tool="gpu-tune", steps=steps(smoke=args.smoke, jobs=args.jobs, measured=measured_name))
+    if isinstance(begun, int):
+        return begun
+    dest, work, header, plan = begun
+    measured = work / measured_name
+    for step in plan:  # the comparison's launcher reads the table this run measured
+        if "FLASHATTN_TRITON_MEASURED" in step.env:
+            step.env["FLASHATTN_TRITON_MEASURED"] = str(measured)
 
     def after_step() -> None:  # the measured table, current after every step, for the archive and the next steps
         table = merge(work, header)
@@ -115,12 +96,7 @@ def command(args: argparse.Namespace) -> int:
             (dest / f"measured-{table['family']}.json").write_text(text)
 
     run(plan, work=work, dest=dest, budget=args.budget, header=header, after_step=after_step)
-    print()
-    print(pack.details(plan, work))
-    print(f"gpu-tune on {device} in {header['seconds']:.0f} s of {args.budget:.0f}; results in {dest}/ "
-          f"({', '.join(pack.files('gpu-tune'))}, measured-<family>.json)")
-    print(pack.step_table(plan))
-    return 0 if all(s.status in ("ok", "skipped (budget)") for s in plan) else 1
+    return finish(begun, also=", measured-<family>.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +112,5 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes compiling candidates")
     p.add_argument("--steps", default=None, help="comma-separated: only these steps, in plan order")
     args = p.parse_args(argv)
-    if args.budget < 2 * RESERVE:
-        p.error(f"--budget must be at least {2 * RESERVE:.0f} seconds, got {args.budget:g}")
     args.command_line = ["python", "-m", "tools.gpu_tune", *argv]
     return command(args)

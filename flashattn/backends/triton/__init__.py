@@ -78,8 +78,8 @@ def serves(request: Request) -> str | None:
     old_or_new = unsupported_release()
     if old_or_new is not None:
         return old_or_new
-    if request.dtype not in DTYPES:
-        return f"it takes float16, bfloat16 and float32, got {request.dtype}"
+    if request.dtype not in DTYPES and not request.uses("fp8"):
+        return f"it takes float16, bfloat16, float32 and FP8, got {request.dtype}"
     if max(request.head_dim, request.head_dim_v) > MAX_HEAD_DIM:
         return f"it takes head dims up to {MAX_HEAD_DIM}, got {max(request.head_dim, request.head_dim_v)}"
     blocks = request.mask_blocks
@@ -88,10 +88,20 @@ def serves(request: Request) -> str | None:
                 f"{blocks[0]} x {blocks[1]}")
     if request.mask_grad:
         return "it does not compute the gradient of an additive attn_mask that requires grad"
-    if request.uses("fp8"):
-        return "it does not read FP8 inputs yet (the torch path does)"
+    if request.uses("fp8") and request.uses("return_attn_probs"):
+        return "it does not return the probabilities of FP8 inputs"
     if request.device == "cuda" and not interpreting():
-        return _family_declines(request, _gpu_family(torch.cuda.current_device()))
+        return _fp8_declines(request) or _family_declines(request, _gpu_family(torch.cuda.current_device()))
+    return None
+
+
+def _fp8_declines(request: Request) -> str | None:
+    """Triton converts e4m3fn from sm_89 (Ada) on only: older NVIDIA GPUs leave such caches to the torch path."""
+    if request.key_dtype != torch.float8_e4m3fn or torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"Triton reads float8_e4m3fn on sm_89 and newer, this GPU is sm_{major}{minor}"
     return None
 
 

@@ -87,6 +87,9 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
         o_page, o_row, m_keys = key_slots(o_n, args.keys)
         b_kt = load_block_at(k, start_n, o_page * k.stride_page + o_row * k.stride_row, m_keys, o_d, UPCAST, True)
         b_v = load_block_at(v, start_n, o_page * v.stride_page + o_row * v.stride_row, m_keys, o_dv, UPCAST)
+        # FP8 keys and values (a KV cache) are widened to q's dtype in registers, tile by tile: exact, and free
+        # (no instruction) when they already have it.
+        b_kt, b_v = b_kt.to(b_q.dtype), b_v.to(b_q.dtype)
         b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * s_scale)  # PLAIN: raw q.k, whose max scales with the scale
         b_m_use = b_m_new
