@@ -2,10 +2,11 @@
 outputs poisoned first, each result judged against float64 by the same-precision rule (``tests/oracle.py``: at most
 2x the error of plain PyTorch attention in the same precision, 3x for gradients; fp32 near 1e-5 relative).
 
-Kernels: ``fwd+bwd`` (forward, then dK/dV and dQ), ``dropout`` (the same with dropout, its mask read from the
-torch path at the same seed), ``block-mask`` (the three kernels walking a FlexAttention ``BlockMask`` of
-documents), ``decode`` (one query token against a KV cache of uneven lengths) and ``split-kv`` (the same split
-in four and merged). Shapes are odd on purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
+Kernels: ``fwd+bwd`` (forward, then dK/dV and dQ), ``dropout`` (the same with dropout, its mask read from the torch
+path at the same seed), ``block-mask`` (the three kernels walking a FlexAttention ``BlockMask`` of documents),
+``decode`` (one query token against a KV cache of uneven lengths), ``split-kv`` (the same split in four and merged)
+and ``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries). Shapes are odd on purpose (173
+queries, 251 keys, GQA 4:2), so every tile edge is crossed.
 
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
 error names the case that caused it, and the worker restarts with a fresh CUDA context) or ``declined`` (the
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from .plan import ROOT, TESTS
 
-KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout")
+KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache")
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (128, 64, 256)
 RESTARTS = 3  # per worker, after a fault that may have broken its CUDA context
@@ -70,7 +71,7 @@ def cases(tiny: bool) -> list[Case]:
     """Most used first (bf16, d=128), so the first results to come back are the ones that matter most."""
     dtypes, dims = (("float32", "bfloat16"), (16,)) if tiny else (DTYPES, HEAD_DIMS)
     return [Case(kernel, dtype, d, causal) for dtype in dtypes for d in dims for causal in (True, False)
-            for kernel in KERNELS]
+            for kernel in KERNELS if not (kernel == "fp8-cache" and dtype == "float32")]  # 16-bit q reads FP8
 
 
 @contextmanager
@@ -192,8 +193,9 @@ def check_block_mask(case: Case, sizes: Sizes, device: str) -> dict:
     return _judge((q, k, v), out, grads, mask=dense)
 
 
-def _check_decode(case: Case, sizes: Sizes, device: str, splits: int) -> dict:
-    """One query token per sequence against caches of uneven lengths; each row judged against its own keys."""
+def _check_decode(case: Case, sizes: Sizes, device: str, splits: int, fp8_cache: bool = False) -> dict:
+    """One query token per sequence against caches of uneven lengths; each row judged against its own keys. With
+    ``fp8_cache`` the cache holds e4m3fn values and descales (FlashAttention-3's interface)."""
     import torch
 
     import flashattn
@@ -204,9 +206,16 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int) -> dict:
     k_cache, v_cache = (torch.randn(b, sizes.cache_len, hk, d, device=device, dtype=dtype) for _ in range(2))
     lengths = [sizes.cache_len - 5, sizes.cache_len // 3][:b]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    fp8 = {}
+    if fp8_cache:  # an e4m3fn cache with descales: judged against the dequantized values it holds
+        scales = [torch.rand(b, hk, device=device) + 0.5 for _ in range(2)]
+        stored = [(c / s[:, None, :, None]).to(torch.float8_e4m3fn)
+                  for c, s in zip((k_cache, v_cache), scales, strict=True)]
+        fp8 = {"k_descale": scales[0], "v_descale": scales[1]}
+        k_cache, v_cache = (c.to(dtype) * s[:, None, :, None].to(dtype) for c, s in zip(stored, scales, strict=True))
     with poisoned():
-        out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=case.causal,
-                                                num_splits=splits)
+        out = flashattn.flash_attn_with_kvcache(q, *(stored if fp8_cache else (k_cache, v_cache)),
+                                                cache_seqlens=seqlens, causal=case.causal, num_splits=splits, **fp8)
     oracle = _oracle()
     worst = 0.0
     for row, n in enumerate(lengths):
@@ -220,7 +229,8 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int) -> dict:
 
 CHECKS = {"fwd+bwd": check_fwd_bwd, "dropout": check_dropout, "block-mask": check_block_mask,
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
-          "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4)}
+          "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),
+          "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True)}
 
 
 def run_case(case: Case, sizes: Sizes, device: str) -> dict:
