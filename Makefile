@@ -67,10 +67,11 @@ $(TORCH_RANGE_DIR)/.installed: Makefile $(VENV)/.installed
 # to 256).
 TRITON_NEWEST_HEALTH := largest_common_head_dim and (100 or gfx942) and not gfx1100
 
-# Where the Triton release matters: the kernels' features under the interpreter, the shipped tiles and families
-# compiled, block masks, caches and packed batches; the rest of the suite's triton cases run on the oldest only.
+# Where the Triton release matters: the kernels' features under the interpreter (packed batches among them), the
+# shipped tiles and families compiled (the laden specialization: packed queries, a paged cache, a window), block
+# masks; the rest of the suite's triton cases (test_kvcache's and test_varlen's among them) run on the oldest only.
 TRITON_NEWEST_TESTS := tests/test_triton.py tests/test_triton_families.py tests/test_kernel_health.py \
-	tests/test_block_mask.py tests/test_kvcache.py tests/test_varlen.py tests/test_triton_versions.py \
+	tests/test_block_mask.py tests/test_triton_versions.py \
 	tests/test_backends.py flashattn/backends/triton
 
 $(TRITON_NEWEST_DIR)/.installed: Makefile $(VENV)/.installed
