@@ -28,7 +28,7 @@ import torch
 from . import cpu_build, cpu_tiles
 from .masking import sum_to_shape
 from .request import Request
-from .spec import FP8_DTYPES, AttentionSpec, Descale, Saved, accumulation_dtype
+from .spec import FP8_DTYPES, AttentionSpec, Saved, accumulation_dtype
 
 NAME = "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -125,20 +125,15 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """
     q, k, v = (_unit_stride(t) for t in (q, k, v))
     lse = torch.empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
-    fp8 = {} if spec.descale is None else _fp8_arguments(k, spec.descale)
-    if spec.descale is not None:
+    fp8 = {}
+    if spec.descale is not None:  # FP8 keys and values as bytes, widened tile by tile (kv_format: 1 e4m3fn, 2 e5m2)
+        fp8 = {"kv_format": 1 if k.dtype == torch.float8_e4m3fn else 2, "v_descale": spec.descale.v}
         q, k, v = spec.descale.folded_queries(q), k.view(torch.uint8), v.view(torch.uint8)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
     cpu_build.module().forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,
                                **_options(q4, k4, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)), **fp8)
     return out, lse, q.new_empty(0)
-
-
-def _fp8_arguments(k: torch.Tensor, descale: Descale) -> dict:
-    """The kernel's FP8 options: the keys' format (1 e4m3fn, 2 e5m2; the kernel widens each tile's rows) and v's
-    descale per (sequence, kv head), which scales each output row."""
-    return {"kv_format": 1 if k.dtype == torch.float8_e4m3fn else 2, "v_descale": descale.v}
 
 
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):

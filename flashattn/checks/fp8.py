@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.spec import FP8_DTYPES, Descale
-from ._base import fail
+from ._base import fail, validate_same
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -69,13 +69,11 @@ def descale(fn: str, *, inputs: dict[str, torch.Tensor], given: dict[str, object
 
 
 def validate_cache_dtypes(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The caches share a dtype and q's device; q has their dtype, or they are FP8 and q is 16-bit."""
-    if v_cache.dtype != k_cache.dtype:
-        raise fail(fn, f"v_cache has dtype {v_cache.dtype} but k_cache has {k_cache.dtype}; they must match",
-                   TypeError)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.device != q.device:
-            raise fail(fn, f"{name} is on {t.device} but q is on {q.device}; all must be on one device")
+    """The caches share a dtype and device (``validate_same``), q's device; q has their dtype, or they are FP8 and
+    q is 16-bit."""
+    validate_same(fn, {"k_cache": k_cache, "v_cache": v_cache})
+    if q.device != k_cache.device:
+        raise fail(fn, f"k_cache is on {k_cache.device} but q is on {q.device}; all must be on one device")
     if q.dtype == k_cache.dtype or (is_fp8(k_cache) and q.dtype in SIXTEEN_BIT):
         return
     allowed = "the caches' dtype" + (", float16 or bfloat16" if is_fp8(k_cache) else "")
@@ -83,10 +81,9 @@ def validate_cache_dtypes(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 def validate_new_keys_dtype(fn: str, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """New keys and values share a dtype: the caches', or, for an FP8 cache, a 16-bit or float32 one that is
-    quantized into it."""
-    if v.dtype != k.dtype:
-        raise fail(fn, f"v has dtype {v.dtype} but k has {k.dtype}; they must match", TypeError)
+    """New keys and values share a dtype and the caches' device: the caches' dtype, or, for an FP8 cache, a 16-bit
+    or float32 one that is quantized into it."""
+    validate_same(fn, {"k": k, "v": v})
     if k.device != k_cache.device:
         raise fail(fn, f"k is on {k.device} but k_cache is on {k_cache.device}; all must be on one device")
     if k.dtype == k_cache.dtype or (is_fp8(k_cache) and k.dtype in (*SIXTEEN_BIT, torch.float32)):

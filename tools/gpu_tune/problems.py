@@ -73,8 +73,10 @@ class Problem:
         return {"q": q, "k": k, "v": v, "dout": randn(self.batch, n, self.heads, d)}
 
     def bytes_per_set(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.inputs(0).values()) if self.smoke else \
-            (3 + (self.group != "decode")) * self.batch * self.seqlen * self.heads * self.head_dim * 2
+        """The bytes of one set of ``inputs`` (16-bit elements)."""
+        nq = 1 if self.group == "decode" else self.seqlen
+        q_like = (1 if self.group == "decode" else 2) * self.batch * nq * self.heads  # q, and dO for the backward
+        return 2 * self.head_dim * (q_like + 2 * self.batch * self.seqlen * self.heads_kv)
 
     def rotation(self, l2_bytes: int) -> int:
         """How many input sets to cycle through so that each call finds its inputs out of the L2 cache."""

@@ -88,9 +88,8 @@ def _compile_one(args) -> dict:
     return compiled_health((KERNEL_NAMES[kernel],), before, family)
 
 
-def _time(fn, repeats: int, smoke: bool) -> float:
-    """Median milliseconds of ``fn()`` (a list of calls cycled through), after a warm-up."""
-    calls = fn
+def _time(calls: list, repeats: int, smoke: bool) -> float:
+    """Median milliseconds of the ``calls`` (one per input set, cycled through), after a warm-up."""
     for call in calls[: 1 if smoke else 2]:
         call()
     samples = []

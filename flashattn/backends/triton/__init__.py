@@ -69,8 +69,9 @@ def unsupported_release() -> str | None:
 
 
 def serves(request: Request) -> str | None:
-    """CUDA tensors (CPU ones under the interpreter) of fp16, bf16 or fp32, head dims up to 256, every feature
-    but the gradient of an additive ``attn_mask``, and block masks whose blocks are multiples of 16."""
+    """CUDA tensors (CPU ones under the interpreter) of fp16, bf16 or fp32, FP8 keys and values (and queries)
+    forward, head dims up to 256, every feature but the gradient of an additive ``attn_mask``, and block masks
+    whose blocks are multiples of 16."""
     if not installed():
         return "triton is not installed (pip install 'flashattn[triton]')"
     if request.device != "cuda" and not (request.device == "cpu" and interpreting()):

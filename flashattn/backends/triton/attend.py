@@ -43,38 +43,25 @@ __all__ = ["NAME", "backward", "forward"]
 
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """Same contract as every path's forward (``flashattn.backends.Backend``): (out, lse, probs), keys dense,
-    packed or cached."""
-    if spec.descale is not None:
-        return _fp8_forward(q, k, v, spec)
+    packed or cached. FP8 keys and values (``spec.descale``): the kernel widens each tile to q's dtype (``_attend``
+    in kernels/forward.py); k's descale is folded into q (``Descale.folded_queries``), and v's scales the fp32
+    output, rounded once."""
+    scales = spec.descale
+    if scales is not None:
+        q, spec = scales.folded_queries(q), dataclasses.replace(spec, descale=None)
     shape = CallShape(q, k, v, spec)
-    out = empty(shape.out_shape, q.dtype, q.device)
+    out = empty(shape.out_shape, q.dtype if scales is None else torch.float32, q.device)
     lse = torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device)
     probs = empty((shape.b, shape.h, shape.nq, shape.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
     if out.numel() == 0 or shape.nq == 0 or shape.nk == 0:  # no key: out 0, lse -inf (the sink with one)
         lse.fill_(-math.inf)
         if spec.sink is not None:
             lse.copy_(spec.sink[:, None].expand_as(lse))
-        return as_dtype(out.zero_(), q.dtype), lse, as_dtype(probs, q.dtype)
-    _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
-    return as_dtype(out, q.dtype), lse, as_dtype(probs, q.dtype)
-
-
-def _fp8_forward(q, k, v, spec: AttentionSpec):
-    """FP8 keys and values (a KV cache, or FlashAttention-3's FP8 call): the kernel widens each tile to q's dtype
-    (``_attend`` in kernels/forward.py); k's descale is folded into q (``Descale.folded_queries``), and v's scales
-    the fp32 output once, rounded once."""
-    scales, q = spec.descale, spec.descale.folded_queries(q)
-    spec = dataclasses.replace(spec, descale=None)
-    shape = CallShape(q, k, v, spec)
-    out = empty(shape.out_shape, torch.float32, q.device)
-    lse = torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or shape.nq == 0 or shape.nk == 0:
-        lse.fill_(-math.inf)
-        if spec.sink is not None:
-            lse.copy_(spec.sink[:, None].expand_as(lse))
-        return out.zero_().to(q.dtype), lse, q.new_empty(0)
-    _attend(q, k, v, (out, lse, None), spec, shape)
-    return scales.scale_values(out, q.dtype), lse, q.new_empty(0)
+        out.zero_()
+    else:
+        _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
+    out = as_dtype(out, q.dtype) if scales is None else scales.scale_values(out, q.dtype)
+    return out, lse, as_dtype(probs, q.dtype)
 
 
 def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
