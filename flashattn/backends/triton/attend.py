@@ -113,9 +113,9 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     dq, dk, dv = (empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0 or shape.nq == 0 or shape.nk == 0:
         return as_dtype(dq.zero_(), q.dtype), as_dtype(dk.zero_(), k.dtype), as_dtype(dv.zero_(), v.dtype), None
-    delta, lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dv=shape.dv)
+    delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dv=shape.dv)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
-    common = backward_kwargs(q, k, v, (dout, lse2, delta), spec=spec, shape=shape)
+    common = backward_kwargs(q, k, v, (dout, neg_lse2, delta), spec=spec, shape=shape)
 
     def launch_dkdv(cfg: configs.KernelConfig) -> None:
         cfg = sparse_tiles(cfg, spec)
@@ -141,10 +141,10 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
 
 
 def _delta(dout, dlse, out, lse, *, packed: bool, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(delta, lse2) in lse's layout (dense): delta_i = rowsum(dO_i * O_i) - dlse_i, and lse in log2 units as the
-    backward kernels read it (``attention_backward_preprocess_kernel``). A packed varlen batch is one long sequence
+    """(delta, neg_lse2) in lse's layout (dense): delta_i = rowsum(dO_i * O_i) - dlse_i, and -lse in log2 units as
+    the backward kernels read it (``attention_backward_preprocess_kernel``). A packed varlen batch is one long sequence
     to it."""
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    delta, neg_lse2 = torch.empty_like(lse), torch.empty_like(lse)
     dense = (lambda t: t[None]) if packed else (lambda t: t)
     out4, dout4 = dense(out), dense(dout)
     rows, heads = out4.shape[1], out4.shape[2]
@@ -153,9 +153,9 @@ def _delta(dout, dlse, out, lse, *, packed: bool, dv: int) -> tuple[torch.Tensor
         out=out4, dout=dout4,
         # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
         dlse=None if dlse is None else dense(dlse.contiguous()), lse=dense(lse), delta=dense(delta),
-        lse2=dense(lse2),
+        neg_lse2=dense(neg_lse2),
         **CallShape.strides("o", out4, "bnhd"), **CallShape.strides("do", dout4, "bnhd"),
         num_heads=heads, seqlen_q=rows, head_dim_v=dv,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv),
     )
-    return delta, lse2
+    return delta, neg_lse2

@@ -376,13 +376,13 @@ def plain_scores(spec: AttentionSpec) -> bool:
 
 
 def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) -> dict:
-    """The arguments the dK/dV and dQ kernels share; ``stats`` = (dout, lse2, delta), the last two in lse's layout
+    """The arguments the dK/dV and dQ kernels share; ``stats`` = (dout, neg_lse2, delta), the last two in lse's layout
     (``attend._delta``)."""
-    dout, lse2, delta = stats
+    dout, neg_lse2, delta = stats
     return dict(
-        q=q, k=k, v=v, dout=dout, lse2=lse2, delta=delta, cu_seqlens_q=shape.cu_seqlens_q,
+        q=q, k=k, v=v, dout=dout, neg_lse2=neg_lse2, delta=delta, cu_seqlens_q=shape.cu_seqlens_q,
         cu_seqlens_k=shape.cu_seqlens_k, **CallShape.strides("q", q), **CallShape.strides("k", k),
-        **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(lse2),
+        **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(neg_lse2),
         **_optional_tensors(spec), **_options(spec), **_sizes(q, shape), PLAIN=plain_scores(spec),
     )
 

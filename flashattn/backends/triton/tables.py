@@ -201,7 +201,7 @@ _CHANGES: dict[str, tuple[str, Overrides]] = {
         "forward": {(16, "heavy", False): C(128, 64, 8, 1), (32, "heavy", False): C(128, 64, 8, 1),
                     (64, "heavy", False): C(64, 64, 8, 3), (128, "light", True): C(128, 64, 8, 3),
                     ((256, 128), "fp32-light", True): C(64, 16, 8, 3)},
-        "dkdv": {(16, "heavy", False): C(32, 64, 8, 1), (64, "plain", False): C(32, 64, 8, 3),
+        "dkdv": {(16, "heavy", False): C(32, 64, 8, 1), (64, "plain", False): C(32, 64, 8, 2),
                  (128, "plain", False): C(32, 64, 8, 1), (128, "light", False): C(16, 64, 8, 1),
                  (64, "heavy", False): C(16, 64, 4, 1), (128, "fp32-light", True): C(16, 64, 8, 3),
                  ((128, 64), "plain", False): C(32, 64, 4, 1), ((128, 64), "plain", True): C(32, 64, 8, 3),

@@ -45,11 +45,11 @@ class KeyBlock(NamedTuple):
 
     b_k: Any  # the key block
     b_v: Any  # its values
-    o_n: Any  # its key indices
+    start_n: Any  # its first key's index
     q: Any  # Operand: the queries at this head
     do: Any  # Operand: dO at this head
-    p_lse2: Any  # lse2 (lse in log2 units, +inf for rows without keys) at this head's first query (unit stride)
-    p_delta: Any  # delta at this head's first query, as lse2
+    p_neg_lse2: Any  # -lse in log2 units (-inf for rows without keys) at this head's first query (unit stride)
+    p_delta: Any  # delta at this head's first query, as p_neg_lse2
     dropout: Any  # Dropout
 
 
@@ -59,7 +59,7 @@ class QueryBlock(NamedTuple):
     b_q: Any  # the query block
     b_do: Any  # its dO
     o_m: Any  # its query indices
-    b_lse2: Any  # its lse in log2 units (+inf where a row has no key: P = 0)
+    b_neg_lse2: Any  # its -lse in log2 units (-inf where a row has no key: P = 0)
     b_delta: Any  # its delta
     k: Any  # Operand: the keys at this key/value head
     v: Any  # Operand: the values at this key/value head
@@ -68,15 +68,15 @@ class QueryBlock(NamedTuple):
 
 @triton.jit
 def attention_backward_preprocess_kernel(
-    out, dout, dlse, lse, delta, lse2,
+    out, dout, dlse, lse, delta, neg_lse2,
     stride_ob, stride_on, stride_oh, stride_od,
     stride_dob, stride_don, stride_doh, stride_dod,
     num_heads, seqlen_q, head_dim_v,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """delta_i = rowsum(dO_i * O_i) - dlse_i, in fp32 (the dlse term is the gradient of the returned lse; ``dlse``
-    None when it has none), and lse2_i: lse_i in log2 units, +inf where a row sees no key (lse -inf), so that
-    2^(s - lse2) is P, and 0 for such rows, with one FFMA and no select in the backward's loops."""
+    None when it has none), and neg_lse2_i: -lse_i in log2 units, -inf where a row sees no key (lse -inf), so that
+    2^(s + neg_lse2) is P, and 0 for such rows, with one FFMA and no select or negation in the backward's loops."""
     start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -92,7 +92,8 @@ def attention_backward_preprocess_kernel(
         b_delta = b_delta - tl.load(dlse + o_rows, mask=o_m < seqlen_q, other=0.0).to(tl.float32)
     tl.store(delta + o_rows, b_delta, mask=o_m < seqlen_q)
     b_lse = tl.load(lse + o_rows, mask=o_m < seqlen_q, other=0.0)
-    tl.store(lse2 + o_rows, tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E, mask=o_m < seqlen_q)
+    b_neg_lse2 = tl.where(b_lse == float("-inf"), float("-inf"), -b_lse * LOG2E)
+    tl.store(neg_lse2 + o_rows, b_neg_lse2, mask=o_m < seqlen_q)
 
 
 @triton.jit
@@ -104,24 +105,28 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
     visit, as the forward's ``_attend``.
     """
     b_dk, b_dv = grads.b_dk, grads.b_dv
-    b_k, b_v, o_n, dropout = args.b_k, args.b_v, args.o_n, args.dropout
+    b_k, b_v, dropout = args.b_k, args.b_v, args.dropout
     nq = scoring.nq
     s_scale = scoring.scale * LOG2E if PLAIN else 1.0
     o_d = tl.arange(0, b_k.shape[1])
     o_dv = tl.arange(0, b_v.shape[1])
     for start_m in range(span.lo, span.hi, BLOCK_M):
         o_m = start_m + tl.arange(0, BLOCK_M)
-        # With a descriptor, rows past the sequence read another's queries: their lse is +inf, so P = 0.
+        # With a descriptor, rows past the sequence read another's queries: their -lse is -inf, so P = 0.
         b_qt = load_block(args.q, start_m, o_m, nq, o_d, UPCAST, True)
         b_do = load_block(args.do, start_m, o_m, nq, o_dv, UPCAST)
-        # Rows past the sequence read +inf, as rows that see no key hold: their P is 0.
-        b_lse2 = tl.load(args.p_lse2 + o_m, mask=o_m < nq, other=float("inf"))
-        b_delta = tl.load(args.p_delta + o_m, mask=o_m < nq, other=0.0)
-        b_st, b_tt = score_tile(b_k, b_qt, o_m, o_n, scoring, MASKED, PLAIN, True)
-        b_pt = tl.math.exp2(b_st * s_scale - b_lse2[None, :])
+        if MASKED:  # rows past the sequence read -inf, as rows that see no key hold: their P is 0
+            b_neg_lse2 = tl.load(args.p_neg_lse2 + o_m, mask=o_m < nq, other=float("-inf"))
+            b_delta = tl.load(args.p_delta + o_m, mask=o_m < nq, other=0.0)
+        else:  # whole query tiles only (``full_query_range``): no compare and select per column
+            b_neg_lse2 = tl.load(args.p_neg_lse2 + o_m)
+            b_delta = tl.load(args.p_delta + o_m)
+        b_st, b_tt = score_tile(b_k, b_qt, o_m, args.start_n, scoring, MASKED, PLAIN, True)
+        b_pt = tl.math.exp2(b_st * s_scale + b_neg_lse2[None, :])
         b_dpt = dot(b_v, tl.trans(b_do))
         b_pt_kept = b_pt
         if dropout.b_seed is not None:
+            o_n = args.start_n + tl.arange(0, b_k.shape[0])
             m_keep = dropout_keep(dropout, o_m[None, :], o_n[:, None])
             b_pt_kept = dropped(b_pt, m_keep, dropout.p)
             b_dpt = dropped(b_dpt, m_keep, dropout.p)
@@ -133,7 +138,7 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    q, k, v, dout, lse2, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, dout, neg_lse2, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
     q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -173,17 +178,17 @@ def attention_backward_dkdv_kernel(
     full = full_query_range(start_n, nq, nk, band, span, BLOCK_M, BLOCK_N)
     for g in range(0, group_size):
         h = hk * group_size + g
-        o_stats = b * stride_lb + h * stride_lh + q0  # lse2 and delta of this head's queries
+        o_stats = b * stride_lb + h * stride_lh + q0  # neg_lse2 and delta of this head's queries
         p_q = q + b * stride_qb + q0 * stride_qn + h * stride_qh
         p_do = dout + b * stride_dob + q0 * stride_don + h * stride_doh
-        p_lse2, p_delta = lse2 + o_stats, delta + o_stats
+        p_neg_lse2, p_delta = neg_lse2 + o_stats, delta + o_stats
         q_at, do_at = tma_origin(q_tma, b, h, q0), tma_origin(do_tma, b, h, q0)
         b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = Scoring(nq, nk, band, scale, softcap, b_slope, p_mask, stride_mq, stride_mk)
         dropout = Dropout(b_seed, dropout_p, (b * num_heads + h) * seqlen_q, seqlen_k)
-        args = KeyBlock(b_k, b_v, o_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
-                        Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_lse2, p_delta,
+        args = KeyBlock(b_k, b_v, start_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
+                        Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_neg_lse2, p_delta,
                         dropout)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
             grads = walk_listed(_key_grads, grads, args, span, start_n // blocks.kv_block, b, h, blocks, scoring,
@@ -214,8 +219,8 @@ def _query_grads(b_dq, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.co
         # With a descriptor, rows past the keys hold another sequence's: they are masked (P = 0).
         b_kt = load_block(args.k, start_n, o_n, scoring.nk, o_d, UPCAST, True)
         b_vt = load_block(args.v, start_n, o_n, scoring.nk, o_dv, UPCAST, True)
-        b_s, b_t = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
-        b_p = tl.math.exp2(b_s * s_scale - args.b_lse2[:, None])
+        b_s, b_t = score_tile(b_q, b_kt, o_m, start_n, scoring, MASKED, PLAIN)
+        b_p = tl.math.exp2(b_s * s_scale + args.b_neg_lse2[:, None])
         b_dp = dot(b_do, b_vt)
         if dropout.b_seed is not None:
             b_dp = dropped(b_dp, dropout_keep(dropout, o_m[:, None], o_n[None, :]), dropout.p)
@@ -226,7 +231,7 @@ def _query_grads(b_dq, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.co
 
 @triton.jit
 def attention_backward_dq_kernel(
-    q, k, v, dout, lse2, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, dout, neg_lse2, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
     q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -258,7 +263,7 @@ def attention_backward_dq_kernel(
                        + h * stride_doh, stride_don, stride_dod, head_dim_v, None)
     b_do = load_block(do_block, 0, o_m, nq, o_dv, UPCAST)
     o_stats = b * stride_lb + h * stride_lh + q0
-    b_lse2 = tl.load(lse2 + o_stats + o_m, mask=o_m < nq, other=float("inf"))
+    b_neg_lse2 = tl.load(neg_lse2 + o_stats + o_m, mask=o_m < nq, other=float("-inf"))
     b_delta = tl.load(delta + o_stats + o_m, mask=o_m < nq, other=0.0)
     b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
@@ -273,7 +278,8 @@ def attention_backward_dq_kernel(
     span = Span(lo, hi)
     full = full_key_range(start_m, nk, band, span, BLOCK_M, BLOCK_N)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    args = QueryBlock(b_q, b_do, o_m, b_lse2, b_delta, Operand(k_desc, k_at, p_k, stride_kn, stride_kd, head_dim, None),
+    args = QueryBlock(b_q, b_do, o_m, b_neg_lse2, b_delta,
+                      Operand(k_desc, k_at, p_k, stride_kn, stride_kd, head_dim, None),
                       Operand(v_desc, v_at, p_v, stride_vn, stride_vd, head_dim_v, None), dropout)
     if blocks is not None:  # a block mask: its listed key blocks only, as in the forward
         b_dq = walk_listed(_query_grads, b_dq, args, span, start_m // blocks.q_block, b, h, blocks, scoring, False,

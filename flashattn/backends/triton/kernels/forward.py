@@ -90,7 +90,7 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
         # FP8 keys and values (a KV cache) are widened to q's dtype in registers, tile by tile: exact, and free
         # (no instruction) when they already have it.
         b_kt, b_v = b_kt.to(b_q.dtype), b_v.to(b_q.dtype)
-        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
+        b_s, _ = score_tile(b_q, b_kt, o_m, start_n, scoring, MASKED, PLAIN)
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * s_scale)  # PLAIN: raw q.k, whose max scales with the scale
         b_m_use = b_m_new
         if MASKED or scoring.p_mask is not None:
@@ -229,7 +229,7 @@ def _store_probs(b_lse2, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.
     for start_n in range(span.lo, span.hi, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_kt = load_block(args.k, start_n, o_n, scoring.nk, o_d, UPCAST, True)
-        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
+        b_s, _ = score_tile(b_q, b_kt, o_m, start_n, scoring, MASKED, PLAIN)
         b_p = tl.math.exp2(b_s - b_lse2[:, None])
         if dropout.b_seed is not None:
             b_p = tl.where(dropout_keep(dropout, o_m[:, None], o_n[None, :]), b_p, -b_p)
