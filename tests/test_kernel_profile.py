@@ -2,7 +2,7 @@
 not; ``python -m tools.offline.profile``), against the issue's targets and the committed profile: a
 change that adds instructions per score element, loses wgmma or TMA, spills, or drops the backward's pipelining
 fails here before any GPU sees it. The backward's target (0.75 for dK/dV and dQ together) is met since
-2026-11-26 with little room at d=128 (0.745 / 0.746, benchmarks/NOTES.md): a change that adds 3 instructions to
+2026-11-26 with little room at d=128 (0.745, benchmarks/NOTES.md): a change that adds 3 instructions to
 the dK/dV loop fails it."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class KeyBlock(NamedTuple):
 
     b_k: Any  # the key block
     b_v: Any  # its values
-    start_n: Any  # its first key's index
+    o_n: Any  # its key indices
     q: Any  # Operand: the queries at this head
     do: Any  # Operand: dO at this head
     p_neg_lse2: Any  # -lse in log2 units (-inf for rows without keys) at this head's first query (unit stride)
@@ -105,7 +105,7 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
     visit, as the forward's ``_attend``.
     """
     b_dk, b_dv = grads.b_dk, grads.b_dv
-    b_k, b_v, dropout = args.b_k, args.b_v, args.dropout
+    b_k, b_v, o_n, dropout = args.b_k, args.b_v, args.o_n, args.dropout
     nq = scoring.nq
     s_scale = scoring.scale * LOG2E if PLAIN else 1.0
     o_d = tl.arange(0, b_k.shape[1])
@@ -121,12 +121,11 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
         else:  # whole query tiles only (``full_query_range``): no compare and select per column
             b_neg_lse2 = tl.load(args.p_neg_lse2 + o_m)
             b_delta = tl.load(args.p_delta + o_m)
-        b_st, b_tt = score_tile(b_k, b_qt, o_m, args.start_n, scoring, MASKED, PLAIN, True)
+        b_st, b_tt = score_tile(b_k, b_qt, o_m, o_n, scoring, MASKED, PLAIN, True)
         b_pt = tl.math.exp2(b_st * s_scale + b_neg_lse2[None, :])
         b_dpt = dot(b_v, tl.trans(b_do))
         b_pt_kept = b_pt
         if dropout.b_seed is not None:
-            o_n = args.start_n + tl.arange(0, b_k.shape[0])
             m_keep = dropout_keep(dropout, o_m[None, :], o_n[:, None])
             b_pt_kept = dropped(b_pt, m_keep, dropout.p)
             b_dpt = dropped(b_dpt, m_keep, dropout.p)
@@ -187,14 +186,14 @@ def attention_backward_dkdv_kernel(
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = Scoring(nq, nk, band, scale, softcap, b_slope, p_mask, stride_mq, stride_mk)
         dropout = Dropout(b_seed, dropout_p, (b * num_heads + h) * seqlen_q, seqlen_k)
-        args = KeyBlock(b_k, b_v, start_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
+        args = KeyBlock(b_k, b_v, o_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
                         Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_neg_lse2, p_delta,
                         dropout)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
             grads = walk_listed(_key_grads, grads, args, span, start_n // blocks.kv_block, b, h, blocks, scoring,
                                 True, BLOCK_M, UPCAST, PLAIN)
         else:  # three walks: without a right window the first is empty, but compiled all the same
-            grads = walk_band(_key_grads, grads, args, span, full, scoring, True, BLOCK_M, UPCAST, PLAIN)
+            grads = walk_band(_key_grads, grads, args, span, full, scoring, True, BLOCK_M, UPCAST, PLAIN, True)
     b_dk = grads.b_dk * scale
     b_dv = grads.b_dv
     o_rows = k0 + o_n[:, None].to(tl.int64)
@@ -219,7 +218,7 @@ def _query_grads(b_dq, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.co
         # With a descriptor, rows past the keys hold another sequence's: they are masked (P = 0).
         b_kt = load_block(args.k, start_n, o_n, scoring.nk, o_d, UPCAST, True)
         b_vt = load_block(args.v, start_n, o_n, scoring.nk, o_dv, UPCAST, True)
-        b_s, b_t = score_tile(b_q, b_kt, o_m, start_n, scoring, MASKED, PLAIN)
+        b_s, b_t = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_p = tl.math.exp2(b_s * s_scale + args.b_neg_lse2[:, None])
         b_dp = dot(b_do, b_vt)
         if dropout.b_seed is not None:

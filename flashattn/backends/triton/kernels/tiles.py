@@ -122,37 +122,27 @@ def dot_acc(a, b, acc):
 
 
 @triton.jit
-def band_mask(i, j_off, j0, nk, band):
-    """True where key ``j0 + j_off`` exists (< nk) and is inside the ``Band`` of query ``i``. ``i`` and the offsets
-    ``j_off`` (``tl.arange``) broadcast to the tile: (rows, 1) and (1, cols), or the other way round for a transposed
-    tile. Rows past the sequence need no mask: nothing reads their results.
-
-    A causal band (open on the left) bounds each query's keys once, relative to the tile's first key ``j0``: one
-    compare per score against an offset the compiler knows, where the difference j - i per score holds absolute key
-    indices in registers (the masked loops of the forward's and dQ's 128 x 128 causal tiles shrink by a quarter).
-    With a left window too, per-query bounds on both sides cost more registers than they save (the sm_90 forward
-    spilled): there the difference serves both compares."""
-    if band.window_left is None and band.window_right is not None:
-        m_keep = j_off <= tl.minimum(i + (band.diagonal + band.window_right), nk - 1) - j0
-    else:
-        j = j0 + j_off
-        m_keep = j < nk
-        b_d = j - i - band.diagonal
-        if band.window_right is not None:
-            m_keep = m_keep & (b_d <= band.window_right)
-        if band.window_left is not None:
-            m_keep = m_keep & (b_d >= -band.window_left)
+def band_mask(i, j, nk, band):
+    """True where key ``j`` exists (< nk) and is inside the ``Band`` of query ``i``. ``i`` and ``j`` broadcast to the
+    tile: (rows, 1) and (1, cols), or the other way round for a transposed tile. Rows past the sequence need no
+    mask: nothing reads their results."""
+    m_keep = j < nk
+    b_d = j - i - band.diagonal
+    if band.window_right is not None:
+        m_keep = m_keep & (b_d <= band.window_right)
+    if band.window_left is not None:
+        m_keep = m_keep & (b_d >= -band.window_left)
     return m_keep
 
 
 @triton.jit
-def score_tile(b_a, b_b, o_m, start_n, scoring, MASKED: tl.constexpr, PLAIN: tl.constexpr,
+def score_tile(b_a, b_b, o_m, o_n, scoring, MASKED: tl.constexpr, PLAIN: tl.constexpr,
                TRANSPOSED: tl.constexpr = False):
     """Scores of q (BLOCK_M, D) against k^T (D, BLOCK_N), or with ``TRANSPOSED`` of k (BLOCK_N, D) against q^T
     (D, BLOCK_M) (S^T, as the dK/dV pass wants it), in log2 units (S log2 e), fp32, -inf where masked, as
     ``scoring`` (a ``Scoring``) says: scale, then softcap, then ALiBi, then the user mask (a uint8 mask is boolean,
     True = may attend, anything else is added), then, on ``MASKED`` tiles, the band and the end of the keys.
-    ``o_m`` are the tile's query indices, ``start_n`` its first key's.
+    ``o_m``/``o_n`` are the tile's query and key indices.
 
     ``PLAIN`` (no softcap, ALiBi or user mask, and a positive scale): the raw q.k is returned unscaled, so the
     caller folds the scale into the exponent's one FFMA: 2^(s * scale log2 e - m).
@@ -160,10 +150,8 @@ def score_tile(b_a, b_b, o_m, start_n, scoring, MASKED: tl.constexpr, PLAIN: tl.
     Returns (scores, t): ``t`` = tanh(S / softcap), which the softcap's gradient needs (the scores themselves
     without softcap: a helper cannot return None under the compiler).
     """
-    o_off = tl.arange(0, b_a.shape[0] if TRANSPOSED else b_b.shape[1])
     i = o_m[None, :] if TRANSPOSED else o_m[:, None]
-    j_off = o_off[:, None] if TRANSPOSED else o_off[None, :]
-    j = start_n + j_off
+    j = o_n[:, None] if TRANSPOSED else o_n[None, :]
     b_s = dot(b_a, b_b)
     b_t = b_s
     if not PLAIN:
@@ -182,7 +170,7 @@ def score_tile(b_a, b_b, o_m, start_n, scoring, MASKED: tl.constexpr, PLAIN: tl.
             else:
                 b_s = b_s + tl.load(p_tile, mask=m_inside, other=0.0).to(tl.float32) * LOG2E
     if MASKED:
-        b_s = tl.where(band_mask(i, j_off, start_n, scoring.nk, scoring.band), b_s, float("-inf"))
+        b_s = tl.where(band_mask(i, j, scoring.nk, scoring.band), b_s, float("-inf"))
     return b_s, b_t
 
 
@@ -316,14 +304,21 @@ def query_range(start_n, nq, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
 
 @triton.jit
 def walk_band(visit: tl.constexpr, carry, args, span, full, scoring, MASK_START: tl.constexpr, BLOCK: tl.constexpr,
-              UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+              UPCAST: tl.constexpr, PLAIN: tl.constexpr, UNMASKED_FIRST: tl.constexpr = False):
     """``visit`` over the tiles of ``span`` cut by the band: [span.lo, full.lo) with the mask, ``full`` (the whole
     tiles, as ``full_key_range``/``full_query_range`` clip them to span) without any mask code, [full.hi, span.hi)
     with the mask. ``MASK_START`` False: no tile before ``full`` needs the mask (the band is open on that side), so
-    the unmasked walk starts at span.lo and the first masked one is not compiled. ``visit`` as ``walk_listed``'s."""
-    lo = full.lo if MASK_START else span.lo
+    the unmasked walk starts at span.lo and the first masked one is not compiled. ``UNMASKED_FIRST``: the unmasked
+    walk runs before the first masked one (any order is exact; which compiles leaner depends on the kernel: dK/dV's
+    unmasked loop after a masked one copied its wgmma descriptors every trip on sm_90, while the forward and dQ
+    spill in some calls with that order). ``visit`` as ``walk_listed``'s."""
+    lo = full.lo
+    if MASK_START and not UNMASKED_FIRST:
+        carry = visit(carry, args, Span(span.lo, full.lo), scoring, BLOCK, UPCAST, True, PLAIN)
+    if not MASK_START:
+        lo = span.lo
     carry = visit(carry, args, Span(lo, full.hi), scoring, BLOCK, UPCAST, False, PLAIN)
-    if MASK_START:  # after the unmasked walk: before it, the compiler holds that walk's wgmma descriptors worse
+    if MASK_START and UNMASKED_FIRST:
         carry = visit(carry, args, Span(span.lo, full.lo), scoring, BLOCK, UPCAST, True, PLAIN)
     return visit(carry, args, Span(full.hi, span.hi), scoring, BLOCK, UPCAST, True, PLAIN)
 
