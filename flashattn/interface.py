@@ -169,7 +169,8 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, block_table: Tensor | None = None,
-    learnable_sink: Tensor | None = None,
+    learnable_sink: Tensor | None = None, *, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed batch of sequences of different lengths, without padding; a drop-in for
     ``flash_attn.flash_attn_varlen_func``.
@@ -185,6 +186,8 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
         block_table: int32 (batch, max_pages_per_seq) for a paged K/V; then ``cu_seqlens_k`` gives each
             sequence's key count, and the call is forward only (inference: no dropout, no gradients, no
             ``return_attn_probs``).
+        q_descale, k_descale, v_descale: FP8 inputs' scales, (batch, nheads_k) float32 per sequence, as in
+            ``flash_attn_func``.
         The other arguments are those of ``flash_attn_func``, applied per sequence (causal aligns each
         sequence's bottom-right corner).
 
@@ -206,7 +209,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_table=block_table, **options,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
     return _flash_result(call, return_attn_probs)
 

@@ -11,14 +11,15 @@ import torch
 
 def attention_ref(
     q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, mask=None,
-    bottom_right=True, dropped=None, dropout_p=0.0, upcast=True, sink=None,
+    bottom_right=True, dropped=None, dropout_p=0.0, upcast=True, sink=None, round_probs=None,
 ):
     """Attention in the flash layout q (B, Nq, H, D), k/v (B, Nk, Hk, D) by the textbook formula.
 
     ``upcast`` computes in float64; otherwise in the inputs' dtype (the same-precision PyTorch baseline).
     ``dropped`` (B, H, Nq, Nk) bool marks weights removed by dropout. ``sink`` (H,): one more score per row, in
-    the denominator only (learnable attention sinks). Returns (out, lse) with out in float64 or
-    the input dtype, rows that see no key giving out 0 and lse -inf.
+    the denominator only (learnable attention sinks). ``round_probs`` (a dtype): P V as an FP8 forward computes it
+    (FlashAttention-3): exp(S - rowmax) rounded to that dtype, divided by the sum of the unrounded values. Returns
+    (out, lse) with out in float64 or the input dtype, rows that see no key giving out 0 and lse -inf.
     """
     dtype = torch.float64 if upcast else q.dtype
     b, nq, h, d = q.shape
@@ -50,6 +51,10 @@ def attention_ref(
         s = torch.cat([s, sink.to(device=q.device, dtype=dtype).view(1, h, 1, 1).expand(*s.shape[:-1], 1)], -1)
     lse = torch.logsumexp(s.to(torch.float64) if not upcast else s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if round_probs is not None:
+        top = s.amax(-1, keepdim=True)
+        e = torch.exp(s - top.masked_fill(top == -math.inf, 0.0))
+        p = (e.to(round_probs).to(dtype) / e.sum(-1, keepdim=True)).nan_to_num(0.0)
     if sink is not None:
         p = p[..., :-1]
     if dropped is not None:

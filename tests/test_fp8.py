@@ -170,9 +170,11 @@ def test_what_fp8_inputs_do_not_go_with():
         flash_attn_func(x, x, x, dropout_p=0.1)
     with pytest.raises(TypeError, match="float16 or bfloat16"):  # an FP8 cache, float32 queries
         flash_attn_with_kvcache(torch.randn(1, 1, 2, 8), x, x)
-    with pytest.raises(TypeError, match="q has dtype torch.float8_e4m3fn; supported dtypes are float16"):
-        cu = torch.tensor([0, 4], dtype=torch.int32)
-        flashattn.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 4, 4)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="dropout_p must be 0 with FP8 inputs"):
+        flashattn.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 4, 4, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, nheads_k\) = \(1, 2\), got \(2, 2\)"):
+        flashattn.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 4, 4, k_descale=torch.ones(2, 2))
     with pytest.raises(TypeError, match="has dtype torch.float8_e4m3fn but q has torch.bfloat16"):
         flash_attn_func(x.bfloat16(), x, x)
 

@@ -128,7 +128,8 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     fp8 = {}
     if spec.descale is not None:  # FP8 keys and values as bytes, widened tile by tile (kv_format: 1 e4m3fn, 2 e5m2)
         fp8 = {"kv_format": 1 if k.dtype == torch.float8_e4m3fn else 2, "v_descale": spec.descale.v}
-        q, k, v = spec.descale.folded_queries(q), k.view(torch.uint8), v.view(torch.uint8)
+        rows = None if spec.varlen is None else spec.varlen.cu_seqlens_q
+        q, k, v = spec.descale.folded_queries(q, rows), k.view(torch.uint8), v.view(torch.uint8)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
     cpu_build.module().forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,

@@ -153,22 +153,44 @@ class Descale:
         """The scales of batch entry ``i`` alone ((1, Hk) each)."""
         return Descale(self.q[i : i + 1], self.k[i : i + 1], self.v[i : i + 1])
 
-    def folded_queries(self, q: Tensor) -> Tensor:
-        """q (B, Nq, H, D) times its descale and k's, per query head of the kv head's group, in q's 16-bit dtype
-        (bfloat16 for FP8 q): what the kernels that widen FP8 keys without scaling them multiply by.
+    def folded_queries(self, q: Tensor, cu_seqlens_q: Tensor | None = None) -> Tensor:
+        """q (B, Nq, H, D), or packed (total_q, H, D) with its offsets, times its descale and k's, per query head of
+        the kv head's group, in q's 16-bit dtype (bfloat16 for FP8 q): what the kernels that widen FP8 keys without
+        scaling them multiply by.
 
             >>> one = torch.ones(1, 1)
             >>> Descale(one, 2 * one, one).folded_queries(torch.ones(1, 1, 2, 4, dtype=torch.float16)).flatten()[0]
             tensor(2., dtype=torch.float16)
         """
-        group = q.shape[2] // self.k.shape[1]
-        factor = (self.q * self.k).repeat_interleave(group, 1)[:, None, :, None]
+        factor = _per_row(self.q * self.k, q, cu_seqlens_q)
         return (q.float() * factor).to(output_dtype(q.dtype))
 
-    def scale_values(self, out: Tensor, dtype: torch.dtype) -> Tensor:
-        """out (B, Nq, H, Dv), computed with unscaled FP8 values, times v's descale per query head, in ``dtype``."""
-        group = out.shape[2] // self.v.shape[1]
-        return (out.float() * self.v.repeat_interleave(group, 1)[:, None, :, None]).to(dtype)
+    def score_scales(self) -> Tensor:
+        """(B, Hk) float32, contiguous: q's descale times k's, what multiplies the scores of FP8 q and k multiplied
+        as they are (on FP8 tensor cores).
+
+            >>> one = torch.ones(1, 1)
+            >>> Descale(2 * one, 3 * one, one).score_scales()
+            tensor([[6.]])
+        """
+        return (self.q * self.k).float().contiguous()
+
+    def scale_values(self, out: Tensor, dtype: torch.dtype, cu_seqlens_q: Tensor | None = None) -> Tensor:
+        """out (B, Nq, H, Dv), or packed (total_q, H, Dv) with its offsets, computed with unscaled FP8 values, times
+        v's descale per query head, in ``dtype``."""
+        return (out.float() * _per_row(self.v, out, cu_seqlens_q)).to(dtype)
+
+
+def _per_row(scales: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """(B, Hk) ``scales`` repeated to the query heads of ``x`` (B, N, H, D) and shaped to multiply it; for a packed
+    x (total, H, D), each row takes its sequence's (``cu_seqlens``: the B + 1 offsets; rows past the last one, which
+    no sequence owns, take the last sequence's)."""
+    per_head = scales.float().repeat_interleave(x.shape[-2] // scales.shape[1], 1)
+    if x.dim() == 4:
+        return per_head[:, None, :, None]
+    rows = torch.arange(x.shape[0], device=x.device)
+    owner = torch.searchsorted(cu_seqlens[1:].to(rows.dtype), rows, right=True).clamp_max(scales.shape[0] - 1)
+    return per_head[owner][:, :, None]
 
 
 @dataclass(frozen=True, eq=False)

@@ -157,7 +157,13 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
     else:
         lengths_k = check_varlen_values(fn, cu_q, cu_k, None, sizes)
     batch = cu_q.numel() - 1
+    given = {n: arguments.pop(n, None) for n in ("q_descale", "k_descale", "v_descale")}
     spec = flash_options(fn, q, batch=batch, **arguments)
+    scales = fp8.descale(fn, inputs=dict(zip(names, (q, k, v), strict=True)), given=given, batch=batch,
+                         nheads_k=k.shape[-2])
+    if scales is not None:
+        fp8.validate_fp8_forward(fn, q, **arguments)
+        spec = dataclasses.replace(spec, descale=scales)
     if paged:
         if spec.dropout_p > 0 or validate_flag(fn, "return_attn_probs", arguments["return_attn_probs"]):
             raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0 and "
@@ -179,7 +185,7 @@ def _packed_layout(fn: str, q, k, v, *, names, paged: bool) -> tuple[torch.Tenso
                "block_table is given" if paged else "(total_k, nheads_k, headdim)")
     for name, t, layout, ndim in zip(names, (q, k, v), (layouts[0], layouts[1], layouts[1]), (3, 3 + paged, 3 + paged),
                                      strict=True):
-        validate_tensor(fn, name, t, ndim, layout)
+        validate_tensor(fn, name, t, ndim, layout, fp8=True)
     # The dense checks on a batch of one: same heads, head dims, dtypes and devices rules.
     flash_layout(fn, q[None], k[:1] if paged else k[None], v[:1] if paged else v[None], names)
     return q, k, v

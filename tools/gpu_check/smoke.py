@@ -5,8 +5,9 @@ outputs poisoned first, each result judged against float64 by the same-precision
 Kernels: ``fwd+bwd`` (forward, then dK/dV and dQ), ``dropout`` (the same with dropout, its mask read from the torch
 path at the same seed), ``block-mask`` (the three kernels walking a FlexAttention ``BlockMask`` of documents),
 ``decode`` (one query token against a KV cache of uneven lengths), ``split-kv`` (the same split in four and merged)
-and ``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries). Shapes are odd on purpose (173
-queries, 251 keys, GQA 4:2), so every tile edge is crossed.
+``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries) and ``fp8-matmul`` (q, k, v in
+e4m3fn: FP8 tensor-core matmuls with P rounded, judged against float64 with P rounded alike). Shapes are odd on
+purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
 
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
 error names the case that caused it, and the worker restarts with a fresh CUDA context) or ``declined`` (the
@@ -34,7 +35,8 @@ from pathlib import Path
 
 from .plan import ROOT, TESTS
 
-KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache")
+KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul")
+FP8_ONCE = {"fp8-matmul": "bfloat16"}  # cases whose inputs are FP8 whatever the dtype: run under this one only
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (128, 64, 256)
 RESTARTS = 3  # per worker, after a fault that may have broken its CUDA context
@@ -71,7 +73,8 @@ def cases(tiny: bool) -> list[Case]:
     """Most used first (bf16, d=128), so the first results to come back are the ones that matter most."""
     dtypes, dims = (("float32", "bfloat16"), (16,)) if tiny else (DTYPES, HEAD_DIMS)
     return [Case(kernel, dtype, d, causal) for dtype in dtypes for d in dims for causal in (True, False)
-            for kernel in KERNELS if not (kernel == "fp8-cache" and dtype == "float32")]  # 16-bit q reads FP8
+            for kernel in KERNELS if not (kernel == "fp8-cache" and dtype == "float32")  # 16-bit q reads FP8
+            and FP8_ONCE.get(kernel, dtype) == dtype]
 
 
 @contextmanager
@@ -227,10 +230,37 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int, fp8_cache:
     return {"out": float(f"{worst:.3g}")}
 
 
+def check_fp8_matmul(case: Case, sizes: Sizes, device: str) -> dict:
+    """FlashAttention-3's FP8 forward: q, k, v quantized to e4m3fn with (batch, nheads_k) descales, multiplied in
+    FP8 where the GPU has FP8 tensor cores (P rounded to e4m3), judged against float64 over the dequantized values
+    with a float64 computation that rounds P alike as the baseline (the widening paths meet it with room)."""
+    import torch
+
+    import flashattn
+
+    scales = [torch.rand(sizes.batch, sizes.heads_k, device=device) + 0.5 for _ in range(3)]
+
+    def per_head(s, x):
+        return s.double().repeat_interleave(x.shape[2] // sizes.heads_k, 1)[:, None, :, None]
+
+    fp8 = [(x.detach().double() / per_head(s, x)).to(torch.float8_e4m3fn)
+           for x, s in zip(_inputs(case, sizes, device), scales, strict=True)]
+    wide = [x.double() * per_head(s, x) for x, s in zip(fp8, scales, strict=True)]
+    with poisoned():
+        out = flashattn.flash_attn_func(*fp8, causal=case.causal, q_descale=scales[0], k_descale=scales[1],
+                                        v_descale=scales[2])
+    oracle = _oracle()
+    ref, _ = oracle.attention_ref(*wide, causal=case.causal)
+    rounded, _ = oracle.attention_ref(*wide, causal=case.causal, round_probs=torch.float8_e4m3fn)
+    oracle.assert_close("out", out, ref, rounded)
+    return {"out": float(f"{oracle.max_err(out, ref):.3g}")}
+
+
 CHECKS = {"fwd+bwd": check_fwd_bwd, "dropout": check_dropout, "block-mask": check_block_mask,
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),
-          "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True)}
+          "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True),
+          "fp8-matmul": check_fp8_matmul}
 
 
 def run_case(case: Case, sizes: Sizes, device: str) -> dict:

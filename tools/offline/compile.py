@@ -29,7 +29,7 @@ from triton.runtime import driver
 from flashattn.backends.triton.families import ARCHITECTURES, CHECKED_OFFLINE, Arch, family, vendor
 from flashattn.backends.triton.launch import Compiled, compile_only
 
-from .sass import Sass
+from .sass import MMA_SYNC, WGMMA, Sass
 
 # The architectures the health report compiles for, and the opt-in shared memory per block of each.
 TARGETS = CHECKED_OFFLINE
@@ -134,8 +134,8 @@ class KernelCounts:
     spill_bytes: int  # stack frame and local memory: register spills, or a subroutine call's saved registers
     loop_spills: int  # local-memory loads and stores inside loops (``Sass.spills_in_loops``)
     shared_bytes: int
-    hgmma: int  # wgmma instructions
-    hmma: int  # mma.sync instructions (Turing/Ampere/Ada/consumer Blackwell; on sm_90/100 a matmul that missed)
+    hgmma: int  # wgmma instructions (HGMMA, QGMMA for FP8 operands)
+    hmma: int  # mma.sync instructions, HMMA or QMMA (FP8) (Turing to Blackwell; on sm_90/100 a matmul that missed)
     tcgen05: int  # sm_100's tensor-core instructions (UTC*MMA, from tcgen05.mma)
     hgmma_groups: int
     hgmma_waited_at_once: int  # groups retired within a few instructions of their issue: no overlap
@@ -182,7 +182,7 @@ def kernel_counts(launch: Compiled) -> KernelCounts:
     length = loop.length if loop else 0
     return KernelCounts(
         block_m, block_n, warps, kernel.metadata.num_stages, report.registers, report.spill_bytes,
-        sass.spills_in_loops(), kernel.metadata.shared, sass.count("HGMMA"), sass.count("HMMA"),
+        sass.spills_in_loops(), kernel.metadata.shared, sass.count(WGMMA), sass.count(MMA_SYNC),
         sass.count_tcgen05(), sass.hgmma_groups(),
         sass.hgmma_waited_at_once(), sass.count("UTMALDG"), length, round(length * warps / (block_m * block_n), 3),
     )

@@ -3,9 +3,10 @@
 What the health report measures from it, per kernel:
 
 - **main loop**: the innermost loop (a backward branch) that holds tensor-core instructions (HGMMA on sm_90,
-  UTC*MMA on sm_100, HMMA otherwise), the leanest one when several do (the unmasked path of a kernel that splits
-  its loop into an unmasked and a masked part); its length in instructions, and that length times the warps of a
-  program divided by the score elements one trip computes: warp-instructions per score element;
+  UTC*MMA on sm_100, HMMA otherwise; QGMMA and QMMA for FP8 operands), the leanest one when several do (the
+  unmasked path of a kernel that splits its loop into an unmasked and a masked part); its length in instructions,
+  and that length times the warps of a program divided by the score elements one trip computes: warp-instructions
+  per score element;
 - **HGMMA**: how many wgmma instructions, in how many groups (a group ends with one that signals ``gsb0``), and
   how many groups are waited on at once (``WARPGROUP.DEPBAR.LE gsb0, 0x0`` within a few instructions of the
   group: no other work overlaps that matmul);
@@ -39,6 +40,8 @@ WAITED_AT_ONCE = 8  # a group retired within this many instructions of its issue
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 _TCGEN05 = re.compile(r"UTC[A-Z]?MMA")
+WGMMA = ("HGMMA", "QGMMA")  # sm_90's wgmma: 16-bit (and tf32) operands, FP8 operands
+MMA_SYNC = ("HMMA", "QMMA")  # mma.sync: 16-bit (and tf32) operands, FP8 operands (sm_89 and sm_120)
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,8 @@ class Sass:
         loops = self.loops()
         return [a for a in loops if not any(a.contains(b) for b in loops)]
 
-    def count(self, prefix: str, loop: Loop | None = None) -> int:
-        """Instructions whose opcode starts with ``prefix`` (in ``loop``, or anywhere)."""
+    def count(self, prefix: str | tuple[str, ...], loop: Loop | None = None) -> int:
+        """Instructions whose opcode starts with ``prefix`` (or one of several; in ``loop``, or anywhere)."""
         body = self.instructions if loop is None else self.instructions[loop.start : loop.end + 1]
         return sum(ins.opcode.startswith(prefix) for ins in body)
 
@@ -120,18 +123,18 @@ class Sass:
     def main_loop(self) -> Loop | None:
         """The leanest innermost loop with tensor-core instructions (see the module docstring)."""
         mma = [loop for loop in self.innermost_loops()
-               if self.count("HGMMA", loop) or self.count("HMMA", loop) or self.count_tcgen05(loop)]
+               if self.count(WGMMA, loop) or self.count(MMA_SYNC, loop) or self.count_tcgen05(loop)]
         return min(mma, key=lambda loop: loop.length, default=None)
 
     def hgmma_groups(self) -> int:
-        return sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in self.instructions)
+        return sum(ins.opcode.startswith(WGMMA) and "gsb0" in ins.operands for ins in self.instructions)
 
     def hgmma_overlap(self) -> list[int]:
         """For each HGMMA group, how many instructions run between its last HGMMA and the wait that retires every
         group in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``): the work that overlaps the matmul."""
         gaps, pending = [], []
         for i, ins in enumerate(self.instructions):
-            if ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands:
+            if ins.opcode.startswith(WGMMA) and "gsb0" in ins.operands:
                 pending.append(i)
             elif ins.opcode == "WARPGROUP.DEPBAR.LE" and ins.operands.replace(" ", "") == "gsb0,0x0":
                 gaps += [i - p - 1 for p in pending]

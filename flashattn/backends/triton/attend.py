@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from ..spec import AttentionSpec, Saved
-from . import NAME, configs
+from ..spec import AttentionSpec, Saved, output_dtype
+from . import NAME, configs, interpreting
 from .fit import launch_fitting
 from .kernels import (
     attention_backward_dkdv_kernel,
@@ -36,6 +36,7 @@ from .launch import (
     sparse_blocks,
     sparse_tiles,
     split_count,
+    target_arch,
 )
 
 __all__ = ["NAME", "backward", "forward"]
@@ -43,12 +44,17 @@ __all__ = ["NAME", "backward", "forward"]
 
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """Same contract as every path's forward (``flashattn.backends.Backend``): (out, lse, probs), keys dense,
-    packed or cached. FP8 keys and values (``spec.descale``): the kernel widens each tile to q's dtype (``_attend``
-    in kernels/forward.py); k's descale is folded into q (``Descale.folded_queries``), and v's scales the fp32
-    output, rounded once."""
+    packed or cached. FP8 inputs (``spec.descale``): q, k and v all float8_e4m3fn on FP8 tensor cores are
+    multiplied as they are (FlashAttention-3's FP8 forward, ``fp8_matmuls``): q's and k's descales scale the
+    scores (``Descale.score_scales``) and P is rounded to FP8 for P V. Otherwise the kernel widens FP8 keys and
+    values to q's 16-bit dtype tile by tile (``_attend`` in kernels/forward.py), k's descale folded into q
+    (``Descale.folded_queries``). v's descale scales the fp32 output, rounded once."""
     scales = spec.descale
-    if scales is not None:
-        q, spec = scales.folded_queries(q), dataclasses.replace(spec, descale=None)
+    rows = None if spec.varlen is None else spec.varlen.cu_seqlens_q  # a packed q: each row's sequence's scales
+    if scales is not None and not fp8_matmuls(q, k, v, spec):
+        q, spec = scales.folded_queries(q, rows), dataclasses.replace(spec, descale=None)
+    elif scales is not None and spec.cache is None:
+        v = keys_contiguous(v)
     shape = CallShape(q, k, v, spec)
     out = empty(shape.out_shape, q.dtype if scales is None else torch.float32, q.device)
     lse = torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device)
@@ -60,8 +66,40 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
         out.zero_()
     else:
         _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
-    out = as_dtype(out, q.dtype) if scales is None else scales.scale_values(out, q.dtype)
+    out = as_dtype(out, q.dtype) if scales is None else scales.scale_values(out, output_dtype(q.dtype), rows)
     return out, lse, as_dtype(probs, q.dtype)
+
+
+def keys_contiguous(v: torch.Tensor) -> torch.Tensor:
+    """v (B, Nk, Hk, D), or packed (total, Hk, D), copied so that its keys are contiguous: the same tensor with
+    other strides. An FP8 matmul takes its operands with the k dimension contiguous only, and P V's is the keys: one
+    pass over v here spares the kernel a transpose through shared memory in every tile (sm_90: 64 STS and 64 PRMT
+    a trip). A KV cache is left as it is (a decode step would copy the whole cache).
+
+        >>> keys_contiguous(torch.zeros(2, 5, 3, 4)).stride()
+        (60, 1, 20, 5)
+    """
+    order = (0, 2, 3, 1) if v.dim() == 4 else (1, 2, 0)
+    return v.permute(order).contiguous().permute(tuple(order.index(i) for i in range(v.dim())))
+
+
+FP8_MATMUL_K = 32  # an FP8 tensor-core matmul's k step: the head dims and the key tiles must reach it
+
+
+def fp8_matmuls(q, k, v, spec: AttentionSpec) -> bool:
+    """Whether the forward multiplies FP8 q, k and v as they are, on FP8 tensor cores: all three float8_e4m3fn
+    (e5m2 would round P to 2 mantissa bits), NVIDIA sm_89 or newer (or the interpreter), padded head dims and the
+    forward's and decode's key tiles of ``FP8_MATMUL_K`` or more."""
+    if not q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn:
+        return False
+    arch = target_arch()
+    if not interpreting() and (not isinstance(arch, int) or arch < 89):
+        return False
+    shape = CallShape(q, k, v, spec)
+    if min(configs.padded_head_dim(shape.d), configs.padded_head_dim(shape.dv)) < FP8_MATMUL_K:
+        return False
+    heavy = spec.attn_mask is not None
+    return all(config(kernel, q, shape, spec, heavy=heavy).block_n >= FP8_MATMUL_K for kernel in ("forward", "decode"))
 
 
 def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:

@@ -312,7 +312,7 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
     """Every argument of ``attention_forward_kernel`` but the tile sizes and ``split_keys``. ``targets`` = (out,
     lse, probs or None) with split stride 0, or the split workspaces (splits, batch, rows, heads, dv) and (splits,
     batch, heads, rows) of a split-KV launch, whose batch stride is 0 for a packed q (rows are found through the
-    offsets)."""
+    offsets). FP8 q and k multiplied as they are keep ``spec.descale``: the kernel scales their scores."""
     out, lse, probs = targets
     split = out.shape != shape.out_shape
     if split:
@@ -324,6 +324,7 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
         out_strides, lse_strides = {"stride_os": 0, **rows.out}, {"stride_ls": 0, **rows.lse}
     return dict(
         q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=shape.cu_seqlens_q, **shape.keys,
+        descale=None if spec.descale is None else spec.descale.score_scales(),
         **rows.sink(None if split else spec.sink), blocks=sparse_blocks(spec, by_keys=False),
         **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
         **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),

@@ -90,7 +90,7 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
         # FP8 keys and values (a KV cache) are widened to q's dtype in registers, tile by tile: exact, and free
         # (no instruction) when they already have it.
         b_kt, b_v = b_kt.to(b_q.dtype), b_v.to(b_q.dtype)
-        b_s, _ = score_tile(b_q, b_kt, o_m, start_n, scoring, MASKED, PLAIN)
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * s_scale)  # PLAIN: raw q.k, whose max scales with the scale
         b_m_use = b_m_new
         if MASKED or scoring.p_mask is not None:
@@ -108,8 +108,8 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
 
 @triton.jit
 def attention_forward_kernel(
-    q, k, v, out, lse, probs, alibi, mask, seed, sink, blocks, cu_seqlens_q, cu_seqlens_k, k_start, k_end, k_batch,
-    block_table, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
+    q, k, v, out, lse, probs, descale, alibi, mask, seed, sink, blocks, cu_seqlens_q, cu_seqlens_k, k_start, k_end,
+    k_batch, block_table, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -132,7 +132,9 @@ def attention_forward_kernel(
     split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs`` (None unless asked for) receives P = exp(S -
     lse), dropped entries negated: a testing aid, never with a cache or splits. ``sink`` (None without): the learnable
     sink logit of query head ``h * stride_sh + row * stride_sm`` joins the denominator in the epilogue (never with
-    splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``BlockLists``).
+    splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``BlockLists``). ``descale`` (None
+    without): (B, Hk), what multiplies the scores of FP8 q and k multiplied as they are; P is then rounded to v's
+    FP8 type for P V, as FlashAttention-3 does.
     ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
     ``*_desc`` are TMA descriptors (None: pointer loads), ``*_tma`` where a head's rows are in them
     (``tiles.tma_origin``, ``flashattn.backends.triton.tma``).
@@ -142,6 +144,8 @@ def attention_forward_kernel(
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     hk = h // group_size
+    if descale is not None:
+        scale = scale * tl.load(descale + b * (num_heads // group_size) + hk)
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k)
     kb = tl.load(k_batch + b).to(tl.int64) if k_batch is not None else b
     band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
@@ -229,7 +233,7 @@ def _store_probs(b_lse2, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.
     for start_n in range(span.lo, span.hi, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_kt = load_block(args.k, start_n, o_n, scoring.nk, o_d, UPCAST, True)
-        b_s, _ = score_tile(b_q, b_kt, o_m, start_n, scoring, MASKED, PLAIN)
+        b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_p = tl.math.exp2(b_s - b_lse2[:, None])
         if dropout.b_seed is not None:
             b_p = tl.where(dropout_keep(dropout, o_m[:, None], o_n[None, :]), b_p, -b_p)
