@@ -283,3 +283,25 @@ def test_the_triton_kernels_read_fp8_caches_compiled_for_hopper():
     assert len(rows) == 2, done.stderr[-3000:]
     for dtype, nq, spills, matmuls in rows:
         assert int(spills) == 0 and int(matmuls) > 0, (dtype, nq, spills, matmuls)
+
+
+@pytest.mark.skipif(not cpu_build.status()[0], reason="the C++ CPU kernel is not built here")
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_fp8_prefill_on_the_cpu_widens_keys_once(dtype, monkeypatch):
+    """A prefill long enough for several query blocks per kv head hands the C++ kernel its FP8 keys and values
+    widened whole, once (not once per block and tile), and FP8 queries widened by its own code; the result keeps
+    the bf16 rule."""
+    torch.manual_seed(5)
+    b, n, h, hk, d = 1, 300, 4, 2, 64
+    scales = [torch.rand(b, hk) + 0.25 for _ in range(3)]
+    q, k, v = (_quantized(torch.randn(b, n, heads, d), s, dtype) for heads, s in ((h, scales[0]), (hk, scales[1]),
+                                                                                  (hk, scales[2])))
+    calls = []
+    monkeypatch.setattr(cpu_build.module(), "forward", _counting(cpu_build.module().forward, calls), raising=False)
+    with flashattn.use_backend("cpu"):
+        out = flash_attn_func(q, k, v, causal=True, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+    assert calls and not any(calls)  # 16-bit keys and values reached the kernel (kv_format 0)
+    wide = [_dequantized(t, s) for t, s in zip((q, k, v), scales, strict=True)]
+    truth = _reference(*wide, causal=True)
+    baseline = _error(_reference(*(t.bfloat16() for t in wide), causal=True, dtype=torch.bfloat16), truth)
+    assert _error(out, truth) <= 2 * baseline, (_error(out, truth), baseline)

@@ -162,8 +162,12 @@ class Descale:
             >>> Descale(one, 2 * one, one).folded_queries(torch.ones(1, 1, 2, 4, dtype=torch.float16)).flatten()[0]
             tensor(2., dtype=torch.float16)
         """
-        factor = _per_row(self.q * self.k, q, cu_seqlens_q)
-        return (q.float() * factor).to(output_dtype(q.dtype))
+        return (q.float() * self.query_factors(q, cu_seqlens_q)[..., None]).to(output_dtype(q.dtype))
+
+    def query_factors(self, q: Tensor, cu_seqlens_q: Tensor | None = None) -> Tensor:
+        """q's descale times k's for every (row, head) of q (B, Nq, H, D) or packed (total_q, H, D): q.shape[:-1],
+        float32, contiguous."""
+        return _per_row(self.q * self.k, q, cu_seqlens_q)[..., 0].expand(q.shape[:-1]).contiguous()
 
     def score_scales(self) -> Tensor:
         """(B, Hk) float32, contiguous: q's descale times k's, what multiplies the scores of FP8 q and k multiplied
