@@ -23,7 +23,18 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import ceilings, options, report
-from .measure import COMPILED, FORWARD_ONLY, IMPLEMENTATIONS, MODES, OURS, OURS_CUDA, Case, measure, run_here
+from .measure import (
+    COMPILED,
+    FORWARD_ONLY,
+    IMPLEMENTATIONS,
+    MODES,
+    OURS,
+    OURS_CUDA,
+    OURS_FP8,
+    Case,
+    measure,
+    run_here,
+)
 
 HELP = "sweep our attention against every baseline on this machine (TFLOP/s, time, memory)"
 CUDA_BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex", "plain")
@@ -119,7 +130,7 @@ def add_ratios(rows: list[dict]) -> None:
     """On each of our rows: ``best_baseline``, its TFLOP/s, and ``speedup`` = ours / best (> 1: we are faster)."""
     measured = [r for r in rows if r.get("tflops")]
     for ours in (r for r in measured if r["impl"] == OURS):
-        rivals = [r for r in measured if r["impl"] not in (OURS, OURS_CUDA) and _point(r) == _point(ours)]
+        rivals = [r for r in measured if r["impl"] not in (OURS, OURS_CUDA, OURS_FP8) and _point(r) == _point(ours)]
         if rivals:
             best = max(rivals, key=lambda r: r["tflops"])
             ours.update(best_baseline=best["impl"], best_baseline_tflops=best["tflops"],

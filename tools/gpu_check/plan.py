@@ -7,7 +7,8 @@
 3. ``tests``: the GPU test files on the Triton path (``FLASHATTN_TEST_PATHS=triton``).
 4. ``headline``: bf16 forward and forward + backward at 8k tokens per sequence, 16k per batch, head dims 64 and 128,
    causal or not, against SDPA's flash, cuDNN and efficient backends and compiled FlexAttention (compiled last,
-   so a cut-off run keeps the rest); the device's matmul rate and copy bandwidth measured in the same run.
+   so a cut-off run keeps the rest), and our forward on FP8 inputs beside it; the device's matmul rate and copy
+   bandwidth measured in the same run.
 5. ``decode`` (against copy bandwidth) and ``block-mask`` (against varlen and a dense mask).
 6. Whatever time remains: the CUDA C++ kernel, its tests, and the wide sweeps.
 """
@@ -67,8 +68,8 @@ def full(jobs: int) -> list[Step]:
         Step("smoke", ["tools.gpu_check.smoke", "--out", "{out}", "--jobs", str(jobs)], 0.25, 30),
         Step("tests", _pytest("{out}", GPU_TESTS, min(jobs, 12), "tests.xml"), 0.35, 45, env=tests_env),
         Step("headline", [*bench, "sweep", "--seqlens", "8192", "--headdims", "64,128", "--modes", "fwd,fwd+bwd",
-                          "--baselines", SDPA_BASELINES, "--tokens", "16384", "--repeats", "20", "--ceilings",
-                          "--quiet", "--out", "{out}", "--name", "headline"], 0.3, 30),
+                          "--baselines", f"{SDPA_BASELINES},flashattn-fp8", "--tokens", "16384", "--repeats", "20",
+                          "--ceilings", "--quiet", "--out", "{out}", "--name", "headline"], 0.3, 30),
         Step("decode", [*bench, "decode", "--batches", "1,16", "--cache-lens", "4096,65536", "--repeats", "20",
                         "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),
         Step("block-mask", [*bench, "block-mask", "--seqlens", "16384", "--dtype", "bfloat16", "--repeats", "10",
