@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import oracle
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,8 @@ def test_fp8_forward_matches_float64_on_the_dequantized_values(dtype, causal, pa
     wide = [_dequantized(t, s) for t, s in zip((q, k, v), scales, strict=True)]
     truth = _reference(*wide, causal=causal)
     baseline = _error(_reference(*(t.bfloat16() for t in wide), causal=causal, dtype=torch.bfloat16), truth)
+    if path == "triton" and dtype == torch.float8_e4m3fn:  # FP8 matmuls, P rounded: tests/test_fp8_matmuls.py
+        baseline = _error(oracle.attention_ref(*wide, causal=causal, round_probs=dtype)[0], truth)
     assert _error(out, truth) <= 2 * baseline, (_error(out, truth), baseline)
 
 
@@ -256,22 +259,24 @@ import sys, torch
 from flashattn.backends.spec import AttentionSpec, Descale, KeyCache
 from flashattn.backends.triton import attend
 from tools.offline.compile import compiled_launches, kernel_counts
-for dtype, nq in ((torch.float8_e4m3fn, 1), (torch.float8_e5m2, 256)):
+for arch, dtype, nq in ((90, torch.float8_e4m3fn, 1), (90, torch.float8_e5m2, 256), (80, torch.float8_e4m3fn, 1),
+                        (80, torch.float8_e4m3fn, 256)):
     q, cache, ones = torch.empty(2, nq, 32, 128, dtype=torch.bfloat16), torch.empty(2, 4096, 8, 128, dtype=dtype), \\
         torch.ones(2, 8)
     cached = KeyCache(torch.zeros(2, dtype=torch.int32), torch.full((2,), 4096, dtype=torch.int32), 4096)
     spec = AttentionSpec(scale=0.088, window_right=0, cache=cached, descale=Descale(ones, ones, ones))
-    for launch in compiled_launches(90, lambda: attend.forward(q, cache, cache, spec)):
+    for launch in compiled_launches(arch, lambda: attend.forward(q, cache, cache, spec)):
         if launch.name == "attention_forward_kernel":
             c = kernel_counts(launch)
-            print(dtype, nq, c.spill_bytes, c.hgmma + c.hmma)
+            print(arch, dtype, nq, c.spill_bytes, c.hgmma + c.hmma)
 """
 
 
 @pytest.mark.skipif(TRITON_MISSING is not None, reason=TRITON_MISSING or "")
-def test_the_triton_kernels_read_fp8_caches_compiled_for_hopper():
-    """Compiled offline for sm_90 through the real launcher: a decode step on an e4m3fn cache and a prefill chunk
-    on an e5m2 one, each widening its tiles in registers, without spills and on the tensor cores."""
+def test_the_triton_kernels_read_fp8_caches_compiled_for_hopper_and_ampere():
+    """Compiled offline through the real launcher: for sm_90 a decode step on an e4m3fn cache and a prefill chunk
+    on an e5m2 one, for sm_80 (no e4m3fn conversion in Triton: bytes widened by integer code) a decode step and a
+    prefill chunk on e4m3fn ones; each widening its tiles in registers, without spills and on the tensor cores."""
     import subprocess
     import sys
     from pathlib import Path
@@ -280,9 +285,9 @@ def test_the_triton_kernels_read_fp8_caches_compiled_for_hopper():
     done = subprocess.run([sys.executable, "-c", FP8_COMPILE], capture_output=True, text=True, env=env, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
     rows = [line.split() for line in done.stdout.splitlines()]
-    assert len(rows) == 2, done.stderr[-3000:]
-    for dtype, nq, spills, matmuls in rows:
-        assert int(spills) == 0 and int(matmuls) > 0, (dtype, nq, spills, matmuls)
+    assert len(rows) == 4, done.stderr[-3000:]
+    for arch, dtype, nq, spills, matmuls in rows:
+        assert int(spills) == 0 and int(matmuls) > 0, (arch, dtype, nq, spills, matmuls)
 
 
 @pytest.mark.skipif(not cpu_build.status()[0], reason="the C++ CPU kernel is not built here")
@@ -305,3 +310,52 @@ def test_fp8_prefill_on_the_cpu_widens_keys_once(dtype, monkeypatch):
     truth = _reference(*wide, causal=True)
     baseline = _error(_reference(*(t.bfloat16() for t in wide), causal=True, dtype=torch.bfloat16), truth)
     assert _error(out, truth) <= 2 * baseline, (_error(out, truth), baseline)
+
+
+def _widen_kernel():
+    """A kernel storing ``tiles.widened`` of a uint8 vector as bf16 (jit functions resolve names at module scope)."""
+    import triton
+    import triton.language as tl
+
+    from flashattn.backends.triton.kernels import tiles
+
+    globals()["widened"] = tiles.widened
+
+    @triton.jit
+    def widen_kernel(src, dst, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(dst + o, widened(tl.load(src + o), tl.bfloat16))  # noqa: F821 (bound above, at module scope)
+
+    return widen_kernel
+
+
+@pytest.mark.skipif(TRITON_MISSING is not None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason=TRITON_MISSING or "TRITON_INTERPRET is not set")
+def test_the_triton_kernels_widen_e4m3fn_bytes_exactly_where_triton_cannot():
+    """Before sm_89 Triton has no float8_e4m3fn conversion: the kernels read such caches as bytes and widen them with
+    integer code (``tiles.widened``), exactly: every one of the 256 bytes, and a decode step equal to the native
+    conversion's to the bit."""
+    from flashattn.backends.triton import attend
+
+    widen_kernel = _widen_kernel()
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256, dtype=torch.bfloat16)
+    widen_kernel[(1,)](every, out, N=256)
+    want = every.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(out.isnan(), want.isnan()) and int(out.isnan().sum()) == 2
+    assert torch.equal(out[~out.isnan()], want[~want.isnan()])
+
+    torch.manual_seed(2)
+    k_cache, v_cache = (_quantized(torch.randn(2, 96, 2, 64), torch.ones(2, 2), FP8[0]) for _ in range(2))
+    q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+    kwargs = {"cache_seqlens": torch.tensor([70, 96], dtype=torch.int32), "k_descale": torch.rand(2, 2) + 0.5,
+              "v_descale": torch.rand(2, 2) + 0.5}
+    with flashattn.use_backend("triton"):
+        native = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+        attend_e4m3 = attend.e4m3_as_bytes
+        try:
+            attend.e4m3_as_bytes = lambda: True
+            as_bytes = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+        finally:
+            attend.e4m3_as_bytes = attend_e4m3
+    assert torch.equal(native, as_bytes)

@@ -36,7 +36,6 @@ class Request(NamedTuple):
         mask_blocks: a block mask's (query, key) block sizes; None without one.
         mask_grad: the gradient of an additive ``attn_mask`` will be asked for.
         grad: a gradient of q, k or v will be asked for (a backward follows).
-        key_dtype: k's dtype (an FP8 KV cache's differs from q's).
     """
 
     device: str
@@ -47,7 +46,6 @@ class Request(NamedTuple):
     mask_blocks: tuple[int, int] | None = None
     mask_grad: bool = False
     grad: bool = False
-    key_dtype: torch.dtype | None = None
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False) -> Request:
@@ -68,7 +66,7 @@ class Request(NamedTuple):
             features=tuple(name for name in FEATURES if used[name]),
             mask_blocks=None if blocks is None else (blocks.q_block, blocks.kv_block),
             mask_grad=grad_enabled and mask is not None and mask.dtype != torch.bool and mask.requires_grad,
-            grad=grad_enabled and any(t.requires_grad for t in (q, k, v)), key_dtype=k.dtype,
+            grad=grad_enabled and any(t.requires_grad for t in (q, k, v)),
         )
 
     def uses(self, feature: str) -> bool:

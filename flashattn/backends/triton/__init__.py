@@ -92,17 +92,7 @@ def serves(request: Request) -> str | None:
     if request.uses("fp8") and request.uses("return_attn_probs"):
         return "it does not return the probabilities of FP8 inputs"
     if request.device == "cuda" and not interpreting():
-        return _fp8_declines(request) or _family_declines(request, _gpu_family(torch.cuda.current_device()))
-    return None
-
-
-def _fp8_declines(request: Request) -> str | None:
-    """Triton converts e4m3fn from sm_89 (Ada) on only: older NVIDIA GPUs leave such caches to the torch path."""
-    if request.key_dtype != torch.float8_e4m3fn or torch.version.hip:
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return f"Triton reads float8_e4m3fn on sm_89 and newer, this GPU is sm_{major}{minor}"
+        return _family_declines(request, _gpu_family(torch.cuda.current_device()))
     return None
 
 

@@ -55,6 +55,8 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
         q, spec = scales.folded_queries(q, rows), dataclasses.replace(spec, descale=None)
     elif scales is not None and spec.cache is None:
         v = keys_contiguous(v)
+    if k.dtype == torch.float8_e4m3fn and e4m3_as_bytes():
+        k, v = k.view(torch.uint8), v.view(torch.uint8)  # widened by the kernel's integer code (tiles.widened)
     shape = CallShape(q, k, v, spec)
     out = empty(shape.out_shape, q.dtype if scales is None else torch.float32, q.device)
     lse = torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device)
@@ -83,6 +85,16 @@ def keys_contiguous(v: torch.Tensor) -> torch.Tensor:
     return v.permute(order).contiguous().permute(tuple(order.index(i) for i in range(v.dim())))
 
 
+NATIVE_E4M3 = 89  # the first NVIDIA architecture (Ada) Triton converts float8_e4m3fn on
+
+
+def e4m3_as_bytes() -> bool:
+    """Whether float8_e4m3fn keys and values reach the kernels as bytes, widened by integer code: NVIDIA GPUs
+    before ``NATIVE_E4M3``, where Triton has no conversion for the type."""
+    arch = target_arch()
+    return isinstance(arch, int) and 0 < arch < NATIVE_E4M3
+
+
 FP8_MATMUL_K = 32  # an FP8 tensor-core matmul's k step: the head dims and the key tiles must reach it
 
 
@@ -108,7 +120,9 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
     plain = (spec.alibi_slopes is None and spec.attn_mask is None and spec.block_sparse is None and probs is None
              and spec.dropout_p == 0)
     rows = QueryRows(q, out, lse, shape, spec, plain=plain)
-    heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None
+    # FP8 bytes widened by integer code (e4m3_as_bytes) hold more registers: the heavy weight's smaller tiles
+    # (sm_80's 128 x 64 plain forward spilled 6 KB, its 64 x 32 heavy one none).
+    heavy = spec.dropout_p > 0 or spec.attn_mask is not None or probs is not None or k.dtype == torch.uint8
     kernel = "decode" if rows.nq <= configs.DECODE_MAX_ROWS else "forward"
 
     def launch_forward(cfg: configs.KernelConfig) -> None:

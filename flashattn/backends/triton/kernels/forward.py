@@ -23,6 +23,7 @@ from .tiles import (
     LOG2E,
     dot_acc,
     dropout_keep,
+    e4m3_rounded,
     fast_div,
     full_key_range,
     key_range,
@@ -35,6 +36,7 @@ from .tiles import (
     tma_origin,
     walk_band,
     walk_listed,
+    widened,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -89,7 +91,7 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
         b_v = load_block_at(v, start_n, o_page * v.stride_page + o_row * v.stride_row, m_keys, o_dv, UPCAST)
         # FP8 keys and values (a KV cache) are widened to q's dtype in registers, tile by tile: exact, and free
         # (no instruction) when they already have it.
-        b_kt, b_v = b_kt.to(b_q.dtype), b_v.to(b_q.dtype)
+        b_kt, b_v = widened(b_kt, b_q.dtype), widened(b_v, b_q.dtype)
         b_s, _ = score_tile(b_q, b_kt, o_m, o_n, scoring, MASKED, PLAIN)
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * s_scale)  # PLAIN: raw q.k, whose max scales with the scale
         b_m_use = b_m_new
@@ -101,6 +103,8 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         if dropout.b_seed is not None:  # the 1 / (1 - p) of the kept weights is applied once, at the end
             b_p = tl.where(dropout_keep(dropout, o_m[:, None], o_n[None, :]), b_p, 0.0)
+        if UPCAST and b_v.dtype == tl.float8e4nv:  # FP8 matmuls under the interpreter (see e4m3_rounded)
+            b_p = e4m3_rounded(b_p)
         b_acc = dot_acc(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
     return Softmax(b_acc, b_l, b_m)

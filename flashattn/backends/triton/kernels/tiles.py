@@ -45,7 +45,14 @@ def load_rows(base, o_rows, m_rows, o_cols, stride_col, n_cols, UPCAST: tl.const
     else:
         b_x = tl.load(base + o_rows[:, None] + o_cols[None, :] * stride_col,
                       mask=m_rows[:, None] & (o_cols[None, :] < n_cols), other=0.0)
-    if UPCAST:
+    return upcast(b_x, UPCAST)
+
+
+@triton.jit
+def upcast(b_x, UPCAST: tl.constexpr):
+    """A 16-bit tile in fp32 with ``UPCAST`` (the interpreter's bf16 matmuls are wrong); FP8 tiles and bytes stay
+    as they are, so the interpreter widens them and rounds P to FP8 as a GPU does."""
+    if UPCAST and b_x.dtype.primitive_bitwidth == 16:
         b_x = b_x.to(tl.float32)
     return b_x
 
@@ -60,8 +67,7 @@ def load_block_at(src, row, o_rows, m_rows, o_cols, UPCAST: tl.constexpr, TRANSP
         b_x = src.desc.load([src.at.row + row, src.at.column])
         if TRANSPOSE:
             b_x = tl.trans(b_x)
-        if UPCAST:
-            b_x = b_x.to(tl.float32)
+        b_x = upcast(b_x, UPCAST)
     else:
         b_x = load_rows(src.base, o_rows, m_rows, o_cols, src.stride_col, src.n_cols, UPCAST, TRANSPOSE)
     return b_x
@@ -220,6 +226,36 @@ def sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k):
         k0 = tl.load(k_start + b).to(tl.int64)
         nk = tl.load(k_end + b) - tl.load(k_start + b)
     return q0, nq, k0, nk
+
+
+@triton.jit
+def widened(b_x, dtype: tl.constexpr):
+    """A K or V tile in ``dtype`` (q's 16-bit type): nothing for a 16-bit tile, Triton's conversion for an FP8 one,
+    and for float8_e4m3fn bytes (uint8: NVIDIA GPUs before sm_89, where Triton has no e4m3fn conversion) exact
+    integer code into fp32's bits: a normal value's exponent rebiased (7 -> 127), a subnormal one (m x 2^-9)
+    converted and scaled, NaN (0x7f) kept, the sign put back (every e4m3fn value is exact in bf16 and fp16)."""
+    if b_x.dtype == tl.uint8:
+        x = b_x.to(tl.int32)
+        mag = x & 0x7F
+        small = (mag.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m x 2^-9, exact
+        bits = tl.where(mag >= 8, (mag << 20) + (120 << 23), small)
+        bits = tl.where(mag == 0x7F, 0x7FC00000, bits) | ((x & 0x80) << 24)
+        b_x = bits.to(tl.float32, bitcast=True)
+    return b_x.to(dtype)
+
+
+@triton.jit
+def e4m3_rounded(b_x):
+    """Non-negative fp32 ``b_x`` (at most 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
+    fp32: what a GPU's conversion gives. Triton 3.6's interpreter converts to e4m3 without carrying a mantissa
+    that rounds up into the exponent (0.49 -> 0.25), so under it P is rounded here first and the conversion is
+    exact. Normal values keep 4 significant bits (an integer add on the bits carries); below 2^-6 the subnormals
+    are multiples of 2^-9 (rounded by adding and removing 2^23)."""
+    bits = b_x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = bits.to(tl.float32, bitcast=True)
+    small = ((b_x * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+    return tl.where(b_x < 0.015625, small, normal)
 
 
 @triton.jit
