@@ -96,6 +96,7 @@ def e4m3_as_bytes() -> bool:
 
 
 FP8_MATMUL_K = 32  # an FP8 tensor-core matmul's k step: the head dims and the key tiles must reach it
+FP8_MATMUL_ARCH = 89  # Ada: the first NVIDIA GPUs with FP8 tensor cores
 
 
 def fp8_matmuls(q, k, v, spec: AttentionSpec) -> bool:
@@ -105,7 +106,7 @@ def fp8_matmuls(q, k, v, spec: AttentionSpec) -> bool:
     if not q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn:
         return False
     arch = target_arch()
-    if not interpreting() and (not isinstance(arch, int) or arch < 89):
+    if not interpreting() and (not isinstance(arch, int) or arch < FP8_MATMUL_ARCH):
         return False
     shape = CallShape(q, k, v, spec)
     if min(configs.padded_head_dim(shape.d), configs.padded_head_dim(shape.dv)) < FP8_MATMUL_K:
