@@ -127,8 +127,9 @@ def test_request_names_what_a_call_uses():
     spec = AttentionSpec(scale=0.25, window_left=3, window_right=0, softcap=2.0, dropout_p=0.1,
                          attn_mask=torch.zeros(1, 1, 5, 7, requires_grad=True))
     request = Request.of(q, k, v, spec, return_probs=True)
-    assert request == Request("cpu", torch.float32, 16, 8, ("attn_mask", "dropout", "softcap", "window",
-                                                           "return_attn_probs"), None, True, True, torch.float32)
+    assert request == Request("cpu", torch.float32, 16, 8, features=("attn_mask", "dropout", "softcap", "window",
+                                                                    "return_attn_probs"),
+                              mask_blocks=None, mask_grad=True, grad=True)
     with torch.no_grad():
         assert not Request.of(q, k, v, spec).grad and not Request.of(q, k, v, spec).mask_grad
     with pytest.raises(ValueError, match="unknown feature 'causal'"):
