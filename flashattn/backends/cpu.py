@@ -126,13 +126,13 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     q, k, v = (_unit_stride(t) for t in (q, k, v))
     lse = torch.empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
     fp8 = {}
-    if spec.descale is not None:  # FP8 keys and values as bytes, widened tile by tile (kv_format: 1 e4m3fn, 2 e5m2)
-        fp8 = {"kv_format": 1 if k.dtype == torch.float8_e4m3fn else 2, "v_descale": spec.descale.v}
-        rows = None if spec.varlen is None else spec.varlen.cu_seqlens_q
-        q = _folded_queries(q, spec.descale, rows)
+    if spec.descale is not None:  # v's descale scales each output row; k's is folded into q
+        fp8 = {"v_descale": spec.descale.v}
+        q = _folded_queries(q, spec.descale, None if spec.varlen is None else spec.varlen.cu_seqlens_q)
         if _widened_once(q, k, spec):
-            k, v, fp8 = _widened(k, q.dtype), _widened(v, q.dtype), {"v_descale": spec.descale.v}
-        else:
+            k, v = _widened(k, q.dtype), _widened(v, q.dtype)
+        else:  # as bytes, widened tile by tile (kv_format: 1 e4m3fn, 2 e5m2)
+            fp8["kv_format"] = 1 if k.dtype == torch.float8_e4m3fn else 2
             k, v = k.view(torch.uint8), v.view(torch.uint8)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
@@ -152,8 +152,6 @@ def _folded_queries(q: torch.Tensor, descale, rows) -> torch.Tensor:
 def _widened(x: torch.Tensor, dtype: torch.dtype, factors: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 ``x`` in ``dtype``, exactly, each row of its last dim times its ``factor`` (x.shape[:-1]; None: 1)."""
     out = torch.empty(x.shape, dtype=dtype)
-    if factors is None:
-        factors = torch.ones(x.shape[:-1])
     cpu_build.module().widen_scaled(x.contiguous().view(torch.uint8), factors, out,
                                     1 if x.dtype == torch.float8_e4m3fn else 2)
     return out

@@ -162,7 +162,7 @@ class Descale:
             >>> Descale(one, 2 * one, one).folded_queries(torch.ones(1, 1, 2, 4, dtype=torch.float16)).flatten()[0]
             tensor(2., dtype=torch.float16)
         """
-        return (q.float() * self.query_factors(q, cu_seqlens_q)[..., None]).to(output_dtype(q.dtype))
+        return (q.float() * _per_row(self.q * self.k, q, cu_seqlens_q)).to(output_dtype(q.dtype))
 
     def query_factors(self, q: Tensor, cu_seqlens_q: Tensor | None = None) -> Tensor:
         """q's descale times k's for every (row, head) of q (B, Nq, H, D) or packed (total_q, H, D): q.shape[:-1],

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..backends import use_backend
 from ..interface import flash_attn_func
+from ..kvcache import quantize
 
 L2_FLUSH_BYTES = 256 * 2**20  # larger than any current GPU's L2 (H100: 50 MB)
 
@@ -118,10 +119,11 @@ def ours_fp8(q, k, v, causal):
         heads_k = k.shape[2]
 
         def quantized(x):
+            largest = torch.finfo(torch.float8_e4m3fn).max
             amax = x.detach().abs().amax(dim=(1, 3)).float().view(x.shape[0], heads_k, -1).amax(-1)
-            scale = amax.clamp_min(1e-12) / 448.0
-            per_head = scale.repeat_interleave(x.shape[2] // heads_k, 1)[:, None, :, None]
-            return (x.detach().float() / per_head).to(torch.float8_e4m3fn), scale
+            scale = amax.clamp_min(1e-12) / largest
+            per_head = scale.repeat_interleave(x.shape[2] // heads_k, 1)
+            return quantize(x.detach(), per_head, torch.float8_e4m3fn), scale
 
         _FP8[key] = [quantized(t) for t in (q, k, v)]
     (qf, qs), (kf, ks), (vf, vs) = _FP8[key]

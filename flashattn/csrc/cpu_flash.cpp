@@ -233,25 +233,31 @@ void backward_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                    seed, counter_rows, counter_cols, mask, tile_kind, partial_id, partial_masks, tiles});
 }
 
-// FP8 rows (src: uint8 bytes of `format`, rows of D) times one float per row, into out's 16-bit (or fp32) type:
-// FP8 queries with q's and k's descales folded in, as the kernel reads queries (PyTorch's own FP8 conversion on
-// the CPU takes about 3 ns an element, this one's vectorised widening a fraction of that).
-void widen_scaled_op(const Tensor& src, const Tensor& scale, Tensor& out, int64_t format) {
-  TORCH_CHECK(src.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat,
-              "widen_scaled: uint8 src, float scale");
-  TORCH_CHECK(src.is_contiguous() && scale.is_contiguous() && out.is_contiguous() && out.numel() == src.numel(),
+// FP8 rows (src: uint8 bytes of `format`, rows of D) into out's 16-bit (or fp32) type, each times its float in
+// `scale` when given (FP8 queries with q's and k's descales folded in), exactly when not (keys and values widened
+// once). PyTorch's own FP8 conversion on the CPU takes about 3 ns an element, this vectorised one a tenth.
+void widen_scaled_op(const Tensor& src, const optional<Tensor>& scale, Tensor& out, int64_t format) {
+  TORCH_CHECK(src.scalar_type() == at::kByte, "widen_scaled: uint8 src");
+  TORCH_CHECK(src.is_contiguous() && out.is_contiguous() && out.numel() == src.numel(),
               "widen_scaled: contiguous tensors, out as large as src");
   TORCH_CHECK(format == 1 || format == 2, "widen_scaled: format 1 (e4m3fn) or 2 (e5m2), got ", format);
   const int64_t width = src.size(-1), rows = src.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(scale.numel() == rows, "widen_scaled: one scale per row of src");
+  TORCH_CHECK(!scale.has_value() || (scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                                     scale->numel() == rows),
+              "widen_scaled: scale holds one float per row of src");
+  const auto kv_format = static_cast<flash_cpu::KvFormat>(format);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "widen_scaled", [&] {
     const uint8_t* from = src.data_ptr<uint8_t>();
-    const float* factor = scale.data_ptr<float>();
+    const float* factor = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     scalar_t* to = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
       std::vector<float> wide(width);
       for (int64_t r = begin; r < end; ++r) {
-        flash_cpu::widen_fp8(from + r * width, wide.data(), width, static_cast<flash_cpu::KvFormat>(format));
+        if (factor == nullptr) {
+          flash_cpu::widen_fp8(from + r * width, to + r * width, width, kv_format);
+          continue;
+        }
+        flash_cpu::widen_fp8(from + r * width, wide.data(), width, kv_format);
         for (int64_t d = 0; d < width; ++d) to[r * width + d] = static_cast<scalar_t>(wide[d] * factor[r]);
       }
     });
@@ -279,7 +285,7 @@ FLASHATTN_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? dlse, Tensor(a!) dq, "
         "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)? dmask, *, " FLASHATTN_OPTIONS ") -> ()");
   m.def("engines() -> str[]", &engines);
-  m.def("widen_scaled(Tensor src, Tensor scale, Tensor(a!) out, int format) -> ()");
+  m.def("widen_scaled(Tensor src, Tensor? scale, Tensor(a!) out, int format) -> ()");
 }
 
 FLASHATTN_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {

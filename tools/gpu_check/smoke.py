@@ -202,6 +202,7 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int, fp8_cache:
     import torch
 
     import flashattn
+    from flashattn.kvcache import quantize
 
     dtype = getattr(torch, case.dtype)
     b, hk, d = sizes.batch, sizes.heads_k, case.head_dim
@@ -212,8 +213,7 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int, fp8_cache:
     fp8 = {}
     if fp8_cache:  # an e4m3fn cache with descales: judged against the dequantized values it holds
         scales = [torch.rand(b, hk, device=device) + 0.5 for _ in range(2)]
-        stored = [(c / s[:, None, :, None]).to(torch.float8_e4m3fn)
-                  for c, s in zip((k_cache, v_cache), scales, strict=True)]
+        stored = [quantize(c, s, torch.float8_e4m3fn) for c, s in zip((k_cache, v_cache), scales, strict=True)]
         fp8 = {"k_descale": scales[0], "v_descale": scales[1]}
         k_cache, v_cache = (c.to(dtype) * s[:, None, :, None].to(dtype) for c, s in zip(stored, scales, strict=True))
     with poisoned():
@@ -237,15 +237,16 @@ def check_fp8_matmul(case: Case, sizes: Sizes, device: str) -> dict:
     import torch
 
     import flashattn
+    from flashattn.kvcache import quantize
 
     scales = [torch.rand(sizes.batch, sizes.heads_k, device=device) + 0.5 for _ in range(3)]
 
-    def per_head(s, x):
-        return s.double().repeat_interleave(x.shape[2] // sizes.heads_k, 1)[:, None, :, None]
+    def per_head(s, x):  # (batch, nheads_k) scales for every head of x
+        return s.repeat_interleave(x.shape[2] // sizes.heads_k, 1)
 
-    fp8 = [(x.detach().double() / per_head(s, x)).to(torch.float8_e4m3fn)
+    fp8 = [quantize(x.detach(), per_head(s, x), torch.float8_e4m3fn)
            for x, s in zip(_inputs(case, sizes, device), scales, strict=True)]
-    wide = [x.double() * per_head(s, x) for x, s in zip(fp8, scales, strict=True)]
+    wide = [x.double() * per_head(s, x).double()[:, None, :, None] for x, s in zip(fp8, scales, strict=True)]
     with poisoned():
         out = flashattn.flash_attn_func(*fp8, causal=case.causal, q_descale=scales[0], k_descale=scales[1],
                                         v_descale=scales[2])
