@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from triton_versions import needs_triton
 
 from flashattn.backends.triton import configs, measured
@@ -54,6 +55,10 @@ def test_a_measured_entry_wins_over_the_table_and_yields_to_overrides(tmp_path, 
     monkeypatch.setattr(configs, "MEASURED", loaded)
     assert configs.lookup("forward", 90, 128, "plain") == KernelConfig(64, 32, 4, 3) != table
     assert configs.lookup("forward", 90, 128, "light") == configs.TABLES["sm90"]["forward"][(128, "light")]
+    own = configs.TABLES["sm90"]["forward"][(128, "plain")]  # packed or cached calls, and the offline profile
+    assert configs.lookup("forward", 90, 128, "plain", measured=False) == own
+    with configs.tables_only():
+        assert configs.lookup("forward", 90, 128, "plain") == own
     assert configs.lookup("forward", 80, 128, "plain") == configs.TABLES["sm80"]["forward"][(128, "plain")]
     assert KernelConfig(16, 32, 4, 2) in configs.shipped()  # so the offline health compiles it
     pair = configs.OVERRIDES["sm90"].get("dkdv", {})
@@ -83,3 +88,25 @@ def test_the_candidates_start_with_the_table_config_and_stay_plausible():
     for cfg in found:  # dK and dV of BLOCK_N keys at d = 128 in fp32, over the program's threads
         assert cfg.block_n * 128 * 2 // (32 * cfg.num_warps) <= 160, cfg
     assert candidates("forward", 64, "sm90", shipped=KernelConfig(128, 128, 8, 2), smoke=True)[0].block_m == 128
+
+
+@needs_triton
+def test_the_launcher_takes_measured_entries_for_dense_calls_only(monkeypatch):
+    """The sweep times q, k and v dense: packed sequences and KV caches compile to other loops and keep the table's
+    health-checked entry."""
+    from flashattn.backends.spec import AttentionSpec, Varlen
+    from flashattn.backends.triton import launch
+
+    timed = KernelConfig(64, 32, 4, 3)
+    monkeypatch.setattr(configs, "MEASURED", {"sm90": {"forward": {(128, "plain"): timed}}})
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "target_arch", lambda: 90)
+    q = k = v = torch.empty(2, 64, 2, 128, dtype=torch.bfloat16)
+    dense = AttentionSpec(scale=0.1)
+    assert launch.config("forward", q, launch.CallShape(q, k, v, dense), dense, heavy=False) == timed
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    packed = torch.empty(128, 2, 128, dtype=torch.bfloat16)
+    varlen = AttentionSpec(scale=0.1, varlen=Varlen(cu, cu, 64, 64))
+    shape = launch.CallShape(packed, packed, packed, varlen)
+    assert launch.config("forward", packed, shape, varlen, heavy=False) == configs.TABLES["sm90"]["forward"][
+        (128, "plain")] != timed

@@ -17,7 +17,8 @@ from .measured import load as _load_measured
 from .tables import KERNELS, OVERRIDES, TABLES, WEIGHTS, KernelConfig
 
 __all__ = ["FAMILIES", "KERNELS", "MEASURED", "OVERRIDES", "TABLES", "WEIGHTS", "Family", "KernelConfig",
-           "family", "lookup", "shipped", "use", "forced", "split_heuristic", "padded_head_dim", "table_key"]
+           "family", "lookup", "shipped", "use", "forced", "tables_only", "split_heuristic", "padded_head_dim",
+           "table_key"]
 
 DECODE_MAX_ROWS = 16
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
@@ -35,20 +36,23 @@ def table_key(d: int, dv: int) -> int | tuple[int, int]:
 
 
 def lookup(kernel: str, arch: int | str, head_dim: int | tuple[int, int], weight: str, *,
-           block_mask: bool = False) -> KernelConfig:
+           block_mask: bool = False, measured: bool = True) -> KernelConfig:
     """The config of ``kernel`` for a call of ``table_key`` ``head_dim`` and ``weight`` on ``arch`` (10 x major +
     minor, or a gfx name; ``families.family``): the most
     specific ``OVERRIDES`` entry (the call's head dims with and then without the block mask, then with a block mask
-    its larger head dim), else the family's measured entry (``MEASURED``), else its table entry, of the larger head
-    dim."""
+    its larger head dim), else the family's measured entry (``MEASURED``) where ``measured``, else its table entry,
+    of the larger head dim. A measured entry was timed on dense q, k and v (``tools.gpu_tune``): calls on packed
+    sequences or a KV cache compile to other loops (another pipelining, other registers), so the launcher passes
+    ``measured=False`` for them and they keep the table's health-checked entry."""
     fam = family(arch).name
     largest = max(head_dim) if isinstance(head_dim, tuple) else head_dim
     for key in ((head_dim, weight, block_mask), (head_dim, weight, False), (largest, weight, block_mask)):
         found = OVERRIDES[fam].get(kernel, {}).get(key)
         if found is not None:
             return found
-    measured = MEASURED.get(fam, {}).get(kernel, {}).get((largest, weight))
-    return measured if measured is not None else TABLES[fam][kernel][(largest, weight)]
+    measured = measured and not _tables_only.get()
+    timed = MEASURED.get(fam, {}).get(kernel, {}).get((largest, weight)) if measured else None
+    return timed if timed is not None else TABLES[fam][kernel][(largest, weight)]
 
 
 def shipped() -> set[KernelConfig]:
@@ -71,6 +75,20 @@ def use(cfg: KernelConfig, kernels: tuple[str, ...] = KERNELS) -> Iterator[None]
         yield
     finally:
         _forced.reset(token)
+
+
+_tables_only: ContextVar[bool] = ContextVar("flashattn_triton_tables_only", default=False)
+
+
+@contextmanager
+def tables_only() -> Iterator[None]:
+    """Inside the block, ``lookup`` passes over the measured entries: how the offline profile counts the tables'
+    own configs, whose instruction counts judge the kernels' code (a measured entry is judged by its timing)."""
+    token = _tables_only.set(True)
+    try:
+        yield
+    finally:
+        _tables_only.reset(token)
 
 
 def forced(kernel: str) -> KernelConfig | None:

@@ -206,7 +206,8 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
     else:
         weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
     return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight,
-                          block_mask=spec.block_sparse is not None)
+                          block_mask=spec.block_sparse is not None,
+                          measured=spec.varlen is None and spec.cache is None)
 
 
 @functools.lru_cache
