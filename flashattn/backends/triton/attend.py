@@ -51,8 +51,11 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     (``Descale.folded_queries``). v's descale scales the fp32 output, rounded once."""
     scales = spec.descale
     rows = None if spec.varlen is None else spec.varlen.cu_seqlens_q  # a packed q: each row's sequence's scales
+    interleaved = False
     if scales is not None and not fp8_matmuls(q, k, v, spec):
         q, spec = scales.folded_queries(q, rows), dataclasses.replace(spec, descale=None)
+    elif scales is not None and spec.varlen is None and spec.cache is None:
+        v, interleaved = interleaved_values(v), True
     elif scales is not None and spec.cache is None:
         v = keys_contiguous(v)
     if k.dtype == torch.float8_e4m3fn and e4m3_as_bytes():
@@ -67,7 +70,7 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
             lse.copy_(spec.sink[:, None].expand_as(lse))
         out.zero_()
     else:
-        _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape)
+        _attend(q, k, v, (out, lse, probs if return_probs else None), spec, shape, values_interleaved=interleaved)
     out = as_dtype(out, q.dtype) if scales is None else scales.scale_values(out, output_dtype(q.dtype), rows)
     return out, lse, as_dtype(probs, q.dtype)
 
@@ -83,6 +86,33 @@ def keys_contiguous(v: torch.Tensor) -> torch.Tensor:
     """
     order = (0, 2, 3, 1) if v.dim() == 4 else (1, 2, 0)
     return v.permute(order).contiguous().permute(tuple(order.index(i) for i in range(v.dim())))
+
+
+VALUE_GROUP = 32  # kernels/tiles.py's: the keys an FP8 P V matmul step takes
+
+
+def interleaved_values(v: torch.Tensor) -> torch.Tensor:
+    """Dense v (B, Nk, Hk, D) copied as the FP8 matmul forward reads it (``VALUES_INTERLEAVED``): keys contiguous
+    (as ``keys_contiguous``), zero keys appended up to whole groups of 32, and within each group key
+    16h + 8g + 2c + l stored at 16h + 4c + 2g + l (h, g, l < 2, c < 4), the order in which the kernel hands P to
+    the P V matmul without moving it between threads (``tiles.fp8_operand_order``). The same copy as
+    ``keys_contiguous``, one pass over v; (B, Nk rounded up to 32, Hk, D) with keys contiguous.
+
+        >>> v = torch.arange(40.0).view(1, 40, 1, 1)
+        >>> interleaved_values(v)[0, :8, 0, 0].tolist()
+        [0.0, 1.0, 8.0, 9.0, 2.0, 3.0, 10.0, 11.0]
+        >>> interleaved_values(v).shape, interleaved_values(v)[0, 32:40, 0, 0].tolist()
+        (torch.Size([1, 64, 1, 1]), [32.0, 33.0, 0.0, 0.0, 34.0, 35.0, 0.0, 0.0])
+    """
+    b, n, hk, d = v.shape
+    groups = -(-n // VALUE_GROUP)
+    if n % VALUE_GROUP:
+        padded = v.new_zeros(b, groups * VALUE_GROUP, hk, d)
+        padded[:, :n] = v
+        v = padded
+    # (b, group, h, g, c, l, hk, d) -> (b, hk, d, group, h, c, g, l): keys last, contiguous, in the kernel's order
+    out = v.reshape(b, groups, 2, 2, 4, 2, hk, d).permute(0, 6, 7, 1, 2, 4, 3, 5).contiguous()
+    return out.view(b, hk, d, groups * VALUE_GROUP).permute(0, 3, 1, 2)
 
 
 NATIVE_E4M3 = 89  # the first NVIDIA architecture (Ada) Triton converts float8_e4m3fn on
@@ -115,8 +145,9 @@ def fp8_matmuls(q, k, v, spec: AttentionSpec) -> bool:
     return all(config(kernel, q, shape, spec, heavy=heavy).block_n >= FP8_MATMUL_K for kernel in ("forward", "decode"))
 
 
-def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
-    """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs)."""
+def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape, *, values_interleaved: bool) -> None:
+    """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs);
+    ``values_interleaved``: v is ``interleaved_values``'s."""
     out, lse, probs = results
     plain = (spec.alibi_slopes is None and spec.attn_mask is None and spec.block_sparse is None and probs is None
              and spec.dropout_p == 0)
@@ -139,8 +170,8 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape) -> None:
                        torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
         kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
         grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
-        launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, BLOCK_M=cfg.block_m,
-               BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, VALUES_INTERLEAVED=values_interleaved,
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             merge_splits(targets, (out, lse), shape=shape, rows=rows)
 

@@ -110,3 +110,4 @@ class KeySlots(NamedTuple):
     block_table: Any  # the paged cache's block table (batch entry, page -> physical page); None when not paged
     stride_bt: Any  # the block table's row stride
     page_size: Any  # keys per page
+    value_rows: Any  # values interleaved for FP8 P (``tiles.fp8_operand_order``): the rows they fill; else None

@@ -21,10 +21,12 @@ import triton.language as tl
 from .bundles import Band, Dropout, KeySlots, Operand, Scoring, Span
 from .tiles import (
     LOG2E,
+    VALUE_GROUP,
     dot_acc,
     dropout_keep,
     e4m3_rounded,
     fast_div,
+    fp8_operand_order,
     full_key_range,
     key_range,
     key_slots,
@@ -88,7 +90,10 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
         # A descriptor copies the tile in one instruction; rows past the keys are masked or get P = 0.
         o_page, o_row, m_keys = key_slots(o_n, args.keys)
         b_kt = load_block_at(k, start_n, o_page * k.stride_page + o_row * k.stride_row, m_keys, o_d, UPCAST, True)
-        b_v = load_block_at(v, start_n, o_page * v.stride_page + o_row * v.stride_row, m_keys, o_dv, UPCAST)
+        m_values = m_keys
+        if args.keys.value_rows is not None:  # interleaved values: the last group's keys are anywhere in it
+            m_values = o_n < args.keys.value_rows
+        b_v = load_block_at(v, start_n, o_page * v.stride_page + o_row * v.stride_row, m_values, o_dv, UPCAST)
         # FP8 keys and values (a KV cache) are widened to q's dtype in registers, tile by tile: exact, and free
         # (no instruction) when they already have it.
         b_kt, b_v = widened(b_kt, b_q.dtype), widened(b_v, b_q.dtype)
@@ -105,7 +110,10 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
             b_p = tl.where(dropout_keep(dropout, o_m[:, None], o_n[None, :]), b_p, 0.0)
         if UPCAST and b_v.dtype == tl.float8e4nv:  # FP8 matmuls under the interpreter (see e4m3_rounded)
             b_p = e4m3_rounded(b_p)
-        b_acc = dot_acc(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+        b_p = b_p.to(b_v.dtype)
+        if args.keys.value_rows is not None:
+            b_p = fp8_operand_order(b_p)
+        b_acc = dot_acc(b_p, b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
     return Softmax(b_acc, b_l, b_m)
 
@@ -126,7 +134,7 @@ def attention_forward_kernel(
     num_heads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, PLAIN: tl.constexpr,
+    UPCAST: tl.constexpr, PLAIN: tl.constexpr, VALUES_INTERLEAVED: tl.constexpr,
 ):
     """O and lse of one query block of one head over the keys of split ``program_id(2)``.
 
@@ -138,7 +146,8 @@ def attention_forward_kernel(
     sink logit of query head ``h * stride_sh + row * stride_sm`` joins the denominator in the epilogue (never with
     splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``BlockLists``). ``descale`` (None
     without): (B, Hk), what multiplies the scores of FP8 q and k multiplied as they are; P is then rounded to v's
-    FP8 type for P V, as FlashAttention-3 does.
+    FP8 type for P V, as FlashAttention-3 does. ``VALUES_INTERLEAVED``: v's keys permuted within groups of 32 and
+    padded with zero keys to whole groups (``attend.interleaved_values``), P's columns permuted alike.
     ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
     ``*_desc`` are TMA descriptors (None: pointer loads), ``*_tma`` where a head's rows are in them
     (``tiles.tma_origin``, ``flashattn.backends.triton.tma``).
@@ -169,12 +178,15 @@ def attention_forward_kernel(
     b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
     b_seed = tl.load(seed) if seed is not None else None
+    value_rows = None
+    if VALUES_INTERLEAVED:
+        value_rows = tl.cdiv(nk, VALUE_GROUP) * VALUE_GROUP
     counter_row0 = bh.to(tl.int64) * seqlen_q  # dropout counters and probs rows: ((b * H + h) * NQ + i) * NK + j
     scoring = Scoring(nq, nk, band, scale, softcap, b_slope, p_mask, stride_mq, stride_mk)
     dropout = Dropout(b_seed, dropout_p, counter_row0, seqlen_k)
     args = Attend(b_q, o_m, Operand(k_desc, k_at, p_k, stride_kn, stride_kd, head_dim, stride_kb),
                   Operand(v_desc, v_at, p_v, stride_vn, stride_vd, head_dim_v, stride_vb),
-                  KeySlots(k0, kb, nk, block_table, stride_bt, page_size), dropout)
+                  KeySlots(k0, kb, nk, block_table, stride_bt, page_size, value_rows), dropout)
 
     # The keys this split sees, cut into the masked tiles around the band's whole tiles (``walk_band``).
     lo, hi = key_range(start_m, nk, band, BLOCK_M, BLOCK_N)

@@ -258,6 +258,24 @@ def e4m3_rounded(b_x):
     return tl.where(b_x < 0.015625, small, normal)
 
 
+# FP8 tensor-core matmuls take P from registers with 4 consecutive keys a thread (k = 32 a step); the first matmul
+# leaves each thread pairs of keys 8 apart. Values whose keys are permuted within groups of 32 to match
+# (``attend.interleaved_values``) let P stay in its registers: no shuffle between threads (FlashAttention-3's trick).
+VALUE_GROUP = tl.constexpr(32)
+
+
+@triton.jit
+def fp8_operand_order(b_p):
+    """P (M, N) with its keys in the order of values interleaved by ``attend.interleaved_values``: in every group of
+    32, column 16h + 4c + 2g + l takes key 16h + 8g + 2c + l (h, g, l < 2, c < 4). The keys a thread holds as the
+    first matmul's result are then the ones the FP8 P V matmul wants in its registers: the compiler moves no data
+    between threads (sm_90, d=128: 40 shuffles, selects and byte permutes a trip fewer)."""
+    rows: tl.constexpr = b_p.shape[0]
+    keys: tl.constexpr = b_p.shape[1]
+    b_p = tl.reshape(b_p, (rows, keys // VALUE_GROUP, 2, 2, 4, 2))
+    return tl.reshape(tl.permute(b_p, (0, 1, 2, 4, 3, 5)), (rows, keys))
+
+
 @triton.jit
 def key_slots(o_n, keys):
     """Where logical keys ``o_n`` (cache positions k0 + o_n) of the forward's ``KeySlots`` live, as (page, row,
