@@ -32,6 +32,7 @@ from flashattn.backends.triton import attend as backend
 from flashattn.backends.triton import configs
 from flashattn.backends.triton import tables as config_tables
 from flashattn.backends.triton.families import Arch, arch_name, vendor
+from flashattn.backends.triton.launch import takes_measured
 
 from .compile import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
 
@@ -176,8 +177,7 @@ def check_one(table: str, head_dim: HeadDims, variant: str, arch: Arch,
     ``head_dim`` is a padded head dim, or a (q/k, v) pair of head dims served by its padded maximum's entry;
     ``block_mask``: the kernel as it walks a block mask's tiles; ``call``: which of the table's ``CALLS``."""
     d, dv, key = _dims(head_dim)
-    # The launcher's measured entries serve q, k and v neither packed nor cached (configs.lookup).
-    dense = call in ("dense", "causal") or call == "laden" and table in ("dkdv", "dq")
+    dense = takes_measured(_inputs(table, variant, head_dim, block_mask, call)[3])  # as the launcher decides
     served = configs.lookup(table, arch, key, variant, block_mask=block_mask, measured=dense)
     measured = cfg is None and served != configs.lookup(table, arch, key, variant, block_mask=block_mask,
                                                         measured=False)

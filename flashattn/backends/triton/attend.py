@@ -54,10 +54,9 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     interleaved = False
     if scales is not None and not fp8_matmuls(q, k, v, spec):
         q, spec = scales.folded_queries(q, rows), dataclasses.replace(spec, descale=None)
-    elif scales is not None and spec.varlen is None and spec.cache is None:
-        v, interleaved = interleaved_values(v), True
-    elif scales is not None and spec.cache is None:
-        v = keys_contiguous(v)
+    elif scales is not None and spec.cache is None:  # a cache stays as it is: a decode step would copy it whole
+        interleaved = spec.varlen is None  # packed sequences' groups would not start at their first keys
+        v = interleaved_values(v) if interleaved else keys_contiguous(v)
     if k.dtype == torch.float8_e4m3fn and e4m3_as_bytes():
         k, v = k.view(torch.uint8), v.view(torch.uint8)  # widened by the kernel's integer code (tiles.widened)
     shape = CallShape(q, k, v, spec)
@@ -95,8 +94,8 @@ def interleaved_values(v: torch.Tensor) -> torch.Tensor:
     """Dense v (B, Nk, Hk, D) copied as the FP8 matmul forward reads it (``VALUES_INTERLEAVED``): keys contiguous
     (as ``keys_contiguous``), zero keys appended up to whole groups of 32, and within each group key
     16h + 8g + 2c + l stored at 16h + 4c + 2g + l (h, g, l < 2, c < 4), the order in which the kernel hands P to
-    the P V matmul without moving it between threads (``tiles.fp8_operand_order``). The same copy as
-    ``keys_contiguous``, one pass over v; (B, Nk rounded up to 32, Hk, D) with keys contiguous.
+    the P V matmul without moving it between threads (``tiles.fp8_operand_order``). One pass over v,
+    as ``keys_contiguous``; (B, Nk rounded up to 32, Hk, D) with keys contiguous.
 
         >>> v = torch.arange(40.0).view(1, 40, 1, 1)
         >>> interleaved_values(v)[0, :8, 0, 0].tolist()
@@ -105,13 +104,21 @@ def interleaved_values(v: torch.Tensor) -> torch.Tensor:
         (torch.Size([1, 64, 1, 1]), [32.0, 33.0, 0.0, 0.0, 34.0, 35.0, 0.0, 0.0])
     """
     b, n, hk, d = v.shape
-    groups = -(-n // VALUE_GROUP)
-    if n % VALUE_GROUP:
-        padded = v.new_zeros(b, groups * VALUE_GROUP, hk, d)
-        padded[:, :n] = v
-        v = padded
-    # (b, group, h, g, c, l, hk, d) -> (b, hk, d, group, h, c, g, l): keys last, contiguous, in the kernel's order
-    out = v.reshape(b, groups, 2, 2, 4, 2, hk, d).permute(0, 6, 7, 1, 2, 4, 3, 5).contiguous()
+    whole, rest = divmod(n, VALUE_GROUP)
+    groups = whole + (rest > 0)
+    out = v.new_empty(b, hk, d, groups, 2, 4, 2, 2)  # (b, hk, d, group, h, c, g, l): keys last, in the kernel's order
+
+    def place(keys: torch.Tensor, first: int) -> None:  # keys (b, whole groups, hk, d) from group ``first`` on
+        count = keys.shape[1] // VALUE_GROUP
+        grouped = keys.reshape(b, count, 2, 2, 4, 2, hk, d)  # (b, group, h, g, c, l, hk, d)
+        out[:, :, :, first:first + count] = grouped.permute(0, 6, 7, 1, 2, 4, 3, 5)
+
+    if whole:
+        place(v[:, :whole * VALUE_GROUP], 0)
+    if rest:  # the last group, completed with zero keys: one group's copy, not another pass over v
+        tail = v.new_zeros(b, VALUE_GROUP, hk, d)
+        tail[:, :rest] = v[:, whole * VALUE_GROUP:]
+        place(tail, whole)
     return out.view(b, hk, d, groups * VALUE_GROUP).permute(0, 3, 1, 2)
 
 

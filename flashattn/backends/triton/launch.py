@@ -206,8 +206,13 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
     else:
         weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
     return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight,
-                          block_mask=spec.block_sparse is not None,
-                          measured=spec.varlen is None and spec.cache is None)
+                          block_mask=spec.block_sparse is not None, measured=takes_measured(spec))
+
+
+def takes_measured(spec: AttentionSpec) -> bool:
+    """Whether a call may take its family's measured config (``configs.lookup``): the tuning sweep times q, k and v
+    dense, and packed sequences or a KV cache compile to other loops."""
+    return spec.varlen is None and spec.cache is None
 
 
 @functools.lru_cache
