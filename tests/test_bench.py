@@ -127,6 +127,20 @@ def test_decode_passes_cache_seqlens_as_a_tensor_and_num_splits(tmp_path):
     assert rows[0]["max_abs_diff"] < 1e-4
 
 
+def test_decode_times_an_fp8_cache_beside_the_same_cache_in_16_bits(tmp_path, capsys):
+    out = tmp_path / "decode"
+    assert main(["bench", "decode", "--device", "cpu", "--quiet", "--out", str(out), "--name", "t", "--batches", "1",
+                 "--cache-lens", "64", "--dtype", "bfloat16", "--cache-dtype", "float8_e4m3fn", "--repeats", "1"]) == 0
+    assert "vs 16-bit" in capsys.readouterr().out
+    rows = {r["impl"]: r for r in json.loads((out / "t.json").read_text())["rows"]}
+    assert list(rows) == ["flashattn", "flashattn-16bit-cache", "sdpa"]
+    # Each counts the bytes it reads: the FP8 cache half the 16-bit one's.
+    assert rows["flashattn"]["cache_dtype"] == "float8_e4m3fn" and rows["flashattn-16bit-cache"]["cache_dtype"] == ""
+    assert rows["flashattn-16bit-cache"]["bytes_moved"] > rows["flashattn"]["bytes_moved"]
+    ours = rows["flashattn"]
+    assert ours["speedup_over_16bit_cache"] == pytest.approx(rows["flashattn-16bit-cache"]["seconds"] / ours["seconds"])
+
+
 def test_decode_skips_a_cache_that_does_not_fit_without_allocating_it():
     case = decode.DecodeCase(batch=2**20, cache_len=2**20, device="cpu", dtype="float32")  # 4 PiB of cache
     rows = decode.measure_case(case, ["flashattn", "sdpa"], copy_gbps=1.0, headroom_gib=0)

@@ -241,18 +241,21 @@ def test_self_attention_generates_with_an_fp8_cache_close_to_its_bf16_one():
 @pytest.mark.skipif(not cpu_build.status()[0], reason="the C++ CPU kernel is not built here")
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_the_cpu_kernel_widens_every_fp8_byte_exactly(dtype, q_dtype):
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["one-head", "heads-packed-together"])
+def test_the_cpu_kernel_widens_every_fp8_byte_exactly(dtype, q_dtype, kv_heads):
     """One visible key: the output is its value row, every one of the 256 bytes (NaN, inf, subnormals, zeros)
-    widened by the kernel, exactly as torch converts it."""
-    every = torch.arange(256, dtype=torch.uint8).view(dtype)
-    v_cache = every.view(1, 1, 1, 256)
-    k_cache = torch.zeros(1, 1, 1, 256, dtype=dtype)
-    q = torch.zeros(1, 1, 2, 256, dtype=q_dtype)
+    widened by the kernel, exactly as torch converts it. With two kv heads and four sequences a decode task packs
+    both heads' rows, widening them inside the packing (on AVX-512); one head widens each row before."""
+    every = torch.arange(256, dtype=torch.uint8)
+    rows = torch.stack([every, every.flip(0)])[:kv_heads]  # the second head reads the bytes in reverse order
+    v_cache = rows.view(dtype).view(1, 1, kv_heads, 256).expand(4, 1, kv_heads, 256).contiguous()
+    k_cache = torch.zeros(4, 1, kv_heads, 256, dtype=dtype)
+    q = torch.zeros(4, 1, 2 * kv_heads, 256, dtype=q_dtype)
     with flashattn.use_backend("cpu"):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1)
-    want = every.to(q_dtype).expand(2, 256)
-    same = (out[0, 0] == want) | (out[0, 0].isnan() & want.isnan())
-    assert same.all(), every.view(torch.uint8)[~same[0]].tolist()
+    want = rows.view(dtype).to(q_dtype).repeat_interleave(2, dim=0).expand(4, 2 * kv_heads, 256)
+    same = (out[:, 0] == want) | (out[:, 0].isnan() & want.isnan())
+    assert same.all(), rows[0][~same[0, 0]].tolist()
 
 
 FP8_COMPILE = """

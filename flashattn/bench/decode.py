@@ -24,7 +24,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -123,7 +123,13 @@ def sdpa_backend(q, k, v) -> str | None:
         return None
 
 
-IMPLEMENTATIONS: dict[str, Callable] = {OURS: _ours, BASELINE: _sdpa}
+def _ours_16bit(case: DecodeCase, q, k, v, seqlens) -> Callable[[], torch.Tensor]:
+    # Ours on the same values in q's dtype (widened before timing), timed in the same run: what the FP8 cache gains.
+    return _ours(case, q, *(t.to(q.dtype) for t in (k, v)), seqlens)
+
+
+OURS_16BIT = "flashattn-16bit-cache"
+IMPLEMENTATIONS: dict[str, Callable] = {OURS: _ours, OURS_16BIT: _ours_16bit, BASELINE: _sdpa}
 
 
 @dataclass
@@ -154,6 +160,12 @@ class DecodeSweep:
         return cls(batches=[1, 2], cache_lens=[256, 1024], heads_q=8, heads_kv=1, headdim=64, dtype="float32",
                    device=device, repeats=3, copy_gib=1 / 16, copy_repeats=3, headroom_gib=0.25)
 
+    def timed(self) -> list[str]:
+        """The implementations timed: with an FP8 cache, also ours on that cache widened to 16 bits, side by side."""
+        if self.cache_dtype and self.cache_dtype != self.dtype and OURS in self.impls and OURS_16BIT not in self.impls:
+            return [OURS, OURS_16BIT, *(impl for impl in self.impls if impl != OURS)]
+        return self.impls
+
     def cases(self) -> list[DecodeCase]:
         return [DecodeCase(b, n, self.heads_q, self.heads_kv, self.headdim, self.dtype, self.device,
                            num_splits=self.num_splits, cache_seqlens=self.cache_seqlens, repeats=self.repeats,
@@ -183,7 +195,7 @@ def available(sweep: DecodeSweep) -> dict[str, str | None]:
                       num_splits=sweep.num_splits, cache_seqlens=sweep.cache_seqlens)
     inputs = tiny.inputs()
     reasons: dict[str, str | None] = {}
-    for impl in sweep.impls:
+    for impl in sweep.timed():
         if impl not in IMPLEMENTATIONS:
             reasons[impl] = f"unknown implementation; choose from {', '.join(IMPLEMENTATIONS)}"
             continue
@@ -245,7 +257,8 @@ def measure_case(case: DecodeCase, impls: list[str], copy_gbps: float, headroom_
             step = IMPLEMENTATIONS[impl](case, *inputs)
             with torch.inference_mode():
                 outs[impl] = step()  # warm-up (compilation, autotuning), and the output for the cross-check
-                rows[impl] = _timed(case, impl, step, copy_gbps)
+                rows[impl] = _timed(replace(case, cache_dtype="") if impl == OURS_16BIT else case, impl, step,
+                                    copy_gbps)
         except Exception as e:  # e.g. a baseline that runs out of memory at this size: a row, not a crash
             rows[impl] = _row(case, impl, seconds=None, gbps=None, bw_fraction=None, error=_error(e))
     ours, base = rows.get(OURS), rows.get(BASELINE)
@@ -254,6 +267,9 @@ def measure_case(case: DecodeCase, impls: list[str], copy_gbps: float, headroom_
     if ours and base and ours.get("seconds") and base.get("seconds"):
         diff = (outs[OURS].float() - outs[BASELINE].float()).abs().max().item()
         ours.update(baseline=BASELINE, speedup=base["seconds"] / ours["seconds"], max_abs_diff=diff)
+    wide = rows.get(OURS_16BIT)
+    if ours and wide and ours.get("seconds") and wide.get("seconds"):
+        ours["speedup_over_16bit_cache"] = wide["seconds"] / ours["seconds"]
     return list(rows.values())
 
 
@@ -291,6 +307,7 @@ def table(rows: list[dict], copy: dict) -> str:
     columns = [report.Col("batch"), report.Col("cache", "cache_len"),
                *report.per_impl(impls, report.US, ("GB/s", "gbps", 1.0, ".0f"), ("of copy", "bw_fraction", 1.0, ".1%")),
                report.Col("speedup", (OURS, "speedup"), ".2f"), report.Col("max|diff|", (OURS, "max_abs_diff"), ".1e"),
+               *([report.Col("vs 16-bit", (OURS, "speedup_over_16bit_cache"), ".2f")] if OURS_16BIT in impls else []),
                report.Col("note", left=True)]
     lines = [f"\ndecode attention (copy bandwidth {copy['gbps']:.0f} GB/s; 'of copy' = achieved / copy)",
              report.table(points, columns)]
@@ -331,7 +348,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pass cache_seqlens as a Python int or an int32 (batch,) tensor")
     options.add_dtype(p)
     p.add_argument("--cache-dtype", default=None, choices=("float8_e4m3fn", "float8_e5m2"),
-                   help="store the KV cache in FP8 (descale 1); the baseline reads it widened to --dtype")
+                   help="store the KV cache in FP8 (descale 1); the baseline, and ours a second time, read it widened "
+                        "to --dtype in the same run")
     options.add_per_device(p, "--repeats", "timed runs per case, the median is reported", DecodeSweep)
     options.add_output(p, "decode-<device>")
 
@@ -358,7 +376,7 @@ def check(args: argparse.Namespace) -> str | None:
 def command(args: argparse.Namespace) -> int:
     sweep = from_args(args)
     print(f"flashattn bench decode on {sweep.device}: {len(sweep.cases())} cases, heads {sweep.heads_q}:"
-          f"{sweep.heads_kv}, headdim {sweep.headdim}, {sweep.dtype}; ours vs {', '.join(sweep.impls[1:])}")
+          f"{sweep.heads_kv}, headdim {sweep.headdim}, {sweep.dtype}; ours vs {', '.join(sweep.timed()[1:])}")
     rows, copy = run(sweep, progress=not args.quiet)
     for r in rows:
         if "batch" not in r:

@@ -172,20 +172,32 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           }
         }
       };
-      rows_of_heads(kr, sc.wide_k, p.dim, sc.keys_of);
-      rows_of_heads(vr, sc.wide_v, DV, sc.values_of);
-      if (task.heads > 1) {  // every head's K and V of the tile packed first, the rows read in order
-        sc.tiles.pack_heads(
-            task.heads, cols, [&](int64_t slab) { return sc.keys_of[slab]; },
-            [&](int64_t slab) { return sc.values_of[slab]; });
+      bool packed = false;
+      if constexpr (kWiden && Tiles::kPacksFp8) {  // FP8 rows widened by the packing itself: one pass
+        if (task.heads > 1) {
+          const auto rows_of = [&](const Rows<kv_t>& rows) {
+            return [&](int64_t slab) { return KeyRows<kv_t>::of(p, rows, task.seq, s, task.hk0 + slab, c0); };
+          };
+          sc.tiles.pack_fp8_heads(p.kv_format, task.heads, cols, rows_of(kr), rows_of(vr));
+          packed = true;
+        }
+      }
+      if (!packed) {
+        rows_of_heads(kr, sc.wide_k, p.dim, sc.keys_of);
+        rows_of_heads(vr, sc.wide_v, DV, sc.values_of);
+        if (task.heads > 1) {  // every head's K and V of the tile packed first, the rows read in order
+          sc.tiles.pack_heads(
+              task.heads, cols, [&](int64_t slab) { return sc.keys_of[slab]; },
+              [&](int64_t slab) { return sc.values_of[slab]; });
+        }
       }
       for (int64_t slab = 0; slab < task.heads; ++slab) {
         const int64_t hk = task.hk0 + slab;
         acc_t *acc = sc.acc.data() + slab * MR * DV, *row_max = sc.row_max.data() + slab * p.block_m,
               *row_sum = sc.row_sum.data() + slab * p.block_m;
-        const KeyRows<scalar_t> keys = sc.keys_of[slab], values = sc.values_of[slab];
         if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
-        acc_t* scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n) : sc.tiles.scores(p, keys, cols, n);
+        acc_t* scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n)
+                                       : sc.tiles.scores(p, sc.keys_of[slab], cols, n);
         for (int64_t r = 0; r < n; ++r) {
           acc_t* srow = scores + r * ld;
           const int64_t h = hk * p.group + g[r];
@@ -212,7 +224,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         if (task.heads > 1) {
           sc.tiles.add_packed_values(p, slab, cols, n, acc);
         } else {
-          sc.tiles.add_values(p, values, cols, n, acc);
+          sc.tiles.add_values(p, sc.values_of[slab], cols, n, acc);
         }
       }
     };

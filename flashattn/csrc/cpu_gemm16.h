@@ -4,16 +4,20 @@
 // (callers zero-pad it). Two engines, chosen per call by the Python side after a self-test:
 //   onednn: ATen's cpublas::brgemm, oneDNN's brgemm micro-kernel (AMX where present, else AVX512_BF16);
 //   avx512bf16: our own register-blocked _mm512_dpbf16_ps loop (bf16 only), for torch builds without the former.
-// Also the packings the kernels need (VNNI from rows, VNNI from transposed rows, transposed rows).
+// Also the packings the kernels need (VNNI from rows, VNNI from transposed rows, transposed rows); on AVX-512 they
+// read 16-bit rows as they are or FP8 rows widened in registers (a cache's FP8 tile packed in one pass).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "cpu_fp8.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -223,11 +227,40 @@ constexpr bool can_round16() {
 }
 #endif
 
+// How a packing reads its rows' elements: 16-bit ones as they are, or (WidenedWords) FP8 bytes widened to 16 bits
+// by table. The scalar packings (no AVX-512) read 16-bit rows only.
+struct PlainWords {
+#ifdef FLASHATTN_PACK_AVX512
+  template <typename T>
+  __m512i load32(const T* at, __mmask32 m) const {
+    return _mm512_maskz_loadu_epi16(m, at);
+  }
+  template <typename T>
+  __m256i load16(const T* at, __mmask16 m) const {
+    return _mm256_maskz_loadu_epi16(m, at);
+  }
+#endif
+};
+#if defined(FLASHATTN_PACK_AVX512) && defined(FLASHATTN_FP8_TABLE)
+template <KvFormat F, typename scalar_t>
+struct WidenedWords {
+  const Fp8Table<F, scalar_t>& table = fp8_table<F, scalar_t>();
+  __m512i load32(const uint8_t* at, __mmask32 m) const {
+    return fp8_words<F>(_mm256_maskz_loadu_epi8(m, at), table);
+  }
+  __m256i load16(const uint8_t* at, __mmask16 m) const {
+    return _mm512_castsi512_si256(fp8_words<F>(_mm256_castsi128_si256(_mm_maskz_loadu_epi8(m, at)), table));
+  }
+};
+#endif
+
 // VNNI B operand from rows: rows [0, rows) of `width` elements each (row r at row(r)), to out [rows_e/2][ldb][2]
 // (rows_e = rows rounded up to `rows_to`, the missing rows zero; columns [width, ldb) untouched). For V in P V,
-// K in dS K, Q and dO in the backward's dK and dV.
-template <typename scalar_t, typename RowFn>
-void pack_rows(const RowFn& row, int64_t rows, int64_t rows_to, int64_t width, scalar_t* out, int64_t ldb) {
+// K in dS K, Q and dO in the backward's dK and dV. `words` reads the rows (FP8 rows need it, and AVX-512).
+template <typename scalar_t, typename RowFn, typename Words = PlainWords>
+void pack_rows(const RowFn& row, int64_t rows, int64_t rows_to, int64_t width, scalar_t* out, int64_t ldb,
+               const Words& words = {}) {
+  (void)words;  // read by the AVX-512 packing only
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   const int64_t rows_e = round_up(std::max<int64_t>(rows, 1), rows_to);
   for (int64_t r = 0; r < rows_e; r += 2) {
@@ -236,18 +269,20 @@ void pack_rows(const RowFn& row, int64_t rows, int64_t rows_to, int64_t width, s
       std::fill_n(dst, 2 * width, uint16_t(0));
       continue;
     }
-    const uint16_t* a = reinterpret_cast<const uint16_t*>(row(r));
-    const uint16_t* b = r + 1 < rows ? reinterpret_cast<const uint16_t*>(row(r + 1)) : nullptr;
-    int64_t c = 0;
 #ifdef FLASHATTN_PACK_AVX512
-    for (; c < width; c += 16) {
+    const auto* a = row(r);
+    const auto* b = r + 1 < rows ? row(r + 1) : nullptr;
+    for (int64_t c = 0; c < width; c += 16) {
       const __mmask16 m = first16(width - c);
-      const __m256i va = _mm256_maskz_loadu_epi16(m, a + c);
-      const __m256i vb = b != nullptr ? _mm256_maskz_loadu_epi16(m, b + c) : _mm256_setzero_si256();
+      const __m256i va = words.load16(a + c, m);
+      const __m256i vb = b != nullptr ? words.load16(b + c, m) : _mm256_setzero_si256();
       _mm512_mask_storeu_epi32(dst + 2 * c, m, interleave16(va, vb));
     }
+#else
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(row(r));
+    const uint16_t* b = r + 1 < rows ? reinterpret_cast<const uint16_t*>(row(r + 1)) : nullptr;
+    for (int64_t c = 0; c < width; ++c) dst[2 * c] = a[c], dst[2 * c + 1] = b != nullptr ? b[c] : 0;
 #endif
-    for (; c < width; ++c) dst[2 * c] = a[c], dst[2 * c + 1] = b != nullptr ? b[c] : 0;
   }
 }
 
@@ -255,22 +290,24 @@ void pack_rows(const RowFn& row, int64_t rows, int64_t rows_to, int64_t width, s
 // columns of B (width x rows), out [width_e/2][ldb][2] with width_e = width rounded up to even (a zero element).
 // For K^T in Q K^T and V^T in dO V^T: each pair of a row's elements is one 32-bit word, so this is a transpose of
 // 32-bit words; columns [rows, round_up(rows, 16)) of out are written zero.
-template <typename scalar_t, typename RowFn>
-void pack_transposed(const RowFn& row, int64_t rows, int64_t width, scalar_t* out, int64_t ldb) {
+template <typename scalar_t, typename RowFn, typename Words = PlainWords>
+void pack_transposed(const RowFn& row, int64_t rows, int64_t width, scalar_t* out, int64_t ldb,
+                     const Words& words = {}) {
+  (void)words;
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
   const int64_t pairs = (width + 1) / 2;
 #ifdef FLASHATTN_PACK_AVX512
   // Fully unrolled so the 16 rows stay in registers (a block spilled to the stack and read back as 512-bit words
   // waits on store forwarding).
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    const scalar_t* src[16];
+    decltype(row(0)) src[16];
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) src[r] = row(std::min(r0 + r, rows - 1));
     for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
       const __mmask32 m = first32(width - 2 * w0);
       __m512i block[16];
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) block[r] = _mm512_maskz_loadu_epi16(r0 + r < rows ? m : 0, src[r] + 2 * w0);
+      for (int r = 0; r < 16; ++r) block[r] = words.load32(src[r] + 2 * w0, r0 + r < rows ? m : 0);
       transpose_words(block);
       const int64_t count = std::min<int64_t>(16, pairs - w0);
 #pragma GCC unroll 16
@@ -279,8 +316,7 @@ void pack_transposed(const RowFn& row, int64_t rows, int64_t width, scalar_t* ou
       }
     }
   }
-  return;
-#endif
+#else
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* src = row(r);
     for (int64_t w = 0; w < width / 2; ++w) {
@@ -290,6 +326,7 @@ void pack_transposed(const RowFn& row, int64_t rows, int64_t width, scalar_t* ou
     }
     if (width % 2 == 1) o[(pairs - 1) * ldb + r] = bits(src[width - 1]);
   }
+#endif
 }
 
 // x (n x cols fp32, ld ldx) rounded to 16 bits and transposed into out (cols x n_c, row-major): columns [n, n_c)

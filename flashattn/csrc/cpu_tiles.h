@@ -77,6 +77,7 @@ struct WideTiles {
   void pack_heads(int64_t heads, int64_t, const KeyFn& keys, const ValueFn& values) {
     for (int64_t h = 0; h < heads; ++h) head_keys[h] = keys(h), head_values[h] = values(h);
   }
+  static constexpr bool kPacksFp8 = false;  // FP8 rows are widened before (cpu_forward.h)
   acc_t* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
     return scores(p, head_keys[h], cols, n);
   }
@@ -159,20 +160,21 @@ struct NativeTiles {
   }
 
   // A multi-head task's tile: every head's K^T and V packed, 16 rows at a time for all heads, so the rows are read
-  // in order (decode's reads of the cache are its whole cost).
-  template <typename KeyFn, typename ValueFn>
-  void pack_heads(int64_t heads, int64_t cols, const KeyFn& keys, const ValueFn& values) {
+  // in order (decode's reads of the cache are its whole cost). `words` reads them (FP8 rows: pack_fp8_heads).
+  template <typename KeyFn, typename ValueFn, typename Words = PlainWords>
+  void pack_heads(int64_t heads, int64_t cols, const KeyFn& keys, const ValueFn& values, const Words& words = {}) {
     const int64_t cols_c = key_columns(cols);
     for (int64_t r0 = 0; r0 < cols; r0 += 16) {
       const int64_t count = std::min<int64_t>(16, cols - r0);
       prefetch_rows(keys(0), r0 + 16, std::min<int64_t>(16, cols - r0 - 16), heads * D);  // the next 16 rows
       prefetch_rows(values(0), r0 + 16, std::min<int64_t>(16, cols - r0 - 16), heads * DV);
       for (int64_t h = 0; h < heads; ++h) {
-        const KeyRows<scalar_t> key = keys(h), value = values(h);
+        const auto key = keys(h);
+        const auto value = values(h);
         pack_transposed([&](int64_t r) { return key(r0 + r); }, count, D, heads_kt.data() + h * Dp * BNc + 2 * r0,
-                        BNc);
+                        BNc, words);
         pack_rows([&](int64_t r) { return value(r0 + r); }, count, 2, DV, heads_vt.data() + h * BNc * DV + r0 * DV,
-                  DV);
+                  DV, words);
       }
     }
     const int64_t cols_e = round_up(cols, 2);
@@ -181,6 +183,20 @@ struct NativeTiles {
                 scalar_t(0));
     }
   }
+#if defined(FLASHATTN_PACK_AVX512) && defined(FLASHATTN_FP8_TABLE)
+  // FP8 rows (KeyRows<uint8_t>) widened inside the packing, in registers: one pass over the cache's tile.
+  static constexpr bool kPacksFp8 = true;
+  template <typename KeyFn, typename ValueFn>
+  void pack_fp8_heads(KvFormat format, int64_t heads, int64_t cols, const KeyFn& keys, const ValueFn& values) {
+    if (format == KvFormat::e4m3fn) {
+      pack_heads(heads, cols, keys, values, WidenedWords<KvFormat::e4m3fn, scalar_t>{});
+    } else {
+      pack_heads(heads, cols, keys, values, WidenedWords<KvFormat::e5m2, scalar_t>{});
+    }
+  }
+#else
+  static constexpr bool kPacksFp8 = false;
+#endif
   float* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
     return product_scores(p, heads_kt.data() + h * Dp * BNc, cols, n);
   }
