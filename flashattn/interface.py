@@ -55,7 +55,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
     block_mask: BlockMask | None = None, *, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
-    v_descale: Tensor | None = None,
+    v_descale: Tensor | None = None, fp8: bool = False,
 ) -> FlashResult:
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile; a drop-in for
     ``flash_attn.flash_attn_func``.
@@ -87,6 +87,11 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         q_descale, k_descale, v_descale: FlashAttention-3's FP8 interface: with q, k, v in
             ``torch.float8_e4m3fn`` (or ``float8_e5m2``), (batch, nheads_k) float32 scales or None (1); the call
             attends ``x.float() * descale`` and returns bfloat16. Forward only.
+        fp8: the FP8 training mode, for float16 or bfloat16 q, k, v: the call quantizes them to
+            ``float8_e4m3fn`` with a scale per (batch, kv head) (its largest magnitude lands on 448), attends them
+            as FP8 inputs do (FP8 tensor cores where the GPU has them, P rounded to e4m3 there; bfloat16
+            arithmetic) and returns out in the inputs' dtype; gradients flow back to q, k, v as those of attention
+            at the quantized values (straight through the rounding), in the inputs' dtype. No dropout.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) when ``return_attn_probs``:
@@ -106,7 +111,7 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
         "flash_attn_func", q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fp8=fp8)
     return _flash_result(call, return_attn_probs)
 
 
@@ -114,7 +119,7 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
-    block_mask: BlockMask | None = None,
+    block_mask: BlockMask | None = None, *, fp8: bool = False,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed qkv of shape (batch, seqlen, 3, nheads, headdim); gradients flow back
     into ``qkv``. Same arguments and returns as ``flash_attn_func``.
@@ -132,7 +137,7 @@ def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
-        fn, q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
+        fn, q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask, fp8=fp8,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -142,7 +147,7 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
-    block_mask: BlockMask | None = None,
+    block_mask: BlockMask | None = None, *, fp8: bool = False,
 ) -> FlashResult:
     """``flash_attn_func`` with k and v packed as kv (batch, seqlen_k, 2, nheads_k, headdim).
 
@@ -158,7 +163,7 @@ def flash_attn_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
-        fn, q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
+        fn, q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask, fp8=fp8,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -170,7 +175,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     deterministic: bool = False, return_attn_probs: bool = False, block_table: Tensor | None = None,
     learnable_sink: Tensor | None = None, *, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
-    v_descale: Tensor | None = None,
+    v_descale: Tensor | None = None, fp8: bool = False,
 ) -> FlashResult:
     """``flash_attn_func`` on a packed batch of sequences of different lengths, without padding; a drop-in for
     ``flash_attn.flash_attn_varlen_func``.
@@ -188,6 +193,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
             ``return_attn_probs``).
         q_descale, k_descale, v_descale: FP8 inputs' scales, (batch, nheads_k) float32 per sequence, as in
             ``flash_attn_func``.
+        fp8: the FP8 training mode of ``flash_attn_func``, a scale per (sequence, kv head).
         The other arguments are those of ``flash_attn_func``, applied per sequence (causal aligns each
         sequence's bottom-right corner).
 
@@ -209,7 +215,7 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_table=block_table, **options,
-        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fp8=fp8,
     )
     return _flash_result(call, return_attn_probs)
 
@@ -218,7 +224,7 @@ def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
-    learnable_sink: Tensor | None = None,
+    learnable_sink: Tensor | None = None, *, fp8: bool = False,
 ) -> FlashResult:
     """``flash_attn_varlen_func`` with q, k, v packed as qkv (total, 3, nheads, headdim) and one set of offsets.
 
@@ -236,7 +242,7 @@ def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, **options, learnable_sink=learnable_sink,
+        max_seqlen_k=max_seqlen, **options, learnable_sink=learnable_sink, fp8=fp8,
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
     return _flash_result(call, return_attn_probs)
@@ -246,7 +252,8 @@ def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
     q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-    deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False, learnable_sink: Tensor | None = None, *,
+    fp8: bool = False,
 ) -> FlashResult:
     """``flash_attn_varlen_func`` with k and v packed as kv (total_k, 2, nheads_k, headdim).
 
@@ -264,7 +271,7 @@ def flash_attn_varlen_kvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_varlen(
         fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, **options, learnable_sink=learnable_sink,
+        max_seqlen_k=max_seqlen_k, **options, learnable_sink=learnable_sink, fp8=fp8,
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
     return _flash_result(call, return_attn_probs)

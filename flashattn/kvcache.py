@@ -9,19 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .quantize import to_fp8
 from .rotary import positions
-
-
-def quantize(x: Tensor, descale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` (B, N, Hk, D) in the FP8 ``dtype`` with ``descale`` (B, Hk): x / descale, saturated to the format's
-    largest finite value (448 for e4m3fn, 57344 for e5m2); NaN stays NaN.
-
-        >>> quantize(torch.tensor([1.0, 1000.0, -3.0]).view(1, 3, 1, 1), torch.tensor([[2.0]]),
-        ...          torch.float8_e4m3fn).float().flatten().tolist()
-        [0.5, 448.0, -1.5]
-    """
-    largest = torch.finfo(dtype).max
-    return (x.float() / descale[:, None, :, None]).clamp(-largest, largest).to(dtype)
 
 
 def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor, batch_idx: Tensor | None = None,
@@ -29,7 +18,7 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
     """Write the new k, v (B, N, Hk, D) into the caches in place at positions at_b .. at_b + N - 1 of sequence b:
     row ``batch_idx[b]`` (default b) of a dense cache, or the pages ``block_table[b]`` of a paged one. An FP8
     cache takes 16-bit or float32 k, v quantized with ``descale`` = (k_descale, v_descale), each (B, Hk)
-    (``quantize``); FP8 ones are copied as they are.
+    (``quantize.to_fp8``); FP8 ones are copied as they are.
 
     Example::
 
@@ -46,6 +35,6 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
         rows = torch.arange(k.shape[0], device=k.device) if batch_idx is None else batch_idx.long()
         index = (rows[:, None].expand_as(pos), pos)
     if k.dtype != k_cache.dtype:  # checked: an FP8 cache and 16-bit or float32 new keys
-        k, v = quantize(k, descale[0], k_cache.dtype), quantize(v, descale[1], v_cache.dtype)
+        k, v = to_fp8(k, descale[0], k_cache.dtype), to_fp8(v, descale[1], v_cache.dtype)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)

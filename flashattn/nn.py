@@ -273,6 +273,9 @@ class SelfAttention(nn.Module):
         learnable_sink: give each head a learned sink logit (the parameter ``sink`` (num_heads,), initialised to
             0) that joins the softmax denominator and takes no value, as gpt-oss does.
         max_seqlen: positions the rotary table starts with (it grows on demand).
+        fp8: attend in ``flash_attn_func``'s FP8 training mode (q, k, v quantized to e4m3 per sequence and kv
+            head, gradients straight through; for float16 or bfloat16 weights, without dropout); the KV cache
+            path is unchanged (``new_cache(dtype=torch.float8_e4m3fn)`` stores the cache in FP8).
 
     Example::
 
@@ -286,8 +289,11 @@ class SelfAttention(nn.Module):
                  causal: bool = True, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  rotary: bool = True, rotary_dim: int | None = None, rotary_base: float = 10000.0,
                  rotary_interleaved: bool = False, dropout: float = 0.0, bias: bool = False,
-                 learnable_sink: bool = False, max_seqlen: int = 2048, device=None, dtype=None) -> None:
+                 learnable_sink: bool = False, max_seqlen: int = 2048, fp8: bool = False, device=None,
+                 dtype=None) -> None:
         super().__init__()
+        if fp8 and dropout:
+            raise checks.fail("SelfAttention", f"dropout must be 0 with fp8=True, got {dropout}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = checks.check_self_attention_config("SelfAttention", dim=dim, heads=(num_heads, num_kv_heads),
                                                       head_dim=head_dim)
@@ -298,7 +304,7 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.window_size, self.softcap, self.dropout = causal, tuple(window_size), softcap, dropout
         self.rotary, self.rotary_dim, self.rotary_base = rotary, rotary_dim, rotary_base
-        self.rotary_interleaved = rotary_interleaved
+        self.rotary_interleaved, self.fp8 = rotary_interleaved, bool(fp8)
         self.qkv = nn.Linear(dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * head_dim, dim, bias=bias, **factory)
         self.sink = nn.Parameter(torch.zeros(num_heads, **factory)) if learnable_sink else None
@@ -339,7 +345,8 @@ class SelfAttention(nn.Module):
         num_kv_heads, head_dim), already rotated, -> (batch, seqlen, num_heads, head_dim). A subclass may override
         it to swap the kernel, e.g. for a baseline run with torch's SDPA (examples/train_gpt.py)."""
         return flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal,
-                               window_size=self.window_size, softcap=self.softcap, learnable_sink=self.sink)
+                               window_size=self.window_size, softcap=self.softcap, learnable_sink=self.sink,
+                               fp8=self.fp8)
 
     def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
         """x (batch, seqlen, dim). With ``cache``, the seqlen new tokens follow the ones already stored: their

@@ -6,6 +6,9 @@ through one type: ``attention(q, k, v, spec)`` flattens it, the op's implementat
 rebuild it. Being custom ops with fake (meta) implementations, they are opaque leaves to
 ``torch.compile(fullgraph=True)``: traced without graph breaks, dispatched to a backend at run time.
 
+The FP8 training mode (``AttentionSpec.fp8_training``) is the op's own: it quantizes q, k, v before the path
+(which sees FP8 inputs and their descale) and differentiates at the quantized values after.
+
 The path is chosen before the op (``flashattn.backends.choose``, the one place that decides what can run a call)
 and passed to it by name, so the backward of a call always runs on the path that ran its forward, wherever and on
 whatever thread autograd runs it.
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, quantize
 from .backends.spec import AttentionSpec, Saved, accumulation_dtype, output_dtype
 
 _SPEC = AttentionSpec.op_schema()
@@ -35,6 +38,16 @@ def _split(rest: tuple) -> tuple[AttentionSpec, str, bool]:
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
     spec, backend, return_probs = _split(rest)
+    return _forward(q, k, v, spec, backend, return_probs)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, backend: str,
+             return_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if spec.fp8_training:  # quantized here, attended as FP8 inputs (FP8 matmuls where the path has them)
+        q8, k8, v8, descale = quantize.quantized_inputs(q, k, v, spec)
+        fp8 = dataclasses.replace(spec, fp8_training=False, descale=descale)
+        out, lse, probs = backends.get(backend).forward(q8, k8, v8, fp8, return_probs=return_probs)
+        return out.to(q.dtype), lse, probs
     return backends.get(backend).forward(q, k, v, spec, return_probs=return_probs)
 
 
@@ -55,6 +68,9 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Ten
 def _attention_backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec, backend, mask_grad = _split(rest)
+    if spec.fp8_training:  # the gradients at the values the forward attended (straight through the rounding)
+        q, k, v = quantize.round_trip(q, k, v, spec)
+        spec = dataclasses.replace(spec, fp8_training=False)
     dq, dk, dv, dmask = backends.get(backend).backward(dout, dlse, Saved(q, k, v, out, lse), spec,
                                                        mask_grad=mask_grad)
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
@@ -174,7 +190,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
     # attention): the backend directly for inference, the op's autograd functions for training.
     if _records_grad(q, k, v, spec):
         return _EagerAttention.apply(q, k, v, *spec.as_args(), backend, return_probs)
-    return backends.get(backend).forward(q, k, v, spec, return_probs=return_probs)
+    return _forward(q, k, v, spec, backend, return_probs)
 
 
 def _records_grad(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> bool:

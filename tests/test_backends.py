@@ -227,11 +227,13 @@ def _options_one_at_a_time():
         "varlen": {"varlen": Varlen(cu_q, cu_k, 7, 9)},
         "cache": {"cache": KeyCache(torch.tensor([1, 0], dtype=t32), torch.tensor([8, 9], dtype=t32), 9)},
         "descale": {"descale": Descale(*(torch.rand(2, 2) + 0.5 for _ in range(3)))},
+        "fp8_training": {"fp8_training": True},
     }
 
 
-# Options whose inputs the generic comparison cannot make (FP8 tensors): their own test file covers every path.
-TESTED_APART = {"descale"}
+# Options whose inputs the generic comparison cannot make (FP8 tensors): their own test files cover every path
+# (the training mode is the op's: it hands the paths FP8 inputs with their descale, tests/test_fp8_training.py).
+TESTED_APART = {"descale", "fp8_training"}
 
 
 @pytest.mark.skipif(not TRITON, reason="triton missing")

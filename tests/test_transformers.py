@@ -182,6 +182,32 @@ def test_greedy_generation_with_cache_matches(kind):
     assert torch.equal(outs[0], outs[1])
 
 
+def _fp8_quantized_cache(config):
+    """transformers' own FP8 KV cache (``QuantizedCache(backend="fp8")``: e4m3 with a per-tensor scale, handed to
+    the attention dequantized), or a skip where this transformers has none."""
+    try:
+        return transformers.QuantizedCache(backend="fp8", config=config)
+    except (AttributeError, TypeError, ValueError) as e:
+        pytest.skip(f"this transformers ({transformers.__version__}) has no FP8 QuantizedCache: {e}")
+
+
+def test_generation_with_transformers_fp8_cache_matches():
+    """transformers' FP8 cache with attn_implementation="flashattn": the same tokens as sdpa reading the same cache
+    (both attend the values it dequantizes), with left padding."""
+    models = _models("llama", dtypes=(torch.float64,))
+    ids = torch.randint(1, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    outs = []
+    for key in ("base", NAME):
+        model = models[key, torch.float64]
+        cache = _fp8_quantized_cache(model.config)
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                   cache=cache))
+        assert cache.layers[0]._quantized_keys[0].dtype == torch.float8_e4m3fn
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_custom_4d_mask_is_honoured():
     models = _models("llama", dtypes=(torch.float64,))
     ids = torch.randint(0, VOCAB, (2, 12))

@@ -56,7 +56,7 @@ class Request(NamedTuple):
             "attn_mask": spec.attn_mask is not None, "block mask": spec.block_sparse is not None,
             "dropout": spec.dropout_p > 0, "softcap": spec.softcap > 0,
             "window": spec.window_left >= 0 or spec.window_right > 0, "return_attn_probs": return_probs,
-            "fp8": spec.descale is not None,
+            "fp8": spec.descale is not None or spec.fp8_training,
         }
         blocks = spec.block_sparse
         grad_enabled = torch.is_grad_enabled()

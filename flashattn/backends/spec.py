@@ -162,12 +162,12 @@ class Descale:
             >>> Descale(one, 2 * one, one).folded_queries(torch.ones(1, 1, 2, 4, dtype=torch.float16)).flatten()[0]
             tensor(2., dtype=torch.float16)
         """
-        return (q.float() * _per_row(self.q * self.k, q, cu_seqlens_q)).to(output_dtype(q.dtype))
+        return (q.float() * per_row(self.q * self.k, q, cu_seqlens_q)).to(output_dtype(q.dtype))
 
     def query_factors(self, q: Tensor, cu_seqlens_q: Tensor | None = None) -> Tensor:
         """q's descale times k's for every (row, head) of q (B, Nq, H, D) or packed (total_q, H, D): q.shape[:-1],
         float32, contiguous."""
-        return _per_row(self.q * self.k, q, cu_seqlens_q)[..., 0].expand(q.shape[:-1]).contiguous()
+        return per_row(self.q * self.k, q, cu_seqlens_q)[..., 0].expand(q.shape[:-1]).contiguous()
 
     def score_scales(self) -> Tensor:
         """(B, Hk) float32, contiguous: q's descale times k's, what multiplies the scores of FP8 q and k multiplied
@@ -182,10 +182,10 @@ class Descale:
     def scale_values(self, out: Tensor, dtype: torch.dtype, cu_seqlens_q: Tensor | None = None) -> Tensor:
         """out (B, Nq, H, Dv), or packed (total_q, H, Dv) with its offsets, computed with unscaled FP8 values, times
         v's descale per query head, in ``dtype``."""
-        return (out.float() * _per_row(self.v, out, cu_seqlens_q)).to(dtype)
+        return (out.float() * per_row(self.v, out, cu_seqlens_q)).to(dtype)
 
 
-def _per_row(scales: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+def per_row(scales: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     """(B, Hk) ``scales`` repeated to the query heads of ``x`` (B, N, H, D) and shaped to multiply it; for a packed
     x (total, H, D), each row takes its sequence's (``cu_seqlens``: the B + 1 offsets; rows past the last one, which
     no sequence owns, take the last sequence's)."""
@@ -224,6 +224,9 @@ class AttentionSpec:
         varlen: q (and k, v unless ``cache``) are packed sequences: q (total_q, H, D), lse (H, total_q).
         cache: keys and values live in a KV cache (dense or paged): forward only.
         descale: FP8 inputs' scales (``Descale``); None when no input is FP8. Forward only.
+        fp8_training: the training mode: 16-bit q, k, v are quantized to e4m3 by the op (``flashattn.quantize``,
+            a scale per sequence and kv head), attended as FP8 inputs, and differentiated at the values they
+            stand for (straight through the rounding); out and the gradients in the inputs' dtype.
     """
 
     scale: float
@@ -242,6 +245,7 @@ class AttentionSpec:
     varlen: Varlen | None = None
     cache: KeyCache | None = None
     descale: Descale | None = None
+    fp8_training: bool = False
 
     def band(self, nq: int, nk: int) -> Band:
         return Band.of(nq, nk, left=self.window_left, right=self.window_right, bottom_right=self.bottom_right,

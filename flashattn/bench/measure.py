@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..backends import use_backend
 from ..interface import flash_attn_func
-from ..kvcache import quantize
+from ..quantize import amax_scales, to_fp8
 
 L2_FLUSH_BYTES = 256 * 2**20  # larger than any current GPU's L2 (H100: 50 MB)
 
@@ -116,14 +116,10 @@ def ours_fp8(q, k, v, causal):
     key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape), tuple(k.shape))
     if key not in _FP8:
         _FP8.clear()
-        heads_k = k.shape[2]
 
         def quantized(x):
-            largest = torch.finfo(torch.float8_e4m3fn).max
-            amax = x.detach().abs().amax(dim=(1, 3)).float().view(x.shape[0], heads_k, -1).amax(-1)
-            scale = amax.clamp_min(1e-12) / largest
-            per_head = scale.repeat_interleave(x.shape[2] // heads_k, 1)
-            return quantize(x.detach(), per_head, torch.float8_e4m3fn), scale
+            scale = amax_scales(x, heads_k=k.shape[2])
+            return to_fp8(x.detach(), scale), scale
 
         _FP8[key] = [quantized(t) for t in (q, k, v)]
     (qf, qs), (kf, ks), (vf, vs) = _FP8[key]

@@ -108,12 +108,10 @@ def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, s
     ``BlockMask`` or None."""
     q, k, v = flash_layout(fn, q, k, v, names)
     given = {n: options.pop(n, None) for n in ("q_descale", "k_descale", "v_descale")}
+    training = options.pop("fp8", False)
     spec = flash_options(fn, q, batch=q.shape[0], **options)
-    scales = fp8.descale(fn, inputs=dict(zip(names, (q, k, v), strict=True)), given=given, batch=q.shape[0],
-                         nheads_k=k.shape[2])
-    if scales is not None:
-        fp8.validate_fp8_forward(fn, q, **options)
-        spec = dataclasses.replace(spec, descale=scales)
+    spec = fp8.with_fp8(fn, spec, inputs=dict(zip(names, (q, k, v), strict=True)), given=given, training=training,
+                        batch=q.shape[0], nheads_k=k.shape[2], options=options)
     if block_mask is not None:
         spec = dataclasses.replace(spec, block_sparse=validate_block_mask(
             fn, "block_mask", block_mask, batch=q.shape[0], nheads=q.shape[2], nq=q.shape[1], nk=k.shape[1], ref=q))
@@ -158,15 +156,14 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
         lengths_k = check_varlen_values(fn, cu_q, cu_k, None, sizes)
     batch = cu_q.numel() - 1
     given = {n: arguments.pop(n, None) for n in ("q_descale", "k_descale", "v_descale")}
+    training = arguments.pop("fp8", False)
     spec = flash_options(fn, q, batch=batch, **arguments)
-    scales = fp8.descale(fn, inputs=dict(zip(names, (q, k, v), strict=True)), given=given, batch=batch,
-                         nheads_k=k.shape[-2])
-    if scales is not None:
-        fp8.validate_fp8_forward(fn, q, **arguments)
-        spec = dataclasses.replace(spec, descale=scales)
+    spec = fp8.with_fp8(fn, spec, inputs=dict(zip(names, (q, k, v), strict=True)), given=given, training=training,
+                        batch=batch, nheads_k=k.shape[-2], options=arguments)
     if paged:
-        if spec.dropout_p > 0 or validate_flag(fn, "return_attn_probs", arguments["return_attn_probs"]):
-            raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0 and "
+        if spec.dropout_p > 0 or spec.fp8_training or validate_flag(fn, "return_attn_probs",
+                                                                     arguments["return_attn_probs"]):
+            raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0, fp8=False and "
                            "return_attn_probs=False")
         validate_block_table(fn, block_table, k, batch)
         if not compiling:

@@ -3,7 +3,8 @@
 q, k and v (or the caches) in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, with ``q_descale``,
 ``k_descale``, ``v_descale`` of shape (batch, nheads_k), float32, None meaning 1: the call attends
 ``x.float() * descale``. The output is bfloat16 when q is FP8. A KV cache in FP8 may also be read by 16-bit
-queries (then only ``k_descale`` and ``v_descale`` apply).
+queries (then only ``k_descale`` and ``v_descale`` apply). The training mode (``fp8=True``) takes 16-bit q, k, v
+and quantizes them itself.
 
     >>> q = torch.randn(1, 3, 4, 16).to(torch.float8_e4m3fn)
     >>> descale(
@@ -14,10 +15,12 @@ queries (then only ``k_descale`` and ``v_descale`` apply).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..backends.spec import FP8_DTYPES, Descale
-from ._base import fail, validate_same
+from ..backends.spec import FP8_DTYPES, AttentionSpec, Descale
+from ._base import fail, validate_flag, validate_same
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -35,6 +38,31 @@ def validate_fp8_forward(fn: str, q: torch.Tensor, **options) -> None:
         raise fail(fn, f"dropout_p must be 0 with FP8 inputs, got {options['dropout_p']}")
     if options.get("return_attn_probs"):
         raise fail(fn, "return_attn_probs is not available with FP8 inputs")
+
+
+def with_fp8(fn: str, spec: AttentionSpec, *, inputs: dict[str, torch.Tensor], given: dict[str, object],
+             training: object, batch: int, nheads_k: int, options: dict) -> AttentionSpec:
+    """``spec`` with the call's FP8 settings: the ``descale`` of FP8 inputs (``given`` the caller's descales), or
+    the training mode when ``training`` (the ``fp8`` flag) is set; ``options`` are the call's other keyword
+    arguments (dropout_p, return_attn_probs, ...)."""
+    scales = descale(fn, inputs=inputs, given=given, batch=batch, nheads_k=nheads_k)
+    q = next(iter(inputs.values()))
+    training = validate_flag(fn, "fp8", training)
+    if scales is not None:
+        if training:
+            raise fail(fn, "fp8=True quantizes float16 or bfloat16 q, k and v itself; FP8 inputs are attended as "
+                           "they are (pass fp8=False, with q_descale, k_descale, v_descale)", TypeError)
+        validate_fp8_forward(fn, q, **options)
+        return dataclasses.replace(spec, descale=scales)
+    if not training:
+        return spec
+    if q.dtype not in SIXTEEN_BIT:
+        raise fail(fn, f"fp8=True quantizes float16 or bfloat16 q, k and v, got {q.dtype}", TypeError)
+    if options.get("dropout_p"):
+        raise fail(fn, f"dropout_p must be 0 with fp8=True, got {options['dropout_p']}")
+    if options.get("return_attn_probs"):
+        raise fail(fn, "return_attn_probs is not available with fp8=True")
+    return dataclasses.replace(spec, fp8_training=True)
 
 
 def descale(fn: str, *, inputs: dict[str, torch.Tensor], given: dict[str, object], batch: int,

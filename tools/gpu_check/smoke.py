@@ -6,7 +6,8 @@ Kernels: ``fwd+bwd`` (forward, then dK/dV and dQ), ``dropout`` (the same with dr
 path at the same seed), ``block-mask`` (the three kernels walking a FlexAttention ``BlockMask`` of documents),
 ``decode`` (one query token against a KV cache of uneven lengths), ``split-kv`` (the same split in four and merged)
 ``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries) and ``fp8-matmul`` (q, k, v in
-e4m3fn: FP8 tensor-core matmuls with P rounded, judged against float64 with P rounded alike). Shapes are odd on
+e4m3fn: FP8 tensor-core matmuls with P rounded, judged against float64 with P rounded alike), ``fp8-train`` (the
+training mode, fp8=True: bf16 inputs quantized by the call, forward and backward). Shapes are odd on
 purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
 
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
@@ -35,8 +36,9 @@ from pathlib import Path
 
 from .plan import ROOT, TESTS
 
-KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul")
-FP8_ONCE = {"fp8-matmul": "bfloat16"}  # cases whose inputs are FP8 whatever the dtype: run under this one only
+KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train")
+FP8_ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16"}  # cases whose inputs are FP8 (or bf16 quantized to
+# FP8) whatever the dtype: run under this one only
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (128, 64, 256)
 RESTARTS = 3  # per worker, after a fault that may have broken its CUDA context
@@ -202,7 +204,7 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int, fp8_cache:
     import torch
 
     import flashattn
-    from flashattn.kvcache import quantize
+    from flashattn.quantize import to_fp8
 
     dtype = getattr(torch, case.dtype)
     b, hk, d = sizes.batch, sizes.heads_k, case.head_dim
@@ -213,7 +215,7 @@ def _check_decode(case: Case, sizes: Sizes, device: str, splits: int, fp8_cache:
     fp8 = {}
     if fp8_cache:  # an e4m3fn cache with descales: judged against the dequantized values it holds
         scales = [torch.rand(b, hk, device=device) + 0.5 for _ in range(2)]
-        stored = [quantize(c, s, torch.float8_e4m3fn) for c, s in zip((k_cache, v_cache), scales, strict=True)]
+        stored = [to_fp8(c, s) for c, s in zip((k_cache, v_cache), scales, strict=True)]
         fp8 = {"k_descale": scales[0], "v_descale": scales[1]}
         k_cache, v_cache = (c.to(dtype) * s[:, None, :, None].to(dtype) for c, s in zip(stored, scales, strict=True))
     with poisoned():
@@ -237,15 +239,14 @@ def check_fp8_matmul(case: Case, sizes: Sizes, device: str) -> dict:
     import torch
 
     import flashattn
-    from flashattn.kvcache import quantize
+    from flashattn.quantize import to_fp8
 
     scales = [torch.rand(sizes.batch, sizes.heads_k, device=device) + 0.5 for _ in range(3)]
 
     def per_head(s, x):  # (batch, nheads_k) scales for every head of x
         return s.repeat_interleave(x.shape[2] // sizes.heads_k, 1)
 
-    fp8 = [quantize(x.detach(), per_head(s, x), torch.float8_e4m3fn)
-           for x, s in zip(_inputs(case, sizes, device), scales, strict=True)]
+    fp8 = [to_fp8(x.detach(), s) for x, s in zip(_inputs(case, sizes, device), scales, strict=True)]
     wide = [x.double() * per_head(s, x).double()[:, None, :, None] for x, s in zip(fp8, scales, strict=True)]
     with poisoned():
         out = flashattn.flash_attn_func(*fp8, causal=case.causal, q_descale=scales[0], k_descale=scales[1],
@@ -257,11 +258,41 @@ def check_fp8_matmul(case: Case, sizes: Sizes, device: str) -> dict:
     return {"out": float(f"{oracle.max_err(out, ref):.3g}")}
 
 
+def check_fp8_train(case: Case, sizes: Sizes, device: str) -> dict:
+    """The FP8 training mode: bf16 q, k, v quantized by the call, attended in FP8 (P rounded on FP8 tensor cores)
+    and differentiated at the quantized values. Judged at those values: out as ``fp8-matmul``, the gradients
+    against 3x bf16 attention computed the same way (P rounded to e4m3) with autograd."""
+    import torch
+
+    from flashattn.quantize import amax_scales, from_fp8, to_fp8
+
+    q, k, v = _inputs(case, sizes, device)
+    out, (g, grads) = _forward_backward(q, k, v, causal=case.causal, fp8=True)
+
+    def at_quantized(x, dtype):
+        scale = amax_scales(x, heads_k=sizes.heads_k)
+        return from_fp8(to_fp8(x.detach(), scale), scale, dtype).requires_grad_()
+
+    wide, low = ([at_quantized(x, dtype) for x in (q, k, v)] for dtype in (torch.float64, torch.bfloat16))
+    oracle = _oracle()
+    ref, _ = oracle.attention_ref(*wide, causal=case.causal)
+    rounded, _ = oracle.attention_ref(*wide, causal=case.causal, round_probs=torch.float8_e4m3fn)
+    base, _ = oracle.attention_ref(*low, causal=case.causal, upcast=False, round_probs=torch.float8_e4m3fn)
+    oracle.assert_close("out", out, ref, rounded)
+    errors = {"out": oracle.max_err(out, ref)}
+    want = torch.autograd.grad(ref, wide, g.double())
+    baseline = torch.autograd.grad(base, low, g)
+    for name, x, w, b in zip(("dq", "dk", "dv"), grads, want, baseline, strict=True):
+        errors[name] = oracle.max_err(x, w)
+        oracle.assert_close(name, x, w, b, factor=3.0)
+    return {name: float(f"{e:.3g}") for name, e in errors.items()}
+
+
 CHECKS = {"fwd+bwd": check_fwd_bwd, "dropout": check_dropout, "block-mask": check_block_mask,
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),
           "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True),
-          "fp8-matmul": check_fp8_matmul}
+          "fp8-matmul": check_fp8_matmul, "fp8-train": check_fp8_train}
 
 
 def run_case(case: Case, sizes: Sizes, device: str) -> dict:
