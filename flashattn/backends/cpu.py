@@ -126,9 +126,10 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     q, k, v = (_unit_stride(t) for t in (q, k, v))
     lse = torch.empty(spec.lse_shape(q.shape), dtype=accumulation_dtype(q.dtype))
     fp8 = {}
-    if spec.descale is not None:  # v's descale scales each output row; k's is folded into q
-        fp8 = {"v_descale": spec.descale.v}
-        q = _folded_queries(q, spec.descale, None if spec.varlen is None else spec.varlen.cu_seqlens_q)
+    if spec.descale is not None:  # q's and k's descales scale the scores, v's each output row, in the kernel
+        fp8 = {"v_descale": spec.descale.v, "qk_descale": spec.descale.score_scales()}
+        if q.dtype in FP8_DTYPES:
+            q = _widened(q, output_dtype(q.dtype))
         if _widened_once(q, k, spec):
             k, v = _widened(k, q.dtype), _widened(v, q.dtype)
         else:  # as bytes, widened tile by tile (kv_format: 1 e4m3fn, 2 e5m2)
@@ -141,19 +142,11 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     return out, lse, q.new_empty(0)
 
 
-def _folded_queries(q: torch.Tensor, descale, rows) -> torch.Tensor:
-    """``Descale.folded_queries``: FP8 queries widened by the C++ kernel's vectorised code (PyTorch's FP8
-    conversion on the CPU cost FP8 prefill a third of its time), 16-bit ones by PyTorch."""
-    if q.dtype not in FP8_DTYPES:
-        return descale.folded_queries(q, rows)
-    return _widened(q, output_dtype(q.dtype), descale.query_factors(q, rows))
-
-
-def _widened(x: torch.Tensor, dtype: torch.dtype, factors: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 ``x`` in ``dtype``, exactly, each row of its last dim times its ``factor`` (x.shape[:-1]; None: 1)."""
+def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``x`` in ``dtype``, exactly, by the C++ kernel's vectorised code (PyTorch's FP8 conversion on the CPU
+    cost FP8 prefill a third of its time)."""
     out = torch.empty(x.shape, dtype=dtype)
-    cpu_build.module().widen_scaled(x.contiguous().view(torch.uint8), factors, out,
-                                    1 if x.dtype == torch.float8_e4m3fn else 2)
+    cpu_build.module().widen(x.contiguous().view(torch.uint8), out, 1 if x.dtype == torch.float8_e4m3fn else 2)
     return out
 
 

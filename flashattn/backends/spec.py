@@ -164,11 +164,6 @@ class Descale:
         """
         return (q.float() * per_row(self.q * self.k, q, cu_seqlens_q)).to(output_dtype(q.dtype))
 
-    def query_factors(self, q: Tensor, cu_seqlens_q: Tensor | None = None) -> Tensor:
-        """q's descale times k's for every (row, head) of q (B, Nq, H, D) or packed (total_q, H, D): q.shape[:-1],
-        float32, contiguous."""
-        return per_row(self.q * self.k, q, cu_seqlens_q)[..., 0].expand(q.shape[:-1]).contiguous()
-
     def score_scales(self) -> Tensor:
         """(B, Hk) float32, contiguous: q's descale times k's, what multiplies the scores of FP8 q and k multiplied
         as they are (on FP8 tensor cores).

@@ -89,8 +89,10 @@ struct Problem {
   float dropout_p = 0;  // compared with the float32 uniform, as tl.rand's callers do
   double dropout_scale = 1;  // 1 / (1 - p) from the caller's double p
   uint64_t seed = 0;
-  // FP8 keys and values (cpu_fp8.h): their format, and v's descale per (sequence, kv head), applied to out.
+  // FP8 inputs (cpu_fp8.h): the keys' and values' format, and per (sequence, kv head) q's descale times k's,
+  // applied to the scores, and v's, applied to out.
   KvFormat kv_format = KvFormat::same;
+  const float* qk_descale = nullptr;
   const float* v_descale = nullptr;
   int64_t counter_rows = 0, counter_cols = 0;  // dropout counter ((s * H + h) * rows + i) * cols + j
   const void* mask = nullptr;  // (S, H, Nq, Nk) broadcast view, bool or the accumulation type

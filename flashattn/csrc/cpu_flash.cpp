@@ -147,10 +147,10 @@ void dispatch_tiles(const Tensor& q, Engine engine, const Fn& fn) {
 // stays within L2.
 constexpr int64_t kShortQueryKeys = 64;
 
-// kv_format 0: k and v have q's dtype; 1 or 2: they are FP8 (e4m3fn, e5m2) bytes, widened tile by tile, and
-// v_descale (S, Hk) float32 scales the output (the caller folds k's descale into q).
+// kv_format 0: k and v have q's dtype; 1 or 2: they are FP8 (e4m3fn, e5m2) bytes, widened tile by tile. FP8
+// inputs' descales, (S, Hk) float32 each: qk_descale (q's times k's) scales the scores, v_descale the output.
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Options& o,
-             int64_t kv_format, const optional<Tensor>& v_descale) {
+             int64_t kv_format, const optional<Tensor>& v_descale, const optional<Tensor>& qk_descale) {
   check_layout(q, k, v);
   TORCH_CHECK((kv_format != 0) == (k.scalar_type() == at::kByte && q.scalar_type() != at::kByte),
               "kv_format must be 1 or 2 exactly when k and v are FP8 bytes");
@@ -159,12 +159,15 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Ten
   Problem p = make_problem(o, q, k, v, keep);
   if (p.short_queries()) p.block_n = std::min(p.block_n, kShortQueryKeys);
   p.kv_format = static_cast<flash_cpu::KvFormat>(kv_format);
-  if (v_descale) {
-    keep.push_back(v_descale->to(at::kFloat).contiguous());
-    TORCH_CHECK(keep.back().numel() == static_cast<int64_t>(p.seqs.size()) * p.kv_heads,
-                "v_descale must be (sequences, kv heads)");
-    p.v_descale = keep.back().data_ptr<float>();
-  }
+  const auto per_head = [&](const optional<Tensor>& scales, const char* name) -> const float* {
+    if (!scales) return nullptr;
+    keep.push_back(scales->to(at::kFloat).contiguous());
+    TORCH_CHECK(keep.back().numel() == static_cast<int64_t>(p.seqs.size()) * p.kv_heads, name,
+                " must be (sequences, kv heads)");
+    return keep.back().data_ptr<float>();
+  };
+  p.v_descale = per_head(v_descale, "v_descale");
+  p.qk_descale = per_head(qk_descale, "qk_descale");
   const Engine engine = engine_of(o.tiles);
   dispatch_tiles(q, engine, [&](auto policy) {
     using Tiles = typename decltype(policy)::type;
@@ -213,11 +216,11 @@ void forward_op(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, 
                 int64_t counter_rows, int64_t counter_cols, const optional<Tensor>& mask,
                 const optional<Tensor>& tile_kind, const optional<Tensor>& partial_id,
                 const optional<Tensor>& partial_masks, c10::string_view tiles, int64_t kv_format,
-                const optional<Tensor>& v_descale) {
+                const optional<Tensor>& v_descale, const optional<Tensor>& qk_descale) {
   forward(q, k, v, out, lse,
           Options{seqs, block_table, diagonal, scale, softcap, left, right, block_m, block_n, alibi, sink, dropout_p,
                   seed, counter_rows, counter_cols, mask, tile_kind, partial_id, partial_masks, tiles},
-          kv_format, v_descale);
+          kv_format, v_descale, qk_descale);
 }
 
 void backward_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
@@ -233,32 +236,22 @@ void backward_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                    seed, counter_rows, counter_cols, mask, tile_kind, partial_id, partial_masks, tiles});
 }
 
-// FP8 rows (src: uint8 bytes of `format`, rows of D) into out's 16-bit (or fp32) type, each times its float in
-// `scale` when given (FP8 queries with q's and k's descales folded in), exactly when not (keys and values widened
-// once). PyTorch's own FP8 conversion on the CPU takes about 3 ns an element, this vectorised one a tenth.
-void widen_scaled_op(const Tensor& src, const optional<Tensor>& scale, Tensor& out, int64_t format) {
-  TORCH_CHECK(src.scalar_type() == at::kByte, "widen_scaled: uint8 src");
+// FP8 values (src: uint8 bytes of `format`) into out's 16-bit (or fp32) type, exactly: FP8 queries, and keys and
+// values widened once. PyTorch's own FP8 conversion on the CPU takes about 3 ns an element, this one a tenth.
+void widen_op(const Tensor& src, Tensor& out, int64_t format) {
+  TORCH_CHECK(src.scalar_type() == at::kByte, "widen: uint8 src");
   TORCH_CHECK(src.is_contiguous() && out.is_contiguous() && out.numel() == src.numel(),
-              "widen_scaled: contiguous tensors, out as large as src");
-  TORCH_CHECK(format == 1 || format == 2, "widen_scaled: format 1 (e4m3fn) or 2 (e5m2), got ", format);
-  const int64_t width = src.size(-1), rows = src.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(!scale.has_value() || (scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
-                                     scale->numel() == rows),
-              "widen_scaled: scale holds one float per row of src");
+              "widen: contiguous tensors, out as large as src");
+  TORCH_CHECK(format == 1 || format == 2, "widen: format 1 (e4m3fn) or 2 (e5m2), got ", format);
   const auto kv_format = static_cast<flash_cpu::KvFormat>(format);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "widen_scaled", [&] {
+  constexpr int64_t kChunk = 16384;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "widen", [&] {
     const uint8_t* from = src.data_ptr<uint8_t>();
-    const float* factor = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     scalar_t* to = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide(width);
-      for (int64_t r = begin; r < end; ++r) {
-        if (factor == nullptr) {
-          flash_cpu::widen_fp8(from + r * width, to + r * width, width, kv_format);
-          continue;
-        }
-        flash_cpu::widen_fp8(from + r * width, wide.data(), width, kv_format);
-        for (int64_t d = 0; d < width; ++d) to[r * width + d] = static_cast<scalar_t>(wide[d] * factor[r]);
+    at::parallel_for(0, (src.numel() + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t at = c * kChunk;
+        flash_cpu::widen_fp8(from + at, to + at, std::min(kChunk, src.numel() - at), kv_format);
       }
     });
   });
@@ -281,15 +274,15 @@ std::vector<std::string> engines() {
 #define FLASHATTN_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 FLASHATTN_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, *, " FLASHATTN_OPTIONS
-        ", int kv_format=0, Tensor? v_descale=None) -> ()");
+        ", int kv_format=0, Tensor? v_descale=None, Tensor? qk_descale=None) -> ()");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? dlse, Tensor(a!) dq, "
         "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)? dmask, *, " FLASHATTN_OPTIONS ") -> ()");
   m.def("engines() -> str[]", &engines);
-  m.def("widen_scaled(Tensor src, Tensor? scale, Tensor(a!) out, int format) -> ()");
+  m.def("widen(Tensor src, Tensor(a!) out, int format) -> ()");
 }
 
 FLASHATTN_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("forward", &forward_op);
   m.impl("backward", &backward_op);
-  m.impl("widen_scaled", &widen_scaled_op);
+  m.impl("widen", &widen_op);
 }

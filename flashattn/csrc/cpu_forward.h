@@ -201,6 +201,9 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         for (int64_t r = 0; r < n; ++r) {
           acc_t* srow = scores + r * ld;
           const int64_t h = hk * p.group + g[r];
+          if constexpr (std::is_same_v<acc_t, float>) {  // FP8 inputs: before any transform (q.k's own scale)
+            if (p.qk_descale != nullptr) scale_row(srow, cols, p.qk_descale[task.seq * p.kv_heads + hk]);
+          }
           p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, nullptr, p.tile_row(tile, i[r]));
           const acc_t m = max_of(srow, cols, row_max[r]);
           if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
