@@ -50,12 +50,14 @@ def test_bench_cli_writes_rows_ratios_and_plots(tmp_path, capsys):
         assert (out / f"bench-cpu-{suffix}.png").stat().st_size > 10_000
 
 
-def test_the_fp8_forward_is_timed_beside_ours_and_never_its_baseline(tmp_path):
+def test_the_fp8_modes_are_timed_beside_ours_and_never_its_baseline(tmp_path):
     rows = sweep.run(sweep.Sweep(seqlens=[64], headdims=[32], causals=[False], modes=["fwd", "bwd"],
                                  dtype="bfloat16", device="cpu", tokens=128, hidden=64, repeats=1, isolate=False,
-                                 impls=[OURS, "sdpa", "flashattn-fp8"]), progress=False)
+                                 impls=[OURS, "sdpa", "flashattn-fp8", "flashattn-fp8-train"]), progress=False)
     fp8 = [r for r in rows if r["impl"] == "flashattn-fp8"]
     assert [r["mode"] for r in fp8] == ["fwd"] and fp8[0]["tflops"] > 0  # forward only
+    train = [r for r in rows if r["impl"] == "flashattn-fp8-train"]
+    assert [r["mode"] for r in train] == ["fwd", "bwd"] and all(r["tflops"] > 0 for r in train)
     assert all(r["best_baseline"] == "sdpa" for r in rows if r["impl"] == OURS)
 
 

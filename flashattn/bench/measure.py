@@ -126,6 +126,12 @@ def ours_fp8(q, k, v, causal):
     return flash_attn_func(qf, kf, vf, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
 
 
+def ours_fp8_train(q, k, v, causal):
+    """The FP8 training mode (``fp8=True``): 16-bit q, k, v quantized by the call (inside the timed call: it is
+    part of the mode's cost), the FP8 forward, and the backward at the quantized values."""
+    return flash_attn_func(q, k, v, causal=causal, fp8=True)
+
+
 # ALiBi slopes per (heads, device), made once, not inside the timed call.
 _ALIBI: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -153,12 +159,15 @@ def _ours_with(feature: str):
 OURS = "flashattn"
 OURS_CUDA = "flashattn-cuda"  # our CUDA C++ kernel: timed beside the others, never a baseline for the ratio
 OURS_FP8 = "flashattn-fp8"  # ours on FP8 inputs (FlashAttention-3's FP8 forward): beside ours, never a baseline
+OURS_FP8_TRAIN = "flashattn-fp8-train"  # ours in the FP8 training mode: beside ours, never a baseline
+OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN)  # never the baseline our ratios are taken against
 FEATURES = ("dropout", "softcap", "alibi", "window", "gqa8")
 IMPLEMENTATIONS: dict[str, Callable] = {
     OURS: ours,
     **{f"{OURS}+{feature}": _ours_with(feature) for feature in FEATURES},
     OURS_CUDA: ours_cuda,
     OURS_FP8: ours_fp8,
+    OURS_FP8_TRAIN: ours_fp8_train,
     "sdpa": _sdpa(None),
     "sdpa-math": _sdpa("MATH"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),

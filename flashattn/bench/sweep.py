@@ -30,7 +30,7 @@ from .measure import (
     MODES,
     OURS,
     OURS_CUDA,
-    OURS_FP8,
+    OURS_VARIANTS,
     Case,
     measure,
     run_here,
@@ -130,7 +130,7 @@ def add_ratios(rows: list[dict]) -> None:
     """On each of our rows: ``best_baseline``, its TFLOP/s, and ``speedup`` = ours / best (> 1: we are faster)."""
     measured = [r for r in rows if r.get("tflops")]
     for ours in (r for r in measured if r["impl"] == OURS):
-        rivals = [r for r in measured if r["impl"] not in (OURS, OURS_CUDA, OURS_FP8) and _point(r) == _point(ours)]
+        rivals = [r for r in measured if r["impl"] not in OURS_VARIANTS and _point(r) == _point(ours)]
         if rivals:
             best = max(rivals, key=lambda r: r["tflops"])
             ours.update(best_baseline=best["impl"], best_baseline_tflops=best["tflops"],
