@@ -130,7 +130,7 @@ __attribute__((always_inline)) inline void widen_lanes(const uint8_t* src, scala
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FLASHATTN_FP8_TABLE 1
 // FP8 to 16 bits by table: the 16-bit bits of every magnitude 0..127 in four vectors of 32 words, two
 // permutations (vpermi2w, 64 entries each) and a blend per 32 elements, the sign bit put back on top. Exact for
