@@ -155,11 +155,16 @@ def test_an_interrupted_kernel_smoke_still_reports_what_finished(tmp_path):
     import time
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "FLASHATTN_CPU_KERNEL": "0", "PYTHONPATH": str(ROOT)}
-    # At the lowest priority, so that on a loaded machine the smoke cannot run through all its tiny cases between
-    # its first result and this process's interrupt (make test's other worker kept this one off a core once).
+    def child() -> None:
+        # SIGINT as gpu-check's parent sees it: a shell's background job inherits it ignored, and the smoke would
+        # then run to its end. At the lowest priority, so that on a loaded machine the smoke cannot run through all
+        # its tiny cases between its first result and this process's interrupt.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.nice(19)
+
     proc = subprocess.Popen([sys.executable, "-m", "tools.gpu_check.smoke", "--tiny", "--jobs", "1", "--out",
                              str(tmp_path)], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
+                            stderr=subprocess.STDOUT, preexec_fn=child)
     deadline = time.monotonic() + 240
     while not (tmp_path / "smoke-0.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)

@@ -44,7 +44,7 @@ def run_step(step: Step, work: Path, allowed: float) -> None:
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "tools.gpu_check.step", *args], stdout=stdout,
                             stderr=log if step.stdout_to else subprocess.STDOUT, env=_environment(step, work),
-                            cwd=ROOT, start_new_session=True)
+                            cwd=ROOT, start_new_session=True, preexec_fn=_interruptible)
     try:
         code = proc.wait(timeout=max(allowed, 0.1))
         step.status = "ok" if code == 0 else f"failed ({code})"
@@ -64,6 +64,12 @@ def run_step(step: Step, work: Path, allowed: float) -> None:
     step.compile = clock.total(events)  # the sums go into gpu-check.json; the events themselves are noise
     events.unlink(missing_ok=True)
     step.headline = headlines.headline(work, step)
+
+
+def _interruptible() -> None:
+    """In a step's process before it starts: SIGINT back to its default, which a shell's background job (gpu-check
+    started with ``&``) inherits ignored, so that ``_stop``'s interrupt reaches the step."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
