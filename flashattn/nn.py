@@ -292,11 +292,9 @@ class SelfAttention(nn.Module):
                  learnable_sink: bool = False, max_seqlen: int = 2048, fp8: bool = False, device=None,
                  dtype=None) -> None:
         super().__init__()
-        if fp8 and dropout:
-            raise checks.fail("SelfAttention", f"dropout must be 0 with fp8=True, got {dropout}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = checks.check_self_attention_config("SelfAttention", dim=dim, heads=(num_heads, num_kv_heads),
-                                                      head_dim=head_dim)
+                                                      head_dim=head_dim, dropout=dropout, fp8=fp8)
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary:
             checks.check_rotary_dim("SelfAttention", rotary_dim=rotary_dim, head_dim=head_dim)

@@ -17,28 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 
 import torch
 
+from tools.gpu_check.plan import TESTS
+
 
 def _attention(q, k, v, *, causal: bool, round_probs=None, dtype=torch.float64):
-    """Plain attention in ``dtype`` (flash layout, GQA, bottom-right causal); ``round_probs``: P rounded as an FP8
-    forward rounds it (exp(S - rowmax) in that dtype, over the unrounded sum)."""
-    qt, kt, vt = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    kt, vt = (t.repeat_interleave(qt.shape[1] // t.shape[1], 1) for t in (kt, vt))
-    s = qt @ kt.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        nq, nk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1), -math.inf)
-    if round_probs is None:
-        p = torch.softmax(s, -1)
-    else:
-        e = torch.exp(s - s.amax(-1, keepdim=True))
-        p = e.to(round_probs).to(dtype) / e.sum(-1, keepdim=True)
-    return (p @ vt).transpose(1, 2)
+    """The suite's textbook attention (``tests/oracle.py``) in float64, or in the inputs' dtype for a lower
+    ``dtype``; ``round_probs``: P rounded as an FP8 forward rounds it."""
+    sys.path.insert(0, str(TESTS))
+    import oracle
+
+    inputs = [t.to(dtype) for t in (q, k, v)]
+    return oracle.attention_ref(*inputs, causal=causal, round_probs=round_probs, upcast=dtype == torch.float64)[0]
 
 
 def _quantized_values(x: torch.Tensor, heads_k: int) -> torch.Tensor:

@@ -157,8 +157,12 @@ def check_multihead_masks(fn: str, *, attn_mask: Tensor | None, key_padding_mask
         raise fail(fn, f"key_padding_mask must be (N, S) = {(n, s)}, got {tuple(key_padding_mask.shape)}")
 
 
-def check_self_attention_config(fn: str, *, dim: int, heads: tuple[int, int], head_dim: int | None) -> int:
-    """``SelfAttention``'s sizes: heads = (num_heads, num_kv_heads). Returns head_dim (default dim // num_heads)."""
+def check_self_attention_config(fn: str, *, dim: int, heads: tuple[int, int], head_dim: int | None,
+                                dropout: float = 0.0, fp8: bool = False) -> int:
+    """``SelfAttention``'s sizes, heads = (num_heads, num_kv_heads), and options (the FP8 training mode has no
+    dropout). Returns head_dim (default dim // num_heads)."""
+    if fp8 and dropout:
+        raise fail(fn, f"dropout must be 0 with fp8=True, got {dropout}")
     num_heads, num_kv_heads = heads
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise fail(fn, f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")

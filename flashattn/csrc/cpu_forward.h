@@ -28,13 +28,16 @@ struct ForwardScratch {
   Tiles tiles;
   Buffer<acc_t> acc, z, row_max, row_sum;  // acc, row_max, row_sum: one slab per kv head of the task
   Buffer<int64_t> g, i;
-  Buffer<scalar_t> wide_k, wide_v;  // FP8 keys and values: the tile's rows widened, one slab per kv head
+  // FP8 keys and values widened before the products: the tile's rows, one slab per kv head of the task (one
+  // only where the packing of several heads widens them itself: tasks of one head).
+  Buffer<scalar_t> wide_k, wide_v;
   std::vector<KeyRows<scalar_t>> keys_of, values_of;  // the tile's rows per kv head of the task
   ForwardScratch(const Problem& p, Engine engine, int64_t heads)
       : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v), z(p.block_n),
         row_max(heads * p.block_m), row_sum(heads * p.block_m), g(p.block_m), i(p.block_m),
-        wide_k(p.kv_format == KvFormat::same ? 0 : heads * p.block_n * p.dim),
-        wide_v(p.kv_format == KvFormat::same ? 0 : heads * p.block_n * p.dim_v) {}
+        wide_k(p.kv_format == KvFormat::same ? 0 : widened_heads(heads) * p.block_n * p.dim),
+        wide_v(p.kv_format == KvFormat::same ? 0 : widened_heads(heads) * p.block_n * p.dim_v) {}
+  static int64_t widened_heads(int64_t heads) { return Tiles::kPacksFp8 ? 1 : heads; }
 };
 
 // How a forward is cut into tasks: decode-like calls (every sequence's query rows of a kv head fit one block, no

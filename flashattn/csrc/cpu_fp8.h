@@ -1,7 +1,7 @@
 // FP8 keys and values (an FP8 KV cache): each tile's rows are widened into the queries' 16-bit (or fp32) type as
 // they are read, never the whole cache. e4m3fn and e5m2 values are exact in bf16, fp16 and fp32, so the widening
-// loses nothing; the descales are applied outside the tile products (k's folded into q by the caller, v's on each
-// output row). Vector code on x86 (AVX-512 or AVX2 with F16C), exact integer code elsewhere and for tails.
+// loses nothing; the descales are applied outside the tile products (q's and k's to the scores, v's to each output
+// row). Vector code on x86 (AVX-512 or AVX2 with F16C), exact integer code elsewhere and for tails.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -67,74 +67,11 @@ inline uint16_t fp8_bf16_bits(uint16_t byte) {
   return static_cast<uint16_t>(bits | sign);
 }
 
-// Vectorised widening through fp16, whose conversion to fp32 the hardware does exactly, subnormals included
-// (F16C, part of x86-64-v3, and AVX-512): an e5m2 byte is fp16's top byte; an e4m3fn byte's magnitude shifted
-// into fp16's exponent and mantissa fields is the value times 2^-8, the sign bit goes on top, and a multiply by
-// 2^8 of the (then normal) fp32 restores it. 0x7f (NaN, which would read as 480) is patched.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FLASHATTN_FP8_LANES 16
-template <KvFormat F>
-__attribute__((always_inline)) inline __m512 fp8_lanes_to_float(__m128i bytes) {
-  const __m256i w = _mm256_cvtepu8_epi16(bytes);
-  if constexpr (F == KvFormat::e5m2) {
-    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
-  } else {
-    const __m256i magnitude = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
-                                         _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(-0x8000)));
-    const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7f));
-    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
-  }
-}
-template <KvFormat F, typename scalar_t>
-__attribute__((always_inline)) inline void widen_lanes(const uint8_t* src, scalar_t* dst, int64_t n) {
-  const __mmask16 m = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
-  const __m512 x = fp8_lanes_to_float<F>(_mm_maskz_loadu_epi8(m, src));
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    _mm512_mask_storeu_ps(dst, m, x);
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // exact in bf16: its top half
-    _mm256_mask_storeu_epi16(dst, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-  } else {
-    _mm256_mask_storeu_epi16(dst, m, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-}
-#elif defined(__AVX2__) && defined(__F16C__)
-#define FLASHATTN_FP8_LANES 8
-template <KvFormat F>
-__attribute__((always_inline)) inline __m256 fp8_lanes_to_float(__m128i bytes) {  // the low 8 bytes
-  const __m128i w = _mm_cvtepu8_epi16(bytes);
-  if constexpr (F == KvFormat::e5m2) {
-    return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
-  } else {
-    const __m128i magnitude = _mm_and_si128(w, _mm_set1_epi16(0x7f));
-    const __m128i half = _mm_or_si128(_mm_slli_epi16(magnitude, 7),
-                                      _mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16(-0x8000)));
-    const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f))));
-    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
-  }
-}
-template <KvFormat F, typename scalar_t>
-__attribute__((always_inline)) inline void widen_lanes(const uint8_t* src, scalar_t* dst, int64_t) {  // 8 whole
-  const __m256 x = fp8_lanes_to_float<F>(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    _mm256_storeu_ps(dst, x);
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                     _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
-  } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
-}
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FLASHATTN_FP8_TABLE 1
-// FP8 to 16 bits by table: the 16-bit bits of every magnitude 0..127 in four vectors of 32 words, two
+// AVX-512: FP8 to 16 bits by table: the 16-bit bits of every magnitude 0..127 in four vectors of 32 words, two
 // permutations (vpermi2w, 64 entries each) and a blend per 32 elements, the sign bit put back on top. Exact for
-// every byte, NaN and subnormals included, and about 7 instructions per 32 elements.
+// every byte, NaN and subnormals included, and about 7 instructions per 32 elements; fp32 is bf16's bits shifted.
 template <KvFormat F, typename scalar_t>
 struct Fp8Table {
   __m512i part[4];
@@ -168,39 +105,81 @@ __attribute__((always_inline)) inline __m512i fp8_words(__m256i bytes, const Fp8
   const __m512i magnitude = _mm512_mask_mov_epi16(low, _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), high);
   return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(-0x8000), 0xf8);
 }
+
+template <KvFormat F, typename scalar_t>
+void widen_vector(const uint8_t* src, scalar_t* dst, int64_t n) {  // every element, the tail masked
+  using word_t = std::conditional_t<std::is_same_v<scalar_t, float>, c10::BFloat16, scalar_t>;
+  const Fp8Table<F, word_t>& table = fp8_table<F, word_t>();
+  for (int64_t j = 0; j < n; j += 32) {
+    const __mmask32 m = n - j >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (n - j)) - 1u);
+    const __m512i words = fp8_words<F>(_mm256_maskz_loadu_epi8(m, src + j), table);
+    if constexpr (std::is_same_v<scalar_t, float>) {  // bf16's bits are fp32's top half
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1));
+      _mm512_mask_storeu_epi32(dst + j, static_cast<__mmask16>(m), _mm512_slli_epi32(lo, 16));
+      _mm512_mask_storeu_epi32(dst + j + 16, static_cast<__mmask16>(m >> 16), _mm512_slli_epi32(hi, 16));
+    } else {
+      _mm512_mask_storeu_epi16(dst + j, m, words);
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+#define FLASHATTN_FP8_F16C 1
+// AVX2 (x86-64-v3 has F16C): through fp16, whose conversion to fp32 the hardware does exactly, subnormals
+// included: an e5m2 byte is fp16's top byte; an e4m3fn byte's magnitude shifted into fp16's exponent and mantissa
+// fields is the value times 2^-8, the sign bit on top, and a multiply by 2^8 of the (then normal) fp32 restores
+// it. 0x7f (NaN, which would read as 480) is patched.
+template <KvFormat F>
+__attribute__((always_inline)) inline __m256 fp8_lanes_to_float(__m128i bytes) {  // the low 8 bytes
+  const __m128i w = _mm_cvtepu8_epi16(bytes);
+  if constexpr (F == KvFormat::e5m2) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+  } else {
+    const __m128i magnitude = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(magnitude, 7),
+                                      _mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16(-0x8000)));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f))));
+    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+  }
+}
+
+template <KvFormat F, typename scalar_t>
+void widen_vector(const uint8_t* src, scalar_t* dst, int64_t n) {  // whole groups of 8; returns before the tail
+  for (int64_t j = 0; j + 8 <= n; j += 8) {
+    const __m256 x = fp8_lanes_to_float<F>(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)));
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      _mm256_storeu_ps(dst + j, x);
+    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // exact in bf16: its top half
+      const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                       _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+}
 #endif
 
+// n FP8 values from src into dst, exactly: vector code on x86 (the table on AVX-512, F16C on AVX2) for fp32, bf16
+// and fp16, the integer code above for the rest (the AVX2 tail, other CPUs, fp64).
 template <KvFormat F, typename scalar_t>
 void widen_fp8_as(const uint8_t* src, scalar_t* dst, int64_t n) {
   int64_t j = 0;
-#if defined(FLASHATTN_FP8_LANES)
-  if constexpr (std::is_same_v<scalar_t, c10::Half> && F == KvFormat::e5m2) {  // fp16's top byte: a shift
-    for (; j + FLASHATTN_FP8_LANES <= n; j += FLASHATTN_FP8_LANES) {
-      for (int l = 0; l < FLASHATTN_FP8_LANES; ++l) {
-        reinterpret_cast<uint16_t*>(dst)[j + l] = static_cast<uint16_t>(static_cast<uint16_t>(src[j + l]) << 8);
-      }
-    }
+#if defined(FLASHATTN_FP8_TABLE) || defined(FLASHATTN_FP8_F16C)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                std::is_same_v<scalar_t, c10::Half>) {
+    widen_vector<F>(src, dst, n);
 #if defined(FLASHATTN_FP8_TABLE)
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-    const Fp8Table<F, scalar_t>& table = fp8_table<F, scalar_t>();
-    for (; j < n; j += 32) {
-      const __mmask32 m = n - j >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (n - j)) - 1u);
-      _mm512_mask_storeu_epi16(dst + j, m, fp8_words<F>(_mm256_maskz_loadu_epi8(m, src + j), table));
-    }
+    return;
+#else
+    j = n / 8 * 8;
 #endif
-  } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
-                       std::is_same_v<scalar_t, c10::Half>) {
-    constexpr bool kMaskedTail = FLASHATTN_FP8_LANES == 16;
-    for (; j < n && (kMaskedTail || j + FLASHATTN_FP8_LANES <= n); j += FLASHATTN_FP8_LANES) {
-      widen_lanes<F>(src + j, dst + j, n - j);
-    }
   }
 #endif
-  for (; j < n; ++j) {  // the tail, and every element where the build has no vector route
+  for (; j < n; ++j) {
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       reinterpret_cast<uint16_t*>(dst)[j] = fp8_bf16_bits<F>(src[j]);
-    } else if constexpr (std::is_same_v<scalar_t, c10::Half> && F == KvFormat::e5m2) {
-      reinterpret_cast<uint16_t*>(dst)[j] = static_cast<uint16_t>(static_cast<uint16_t>(src[j]) << 8);
     } else {
       const uint32_t bits = fp8_float_bits<F>(src[j]);
       float value;
