@@ -7,7 +7,8 @@ rebuild it. Being custom ops with fake (meta) implementations, they are opaque l
 ``torch.compile(fullgraph=True)``: traced without graph breaks, dispatched to a backend at run time.
 
 The FP8 training mode (``AttentionSpec.fp8_training``) is the op's own: it quantizes q, k, v before the path
-(which sees FP8 inputs and their descale) and differentiates at the quantized values after.
+(which sees FP8 inputs and their descale) and differentiates at the quantized values after: on the FP8 inputs
+where the path's backward takes them (``fp8_backward``: FP8 matmuls), else on the 16-bit values they stand for.
 
 The path is chosen before the op (``flashattn.backends.choose``, the one place that decides what can run a call)
 and passed to it by name, so the backward of a call always runs on the path that ran its forward, wherever and on
@@ -68,11 +69,16 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Ten
 def _attention_backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec, backend, mask_grad = _split(rest)
+    path = backends.get(backend)
     if spec.fp8_training:  # the gradients at the values the forward attended (straight through the rounding)
-        q, k, v = quantize.round_trip(q, k, v, spec)
-        spec = dataclasses.replace(spec, fp8_training=False)
-    dq, dk, dv, dmask = backends.get(backend).backward(dout, dlse, Saved(q, k, v, out, lse), spec,
-                                                       mask_grad=mask_grad)
+        q8, k8, v8, descale = quantize.quantized_inputs(q, k, v, spec)
+        fp8 = dataclasses.replace(spec, fp8_training=False, descale=descale)
+        if path.fp8_backward(q8, k8, v8, fp8):  # FP8 matmuls in the backward too
+            q, k, v, spec = q8, k8, v8, fp8
+        else:
+            q, k, v = quantize.read_back(q8, k8, v8, descale, spec, q.dtype)
+            spec = dataclasses.replace(spec, fp8_training=False)
+    dq, dk, dv, dmask = path.backward(dout, dlse, Saved(q, k, v, out, lse), spec, mask_grad=mask_grad)
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 

@@ -68,11 +68,11 @@ def quantized_inputs(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> tu
     return q8, k8, v8, Descale(*scales)
 
 
-def round_trip(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v as the training mode attends them: quantized as ``quantized_inputs`` does and read back, in their
-    own dtype (what its backward differentiates attention at: the straight-through rule)."""
-    q8, k8, v8, descale = quantized_inputs(q, k, v, spec)
+def read_back(q8: Tensor, k8: Tensor, v8: Tensor, descale: Descale, spec: AttentionSpec,
+              dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``quantized_inputs``' q8, k8, v8 as the values they stand for, in ``dtype``: what the training mode's
+    backward differentiates attention at (the straight-through rule) on paths without FP8 matmuls there."""
     cu_q = spec.varlen.cu_seqlens_q if spec.varlen is not None else None
     cu_k = spec.varlen.cu_seqlens_k if spec.varlen is not None else None
-    return (from_fp8(q8, descale.q, q.dtype, cu_q), from_fp8(k8, descale.k, k.dtype, cu_k),
-            from_fp8(v8, descale.v, v.dtype, cu_k))
+    return (from_fp8(q8, descale.q, dtype, cu_q), from_fp8(k8, descale.k, dtype, cu_k),
+            from_fp8(v8, descale.v, dtype, cu_k))

@@ -1,6 +1,7 @@
 """The FP8 training mode, ``flash_attn_func(q, k, v, fp8=True)``: 16-bit q, k, v quantized to float8_e4m3fn by the
 call (a scale per (sequence, kv head): amax / 448), attended as FP8 inputs, gradients those of attention at the
-quantized values (straight through the rounding). Ground truth is float64 on the dequantized values; the bar is
+quantized values (straight through the rounding; with the Triton path's FP8 backward, dS from dO in e4m3).
+Ground truth is float64 on the dequantized values; the bar is
 FlashAttention-3's rule for the output (twice the error of the same computation, P rounded where the kernel rounds
 it) and three times that rule's error for the gradients (issue 36)."""
 
@@ -36,10 +37,26 @@ def _rounds_p(path: str) -> bool:
     return path == "triton"
 
 
-@pytest.mark.parametrize("path", PATHS)
+def _grads(out: torch.Tensor, inputs: list[torch.Tensor], dout: torch.Tensor, dout_scores: torch.Tensor) -> list:
+    """dq, dk (through dS, from ``dout_scores``) and dv (from ``dout``) of ``out``."""
+    dq, dk = torch.autograd.grad(out, inputs[:2], dout_scores, retain_graph=True)
+    (dv,) = torch.autograd.grad(out, inputs[2], dout, retain_graph=True)
+    return [dq, dk, dv]
+
+
+FP8_BACKWARD_CASES = [(path, False) for path in PATHS] + ([("triton", True)] if "triton" in PATHS else [])
+needs_triton = pytest.mark.skipif("triton" not in PATHS, reason="the Triton path runs here under its interpreter only "
+                                                                "(TRITON_INTERPRET=1, Triton installed)")
+
+
+@pytest.mark.parametrize(("path", "fp8_backward"), FP8_BACKWARD_CASES,
+                         ids=[f"{p}{'-fp8-backward' if f else ''}" for p, f in FP8_BACKWARD_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_training_matches_float64_at_the_quantized_values(path, dtype, causal):
+def test_fp8_training_matches_float64_at_the_quantized_values(path, fp8_backward, dtype, causal, monkeypatch):
+    """With ``FLASHATTN_FP8_BACKWARD=1`` the Triton path's backward multiplies S and dP in FP8, dO rounded to e4m3
+    for dS; otherwise every path's backward is the 16-bit one at the quantized values."""
+    monkeypatch.setenv("FLASHATTN_FP8_BACKWARD", "1" if fp8_backward else "0")
     torch.manual_seed(5)
     b, nq, nk, h, hk, d = 2, 37, 113, 4, 2, 64
     q, k, v = (torch.randn(b, n, heads, d, dtype=dtype, requires_grad=True)
@@ -61,10 +78,14 @@ def test_fp8_training_matches_float64_at_the_quantized_values(path, dtype, causa
     rule, _ = oracle.attention_ref(*wide, causal=causal, round_probs=rounding)
     baseline, _ = oracle.attention_ref(*low, causal=causal, upcast=False, round_probs=rounding)
     oracle.assert_close("out", out, truth, rule if rounding is not None else baseline)
-    truth.backward(dout.double())
-    baseline.backward(dout)
-    for name, ours, t, base in zip(("dq", "dk", "dv"), (q, k, v), wide, low, strict=True):
-        oracle.assert_close(name, ours.grad, t.grad, base.grad, factor=3.0)
+    dout_scores = dout
+    if fp8_backward:  # dS from dO in e4m3, per (sequence, head), as the FP8 backward computes it
+        dout8, dout_scale = _quantized(dout, h)
+        dout_scores = _dequantized(dout8, dout_scale, torch.float64)
+    truth_grads = _grads(truth, wide, dout.double(), dout_scores.double())
+    base_grads = _grads(baseline, low, dout, dout_scores.to(torch.bfloat16))
+    for name, ours, t, base in zip(("dq", "dk", "dv"), (q, k, v), truth_grads, base_grads, strict=True):
+        oracle.assert_close(name, ours.grad, t, base, factor=3.0)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -80,7 +101,13 @@ def test_fp8_training_is_the_fp8_forward_of_the_quantized_inputs(path):
     assert torch.equal(amax_scales(k, heads_k=2), ks)
 
 
-def test_fp8_training_on_packed_sequences_quantizes_each_sequence_alone():
+@pytest.mark.parametrize("fp8_backward", [False, pytest.param(True, marks=needs_triton)],
+                         ids=["default-path", "triton-fp8-backward"])
+def test_fp8_training_on_packed_sequences_quantizes_each_sequence_alone(fp8_backward, monkeypatch):
+    """Each sequence of a packed batch has its own scales (dO's too, in the FP8 backward): the packed call's output
+    and gradients are each sequence's alone."""
+    if fp8_backward:
+        monkeypatch.setenv("FLASHATTN_FP8_BACKWARD", "1")
     torch.manual_seed(7)
     lengths = [37, 0, 76]
     cu = torch.tensor([0, 37, 37, 113], dtype=torch.int32)
@@ -89,20 +116,23 @@ def test_fp8_training_on_packed_sequences_quantizes_each_sequence_alone():
         for x in (q, k, v):
             x[37:] *= 50  # the last sequence is far larger: one scale for the batch would flush the first's
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = flash_attn_varlen_func(q, k, v, cu, cu, 76, 76, causal=True, fp8=True)
-    out.float().square().sum().backward()
-    start = 0
-    for n in lengths:
-        if n == 0:
-            continue
-        part = [x.detach()[start : start + n][None].requires_grad_() for x in (q, k, v)]
-        alone = flash_attn_func(*part, causal=True, fp8=True)
-        alone.float().square().sum().backward()
+    with flashattn.use_backend("triton" if fp8_backward else "auto"):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 76, 76, causal=True, fp8=True)
+        out.float().square().sum().backward()
+        start = 0
+        alone_calls = []
+        for n in lengths:
+            part = [x.detach()[start : start + n][None].requires_grad_() for x in (q, k, v)]
+            if n:
+                alone = flash_attn_func(*part, causal=True, fp8=True)
+                alone.float().square().sum().backward()
+                alone_calls.append((start, n, part, alone))
+            start += n
+    for start, n, part, alone in alone_calls:
         rows = slice(start, start + n)
         torch.testing.assert_close(out[rows], alone[0], atol=2e-2 * (1 + alone.abs().max().item()), rtol=0)
         for x, p in zip((q, k, v), part, strict=True):
             torch.testing.assert_close(x.grad[rows], p.grad[0], atol=3e-2 * (1 + p.grad.abs().max().item()), rtol=0)
-        start += n
     scales = amax_scales(k.detach(), heads_k=2, cu_seqlens=cu)
     assert scales[1].tolist() == [1.0, 1.0]  # an empty sequence
     want = k.detach()[:37].float().abs().amax(dim=(0, 2)) / 448
@@ -171,3 +201,25 @@ def test_self_attention_trains_in_the_fp8_mode():
     assert (grads[1] - grads[0]).abs().max() < 0.15 * grads[0].abs().max()
     with pytest.raises(ValueError, match="SelfAttention: dropout must be 0 with fp8=True"):
         SelfAttention(64, 4, fp8=True, dropout=0.1)
+
+
+@needs_triton
+def test_the_fp8_backward_rounds_do_for_ds_only(monkeypatch):
+    """Triton's FP8 backward (under the interpreter): dQ and dK are those of dO in e4m3 (a scale per (sequence,
+    head)), nearer them than the gradients of the exact dO; dV is the exact dO's."""
+    monkeypatch.setenv("FLASHATTN_FP8_BACKWARD", "1")
+    torch.manual_seed(8)
+    b, n, h, hk, d = 1, 64, 4, 2, 32
+    q, k, v = (torch.randn(b, n, heads, d, dtype=torch.bfloat16, requires_grad=True) for heads in (h, hk, hk))
+    dout = torch.randn(b, n, h, d, dtype=torch.bfloat16)
+    with flashattn.use_backend("triton"):
+        flash_attn_func(q, k, v, causal=True, fp8=True).backward(dout)
+    wide = [_dequantized(*_quantized(x, hk), torch.float64).requires_grad_() for x in (q, k, v)]
+    truth, _ = oracle.attention_ref(*wide, causal=True)
+    dout8 = _dequantized(*_quantized(dout, h), torch.float64)
+    rounded = _grads(truth, wide, dout.double(), dout8)
+    exact = _grads(truth, wide, dout.double(), dout.double())
+    for name, ours, at_rounded, at_exact in zip(("dq", "dk"), (q, k), rounded[:2], exact[:2], strict=True):
+        near, far = ((ours.grad.double() - want).abs().max().item() for want in (at_rounded, at_exact))
+        assert near < far / 2, (name, near, far)
+    assert (v.grad.double() - exact[2]).abs().max().item() < 2e-2 * (1 + exact[2].abs().max().item())

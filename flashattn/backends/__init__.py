@@ -91,6 +91,10 @@ class Backend(Protocol):
                  mask_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """(dq, dk, dv, dmask): gradients of q, k, v, and of the additive ``spec.attn_mask`` if ``mask_grad``."""
 
+    def fp8_backward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> bool:
+        """Whether ``backward`` takes the FP8 training mode's e4m3 q, k, v with their ``spec.descale`` (and returns
+        gradients in dout's dtype); else the op hands it the 16-bit values they stand for."""
+
 
 def _validate(name: object, source: str) -> str:
     if name not in BACKENDS:

@@ -160,6 +160,12 @@ def _widened_once(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> bool
     return rows * (q.shape[-2] // k.shape[-2]) > FORWARD_TILE[0]
 
 
+def fp8_backward(q, k, v, spec: AttentionSpec) -> bool:
+    """Whether the backward takes the FP8 training mode's e4m3 q, k, v with ``spec.descale`` (FP8 matmuls): no,
+    the op hands this path the 16-bit values they stand for (``quantize.read_back``)."""
+    return False
+
+
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """(dq, dk, dv, dmask), as every path returns them (no KV cache: the op differentiates a cached call as the
     varlen call of its gathered keys); dmask, with ``mask_grad``, is dS summed to the mask's own shape."""

@@ -362,6 +362,12 @@ def _lse_for_recompute(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse == -math.inf, math.inf, lse)
 
 
+def fp8_backward(q, k, v, spec: AttentionSpec) -> bool:
+    """Whether the backward takes the FP8 training mode's e4m3 q, k, v with ``spec.descale`` (FP8 matmuls): no,
+    the op hands this path the 16-bit values they stand for (``quantize.read_back``)."""
+    return False
+
+
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """Gradients (dq, dk, dv, dmask) by recomputation from the saved lse (FlashAttention-2 backward).
 

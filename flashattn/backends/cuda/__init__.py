@@ -83,6 +83,12 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     return out, lse, q.new_empty(0)
 
 
+def fp8_backward(q, k, v, spec: AttentionSpec) -> bool:
+    """Whether the backward takes the FP8 training mode's e4m3 q, k, v with ``spec.descale`` (FP8 matmuls): no,
+    the op hands this path the 16-bit values they stand for (``quantize.read_back``)."""
+    return False
+
+
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     raise NotImplementedError("flashattn's cuda backend is forward-only: it has no backward yet. Train with the "
                               "triton backend (flashattn.use_backend('auto') or 'triton'); use 'cuda' for inference.")

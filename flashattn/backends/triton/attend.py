@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
-from ..spec import AttentionSpec, Saved, output_dtype
+from ...quantize import amax_scales
+from ..spec import AttentionSpec, Saved, output_dtype, per_row
 from . import NAME, configs, interpreting
 from .fit import launch_fitting
 from .kernels import (
@@ -31,6 +33,7 @@ from .launch import (
     config,
     empty,
     forward_kwargs,
+    fp8_dout_strides,
     launch,
     merge_splits,
     sparse_blocks,
@@ -39,7 +42,7 @@ from .launch import (
     target_arch,
 )
 
-__all__ = ["NAME", "backward", "forward"]
+__all__ = ["NAME", "backward", "forward", "fp8_backward"]
 
 
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
@@ -191,22 +194,43 @@ def _what(kernel: str, q: torch.Tensor, shape: CallShape) -> tuple:
     return (kernel, q.dtype, shape.d, shape.dv, q.device)
 
 
+FP8_BACKWARD_ENV = "FLASHATTN_FP8_BACKWARD"
+
+
+def fp8_backward(q, k, v, spec: AttentionSpec) -> bool:
+    """Whether the backward of e4m3 q, k, v (the FP8 training mode's, ``spec.descale`` their scales) runs S and dP
+    on FP8 tensor cores (the kernels' FP8 mode, kernels/backward.py): asked for (``FLASHATTN_FP8_BACKWARD=1``),
+    where the forward multiplies them so (``fp8_matmuls``), not through bytes. Opt-in until a GPU has timed it:
+    compiled offline, its main loops are longer than the 16-bit backward's (the dO and q/k conversions)."""
+    if os.environ.get(FP8_BACKWARD_ENV, "0").strip() != "1":
+        return False
+    return spec.descale is not None and fp8_matmuls(q, k, v, spec) and not e4m3_as_bytes()
+
+
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """Same contract as every path's backward; deterministic (no atomics) in every mode. ``mask_grad`` is never
-    set: ``serves`` declines the calls that would need it."""
+    set: ``serves`` declines the calls that would need it. e4m3 q, k, v with ``spec.descale`` (``fp8_backward``):
+    the gradients of attention at ``x.float() * descale``, in dout's dtype, dO rounded to e4m3 for dP."""
     if mask_grad:  # never asked for: serves() sends such calls to another path
         raise NotImplementedError("the triton path does not compute the gradient of attn_mask")
     q, k, v, out, lse = saved
+    fp8 = spec.descale is not None
+    if fp8 and not fp8_backward(q, k, v, spec):
+        raise NotImplementedError("the triton path's backward takes FP8 inputs on FP8 tensor cores only")
     # The kernels read lse and delta (allocated dense) at the same offsets: lse must be dense too (a block of a
     # longer sequence may hand over a slice of one).
     lse = lse.contiguous()
     shape = CallShape(q, k, v, spec)
-    dq, dk, dv = (empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+    dtypes = [dout.dtype if fp8 else t.dtype for t in (q, k, v)]
+    dq, dk, dv = (empty(t.shape, dtype, t.device) for t, dtype in zip((q, k, v), dtypes, strict=True))
     if q.numel() == 0 or k.numel() == 0 or shape.nq == 0 or shape.nk == 0:
-        return as_dtype(dq.zero_(), q.dtype), as_dtype(dk.zero_(), k.dtype), as_dtype(dv.zero_(), v.dtype), None
-    delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dv=shape.dv)
+        return (*(as_dtype(g.zero_(), dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True)), None)
+    # FP8: dO in e4m3 (written by the preprocess) with its descale per (sequence, head), for the kernels' dP.
+    fp8_dout = (torch.empty(dout.shape, dtype=torch.float8_e4m3fn, device=dout.device),
+                _dout_scales(dout, lse, spec)) if fp8 else None
+    delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dv=shape.dv, fp8_dout=fp8_dout)
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
-    common = backward_kwargs(q, k, v, (dout, neg_lse2, delta), spec=spec, shape=shape)
+    common = backward_kwargs(q, k, v, (dout, neg_lse2, delta, fp8_dout), spec=spec, shape=shape)
 
     def launch_dkdv(cfg: configs.KernelConfig) -> None:
         cfg = sparse_tiles(cfg, spec)
@@ -228,13 +252,27 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     launch_fitting(config("dkdv", q, shape, spec, heavy=heavy), launch_dkdv, kernel="dkdv",
                    what=_what("dkdv", q, shape))
     launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dq", q, shape))
-    return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype), None
+    return (*(as_dtype(g, dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True)), None)
 
 
-def _delta(dout, dlse, out, lse, *, packed: bool, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _dout_scales(dout, lse, spec: AttentionSpec) -> torch.Tensor:
+    """dO's descale per (sequence, query head), its amax / 448 (``quantize.amax_scales``), repeated to every row in
+    lse's layout (dense), as the FP8 backward's kernels read it beside delta."""
+    cu_seqlens = None if spec.varlen is None else spec.varlen.cu_seqlens_q
+    scales = amax_scales(dout, heads_k=dout.shape[-2], cu_seqlens=cu_seqlens)
+    rows = per_row(scales, dout, cu_seqlens)  # (B, 1, H, 1), or (total, H, 1) packed
+    if spec.packed:
+        return rows[:, :, 0].t().contiguous()
+    return rows[:, 0, :, :].expand(lse.shape).contiguous()
+
+
+def _delta(dout, dlse, out, lse, *, packed: bool, dv: int,
+           fp8_dout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(delta, neg_lse2) in lse's layout (dense): delta_i = rowsum(dO_i * O_i) - dlse_i, and -lse in log2 units as
-    the backward kernels read it (``attention_backward_preprocess_kernel``). A packed varlen batch is one long sequence
-    to it."""
+    the backward kernels read it (``attention_backward_preprocess_kernel``). With ``fp8_dout`` = (dout8, its
+    descale in lse's layout), dO is quantized into dout8 and delta taken from it, as the FP8 backward's dP sees it.
+    A packed varlen batch is one long sequence to it."""
+    dout8, do_descale = fp8_dout if fp8_dout is not None else (None, None)
     delta, neg_lse2 = torch.empty_like(lse), torch.empty_like(lse)
     dense = (lambda t: t[None]) if packed else (lambda t: t)
     out4, dout4 = dense(out), dense(dout)
@@ -244,9 +282,11 @@ def _delta(dout, dlse, out, lse, *, packed: bool, dv: int) -> tuple[torch.Tensor
         out=out4, dout=dout4,
         # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
         dlse=None if dlse is None else dense(dlse.contiguous()), lse=dense(lse), delta=dense(delta),
-        neg_lse2=dense(neg_lse2),
+        neg_lse2=dense(neg_lse2), do_descale=None if do_descale is None else dense(do_descale), dout8=dout8,
+        **fp8_dout_strides(dout8),
         **CallShape.strides("o", out4, "bnhd"), **CallShape.strides("do", dout4, "bnhd"),
         num_heads=heads, seqlen_q=rows, head_dim_v=dv,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv),
+        UPCAST=interpreting() and dout.dtype != torch.float32,
     )
     return delta, neg_lse2

@@ -205,8 +205,10 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
         weight = "fp32-heavy" if heavy else "fp32-light"
     else:
         weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
+    # Measured entries time 16-bit q, k and v: FP8 inputs hold other registers and shared memory.
     return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight,
-                          block_mask=spec.block_sparse is not None, measured=takes_measured(spec))
+                          block_mask=spec.block_sparse is not None,
+                          measured=takes_measured(spec) and q.dtype.itemsize == 2)
 
 
 def takes_measured(spec: AttentionSpec) -> bool:
@@ -377,16 +379,31 @@ def backward_descriptors(q, k, v, dout, *, shape: CallShape, blocks: tuple[int, 
     })
 
 
+def fp8_dout_strides(dout8: torch.Tensor | None) -> dict:
+    """The strides of the FP8 backward's e4m3 dO (B, Nq, H, Dv), or packed (total_q, H, Dv) whose rows the kernels
+    find through the offsets (batch stride 0, as ``CallShape.strides`` gives dO's), by kernel argument name; 0
+    without one."""
+    if dout8 is None:
+        return dict(stride_d8b=0, stride_d8n=0, stride_d8h=0)
+    batch = dout8.stride(0) if dout8.dim() == 4 else 0
+    return dict(stride_d8b=batch, stride_d8n=dout8.stride(-3), stride_d8h=dout8.stride(-2))
+
+
 def plain_scores(spec: AttentionSpec) -> bool:
     """No softcap, ALiBi or user mask, and a positive scale: the kernels fold the scale into the exponent."""
     return spec.scale > 0 and spec.softcap <= 0 and spec.alibi_slopes is None and spec.attn_mask is None
 
 
 def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) -> dict:
-    """The arguments the dK/dV and dQ kernels share; ``stats`` = (dout, neg_lse2, delta), the last two in lse's layout
-    (``attend._delta``)."""
-    dout, neg_lse2, delta = stats
+    """The arguments the dK/dV and dQ kernels share; ``stats`` = (dout, neg_lse2, delta, fp8_dout), neg_lse2 and
+    delta in lse's layout (``attend._delta``); fp8_dout None unless q, k, v are the FP8 training mode's (whose
+    ``spec.descale`` the kernels read as one (B, Hk, 3) array): (dO in e4m3, its descale in lse's layout)."""
+    dout, neg_lse2, delta, fp8_dout = stats
+    scales = spec.descale
+    dout8, do_descale = fp8_dout if fp8_dout is not None else (None, None)
     return dict(
+        descale=None if scales is None else torch.stack((scales.q, scales.k, scales.v), dim=-1).float().contiguous(),
+        do_descale=do_descale, dout8=dout8, **fp8_dout_strides(dout8),
         q=q, k=k, v=v, dout=dout, neg_lse2=neg_lse2, delta=delta, cu_seqlens_q=shape.cu_seqlens_q,
         cu_seqlens_k=shape.cu_seqlens_k, **CallShape.strides("q", q), **CallShape.strides("k", k),
         **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(neg_lse2),

@@ -2,6 +2,13 @@
 
 No atomics: the dK/dV program of a key block sums over the query heads of its GQA group itself, and dQ is its own
 pass over the keys, so gradients are bitwise reproducible.
+
+FP8 inputs (the training mode's e4m3 q, k, v; ``descale`` their (B, Hk, 3) scales): the two matmuls of the scores'
+side, S = Q K^T and dP = dO V^T, run on FP8 tensor cores, dO quantized to e4m3 (``dout8``) by the preprocess with
+a scale per (sequence, head) (``do_descale``, in lse's layout; delta is taken from the same quantized dO, so dS
+stays consistent); dV = P^T dO, dK = dS^T Q and dQ = dS K multiply 16-bit tiles (dO as given, q and k widened), since P
+and dS have no scale before they are computed (bf16 tiles: e4m3 is exact in them). Each scale multiplies the fp32
+result it belongs to.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from .tiles import (
     dot_acc,
     dropout_keep,
     dropped,
+    e4m3_quantized,
     full_key_range,
     full_query_range,
     key_range,
@@ -30,6 +38,7 @@ from .tiles import (
     tma_origin,
     walk_band,
     walk_listed,
+    widened,
 )
 
 
@@ -51,6 +60,9 @@ class KeyBlock(NamedTuple):
     p_neg_lse2: Any  # -lse in log2 units (-inf for rows without keys) at this head's first query (unit stride)
     p_delta: Any  # delta at this head's first query, as p_neg_lse2
     dropout: Any  # Dropout
+    do8: Any  # FP8 inputs: Operand, dO in e4m3 at this head; else None
+    p_do_scale: Any  # FP8 inputs: dO's descale at this head's first query, as p_neg_lse2; else None
+    dp_scale: Any  # FP8 inputs: v's descale (dP's factor besides dO's); else None
 
 
 class QueryBlock(NamedTuple):
@@ -64,19 +76,23 @@ class QueryBlock(NamedTuple):
     k: Any  # Operand: the keys at this key/value head
     v: Any  # Operand: the values at this key/value head
     dropout: Any  # Dropout
+    b_dp_scale: Any  # FP8 inputs: dP's factor per query row (v's descale times dO's, b_do in e4m3); else None
 
 
 @triton.jit
 def attention_backward_preprocess_kernel(
-    out, dout, dlse, lse, delta, neg_lse2,
+    out, dout, dlse, lse, delta, neg_lse2, do_descale, dout8,
     stride_ob, stride_on, stride_oh, stride_od,
     stride_dob, stride_don, stride_doh, stride_dod,
+    stride_d8b, stride_d8n, stride_d8h,
     num_heads, seqlen_q, head_dim_v,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """delta_i = rowsum(dO_i * O_i) - dlse_i, in fp32 (the dlse term is the gradient of the returned lse; ``dlse``
-    None when it has none), and neg_lse2_i: -lse_i in log2 units, -inf where a row sees no key (lse -inf), so that
-    2^(s + neg_lse2) is P, and 0 for such rows, with one FFMA and no select or negation in the backward's loops."""
+    None when it has none; with ``do_descale``, in lse's layout, dO as the FP8 kernels see it: in e4m3, written to
+    ``dout8``, (B, Nq, H, Dv) with unit last stride, for them), and
+    neg_lse2_i: -lse_i in log2 units, -inf where a row sees no key (lse -inf), so that 2^(s + neg_lse2) is P, and 0
+    for such rows, with one FFMA and no select or negation in the backward's loops."""
     start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -86,8 +102,14 @@ def attention_backward_preprocess_kernel(
     b_o = load_block(out_block, 0, o_m, seqlen_q, o_dv, True)
     do_block = Operand(None, None, dout + b * stride_dob + h * stride_doh, stride_don, stride_dod, head_dim_v, None)
     b_do = load_block(do_block, 0, o_m, seqlen_q, o_dv, True)
-    b_delta = tl.sum(b_o * b_do, 1)
     o_rows = bh.to(tl.int64) * seqlen_q + o_m
+    if do_descale is not None:
+        b_do_scale = tl.load(do_descale + o_rows, mask=o_m < seqlen_q, other=1.0)
+        b_do8 = e4m3_quantized(b_do, (1.0 / b_do_scale)[:, None], UPCAST)
+        tl.store(dout8 + b * stride_d8b + o_m[:, None].to(tl.int64) * stride_d8n + h * stride_d8h + o_dv[None, :],
+                 b_do8, mask=(o_m[:, None] < seqlen_q) & (o_dv[None, :] < head_dim_v))
+        b_do = b_do8.to(tl.float32) * b_do_scale[:, None]
+    b_delta = tl.sum(b_o * b_do, 1)
     if dlse is not None:
         b_delta = b_delta - tl.load(dlse + o_rows, mask=o_m < seqlen_q, other=0.0).to(tl.float32)
     tl.store(delta + o_rows, b_delta, mask=o_m < seqlen_q)
@@ -123,7 +145,13 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
             b_delta = tl.load(args.p_delta + o_m)
         b_st, b_tt = score_tile(b_k, b_qt, o_m, o_n, scoring, MASKED, PLAIN, True)
         b_pt = tl.math.exp2(b_st * s_scale + b_neg_lse2[None, :])
-        b_dpt = dot(b_v, tl.trans(b_do))
+        if args.dp_scale is not None:  # FP8: dO in e4m3 for dP^T = V dO^T, both scales on the result
+            b_do8 = load_block(args.do8, start_m, o_m, nq, o_dv, UPCAST)
+            b_do_scale = tl.load(args.p_do_scale + o_m, mask=o_m < nq, other=1.0)
+            b_dpt = dot(b_v, tl.trans(b_do8)) * (args.dp_scale * b_do_scale[None, :])
+            b_qt = widened(b_qt, tl.float32 if UPCAST else tl.bfloat16)  # for dK: 16-bit, exact
+        else:
+            b_dpt = dot(b_v, tl.trans(b_do))
         b_pt_kept = b_pt
         if dropout.b_seed is not None:
             m_keep = dropout_keep(dropout, o_m[None, :], o_n[:, None])
@@ -137,12 +165,13 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    q, k, v, dout, neg_lse2, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
-    q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
+    q, k, v, dout, neg_lse2, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k, descale,
+    do_descale, dout8, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
+    stride_d8b, stride_d8n, stride_d8h,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_lb, stride_lh,
@@ -155,10 +184,17 @@ def attention_backward_dkdv_kernel(
 ):
     """dK_j, dV_j for one key block of one key/value head, summed over the G query heads of its group inside
     the program (no atomics, so the result is deterministic). The query tiles that see the whole key block run
-    without mask code; those on the band's edges apply it."""
+    without mask code; those on the band's edges apply it. FP8 inputs: see the module's docstring."""
     start_n, bhk = program_tile(seqlen_k, BLOCK_N, False)  # the first key blocks see the most queries (causal)
     b = (bhk // num_heads_k).to(tl.int64)
     hk = (bhk % num_heads_k).to(tl.int64)
+    dk_scale = scale
+    v_scale = None
+    if descale is not None:  # (B, Hk, 3): q's, k's and v's descales
+        q_scale = tl.load(descale + bhk * 3)
+        scale = scale * q_scale * tl.load(descale + bhk * 3 + 1)
+        dk_scale = dk_scale * q_scale
+        v_scale = tl.load(descale + bhk * 3 + 2)
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, None, seqlen_q, seqlen_k)
     band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_n = start_n + tl.arange(0, BLOCK_N)
@@ -181,6 +217,11 @@ def attention_backward_dkdv_kernel(
         p_q = q + b * stride_qb + q0 * stride_qn + h * stride_qh
         p_do = dout + b * stride_dob + q0 * stride_don + h * stride_doh
         p_neg_lse2, p_delta = neg_lse2 + o_stats, delta + o_stats
+        p_do_scale, do8 = None, None
+        if do_descale is not None:
+            p_do_scale = do_descale + o_stats
+            do8 = Operand(None, None, dout8 + b * stride_d8b + q0 * stride_d8n + h * stride_d8h, stride_d8n, 1,
+                          head_dim_v, None)
         q_at, do_at = tma_origin(q_tma, b, h, q0), tma_origin(do_tma, b, h, q0)
         b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
@@ -188,13 +229,13 @@ def attention_backward_dkdv_kernel(
         dropout = Dropout(b_seed, dropout_p, (b * num_heads + h) * seqlen_q, seqlen_k)
         args = KeyBlock(b_k, b_v, o_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
                         Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_neg_lse2, p_delta,
-                        dropout)
+                        dropout, do8, p_do_scale, v_scale)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
             grads = walk_listed(_key_grads, grads, args, span, start_n // blocks.kv_block, b, h, blocks, scoring,
                                 True, BLOCK_M, UPCAST, PLAIN)
         else:  # three walks: without a right window the first is empty, but compiled all the same
             grads = walk_band(_key_grads, grads, args, span, full, scoring, True, BLOCK_M, UPCAST, PLAIN, True)
-    b_dk = grads.b_dk * scale
+    b_dk = grads.b_dk * dk_scale
     b_dv = grads.b_dv
     o_rows = k0 + o_n[:, None].to(tl.int64)
     m_rows = o_n[:, None] < nk
@@ -223,6 +264,9 @@ def _query_grads(b_dq, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.co
         b_dp = dot(b_do, b_vt)
         if dropout.b_seed is not None:
             b_dp = dropped(b_dp, dropout_keep(dropout, o_m[:, None], o_n[None, :]), dropout.p)
+        if args.b_dp_scale is not None:  # FP8: b_do is in e4m3; k widened for dQ (16-bit, exact)
+            b_dp = b_dp * args.b_dp_scale[:, None]
+            b_kt = widened(b_kt, tl.float32 if UPCAST else tl.bfloat16)
         b_ds = score_grads(b_p, b_dp, args.b_delta[:, None], b_t, scoring.softcap)
         b_dq = dot_acc(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq)
     return b_dq
@@ -230,12 +274,13 @@ def _query_grads(b_dq, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.co
 
 @triton.jit
 def attention_backward_dq_kernel(
-    q, k, v, dout, neg_lse2, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k,
-    q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
+    q, k, v, dout, neg_lse2, delta, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k, descale, do_descale,
+    dout8, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
+    stride_d8b, stride_d8n, stride_d8h,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
@@ -246,11 +291,17 @@ def attention_backward_dq_kernel(
     UPCAST: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """dQ_i for one query block of one head: its own pass over the keys, so dQ needs no atomics. The key tiles
-    the whole query block sees run without mask code, as in the forward."""
+    the whole query block sees run without mask code, as in the forward. FP8 inputs: see the module's docstring."""
     start_m, bh = program_tile(seqlen_q, BLOCK_M, True)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     hk = h // group_size
+    dq_scale = scale
+    if descale is not None:  # (B, Hk, 3): q's, k's and v's descales
+        p_scales = descale + (b * (num_heads // group_size) + hk) * 3
+        k_scale = tl.load(p_scales + 1)
+        scale = scale * tl.load(p_scales) * k_scale
+        dq_scale = dq_scale * k_scale
     q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, None, seqlen_q, seqlen_k)
     band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
@@ -264,6 +315,13 @@ def attention_backward_dq_kernel(
     o_stats = b * stride_lb + h * stride_lh + q0
     b_neg_lse2 = tl.load(neg_lse2 + o_stats + o_m, mask=o_m < nq, other=float("-inf"))
     b_delta = tl.load(delta + o_stats + o_m, mask=o_m < nq, other=0.0)
+    b_dp_scale = None
+    if descale is not None:  # dO in e4m3 for dP = dO V^T (the preprocess's)
+        b_do_scale = tl.load(do_descale + o_stats + o_m, mask=o_m < nq, other=1.0)
+        do8 = Operand(None, None, dout8 + b * stride_d8b + q0 * stride_d8n + h * stride_d8h, stride_d8n, 1,
+                      head_dim_v, None)
+        b_do = load_block(do8, start_m, o_m, nq, o_dv, UPCAST)
+        b_dp_scale = tl.load(p_scales + 2) * b_do_scale
     b_slope = tl.load(alibi + b * stride_ab + h * stride_ah) if alibi is not None else None
     p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
     b_seed = tl.load(seed) if seed is not None else None
@@ -279,14 +337,14 @@ def attention_backward_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = QueryBlock(b_q, b_do, o_m, b_neg_lse2, b_delta,
                       Operand(k_desc, k_at, p_k, stride_kn, stride_kd, head_dim, None),
-                      Operand(v_desc, v_at, p_v, stride_vn, stride_vd, head_dim_v, None), dropout)
+                      Operand(v_desc, v_at, p_v, stride_vn, stride_vd, head_dim_v, None), dropout, b_dp_scale)
     if blocks is not None:  # a block mask: its listed key blocks only, as in the forward
         b_dq = walk_listed(_query_grads, b_dq, args, span, start_m // blocks.q_block, b, h, blocks, scoring, False,
                            BLOCK_N, UPCAST, PLAIN)
     else:
         b_dq = walk_band(_query_grads, b_dq, args, span, full, scoring, window_left is not None, BLOCK_N, UPCAST,
                          PLAIN)
-    b_dq = b_dq * scale
+    b_dq = b_dq * dq_scale
     o_rows = q0 + o_m[:, None].to(tl.int64)
     tl.store(dq + b * stride_dqb + o_rows * stride_dqn + h * stride_dqh + o_d[None, :] * stride_dqd,
              b_dq.to(dq.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_d[None, :] < head_dim))

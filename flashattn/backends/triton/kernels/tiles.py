@@ -258,6 +258,17 @@ def e4m3_rounded(b_x):
     return tl.where(b_x < 0.015625, small, normal)
 
 
+@triton.jit
+def e4m3_quantized(b_x, b_inverse, UPCAST: tl.constexpr):
+    """``b_x * b_inverse`` (1 / its descale: one multiply an element, not a division) in float8_e4m3fn, saturated to
+    +-448, rounded to nearest even (the FP8 training mode's dO, whose descale is its amax / 448); under the
+    interpreter rounded by ``e4m3_rounded`` first, as its conversion would not carry."""
+    b_y = tl.clamp(b_x.to(tl.float32) * b_inverse, -448.0, 448.0)
+    if UPCAST:
+        b_y = tl.where(b_y < 0, -e4m3_rounded(-b_y), e4m3_rounded(b_y))
+    return b_y.to(tl.float8e4nv)
+
+
 # FP8 tensor-core matmuls take P from registers with 4 consecutive keys a thread (k = 32 a step); the first matmul
 # leaves each thread pairs of keys 8 apart. Values whose keys are permuted within groups of 32 to match
 # (``attend.interleaved_values``) let P stay in its registers: no shuffle between threads (FlashAttention-3's trick).
