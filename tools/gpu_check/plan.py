@@ -70,6 +70,12 @@ def full(jobs: int) -> list[Step]:
         Step("headline", [*bench, "sweep", "--seqlens", "8192", "--headdims", "64,128", "--modes", "fwd,fwd+bwd",
                           "--baselines", f"{SDPA_BASELINES},flashattn-fp8,flashattn-fp8-train", "--tokens", "16384",
                           "--repeats", "20", "--ceilings", "--quiet", "--out", "{out}", "--name", "headline"], 0.3, 30),
+        # The training mode with FP8 matmuls in the backward too (opt-in until this step has timed it), beside
+        # ours in bf16 in the same run: headline's flashattn-fp8-train has the 16-bit backward.
+        Step("fp8-backward", [*bench, "sweep", "--seqlens", "8192", "--headdims", "128", "--modes", "fwd+bwd",
+                              "--baselines", "flashattn-fp8-train", "--tokens", "16384", "--repeats", "20", "--quiet",
+                              "--out", "{out}", "--name", "fp8-backward"], 0.1, 15,
+             env={"FLASHATTN_FP8_BACKWARD": "1"}),
         Step("decode", [*bench, "decode", "--batches", "1,16", "--cache-lens", "4096,65536", "--repeats", "20",
                         "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),
         Step("block-mask", [*bench, "block-mask", "--seqlens", "16384", "--dtype", "bfloat16", "--repeats", "10",

@@ -7,7 +7,8 @@ path at the same seed), ``block-mask`` (the three kernels walking a FlexAttentio
 ``decode`` (one query token against a KV cache of uneven lengths), ``split-kv`` (the same split in four and merged)
 ``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries) and ``fp8-matmul`` (q, k, v in
 e4m3fn: FP8 tensor-core matmuls with P rounded, judged against float64 with P rounded alike), ``fp8-train`` (the
-training mode, fp8=True: bf16 inputs quantized by the call, forward and backward). Shapes are odd on
+training mode, fp8=True: bf16 inputs quantized by the call, forward and backward) and ``fp8-backward`` (the same
+with ``FLASHATTN_FP8_BACKWARD=1``: S and dP on FP8 tensor cores, dO in e4m3). Shapes are odd on
 purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
 
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
@@ -36,9 +37,10 @@ from pathlib import Path
 
 from .plan import ROOT, TESTS
 
-KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train")
-FP8_ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16"}  # cases whose inputs are FP8 (or bf16 quantized to
-# FP8) whatever the dtype: run under this one only
+KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train",
+           "fp8-backward")
+# Cases whose inputs are FP8 (or bf16 quantized to FP8) whatever the dtype: run under this one only.
+FP8_ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16", "fp8-backward": "bfloat16"}
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (128, 64, 256)
 RESTARTS = 3  # per worker, after a fault that may have broken its CUDA context
@@ -258,16 +260,23 @@ def check_fp8_matmul(case: Case, sizes: Sizes, device: str) -> dict:
     return {"out": float(f"{oracle.max_err(out, ref):.3g}")}
 
 
-def check_fp8_train(case: Case, sizes: Sizes, device: str) -> dict:
+def check_fp8_train(case: Case, sizes: Sizes, device: str, fp8_backward: bool = False) -> dict:
     """The FP8 training mode: bf16 q, k, v quantized by the call, attended in FP8 (P rounded on FP8 tensor cores)
     and differentiated at the quantized values. Judged at those values: out as ``fp8-matmul``, the gradients
-    against 3x bf16 attention computed the same way (P rounded to e4m3) with autograd."""
+    against 3x bf16 attention computed the same way (P rounded to e4m3) with autograd. ``fp8_backward``
+    (``FLASHATTN_FP8_BACKWARD=1``): S and dP on FP8 tensor cores too, dQ and dK judged at dO in e4m3."""
+    import os
+
     import torch
 
     from flashattn.quantize import amax_scales, from_fp8, to_fp8
 
     q, k, v = _inputs(case, sizes, device)
-    out, (g, grads) = _forward_backward(q, k, v, causal=case.causal, fp8=True)
+    os.environ["FLASHATTN_FP8_BACKWARD"] = "1" if fp8_backward else "0"
+    try:
+        out, (g, grads) = _forward_backward(q, k, v, causal=case.causal, fp8=True)
+    finally:
+        os.environ.pop("FLASHATTN_FP8_BACKWARD")
 
     def at_quantized(x, dtype):
         scale = amax_scales(x, heads_k=sizes.heads_k)
@@ -280,8 +289,14 @@ def check_fp8_train(case: Case, sizes: Sizes, device: str) -> dict:
     base, _ = oracle.attention_ref(*low, causal=case.causal, upcast=False, round_probs=torch.float8_e4m3fn)
     oracle.assert_close("out", out, ref, rounded)
     errors = {"out": oracle.max_err(out, ref)}
-    want = torch.autograd.grad(ref, wide, g.double())
-    baseline = torch.autograd.grad(base, low, g)
+    g_scores = g.double()
+    if fp8_backward:  # dS from dO in e4m3, a scale per (sequence, head)
+        g_scale = amax_scales(g, heads_k=g.shape[2])
+        g_scores = from_fp8(to_fp8(g, g_scale), g_scale, torch.float64)
+    want = [*torch.autograd.grad(ref, wide[:2], g_scores, retain_graph=True),
+            *torch.autograd.grad(ref, wide[2:], g.double())]
+    baseline = [*torch.autograd.grad(base, low[:2], g_scores.to(g.dtype), retain_graph=True),
+                *torch.autograd.grad(base, low[2:], g)]
     for name, x, w, b in zip(("dq", "dk", "dv"), grads, want, baseline, strict=True):
         errors[name] = oracle.max_err(x, w)
         oracle.assert_close(name, x, w, b, factor=3.0)
@@ -292,7 +307,8 @@ CHECKS = {"fwd+bwd": check_fwd_bwd, "dropout": check_dropout, "block-mask": chec
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),
           "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True),
-          "fp8-matmul": check_fp8_matmul, "fp8-train": check_fp8_train}
+          "fp8-matmul": check_fp8_matmul, "fp8-train": check_fp8_train,
+          "fp8-backward": lambda c, s, dev: check_fp8_train(c, s, dev, fp8_backward=True)}
 
 
 def run_case(case: Case, sizes: Sizes, device: str) -> dict:
