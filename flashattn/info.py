@@ -42,6 +42,8 @@ ENVIRONMENT = (
                           "takes precedence)", "auto"),
     ("FLASHATTN_NVRTC", "libnvrtc.so for the cuda backend, tried before torch's and the toolkit's", "searched"),
     ("FLASHATTN_TRITON_MEASURED", "a JSON file of measured Triton configs (tools.gpu_tune's) used first", "unset"),
+    ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward multiplies S and dP on FP8 tensor cores "
+                               "(the Triton path), dO in e4m3", "0"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
