@@ -226,7 +226,7 @@ def test_cpu_roofline_reports_against_the_measured_ceilings_and_skips_what_would
     # 1e-9 s: every case after the first of its line is predicted too slow.
     assert main(["bench", "cpu", "--roofline", "--seqlens", "32,64", "--headdims", "16", "--heads", "2",
                  "--dtypes", "bfloat16", "--causal", "no", "--repeats", "1", "--max-case-seconds", "1e-9",
-                 "--quiet", "--out", str(out), "--name", "r"]) == 0
+                 "--in-process", "--quiet", "--out", str(out), "--name", "r"]) == 0
     text = capsys.readouterr().out
     assert "ceilings: product rate float32" in text and "of rate" in text and "x SDPA" in text
     assert "of the read bandwidth" in text
