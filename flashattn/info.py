@@ -1,7 +1,6 @@
 """What ``flashattn info`` reports: the versions, the machine, the compilers each backend needs and whether they
 work here, which backend ``auto`` picks for typical inputs and why, the Triton configs of each GPU family, and the
-environment variables flashattn reads.
-Paste its output into a bug report (``flashattn info --json`` for a machine-readable copy).
+environment variables flashattn reads. Paste it into a bug report (``flashattn info --json``: machine-readable).
 
 Every function returns plain data (JSON-ready) and none raises when something is missing: no GPU, no triton, no
 NVRTC, no compiler; each item says what it found, or why not. ``collect()`` gathers them and ``format_text``
@@ -42,8 +41,7 @@ ENVIRONMENT = (
                           "takes precedence)", "auto"),
     ("FLASHATTN_NVRTC", "libnvrtc.so for the cuda backend, tried before torch's and the toolkit's", "searched"),
     ("FLASHATTN_TRITON_MEASURED", "a JSON file of measured Triton configs (tools.gpu_tune's) used first", "unset"),
-    ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward multiplies S and dP on FP8 tensor cores "
-                               "(the Triton path), dO in e4m3", "0"),
+    ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward has S and dP on FP8 tensor cores", "0"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
