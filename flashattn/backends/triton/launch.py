@@ -381,10 +381,10 @@ def backward_descriptors(q, k, v, dout, *, shape: CallShape, blocks: tuple[int, 
 
 def fp8_dout_strides(dout8: torch.Tensor | None) -> dict:
     """The strides of the FP8 backward's e4m3 dO (B, Nq, H, Dv), or packed (total_q, H, Dv) whose rows the kernels
-    find through the offsets (batch stride 0, as ``CallShape.strides`` gives dO's), by kernel argument name; 0
-    without one."""
+    find through the offsets (batch stride 0, as ``CallShape.strides`` gives dO's), by kernel argument name; None
+    without one (compiled out: the 16-bit kernels keep the arguments, and the registers, they had)."""
     if dout8 is None:
-        return dict(stride_d8b=0, stride_d8n=0, stride_d8h=0)
+        return dict(stride_d8b=None, stride_d8n=None, stride_d8h=None)
     batch = dout8.stride(0) if dout8.dim() == 4 else 0
     return dict(stride_d8b=batch, stride_d8n=dout8.stride(-3), stride_d8h=dout8.stride(-2))
 
