@@ -272,11 +272,12 @@ def check_fp8_train(case: Case, sizes: Sizes, device: str, fp8_backward: bool = 
     from flashattn.quantize import amax_scales, from_fp8, to_fp8
 
     q, k, v = _inputs(case, sizes, device)
+    before = os.environ.get("FLASHATTN_FP8_BACKWARD")
     os.environ["FLASHATTN_FP8_BACKWARD"] = "1" if fp8_backward else "0"
     try:
         out, (g, grads) = _forward_backward(q, k, v, causal=case.causal, fp8=True)
-    finally:
-        os.environ.pop("FLASHATTN_FP8_BACKWARD")
+    finally:  # the caller's setting back, as it was
+        os.environ.pop("FLASHATTN_FP8_BACKWARD") if before is None else os.environ.update(FLASHATTN_FP8_BACKWARD=before)
 
     def at_quantized(x, dtype):
         scale = amax_scales(x, heads_k=sizes.heads_k)
