@@ -97,24 +97,26 @@ $(NEWEST_NUMPY)/.installed: pyproject.toml $(VENV)/.installed
 	$(PIP) install -q --upgrade --no-deps --target $(NEWEST_NUMPY) numpy
 	touch $@
 
-# On a lent GPU, first: the kernel smoke, the GPU tests, the headline speed, decode and block masks, within a budget
-# (420 s by default), results into $OUT when set (else benchmarks/results/gpu-check-<device>-<date>/): summary.md,
-# gpu-check.json and gpu-check.tgz. Uses .venv when there is one, else the system python (a GPU image with torch and
-# triton and no network).
+# The GPU check (docs/gpu.md), on a machine with a GPU: the kernel smoke against float64, the GPU tests, the headline
+# speed against SDPA's backends, decode and block masks, then the CUDA C++ kernel and the wide sweeps while time
+# remains, within a time budget (420 s; `python -m tools.gpu_check --budget SECONDS` for another). Its summary and
+# archive go into the output folder, benchmarks/results/gpu-check-<device>-<date>/ (or $OUT when set): summary.md,
+# gpu-check.json and gpu-check.tgz. Uses .venv when there is one, else the system python (GPU_PY=... names another);
+# it needs a CUDA build of torch with triton.
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check
 
-# On a lent GPU, after gpu-check: the Triton kernels' configs timed there (420 s by default; docs/gpu.md), the
-# winners returned as measured-<family>.json, for flashattn/backends/triton/measured/.
+# After gpu-check, on the same GPU: the Triton kernels' configs timed there (within 420 s; docs/gpu.md), the winners
+# written as measured-<family>.json into the output folder, for flashattn/backends/triton/measured/.
 gpu-tune:
 	PYTHONPATH=. $(GPU_PY) -m tools.gpu_tune
 
-# The Triton kernels the kernel smoke and the headline launch, compiled here for the lent GPUs (sm_90) into
-# .gpu-cache/triton.tgz, which gpu-check unpacks when the call carries it (carry: .gpu-cache/triton.tgz and
-# .gpu-cache/probe). Not yet hit on an H200 (their keys differ; benchmarks/NOTES.md): an experiment, not a
-# saving. Their image's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton 3.6.0
-# and torch 2.11 (a CUDA build: a ~4 GB download into $(GPU_CACHE_VENV)); about 6 minutes on 2 cores.
+# Optional: the Triton kernels the kernel smoke and the headline launch, compiled here without a GPU for sm_90 (H100,
+# H200) into .gpu-cache/triton.tgz (and a probe kernel into .gpu-cache/probe), which gpu-check unpacks when the
+# checkout it runs from holds them. Not yet hit on an H200 (their keys differ; benchmarks/NOTES.md): an experiment,
+# not a saving. The GPU machine's Triton must see the same cache keys: Python 3.12 and the PyPI wheels of triton
+# 3.6.0 and torch 2.11 (a CUDA build: a ~4 GB download into $(GPU_CACHE_VENV)); about 6 minutes on 2 cores.
 GPU_CACHE_VENV := .venv-gpu-cache
 GPU_CACHE_PYTHON ?= python3.12
 gpu-cache:

@@ -6,7 +6,7 @@ per signature against this Python, keyed by their source and the platform.
 
 ``facts()`` reads each of those here; ``probe(cache_dir)`` compiles one small kernel for this machine's GPU (or
 ``--target``) into ``cache_dir`` and says whether it was a cache hit. Run the probe where a cache was built and
-again on the GPU with the cache carried: equal facts and a hit there mean a carried cache saves the compiles.
+again on the GPU with the cache copied there: equal facts and a hit there mean a prebuilt cache saves the compiles.
 
     python -m tools.gpu_check.cache --facts                          # JSON
     python -m tools.gpu_check.cache --probe DIR [--target 90]       # compile into DIR, report hit or miss
@@ -15,7 +15,7 @@ again on the GPU with the cache carried: equal facts and a hit there mean a carr
 ``--build`` (``make gpu-cache``) compiles, for the target and without a GPU, every Triton kernel the kernel smoke
 and the headline benchmark launch, as they launch them (the public API on CPU tensors served as the GPU would
 serve them, ``launch.compile_only`` under the offline driver), into ``DIR``, binaries only, for a GPU machine whose
-``facts()`` match (the H200 and H100 images: Python 3.12, the PyPI wheel of Triton 3.6.0) to load instead of
+``facts()`` match (``make gpu-cache``: Python 3.12, the PyPI wheel of Triton 3.6.0, sm_90) to load instead of
 compiling (launcher stubs and FlexAttention's ``torch.compile`` are not cached). The probe kernel is reused there;
 these kernels were not yet, on the H200 of 2026-11-26 (their keys differ: ``benchmarks/NOTES.md``).
 """

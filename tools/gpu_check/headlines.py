@@ -25,7 +25,7 @@ def _info(work: Path, step: Step) -> str:
     cache = facts.get("triton_cache", {})
     step.extra.update(versions=versions, triton_cache=cache)
     probe = cache.get("carried_probe")
-    reuse = "" if not probe else f"; carried cache probe {'reused' if probe.get('hit') else 'not reused'}"
+    reuse = "" if not probe else f"; prebuilt cache probe {'reused' if probe.get('hit') else 'not reused'}"
     return (f"{device}; torch {versions.get('torch')}, triton {versions.get('triton')}, Python "
             f"{versions.get('python')}; triton_key {cache.get('triton_key')}{reuse}")
 

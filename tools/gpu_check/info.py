@@ -1,5 +1,5 @@
 """gpu-check's first step: ``flashattn info``'s facts (versions, the device, the path each call gets), what
-Triton's cache keys are made of here, and, when the call carried a cache built elsewhere (``.gpu-cache/probe``, by
+Triton's cache keys are made of here, and, when the checkout holds a cache built elsewhere (``.gpu-cache/probe``, by
 ``python -m tools.gpu_check.cache --probe .gpu-cache/probe --target 90``), whether this machine's Triton reuses
 it (``tools.gpu_check.cache``): one JSON document on stdout."""
 
@@ -21,7 +21,7 @@ CARRIED_PROBE = ROOT / ".gpu-cache" / "probe"
 
 
 def carried_probe() -> dict | None:
-    """The probe kernel compiled against a copy of the carried cache: {"hit": ...} (None when none was carried)."""
+    """The probe kernel compiled against a copy of the prebuilt cache: {"hit": ...} (None when there is none)."""
     if not CARRIED_PROBE.is_dir():
         return None
     with tempfile.TemporaryDirectory() as tmp:

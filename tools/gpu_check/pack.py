@@ -1,5 +1,5 @@
 """gpu-check's results, rewritten after every step so a run stopped at any moment returns all it finished: into
-the destination (``$OUT`` on a lent GPU), three files: ``summary.md`` (the table and each step's findings),
+the output folder (``--out``, or ``$OUT`` when set), three files: ``summary.md`` (the table and each step's findings),
 ``gpu-check.json`` (every step's status, seconds, compile counts and details) and ``gpu-check.tgz`` (the work
 folder: every log, JSON, XML and plot, the two files above included; members relative, so ``tar xzf`` into
 ``benchmarks/results/gpu-check-<device>-<date>/`` gives the folder to commit). Each file is written beside its
@@ -95,7 +95,7 @@ def write(dest: Path, work: Path, plan: list[Step], header: dict) -> None:
     lines = [f"# {tool} on {header['device']}, {header['date']}", "",
              f"{header['versions']}; budget {header['budget']:.0f} s, {header['seconds']:.0f} s used; "
              f"commit {header['commit']}; `{' '.join(header['command'])}`"
-             + (f"; carried Triton cache: {header['triton_cache']['entries']} kernels" if header.get("triton_cache")
+             + (f"; prebuilt Triton cache: {header['triton_cache']['entries']} kernels" if header.get("triton_cache")
                 else ""), "",
              "```", step_table(plan), "```", "", details(plan, work)]
     text = "\n".join(lines).encode()

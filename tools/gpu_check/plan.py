@@ -61,7 +61,7 @@ def full(jobs: int) -> list[Step]:
     """The steps on a GPU."""
     bench = ["flashattn", "bench"]
     sweep = [*bench, "sweep", "--modes", "fwd,bwd", "--baselines", SDPA_BASELINES, "--quiet", "--out", "{out}"]
-    no_cpu_kernel = {"FLASHATTN_CPU_KERNEL": "0"}  # its first build costs ~30 s of the lease and no GPU answer
+    no_cpu_kernel = {"FLASHATTN_CPU_KERNEL": "0"}  # its first build costs ~30 s of the budget and no GPU answer
     tests_env = {"FLASHATTN_TEST_PATHS": "triton", "GPU_CHECK_TEST_LOG": "{out}/tests.jsonl", **no_cpu_kernel}
     return [
         Step("info", ["tools.gpu_check.info"], 0.08, 5, stdout_to="info.json", env=no_cpu_kernel),

@@ -109,8 +109,8 @@ def run(steps: list[Step], *, work: Path, dest: Path, budget: float, header: dic
 
 
 def carried_cache() -> dict | None:
-    """Unpack a carried Triton cache (``make gpu-cache``: ``.gpu-cache/triton.tgz``) beside the work folder, for
-    every step's ``TRITON_CACHE_DIR``; None when none was carried or one is set already."""
+    """Unpack a prebuilt Triton cache (``make gpu-cache``: ``.gpu-cache/triton.tgz`` in the checkout) into a
+    temporary folder, for every step's ``TRITON_CACHE_DIR``; None when the checkout has none or one is set already."""
     archive = ROOT / ".gpu-cache" / "triton.tgz"
     if not archive.is_file() or os.environ.get("TRITON_CACHE_DIR"):
         return None
@@ -122,7 +122,7 @@ def carried_cache() -> dict | None:
 
 def cache_index(cache_dir: Path, work: Path, carried: set[str], samples: int = 3) -> None:
     """``triton-cache.json`` in the work folder: every kernel in the Triton cache the steps used, by name and key,
-    and whether a carried cache brought it; with the IR of a few forward kernels compiled here
+    and whether the prebuilt cache brought it (``carried``); with the IR of a few forward kernels compiled here
     (``triton-ir/``): what to diff against a cache built offline when its keys do not match."""
     entries, copied = [], 0
     for entry in sorted(p for p in cache_dir.iterdir() if p.is_dir()) if cache_dir.is_dir() else []:
@@ -139,8 +139,7 @@ def cache_index(cache_dir: Path, work: Path, carried: set[str], samples: int = 3
 
 
 def _commit() -> str:
-    """The checkout's commit, ``-dirty`` when the working tree differs (a GPU machine gets the working tree with the
-    session's first commit)."""
+    """The checkout's commit, ``-dirty`` when the working tree differs from it."""
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT,
                               timeout=10).stdout.strip() or "unknown"
@@ -164,17 +163,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help=f"seconds for the whole run, compiles included (default {DEFAULT_BUDGET:.0f})")
     p.add_argument("--out", default="benchmarks/results/gpu-check-{device}-{date}",
-                   help="where the results go when $OUT is unset; {device} and {date} are filled in")
+                   help="the output folder, {device} and {date} filled in (default %(default)s); the OUT "
+                        "environment variable, when set, names it instead")
     p.add_argument("--smoke", action="store_true", help="every step at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes for the kernel smoke and the tests")
     p.add_argument("--steps", default=None,
-                   help="comma-separated: only these steps, in plan order (a targeted second call); default all")
+                   help="comma-separated: only these steps, in plan order (a targeted rerun); default all")
 
 
 class Start(NamedTuple):
-    """Where a run's results go and what it says of itself: ``dest`` ($OUT, else ``--out``), ``work`` (a
-    temporary folder under $OUT's run, else ``dest``), the ``header`` of its summary, and the steps chosen."""
+    """Where a run's results go and what it says of itself: ``dest`` (the output folder: $OUT when set, else
+    ``--out``), ``work`` (where the steps write: a temporary folder when $OUT is set, else ``dest``), the ``header``
+    of its summary, and the steps chosen."""
 
     dest: Path
     work: Path
@@ -196,7 +197,7 @@ def start(args: argparse.Namespace, *, tool: str, steps: list[Step]) -> Start | 
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     slug = "-".join(device.lower().replace("nvidia", "").replace("(smoke)", "smoke").split())
-    if os.environ.get("OUT"):  # a lent GPU: only what lands in $OUT comes back, at most 8 files
+    if os.environ.get("OUT"):  # an output folder for the result files alone: the steps work in a temporary one
         dest = Path(os.environ["OUT"])
         work = Path(tempfile.mkdtemp(prefix=f"{tool}-"))
     else:

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help=f"seconds for the whole run, compiles included (default {DEFAULT_BUDGET:.0f})")
     p.add_argument("--out", default="benchmarks/results/gpu-tune-{device}-{date}",
-                   help="where the results go when $OUT is unset; {device} and {date} are filled in")
+                   help="the output folder, {device} and {date} filled in (default %(default)s); the OUT "
+                        "environment variable, when set, names it instead")
     p.add_argument("--smoke", action="store_true", help="every step at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes compiling candidates")
     p.add_argument("--steps", default=None, help="comma-separated: only these steps, in plan order")

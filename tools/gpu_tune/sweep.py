@@ -32,7 +32,7 @@ AGREEMENT = 0.02  # a candidate's results may differ from the table config's by 
 
 
 def _arch(smoke: bool):
-    """The lent GPU's architecture (10 x major + minor, or its gfx name); under the interpreter, sm_90 stands in."""
+    """This GPU's architecture (10 x major + minor, or its gfx name); under the interpreter, sm_90 stands in."""
     if smoke:
         return 90
     if torch.version.hip:
