@@ -365,17 +365,20 @@ def scaled_dot_product_attention(
     Args:
         query: (..., heads, L, E); key: (..., heads_kv, S, E); value: (..., heads_kv, S, Ev). Any number of
             leading dimensions (none too: (L, E)), broadcast against each other as PyTorch does; heads_kv differs
-            from heads only with ``enable_gqa``.
-        attn_mask: boolean (True = may attend) or additive float mask, broadcastable to (..., heads, L, S).
-            An additive mask that requires grad gets its gradient. Or a FlexAttention ``BlockMask`` (as
-            ``flash_attn_func``'s ``block_mask``): block-sparse, no L x S tensor, empty blocks skipped.
+            from heads only with ``enable_gqa``. Or nested tensors of layout ``torch.jagged``, (batch, heads, j, E),
+            ragged in the sequence (no attn_mask then, as in PyTorch): each sequence attends its own keys.
+        attn_mask: boolean (True = may attend) or additive mask (of query's dtype or float32), broadcastable to
+            (..., heads, L, S). An additive mask that requires grad gets its gradient. Or PyTorch's ``CausalBias``
+            (``torch.nn.attention.bias.causal_upper_left(L, S)`` / ``causal_lower_right(L, S)``): causal
+            attention aligned to the top-left or the bottom-right corner, no L x S tensor. Or a FlexAttention
+            ``BlockMask`` (as ``flash_attn_func``'s ``block_mask``): block-sparse, empty blocks skipped.
         dropout_p: dropout on the attention weights (always applied when > 0, as in PyTorch).
         is_causal: top-left aligned causal mask (query i sees keys j <= i), PyTorch's convention.
         scale: defaults to E ** -0.5.
         enable_gqa: allow heads % heads_kv == 0 grouped-query attention.
 
     Returns:
-        (..., heads, L, Ev). A query that sees no key outputs 0 (never NaN).
+        (..., heads, L, Ev), nested like query for nested inputs. A query that sees no key outputs 0 (never NaN).
 
     Example::
 
@@ -383,6 +386,11 @@ def scaled_dot_product_attention(
         >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
         torch.Size([2, 8, 128, 64])
     """
+    if checks.any_nested(query, key, value):  # jagged (B, H, j, E): the packed call of each sequence
+        call = checks.check_nested_sdpa("scaled_dot_product_attention", query, key, value, attn_mask=attn_mask,
+                                        dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        out, _, _ = _run(call, return_probs=False)
+        return torch.nested.nested_tensor_from_jagged(out, offsets=query.transpose(1, 2).offsets()).transpose(1, 2)
     call, leading = checks.check_sdpa(
         "scaled_dot_product_attention", query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,

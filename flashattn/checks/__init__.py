@@ -29,9 +29,12 @@ from .modules import (
     check_shard_lengths,
     check_transformers_call,
 )
+from .nested import any_nested, check_nested_sdpa
 from .sdpa import check_sdpa
 
 __all__ = [
+    "any_nested",
+    "check_nested_sdpa",
     "FLASH_OPTIONS",
     "FLOAT_DTYPES",
     "CheckedCall",

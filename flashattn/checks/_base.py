@@ -15,6 +15,7 @@ import torch
 
 from ..backends.spec import FP8_DTYPES, accumulation_dtype
 from ..errors import as_argument_error
+from .kinds import validate_plain
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -32,6 +33,7 @@ def validate_tensor(fn: str, name: str, t: object, ndim: int | None, layout: str
     error; FP8 ones too where ``fp8``."""
     if not isinstance(t, torch.Tensor):
         raise fail(fn, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}", TypeError)
+    validate_plain(fn, name, t)
     if ndim is None and t.dim() < 2:
         raise fail(fn, f"{name} must have at least 2 dimensions {layout}, got shape {tuple(t.shape)}")
     if ndim is not None and t.dim() != ndim:
@@ -153,6 +155,7 @@ def validate_alibi(fn: str, slopes: object, *, batch: int, nheads: int, ref: tor
         return None
     if not isinstance(slopes, torch.Tensor):
         raise fail(fn, f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}", TypeError)
+    validate_plain(fn, "alibi_slopes", slopes)
     if not slopes.is_floating_point():
         raise fail(fn, f"alibi_slopes must be a floating-point tensor, got dtype {slopes.dtype}", TypeError)
     if slopes.device != ref.device:
@@ -173,6 +176,7 @@ def validate_sink(fn: str, sink: object, *, nheads: int, ref: torch.Tensor) -> t
     if not isinstance(sink, torch.Tensor):
         raise fail(fn, f"learnable_sink must be a torch.Tensor of shape (nheads,) or None, got {type(sink).__name__}",
                    TypeError)
+    validate_plain(fn, "learnable_sink", sink)
     if not sink.is_floating_point():
         raise fail(fn, f"learnable_sink must be a floating-point tensor, got dtype {sink.dtype}", TypeError)
     if sink.device != ref.device:

@@ -27,6 +27,7 @@ from ._base import (
 )
 from .block_mask import validate_block_mask
 from .deferred import checked_varlen
+from .kinds import validate_plain
 from .values import VarlenSizes, check_pages, check_varlen_values, same_batch
 
 
@@ -123,6 +124,7 @@ def _validate_offsets(fn: str, name: str, cu: object, ref: torch.Tensor) -> torc
     if not isinstance(cu, torch.Tensor):
         raise fail(fn, f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu).__name__}",
                    TypeError)
+    validate_plain(fn, name, cu)
     if cu.dtype != torch.int32:
         raise fail(fn, f"{name} must have dtype torch.int32, got {cu.dtype}", TypeError)
     if cu.dim() != 1 or cu.numel() < 1:
@@ -194,6 +196,7 @@ def validate_block_table(fn: str, table: object, k_cache: torch.Tensor, batch: i
     if not isinstance(table, torch.Tensor):
         raise fail(fn, f"block_table must be an int32 torch.Tensor (batch, max_pages_per_seq) or None, got "
                        f"{type(table).__name__}", TypeError)
+    validate_plain(fn, "block_table", table)
     if table.dtype != torch.int32:
         raise fail(fn, f"block_table must have dtype torch.int32, got {table.dtype}", TypeError)
     if table.dim() != 2 or table.shape[0] != batch:

@@ -21,6 +21,7 @@ import torch
 
 from ..backends.spec import FP8_DTYPES, AttentionSpec, Descale
 from ._base import fail, validate_flag, validate_same
+from .kinds import validate_plain
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -85,6 +86,7 @@ def descale(fn: str, *, inputs: dict[str, torch.Tensor], given: dict[str, object
         if not isinstance(scale, torch.Tensor):
             raise fail(fn, f"{scale_name} must be a float32 torch.Tensor of shape (batch, nheads_k) = "
                            f"{(batch, nheads_k)} or None, got {type(scale).__name__}", TypeError)
+        validate_plain(fn, scale_name, scale)
         if scale.dtype != torch.float32:
             raise fail(fn, f"{scale_name} must have dtype torch.float32, got {scale.dtype}", TypeError)
         if tuple(scale.shape) != (batch, nheads_k):

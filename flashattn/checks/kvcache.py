@@ -22,6 +22,7 @@ from ._base import (
 )
 from .deferred import checked_cache
 from .flash import FLASH_OPTIONS, flash_options, validate_block_table
+from .kinds import validate_plain
 from .values import CacheSizes, check_cache_values
 
 
@@ -167,6 +168,7 @@ def _validate_index_vector(fn: str, name: str, t: object, batch: int, ref: torch
     if not isinstance(t, torch.Tensor):
         raise fail(fn, f"{name} must be an int32 torch.Tensor of shape (batch,) or None, got {type(t).__name__}",
                    TypeError)
+    validate_plain(fn, name, t)
     if t.dtype != torch.int32:
         raise fail(fn, f"{name} must have dtype torch.int32, got {t.dtype}", TypeError)
     if tuple(t.shape) != (batch,):

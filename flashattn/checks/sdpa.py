@@ -20,24 +20,43 @@ from ._base import (
 )
 from .block_mask import is_block_mask, validate_block_mask
 from .flash import CheckedCall
+from .kinds import is_causal_bias, validate_plain
 
 SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, ...]):
-    """A boolean or additive mask that broadcasts to ``shape`` = (..., L, S)."""
+    """A boolean or additive mask that broadcasts to ``shape`` = (..., L, S); additive in q's dtype or float32, as
+    PyTorch takes it (a float32 mask with 16-bit q is added in float32, where the kernels add every mask)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise fail(fn, f"attn_mask must be a torch.Tensor, a flex_attention BlockMask or None, got "
+        raise fail(fn, f"attn_mask must be a torch.Tensor, a CausalBias, a flex_attention BlockMask or None, got "
                        f"{type(mask).__name__}", TypeError)
-    if mask.dtype != torch.bool and mask.dtype != q.dtype:
-        raise fail(fn, f"attn_mask must be boolean or of the query's dtype {q.dtype}, got {mask.dtype}", TypeError)
+    validate_plain(fn, "attn_mask", mask)
+    if mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        raise fail(fn, f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                       f"attn_mask.dtype: {mask.dtype} and query.dtype: {q.dtype} instead (attn_mask must be "
+                       f"boolean, float32 or of the query's dtype)", TypeError)
     if mask.device != q.device:
         raise fail(fn, f"attn_mask is on {mask.device} but query is on {q.device}")
     if mask.dim() > len(shape) or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1], strict=False)):
         raise fail(fn, f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., L, S) = {shape}")
     return mask
+
+
+def _causal_bias(fn: str, bias, *, is_causal: bool, lengths: tuple[int, int]) -> bool:
+    """PyTorch's ``CausalBias`` (``causal_upper_left(L, S)``, ``causal_lower_right(L, S)``) for what it means:
+    causal attention aligned to the top-left corner (as ``is_causal=True``) or to the bottom-right one (as
+    ``flash_attn_func``'s ``causal=True``). Returns whether the diagonal is the bottom-right one. Its sizes must be
+    the call's (L, S): one built for other lengths is a mistake that PyTorch would silently ignore."""
+    if is_causal:
+        raise fail(fn, "CausalBias should not be used with causal=True (attn_mask is a CausalBias and is_causal is "
+                       "True: pass one of them)")
+    if (bias.seq_len_q, bias.seq_len_kv) != lengths:
+        raise fail(fn, f"attn_mask is a CausalBias for (L, S) = ({bias.seq_len_q}, {bias.seq_len_kv}) but query and "
+                       f"key have (L, S) = {lengths}; build it for the call's lengths")
+    return bias.variant.name == "LOWER_RIGHT"
 
 
 def _broadcast(fn: str, named: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -119,9 +138,14 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
     shapes = _sdpa_shapes(fn, q, k, v, enable_gqa)
     is_causal = validate_bool(fn, "is_causal", options.get("is_causal", False))
     attn_mask = options.get("attn_mask")
-    if is_causal and attn_mask is not None:
-        raise fail(fn, "pass either attn_mask or is_causal=True, not both")
     length_q, length_k = q.shape[-2], k.shape[-2]
+    bottom_right = False
+    if is_causal_bias(attn_mask):
+        bottom_right = _causal_bias(fn, attn_mask, is_causal=is_causal, lengths=(length_q, length_k))
+        is_causal, attn_mask = True, None
+    if is_causal and attn_mask is not None:
+        raise fail(fn, "Explicit attn_mask should not be set when is_causal=True (pass either attn_mask or "
+                       "is_causal=True, not both)")
     block_sparse = None
     if is_block_mask(attn_mask):  # FlexAttention's block-sparse mask: tiles skipped, unmasked or masked
         block_sparse = validate_block_mask(fn, "attn_mask", attn_mask, batch=math.prod(shapes.batch),
@@ -132,7 +156,7 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
         scale=validate_scale(fn, "scale", options.get("scale"), q.shape[-1]),
         window_left=-1,
         window_right=0 if is_causal else -1,
-        bottom_right=False,
+        bottom_right=bottom_right,
         dropout_p=validate_dropout(fn, options.get("dropout_p", 0.0)),
         attn_mask=_mask_four_dims(mask, shapes, (length_q, length_k)),
         block_sparse=block_sparse,
