@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import backends, quantize
+from . import backends, batching, quantize
 from .backends.spec import AttentionSpec, Saved, accumulation_dtype, output_dtype
 
 _SPEC = AttentionSpec.op_schema()
@@ -93,12 +93,14 @@ _attention_op = torch.library.custom_op(
     schema=f"(Tensor q, Tensor k, Tensor v, {_SPEC}, str backend, bool return_probs) -> (Tensor, Tensor, Tensor)",
 )
 _attention_op.register_fake(_attention_fake)
+_attention_op.register_vmap(batching.forward_rule(_attention_op))
 _backward_op = torch.library.custom_op(
     "flashattn::attention_backward", _attention_backward, mutates_args=(),
     schema=f"(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_SPEC}, "
            "str backend, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 _backward_op.register_fake(_attention_backward_fake)
+_backward_op.register_vmap(batching.backward_rule(_backward_op))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -170,14 +172,49 @@ def sink_grad(dout: Tensor, dlse: Tensor | None, out: Tensor, lse: Tensor, sink:
 _attention_op.register_autograd(_backward_with(_backward_op), setup_context=_setup_context)
 
 
+class _Gradients(torch.autograd.Function):
+    """The backward's implementation as an autograd function of its own, for ``torch.func`` transforms of the
+    gradients (``vmap`` over ``autograd.grad``: gradcheck's batched gradients, ``jacrev``; ``torch.func.grad``):
+    it carries the backward's batching rule, which the registered op's autograd wrapper cannot take into ``grad``.
+    The gradients themselves are not differentiable (no double backward)."""
+
+    forward = staticmethod(_attention_backward)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("flashattn: the attention backward is not differentiable (no double backward, no "
+                           "gradients of gradients); differentiate the attention once")
+
+
+_Gradients.vmap = staticmethod(batching.backward_rule(_Gradients.apply))
+
+
+def _eager_backward(dout, dlse, *rest):
+    """The backward's implementation, through ``_Gradients`` where a ``torch.func`` transform is active, through
+    the registered op (functional: the older vmap loops over it) under gradcheck's batched gradients."""
+    if batching.is_legacy_batched(dout, dlse):
+        return _backward_op(dout, dlse, *rest)
+    if batching.is_transformed(dout, dlse) or batching.under_transform():
+        return _Gradients.apply(dout, dlse, *rest)
+    return _attention_backward(dout, dlse, *rest)
+
+
 class _EagerAttention(torch.autograd.Function):
-    """The op's autograd without the op's dispatch, for eager training steps: the same forward, context and
-    backward functions. torch.library's autograd wrapper re-reads the whole schema on every call (about 0.3 ms
-    with AttentionSpec's arguments), more than a short sequence's attention costs."""
+    """The op's autograd without the op's dispatch, for eager training steps and ``torch.func`` transforms: the
+    same forward, context and backward functions, and the op's batching rule (``flashattn.batching``).
+    torch.library's autograd wrapper re-reads the whole schema on every call (about 0.3 ms with AttentionSpec's
+    arguments), more than a short sequence's attention costs, and does not compose with ``torch.func.grad``."""
 
     forward = staticmethod(_attention)
     setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward_with(_attention_backward))
+    backward = staticmethod(_backward_with(_eager_backward))
+
+
+_EagerAttention.vmap = staticmethod(batching.forward_rule(_EagerAttention.apply))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False,
@@ -193,8 +230,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
     if torch.compiler.is_compiling():  # the registered op: a leaf of the graph, with its fake and autograd
         return _attention_op(q, k, v, *spec.as_args(), backend, return_probs)
     # Eager: the same code without the op's dispatch (Python, 0.1-0.4 ms a call, more than a decode step's
-    # attention): the backend directly for inference, the op's autograd functions for training.
-    if _records_grad(q, k, v, spec):
+    # attention): the backend directly for inference, the op's autograd functions for training and under
+    # torch.func's transforms (whose batching rule they carry).
+    if _records_grad(q, k, v, spec) or batching.under_transform():
         return _EagerAttention.apply(q, k, v, *spec.as_args(), backend, return_probs)
     return _forward(q, k, v, spec, backend, return_probs)
 
