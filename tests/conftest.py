@@ -104,8 +104,8 @@ def _unavailable(name: str) -> str | None:
 
 
 def _selected_paths() -> tuple[str, ...]:
-    """``FLASHATTN_TEST_PATHS`` (comma-separated), else every path: a GPU machine's short lease runs the triton
-    path's tests alone (``tools.gpu_check``), the CPU paths being CI's."""
+    """``FLASHATTN_TEST_PATHS`` (comma-separated), else every path: the GPU check runs the triton path's tests
+    alone within its time budget (``tools.gpu_check``), the CPU paths being CI's."""
     chosen = tuple(p for p in os.environ.get("FLASHATTN_TEST_PATHS", "").split(",") if p) or PATHS
     unknown = [p for p in chosen if p not in PATHS]
     if unknown:

@@ -1,6 +1,7 @@
-"""``python -m tools.gpu_check``: the lent GPU's one call. Its steps run in order of value within a budget, a step
-that overruns is stopped without losing what came before, every result lands in at most 8 files of ``$OUT``
-(rewritten after each step), and the kernel smoke names what is wrong. Here at toy sizes on the CPU (``--smoke``).
+"""``python -m tools.gpu_check``: the time-budgeted GPU check. Its steps run in order of value within a budget, a
+step that overruns is stopped without losing what came before, every result lands in at most 8 files of the output
+folder (rewritten after each step), and the kernel smoke names what is wrong. Here at toy sizes on the CPU
+(``--smoke``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _gpu_check(out: Path, *args: str, timeout: float = 300) -> subprocess.Comple
 
 
 def _returned(out: Path) -> list[Path]:
-    """What a lent GPU's $OUT would send back, asserting its limits: at most 8 files, at most 2 folders down."""
+    """The result files of the output folder, asserting the check's promise: at most 8 files, at most 2 folders
+    down (a summary, a JSON and an archive, however many steps ran)."""
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8, files
     assert all(len(p.relative_to(out).parts) <= 3 for p in files), files

@@ -1,5 +1,5 @@
-"""``python -m tools.gpu_tune``: the tuning sweep of a lent GPU, here at toy sizes under Triton's interpreter
-(``--smoke``): its steps run within the budget, every result lands in ``$OUT`` (the measured table with its
+"""``python -m tools.gpu_tune``: the time-budgeted tuning sweep, here at toy sizes under Triton's interpreter
+(``--smoke``): its steps run within the budget, every result lands in the output folder (the measured table with its
 provenance included), and a measured table is what the launcher then uses."""
 
 from __future__ import annotations
