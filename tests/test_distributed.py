@@ -3,15 +3,22 @@ reference: output, log-sum-exp and the three gradients, causal and not, with win
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
+import re
+import signal
 import sys
+import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from triton_versions import TRITON_MISSING
 
 FUNCS = {  # name: (function, layout, its own keyword arguments)
@@ -30,29 +37,115 @@ CASES = [
 ]
 
 
-def _spawn(body, world: int, tmp_path, *args) -> list:
-    """Run ``body(rank, world, *args)`` on ``world`` gloo ranks and return rank 0's answer (a JSON list)."""
-    out_path = tmp_path / "answer.json"
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "store"), str(out_path), body, args), nprocs=world, join=True)
-    return json.loads(out_path.read_text())
+# The ranks' own limits (see _spawn): to start (import torch and reach _rank_main), then to run (the slowest case takes
+# 45 s on 2 busy cores). Together well inside the tests' own limit (pyproject's pytest `timeout`, 300 s), so that a
+# rank that hangs fails its test with the rank's stacks, not with the pytest worker's.
+RANKS_START_S = 60
+RANKS_RUN_S = 180
 
 
-def _rank_main(rank, world, store_path, out_path, body, args):
-    sys.path.insert(0, os.path.dirname(__file__))
-    torch.set_num_threads(1)
-    # A file store, not TCP: no free-port race with the other test worker, no store server thread in rank 0.
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    answer = body(rank, world, *args)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(answer, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without interpreter finalization: gloo's threads can abort the process there (seen once in CI as
-    # "terminate called without an active exception" after every check had passed), which is not ours to test.
+class RanksFailed(AssertionError):
+    """A rank exited with an error, or did not finish in time (the message holds its traceback or stacks)."""
+
+
+def _spawn(body, world: int, tmp_path: Path, *args, timeout: float = RANKS_RUN_S) -> list:
+    """Run ``body(rank, world, *args)`` on ``world`` gloo ranks and return rank 0's answer (a JSON list).
+
+    Raises ``RanksFailed`` as soon as a rank exits with an error (with its traceback), or when the ranks have not
+    all finished ``timeout`` seconds after all of them started (``RANKS_START_S`` to start): then with the Python
+    stacks of every rank still running, which are then killed. No rank outlives the call."""
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_rank_main, args=(rank, world, str(tmp_path), body, args), daemon=True)
+             for rank in range(world)]
+    for p in ranks:
+        p.start()
+    try:
+        _join(ranks, tmp_path, timeout)
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return json.loads((tmp_path / "answer.json").read_text())
+
+
+def _join(ranks: list, tmp: Path, timeout: float) -> None:
+    """Wait for every rank to exit 0; raise ``RanksFailed`` on the first that does not, or at the deadline."""
+    started = None  # when the last rank had started (its stack file exists: SIGUSR1 dumps its stacks there)
+    deadline = time.monotonic() + RANKS_START_S
+    while True:
+        for rank, p in enumerate(ranks):
+            if p.exitcode not in (None, 0):
+                error = tmp / f"error.{rank}"
+                why = error.read_text() if error.exists() else "no traceback (killed, or it crashed in C)"
+                raise RanksFailed(f"rank {rank} of {len(ranks)} exited with code {p.exitcode}:\n{why}")
+        live = [p for p in ranks if p.exitcode is None]
+        if not live:
+            return
+        if started is None and all((tmp / f"stacks.{rank}").exists() for rank in range(len(ranks))):
+            started = time.monotonic()
+            deadline = started + timeout
+        if time.monotonic() >= deadline:
+            names = ", ".join(str(rank) for rank, p in enumerate(ranks) if p.exitcode is None)
+            what = f"running after {timeout:g} s" if started else f"starting after {RANKS_START_S} s"
+            raise RanksFailed(f"rank {names} of {len(ranks)} still {what}:\n{_stacks(ranks, tmp)}")
+        wait = max(0.0, min(1.0, deadline - time.monotonic()))
+        multiprocessing.connection.wait([p.sentinel for p in live], timeout=wait)
+
+
+def _stacks(ranks: list, tmp: Path) -> str:
+    """Every live rank's Python stacks (all threads), which SIGUSR1 makes it write to its stack file."""
+    asked = {rank: tmp / f"stacks.{rank}" for rank, p in enumerate(ranks) if p.is_alive()}
+    for rank, path in asked.items():
+        if path.exists():  # else its handler is not registered yet and SIGUSR1 would only kill it
+            os.kill(ranks[rank].pid, signal.SIGUSR1)
+    until = time.monotonic() + 5
+    while time.monotonic() < until and not all(p.exists() and p.stat().st_size for p in asked.values()):
+        time.sleep(0.05)
+    return "\n".join(f"--- rank {rank} (pid {ranks[rank].pid}), its stacks:\n" + (
+        (path.read_text() or "(none written within 5 s)\n") if path.exists() else "(none: still importing)\n")
+        for rank, path in asked.items())
+
+
+def _rank_main(rank, world, tmp, body, args):
+    # First of all, a dump of every thread's Python stack on SIGUSR1, which _join sends to a rank still running at
+    # its deadline (faulthandler writes from the signal handler, with or without the GIL; the file stays open).
+    # The file takes its name once the handler is in place: _stacks signals only ranks whose file exists.
+    stacks = os.path.join(tmp, f"stacks.{rank}")
+    faulthandler.register(signal.SIGUSR1, file=os.open(stacks + ".new", os.O_WRONLY | os.O_CREAT), all_threads=True)
+    os.rename(stacks + ".new", stacks)
+    if sys.platform == "linux":  # and the rank dies with the process that started it, however that one ends
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    try:
+        sys.path.insert(0, os.path.dirname(__file__))
+        torch.set_num_threads(1)
+        # A file store, not TCP: no free-port race with the other test worker, no store server thread in rank 0.
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        answer = body(rank, world, *args)
+        if rank == 0:
+            with open(os.path.join(tmp, "answer.json"), "w") as f:
+                json.dump(answer, f)
+        dist.barrier()
+    except BaseException:
+        with open(os.path.join(tmp, f"error.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        _leave(1)
+    # The process group is never destroyed: ProcessGroupGloo's destructor joins gloo's threads while holding the GIL,
+    # and one of them can be waiting for the GIL to free a tensor (PyObjectSlot::maybe_destroy_pyobj): a deadlock,
+    # seen on torch 2.7.1 (a rank hung 9 minutes in destroy_process_group). Interpreter finalization is no better
+    # (gloo's threads could abort the process there: "terminate called without an active exception"). So no
+    # destructor runs at all: once every rank is past the barrier (a file each, so that no rank closes its sockets
+    # while a peer's gloo operation is still under way), each leaves with os._exit and the OS closes the sockets.
+    Path(tmp, f"done.{rank}").touch()
+    while not all(os.path.exists(os.path.join(tmp, f"done.{r}")) for r in range(world)):
+        time.sleep(0.01)
+    _leave(0)
+
+
+def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _reference(q, k, v, kwargs):
@@ -194,3 +287,40 @@ def test_segments_and_shard_round_trip_without_a_group():
     for layout in ("contiguous", "zigzag"):
         held = sorted(g + t for r in range(2) for g, _, n in segments(layout, r, 2, 4) for t in range(n))
         assert held == list(range(8))
+
+
+def _failing_body(rank, world, how):
+    if rank == 1:
+        if how == "hang":
+            _hang_here()
+        if how == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        os._exit(3)  # "die": no traceback
+    return []
+
+
+def _hang_here():
+    time.sleep(3600)
+
+
+def test_a_rank_that_hangs_fails_its_test_at_its_deadline_with_its_stacks(tmp_path):
+    begun = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 0, 1 of 2 still running after 2 s") as failed:
+        _spawn(_failing_body, 2, tmp_path, "hang", timeout=2)
+    message = str(failed.value)
+    # Rank 1 where it hangs, rank 0 waiting for it in the final barrier.
+    assert "in _hang_here" in message.split("--- rank 1")[1], message
+    assert "in _rank_main" in message.split("--- rank 0")[1].split("--- rank 1")[0], message
+    assert time.monotonic() - begun < RANKS_START_S + 2 + 5  # to start, to run, to dump the stacks
+    for pid in re.findall(r"\(pid (\d+)\)", message):  # killed and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)
+
+
+@pytest.mark.parametrize("how,why", [("raise", "RuntimeError: rank 1 fails on purpose"), ("die", "no traceback")])
+def test_a_rank_that_fails_fails_its_test_at_once(how, why, tmp_path):
+    begun = time.monotonic()
+    with pytest.raises(RanksFailed, match=f"rank 1 of 2 exited with code {1 if how == 'raise' else 3}") as failed:
+        _spawn(_failing_body, 2, tmp_path, how, timeout=RANKS_RUN_S)
+    assert why in str(failed.value)
+    assert time.monotonic() - begun < RANKS_RUN_S / 2  # not at the deadline: rank 0, in the barrier, was killed
