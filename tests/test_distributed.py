@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from triton_versions import TRITON_MISSING
 
 FUNCS = {  # name: (function, layout, its own keyword arguments)
     "ring": ("ring_flash_attn_func", "contiguous", {}),
@@ -37,11 +36,12 @@ CASES = [
 ]
 
 
-# The ranks' own limits (see _spawn): to start (import torch and reach _rank_main), then to run (the slowest case takes
-# 45 s on 2 busy cores). Together well inside the tests' own limit (pyproject's pytest `timeout`, 300 s), so that a
-# rank that hangs fails its test with the rank's stacks, not with the pytest worker's.
-RANKS_START_S = 60
+# The ranks' own limits (see _spawn): to start (import torch and this file: up to 41 s for 4 ranks on 2 busy
+# cores), then to run (the slowest case, the Triton interpreter's, 45 s). Together inside these tests' own limit
+# (pytest-timeout), so that a rank that hangs fails its test with the ranks' stacks, not with the pytest worker's.
+RANKS_START_S = 120
 RANKS_RUN_S = 180
+pytestmark = pytest.mark.timeout(RANKS_START_S + RANKS_RUN_S + 60)
 
 
 class RanksFailed(AssertionError):
@@ -224,6 +224,8 @@ def test_every_layout_matches_one_device(world, dtype, tmp_path):
 def test_triton_blocks_match_one_device(tmp_path):
     """The Triton backward on the blocks the layouts hand it: slices of the whole attention's lse (zigzag's two
     chunks, all-gather's head groups)."""
+    from triton_versions import TRITON_MISSING  # here, not in every rank: importing triton costs each 2 s of CPU
+
     if TRITON_MISSING:
         pytest.skip(TRITON_MISSING)
     failures = _spawn(_layouts_body, 2, tmp_path, "float32", "triton", ("zigzag", "allgather by head"), (1, 4))
