@@ -114,3 +114,13 @@ def test_backward_is_not_differentiable_under_torch_func():
     with flashattn.use_backend("torch"), pytest.raises(RuntimeError, match="not differentiable"):
         torch.func.grad(lambda q: torch.func.grad(
             lambda q: scaled_dot_product_attention(q, k, v).sum())(q).sum())(q)
+
+
+def test_vmap_under_torch_compile():
+    # Traced, the op is the registered custom op: its own batching rule (the fold) runs in the graph.
+    q, k, v = (torch.randn(3, 2, 2, n, 8) for n in (5, 7, 7))
+    masks = torch.randn(3, 5, 7)
+    mapped = torch.func.vmap(lambda q, k, v, m: scaled_dot_product_attention(q, k, v, attn_mask=m))
+    compiled = torch.compile(mapped, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, masks),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=masks[:, None, None]))
