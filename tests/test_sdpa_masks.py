@@ -177,3 +177,19 @@ def test_expanded_mask_gets_the_summed_gradient(path):
     (ours,) = torch.autograd.grad(out, base, g)
     (theirs,) = torch.autograd.grad(ref, base, g)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["dtypes", "devices", "mask and is_causal"])
+def test_errors_carry_pytorchs_words(case):
+    q = torch.randn(1, 2, 4, 8)
+    args, kwargs, words = {
+        "dtypes": ((q, q.double(), q), {}, "Expected query, key, and value to have the same dtype"),
+        "devices": ((q, q, q.to("meta")), {}, "Expected query, key, and value to have the same device type"),
+        "mask and is_causal": ((q, q, q), {"attn_mask": torch.ones(4, 4, dtype=torch.bool), "is_causal": True},
+                               "Explicit attn_mask should not be set when is_causal=True"),
+    }[case]
+    with pytest.raises(RuntimeError, match=f"scaled_dot_product_attention: {words}"):
+        flashattn.scaled_dot_product_attention(*args, **kwargs)
+    if case != "mask and is_causal":  # torch's CPU kernel applies both there; its math backend raises these words
+        with pytest.raises(RuntimeError, match=words):
+            F.scaled_dot_product_attention(*args, **kwargs)

@@ -14,7 +14,6 @@ from ._base import (
     validate_dropout,
     validate_head_dim,
     validate_heads,
-    validate_same,
     validate_scale,
     validate_tensor,
 )
@@ -120,6 +119,16 @@ def _mask_four_dims(mask: torch.Tensor | None, shapes: _Shapes, lengths: tuple[i
     return mask.expand(*shapes.batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
 
 
+def _validate_alike(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One dtype and one device, in PyTorch's words."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise fail(fn, f"Expected query, key, and value to have the same dtype, but got query.dtype: {q.dtype} "
+                       f"key.dtype: {k.dtype} and value.dtype: {v.dtype} instead.", TypeError)
+    if not q.device == k.device == v.device:
+        raise fail(fn, f"Expected query, key, and value to have the same device type, but got query.device: "
+                       f"{q.device} key.device: {k.device} and value.device: {v.device} instead.")
+
+
 def check_sdpa(fn: str, query: object, key: object, value: object, **options) -> tuple[CheckedCall, tuple[int, ...]]:
     """Validate ``scaled_dot_product_attention`` arguments (``options``: attn_mask, dropout_p, is_causal, scale,
     enable_gqa), as PyTorch takes them: query (..., L, E), key (..., S, E), value (..., S, Ev) with leading
@@ -133,7 +142,7 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
     q = validate_tensor(fn, "query", query, None, "(..., L, E)")
     k = validate_tensor(fn, "key", key, None, "(..., S, E)")
     v = validate_tensor(fn, "value", value, None, "(..., S, Ev)")
-    validate_same(fn, {"query": q, "key": k, "value": v})
+    _validate_alike(fn, q, k, v)
     enable_gqa = validate_bool(fn, "enable_gqa", options.get("enable_gqa", False))
     shapes = _sdpa_shapes(fn, q, k, v, enable_gqa)
     is_causal = validate_bool(fn, "is_causal", options.get("is_causal", False))
