@@ -48,8 +48,9 @@ TORCH_RANGE_DIR := $(VENV)/torch-range
 TORCH_RANGE_TESTS := tests/test_torch_versions.py tests/test_dropin.py tests/test_examples.py
 # The distributed tests on the oldest too (its gloo lacks all-to-all and reduce-scatter), without their slowest
 # cases (four ranks in float64, the Triton interpreter's), which .venv's torch runs; 2.11 (whose GPU machines run
-# the test files themselves) takes the version and drop-in tests only.
-TORCH_OLDEST_TESTS := $(TORCH_RANGE_TESTS) tests/test_distributed.py
+# the test files themselves) takes the version and drop-in tests only. SDPA's masks and torch.func on the oldest
+# too: its Dynamo traces the checks under vmap with fewer builtins.
+TORCH_OLDEST_TESTS := $(TORCH_RANGE_TESTS) tests/test_distributed.py tests/test_vmap.py tests/test_sdpa_masks.py
 TORCH_RANGE_SKIP := not test_triton_blocks_match_one_device and not 4-float64
 TORCH_GPU_TESTS := tests/test_torch_versions.py tests/test_dropin.py
 

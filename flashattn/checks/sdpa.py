@@ -39,7 +39,11 @@ def _validate_mask(fn: str, mask: object, q: torch.Tensor, shape: tuple[int, ...
                        f"boolean, float32 or of the query's dtype)", TypeError)
     if mask.device != q.device:
         raise fail(fn, f"attn_mask is on {mask.device} but query is on {q.device}")
-    if mask.dim() > len(shape) or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1], strict=False)):
+    # An index loop: torch 2.7's Dynamo, under vmap, can inline neither any(generator) nor zip(strict=False).
+    broadcasts = mask.dim() <= len(shape)
+    for i in range(1, min(mask.dim(), len(shape)) + 1):
+        broadcasts = broadcasts and mask.shape[-i] in (1, shape[-i])
+    if not broadcasts:
         raise fail(fn, f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., L, S) = {shape}")
     return mask
 
