@@ -107,9 +107,13 @@ def _stacks(ranks: list, tmp: Path) -> str:
     for rank, path in asked.items():
         if path.exists():  # else its handler is not registered yet and SIGUSR1 would only kill it
             os.kill(ranks[rank].pid, signal.SIGUSR1)
-    until = time.monotonic() + 5
-    while time.monotonic() < until and not all(p.exists() and p.stat().st_size for p in asked.values()):
-        time.sleep(0.05)
+    sizes, until = {}, time.monotonic() + 5
+    while time.monotonic() < until:  # until every dump is written in full: not empty and no longer growing
+        time.sleep(0.3)
+        now = {rank: path.stat().st_size if path.exists() else 0 for rank, path in asked.items()}
+        if now == sizes and all(now.values()):
+            break
+        sizes = now
     return "\n".join(f"--- rank {rank} (pid {ranks[rank].pid}), its stacks:\n" + (
         (path.read_text() or "(none written within 5 s)\n") if path.exists() else "(none: still importing)\n")
         for rank, path in asked.items())
