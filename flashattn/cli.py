@@ -7,6 +7,7 @@
     flashattn bench context-parallel      # context-parallel layouts across ranks (starts torchrun)
     flashattn bench cuda-kernel           # the CUDA C++ kernel: compile, accuracy, forward timing
     flashattn bench block-mask            # a FlexAttention BlockMask against varlen and a dense mask
+    flashattn bench host                  # host cost per call, from the Python entry to each kernel launch
     flashattn info [--json]               # versions, devices, compilers, the path each call takes and why
     flashattn explain [--pictures]        # an HTML page stepping through FlashAttention-1 and -2, tile by tile
 
@@ -26,11 +27,11 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, info, reference
-from .bench import block_mask, context_parallel, cpu, cuda_kernel, decode, load, options, report, sweep
+from .bench import block_mask, context_parallel, cpu, cuda_kernel, decode, host, load, options, report, sweep
 from .bench.measure import OURS, Case, measure
 
 BENCH_COMMANDS = {"sweep": sweep, "decode": decode, "cpu": cpu, "context-parallel": context_parallel,
-                  "cuda-kernel": cuda_kernel, "block-mask": block_mask}
+                  "cuda-kernel": cuda_kernel, "block-mask": block_mask, "host": host}
 
 
 def _ladder_errors(n: int = 97, d: int = 40, seed: int = 0) -> list[list[str]]:

@@ -18,6 +18,7 @@ import re
 import torch
 
 from ..request import Request
+from . import stub
 
 NAME = "triton"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,7 +75,8 @@ def serves(request: Request) -> str | None:
     whose blocks are multiples of 16."""
     if not installed():
         return "triton is not installed (pip install 'flashattn[triton]')"
-    if request.device != "cuda" and not (request.device == "cpu" and interpreting()):
+    stubbed = stub.active()  # a GPU stood in for by CPU tensors, to time the host side (stub.stubbed_launches)
+    if request.device != "cuda" and not (request.device == "cpu" and (interpreting() or stubbed is not None)):
         return f"it runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got {request.device} tensors"
     old_or_new = unsupported_release()
     if old_or_new is not None:
@@ -93,6 +95,10 @@ def serves(request: Request) -> str | None:
         return "it does not return the probabilities of FP8 inputs"
     if request.device == "cuda" and not interpreting():
         return _family_declines(request, _gpu_family(torch.cuda.current_device()))
+    if stubbed is not None:
+        from .families import family  # tables only: no triton
+
+        return _family_declines(request, family(stubbed.arch))
     return None
 
 

@@ -20,7 +20,7 @@ import torch
 from ...errors import ArgumentError
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse
-from . import configs, interpreting, tma
+from . import configs, interpreting, stub, tma
 from .kernels import BlockLists, merge_splits_kernel
 
 
@@ -232,7 +232,9 @@ def split_count(shape: CallShape, rows: QueryRows, cfg: configs.KernelConfig,
     key_blocks = -(-shape.nk // cfg.block_n)
     if requested == 0:
         programs = shape.b * rows.h * -(-rows.nq // cfg.block_m)
-        requested = configs.split_heuristic(programs, _multiprocessors(device), key_blocks)
+        stubbed = stub.active()  # CPU tensors standing for a GPU's
+        multiprocessors = stubbed.multiprocessors if stubbed is not None else _multiprocessors(device)
+        requested = configs.split_heuristic(programs, multiprocessors, key_blocks)
     splits = max(1, min(requested, key_blocks))
     split_keys = -(-key_blocks // splits) * cfg.block_n
     return -(-shape.nk // split_keys), split_keys  # no split left without keys

@@ -1,0 +1,117 @@
+"""A GPU that is not there, for timing the host side of a call: the Triton kernels compiled for a real architecture
+and launched into a recorder instead of a device.
+
+Inside ``stubbed_launches(arch)`` the triton path serves CPU tensors as it would serve CUDA ones on a GPU of that
+architecture (its family's tiles, its multiprocessor count, its TMA descriptors), runs every step of a call (the
+checks, the path's choice, Triton's argument binding and cache lookup, its launcher's metadata), and where the
+driver would launch a kernel it records the time and the kernel's name: the microseconds from a call to each of
+its launches are what the host costs a GPU call, measured on a CPU. The first call of each kernel compiles it (as
+on a GPU); nothing runs, so outputs hold whatever their buffers held.
+
+Example::
+
+    with stubbed_launches(90) as launches:
+        flash_attn_func(q, k, v)          # CPU tensors; launches.stamps: [(ns, kernel name), ...]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StubDevice:
+    """The GPU a stubbed call stands for: its architecture (10 x major + minor) and multiprocessor count."""
+
+    arch: int = 90
+    multiprocessors: int = 132  # an H100 SXM's
+
+
+@dataclass
+class Launches:
+    """What ``stubbed_launches`` recorded: (perf_counter_ns at the launch, kernel name) per launch, in order."""
+
+    device: StubDevice
+    stamps: list[tuple[int, str]] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.stamps.clear()
+
+
+_active: ContextVar[Launches | None] = ContextVar("flashattn_triton_stub", default=None)
+
+
+def active() -> StubDevice | None:
+    """The stubbed GPU, inside ``stubbed_launches``; else None."""
+    launches = _active.get()
+    return None if launches is None else launches.device
+
+
+def _driver(device: StubDevice, launches: Launches):
+    """A Triton CUDA driver for ``device`` whose launcher records instead of launching (built at call time: the
+    module imports no triton)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class Launcher:
+        def __init__(self, src, metadata):
+            self.name = metadata.name
+
+        def __call__(self, *args) -> None:
+            launches.stamps.append((time.perf_counter_ns(), self.name))
+
+    class Utils:
+        def get_device_properties(self, _device) -> dict:
+            return {"max_shared_mem": 232448, "multiprocessor_count": device.multiprocessors,
+                    "max_num_regs": 65536, "warpSize": 32}
+
+        def load_binary(self, name, kernel, shared, _device) -> tuple:
+            return 0, 0, 0, 0, 1024  # module, function, registers, spills, threads: nothing is loaded
+
+    class Driver(CudaDriver):
+        launcher_cls = Launcher
+
+        def __init__(self):  # no super().__init__(): it would load libcuda
+            self.utils = Utils()
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", device.arch, 32)
+
+        def get_current_device(self) -> int:
+            return device.arch  # Triton's caches are per device: one per stubbed architecture
+
+        def get_current_stream(self, _device=None) -> int:
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    return Driver()
+
+
+@contextmanager
+def stubbed_launches(arch: int = 90, multiprocessors: int = 132) -> Iterator[Launches]:
+    """Inside the block, the triton path takes CPU tensors as a GPU of ``arch`` would take CUDA ones and records
+    each launch in the ``Launches`` it yields instead of running it. Needs triton, and not its interpreter."""
+    from triton.runtime import driver
+
+    from . import interpreting
+
+    if interpreting():
+        raise RuntimeError("stubbed_launches: TRITON_INTERPRET=1 runs the kernels in the interpreter; unset it to "
+                           "compile them for a GPU and stub their launches")
+    launches = Launches(StubDevice(arch, multiprocessors))
+    previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
+    driver.set_active(_driver(launches.device, launches))
+    token = _active.set(launches)
+    try:
+        yield launches
+    finally:
+        _active.reset(token)
+        driver._active = previous
