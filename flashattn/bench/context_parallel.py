@@ -139,7 +139,10 @@ def run_ranks(a: argparse.Namespace) -> int:
             for path in report.write(rows, meta, Path(a.out), a.name or f"context-parallel-w{world}"):
                 print(f"wrote {path}")
     finally:
-        dist.destroy_process_group()
+        if dist.get_backend() == "nccl":
+            dist.destroy_process_group()
+        # gloo: no teardown. ProcessGroupGloo's destructor joins a gloo thread that may wait for the GIL it holds
+        # (seen on torch 2.7); the rank's process ends at once instead (``main``), destructors unrun.
     return 0
 
 
@@ -195,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(problem)
     a.command_line = ["python", "-m", "flashattn.bench.context_parallel", *(sys.argv[1:] if argv is None else argv)]
     if "LOCAL_RANK" in os.environ:  # a rank: its parent took the reading (siblings starting up would skew its own)
-        return command(a)
+        code = command(a)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # without interpreter teardown: see run_ranks
     with load.measured():
         return command(a)
 
