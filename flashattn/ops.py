@@ -69,6 +69,13 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest) -> tuple[Tensor, Ten
 def _attention_backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec, backend, mask_grad = _split(rest)
+    return _gradients(dout, dlse, Saved(q, k, v, out, lse), spec, backend=backend, mask_grad=mask_grad)
+
+
+def _gradients(dout: Tensor, dlse: Tensor | None, saved: Saved, spec: AttentionSpec, *, backend: str,
+               mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward's implementation on the spec itself (``_attention_backward`` is it on the op's arguments)."""
+    q, k, v = saved.q, saved.k, saved.v
     path = backends.get(backend)
     if spec.fp8_training:  # the gradients at the values the forward attended (straight through the rounding)
         q8, k8, v8, descale = quantize.quantized_inputs(q, k, v, spec)
@@ -78,7 +85,7 @@ def _attention_backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor,
         else:
             q, k, v = quantize.read_back(q8, k8, v8, descale, spec, q.dtype)
             spec = dataclasses.replace(spec, fp8_training=False)
-    dq, dk, dv, dmask = path.backward(dout, dlse, Saved(q, k, v, out, lse), spec, mask_grad=mask_grad)
+    dq, dk, dv, dmask = path.backward(dout, dlse, saved._replace(q=q, k=k, v=v), spec, mask_grad=mask_grad)
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
@@ -105,11 +112,11 @@ _backward_op.register_vmap(batching.backward_rule(_backward_op))
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, *rest = inputs
-    spec, backend, _ = _split(tuple(rest))
     out, lse, probs = output
     ctx.rest = rest[:-1]  # the spec's arguments and the backend name, minus return_probs
     ctx.n_inputs = len(inputs)
-    ctx.mask_grad = spec.attn_mask is not None and spec.attn_mask.requires_grad
+    mask = inputs[_MASK_GRAD_INDEX]
+    ctx.mask_grad = mask is not None and mask.requires_grad
     # Tensors go through save_for_backward (version checks, no reference cycles); the spec's scalars through ctx.
     ctx.tensor_slots = [i for i, a in enumerate(ctx.rest) if isinstance(a, Tensor)]
     ctx.save_for_backward(q, k, v, out, lse, *(ctx.rest[i] for i in ctx.tensor_slots))
@@ -130,7 +137,11 @@ def _backward_with(run: Callable) -> Callable:
         if spec.cache is not None:
             grads = _cache_backward(ctx, dout, dlse, Saved(q, k, v, out, lse), spec, backend)
         else:
-            dq, dk, dv, dmask = run(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
+            if run is _eager_backward and not _transformed_gradients(dout, dlse):  # the spec is at hand
+                dq, dk, dv, dmask = _gradients(dout, dlse, Saved(q, k, v, out, lse), spec, backend=backend,
+                                               mask_grad=ctx.mask_grad)
+            else:
+                dq, dk, dv, dmask = run(dout, dlse, q, k, v, out, lse, *rest, ctx.mask_grad)
             grads = [None] * ctx.n_inputs
             grads[:3] = dq, dk, dv
             if ctx.mask_grad:
@@ -193,6 +204,11 @@ class _Gradients(torch.autograd.Function):
 _Gradients.vmap = staticmethod(batching.backward_rule(_Gradients.apply))
 
 
+def _transformed_gradients(dout: Tensor, dlse: Tensor | None) -> bool:
+    """Whether the gradients are batched (gradcheck's older vmap, or torch.func's) or a transform is active."""
+    return batching.is_legacy_batched(dout, dlse) or batching.is_transformed(dout, dlse) or batching.under_transform()
+
+
 def _eager_backward(dout, dlse, *rest):
     """The backward's implementation, through ``_Gradients`` where a ``torch.func`` transform is active, through
     the registered op (functional: the older vmap loops over it) under gradcheck's batched gradients."""
@@ -215,6 +231,9 @@ class _EagerAttention(torch.autograd.Function):
 
 
 _EagerAttention.vmap = staticmethod(batching.forward_rule(_EagerAttention.apply))
+# Function.apply binds the arguments to forward's signature by inspect.signature on every call (forward has no
+# defaults to fill in: 20-40 us wasted); outside torch.func's transforms the C apply underneath does the rest.
+_apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAttention)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False,
@@ -232,8 +251,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_pr
     # Eager: the same code without the op's dispatch (Python, 0.1-0.4 ms a call, more than a decode step's
     # attention): the backend directly for inference, the op's autograd functions for training and under
     # torch.func's transforms (whose batching rule they carry).
-    if _records_grad(q, k, v, spec) or batching.under_transform():
+    if batching.under_transform() or batching.is_transformed(q, k, v, spec.attn_mask):  # (or escaped from one)
         return _EagerAttention.apply(q, k, v, *spec.as_args(), backend, return_probs)
+    if _records_grad(q, k, v, spec):
+        return _apply_eager(q, k, v, *spec.as_args(), backend, return_probs)
     return _forward(q, k, v, spec, backend, return_probs)
 
 

@@ -158,7 +158,23 @@ def _first_serving(names: tuple[str, ...], request: Request, how: str) -> tuple[
 
 def choose(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False) -> str:
     """The name of the path a call of checked inputs and options runs on (``explain``)."""
-    return _choice(*Request.of(q, k, v, spec, return_probs=return_probs))
+    request = Request.of(q, k, v, spec, return_probs=return_probs)
+    if torch.compiler.is_compiling():
+        return _choice(*request)
+    stubbed = triton.stub.active()
+    if request.device != "cuda" and stubbed is None:
+        return _choice(*request)
+    # GPU calls in eager mode: the answer of each request under each choice in force, remembered (deciding costs
+    # a few us a call, a short call's kernel time). The CPU paths' answers may change (a kernel build can fail).
+    situation = (request, _forced.get(), os.environ.get("FLASHATTN_BACKEND"), stubbed,
+                 torch.cuda.current_device() if stubbed is None else None)
+    name = _CHOSEN.get(situation)
+    if name is None:
+        name = _CHOSEN[situation] = explain(request)[0]
+    return name
+
+
+_CHOSEN: dict[tuple, str] = {}
 
 
 @torch.compiler.assume_constant_result

@@ -97,9 +97,10 @@ def _sdpa(device):
 
 
 def _module(device):
-    layer = flashattn.nn.SelfAttention(512, 4, 2, device=device, dtype=torch.bfloat16).eval()
-    cache = layer.new_cache(1, 64, device=device, dtype=torch.bfloat16)
-    x = _randn(1, 1, 512, device=device)
+    # float32: on a CPU (stubbed) a bfloat16 linear layer of this size takes milliseconds, not the GPU's microseconds
+    layer = flashattn.nn.SelfAttention(512, 4, 2, device=device, dtype=torch.float32).eval()
+    cache = layer.new_cache(1, 64, device=device, dtype=torch.float32)
+    x = _randn(1, 1, 512, device=device, dtype=torch.float32)
 
     def step():
         cache.seqlens.zero_()  # the same step each time: a fixed cache position
@@ -122,7 +123,8 @@ ENTRIES: dict[str, tuple[str, Callable]] = {
                      lambda d: _decode(d, seqlens="tensor", paged=True)),
     "decode_append": ("flash_attn_with_kvcache appending new k, v", lambda d: _decode(d, seqlens="tensor",
                                                                                       append=True)),
-    "nn_decode": ("flashattn.nn.SelfAttention, one token with a KVCache", _module),
+    # Stubbed, its projections and rotary run on the CPU: more than a GPU's launches of them.
+    "nn_decode": ("flashattn.nn.SelfAttention (512 wide, float32), one token with a KVCache", _module),
 }
 
 
@@ -182,7 +184,10 @@ def run(entries: list[str], *, mode: str, calls: int, arch: int = 90) -> list[di
     if mode == "stub":
         from ..backends.triton.stub import stubbed_launches
 
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the CPU's own work (a module's projections) is not what is timed: no thread pool
         with ExitStack() as stack:
+            stack.callback(torch.set_num_threads, threads)
             launches = stack.enter_context(stubbed_launches(arch))
             stack.enter_context(flashattn.use_backend("triton"))
             for entry in entries:

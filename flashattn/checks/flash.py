@@ -28,6 +28,7 @@ from ._base import (
 from .block_mask import validate_block_mask
 from .deferred import checked_varlen
 from .kinds import validate_plain
+from .signature import Signatures
 from .values import VarlenSizes, check_pages, check_varlen_values, same_batch
 
 
@@ -107,6 +108,10 @@ def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, s
     """Validate the arguments of the ``flash_attn_*func`` family (flash layout, bottom-right causal); ``options``
     are the keyword arguments of ``flash_attn_func`` after q, k, v, and ``block_mask`` a FlexAttention
     ``BlockMask`` or None."""
+    signature = _CHECKED.key(fn, (q, k, v), (names, block_mask, *options, *options.values()))
+    spec = _CHECKED.get(signature)
+    if spec is not None:
+        return CheckedCall(q, k, v, spec)
     q, k, v = flash_layout(fn, q, k, v, names)
     given = {n: options.pop(n, None) for n in ("q_descale", "k_descale", "v_descale")}
     training = options.pop("fp8", False)
@@ -116,7 +121,12 @@ def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, s
     if block_mask is not None:
         spec = dataclasses.replace(spec, block_sparse=validate_block_mask(
             fn, "block_mask", block_mask, batch=q.shape[0], nheads=q.shape[2], nq=q.shape[1], nk=k.shape[1], ref=q))
+    if not any(isinstance(a, torch.Tensor) for a in spec.as_args()):  # FP8 inputs' default scales are tensors
+        _CHECKED.put(signature, spec)
     return CheckedCall(q, k, v, spec)
+
+
+_CHECKED = Signatures()  # check_flash's passed signatures
 
 
 def _validate_offsets(fn: str, name: str, cu: object, ref: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from ...quantize import amax_scales
 from ..spec import AttentionSpec, Saved, output_dtype, per_row
-from . import NAME, configs, interpreting
+from . import NAME, configs, interpreting, plans
 from .fit import launch_fitting
 from .kernels import (
     attention_backward_dkdv_kernel,
@@ -30,6 +30,8 @@ from .launch import (
     as_dtype,
     backward_descriptors,
     backward_kwargs,
+    cache_keys,
+    compiling_only,
     config,
     empty,
     forward_kwargs,
@@ -45,7 +47,30 @@ from .launch import (
 __all__ = ["NAME", "backward", "forward", "fp8_backward"]
 
 
+_FORWARD_PLANS = plans.PlanCache()
+_BACKWARD_PLANS = plans.PlanCache()
+
+
+def _planned(spec: AttentionSpec, *tensors: torch.Tensor | None) -> bool:
+    """Whether a call goes through its launch plan (``plans.py``): compiled kernels, a plannable spec, no empty
+    input, and every tensor the backward reads as a dense array already dense (else a copy would be made)."""
+    return (not interpreting() and not compiling_only() and plans.plannable(spec)
+            and all(t is None or (t.numel() > 0 and t.is_contiguous()) for t in tensors))
+
+
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
+    """The call's launches by its plan where it has one (``plans.py``), else ``_forward``'s."""
+    if return_probs or not _planned(spec) or q.numel() == 0 or k.numel() == 0:
+        return _forward(q, k, v, spec, return_probs=return_probs)
+    tensors, scalars = plans.spec_tensors(spec, cache_keys=None if spec.cache is None else cache_keys(
+        spec.cache.max_seqlen_k, k, spec.cache.block_table))
+    inputs = (q, k, v, *tensors)
+    out, lse = _FORWARD_PLANS.run(plans.key("forward", inputs, scalars), inputs, q.device,
+                                  lambda: _forward(q, k, v, spec)[:2])
+    return out, lse, q.new_empty(0)
+
+
+def _forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """Same contract as every path's forward (``flashattn.backends.Backend``): (out, lse, probs), keys dense,
     packed or cached. FP8 inputs (``spec.descale``): q, k and v all float8_e4m3fn on FP8 tensor cores are
     multiplied as they are (FlashAttention-3's FP8 forward, ``fp8_matmuls``): q's and k's descales scale the
@@ -64,7 +89,7 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
         k, v = k.view(torch.uint8), v.view(torch.uint8)  # widened by the kernel's integer code (tiles.widened)
     shape = CallShape(q, k, v, spec)
     out = empty(shape.out_shape, q.dtype if scales is None else torch.float32, q.device)
-    lse = torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device)
+    lse = plans.scratch(torch.empty(spec.lse_shape(q.shape), dtype=torch.float32, device=q.device))
     probs = empty((shape.b, shape.h, shape.nq, shape.nk), q.dtype, q.device).zero_() if return_probs else q.new_empty(0)
     if out.numel() == 0 or shape.nq == 0 or shape.nk == 0:  # no key: out 0, lse -inf (the sink with one)
         lse.fill_(-math.inf)
@@ -175,9 +200,10 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape, *, values_i
         else:
             # Partial results in fp32, laid out as the kernel walks the rows (the merge writes the real layout).
             batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
-            targets = (torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32,
-                                   device=q.device),
-                       torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32, device=q.device))
+            targets = (plans.scratch(torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32,
+                                                 device=q.device)),
+                       plans.scratch(torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32,
+                                                 device=q.device)))
         kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
         grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
         launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, VALUES_INTERLEAVED=values_interleaved,
@@ -213,6 +239,18 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     the gradients of attention at ``x.float() * descale``, in dout's dtype, dO rounded to e4m3 for dP."""
     if mask_grad:  # never asked for: serves() sends such calls to another path
         raise NotImplementedError("the triton path does not compute the gradient of attn_mask")
+    q, k, v, out, lse = saved
+    if not _planned(spec, lse, dlse) or spec.descale is not None or q.numel() == 0 or k.numel() == 0:
+        return _backward(dout, dlse, saved, spec)
+    tensors, scalars = plans.spec_tensors(spec)
+    inputs = (dout, dlse, q, k, v, out, lse, *tensors)
+    dq, dk, dv = _BACKWARD_PLANS.run(plans.key("backward", inputs, scalars), inputs, q.device,
+                                     lambda: _backward(dout, dlse, saved, spec)[:3])
+    return dq, dk, dv, None
+
+
+def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
+    """``backward``'s full Python: the launches of one call, worked out from its arguments."""
     q, k, v, out, lse = saved
     fp8 = spec.descale is not None
     if fp8 and not fp8_backward(q, k, v, spec):
@@ -273,7 +311,7 @@ def _delta(dout, dlse, out, lse, *, packed: bool, dv: int,
     descale in lse's layout), dO is quantized into dout8 and delta taken from it, as the FP8 backward's dP sees it.
     A packed varlen batch is one long sequence to it."""
     dout8, do_descale = fp8_dout if fp8_dout is not None else (None, None)
-    delta, neg_lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    delta, neg_lse2 = plans.scratch(torch.empty_like(lse)), plans.scratch(torch.empty_like(lse))
     dense = (lambda t: t[None]) if packed else (lambda t: t)
     out4, dout4 = dense(out), dense(dout)
     rows, heads = out4.shape[1], out4.shape[2]

@@ -91,6 +91,11 @@ def tables_only() -> Iterator[None]:
         _tables_only.reset(token)
 
 
+def context() -> tuple:
+    """What ``use`` and ``tables_only`` set, as one hashable value (part of a launch plan's key)."""
+    return _forced.get(), _tables_only.get()
+
+
 def forced(kernel: str) -> KernelConfig | None:
     """The config ``use`` forces on ``kernel``, if any."""
     found = _forced.get()

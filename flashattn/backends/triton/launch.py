@@ -20,7 +20,7 @@ import torch
 from ...errors import ArgumentError
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse
-from . import configs, interpreting, stub, tma
+from . import configs, interpreting, plans, stub, tma
 from .kernels import BlockLists, merge_splits_kernel
 
 
@@ -66,7 +66,8 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     kwargs = {**kwargs, "enable_fp_fusion": True}
     recorded = _compile_only.get()
     if recorded is None:
-        kernel[grid](**kwargs)  # Triton raises OutOfResources before running if the GPU lacks the shared memory
+        compiled = kernel[grid](**kwargs)  # Triton raises OutOfResources before running if the GPU lacks the shared
+        plans.record(kernel, compiled, grid, kwargs)  # memory; a launch plan in the making keeps the launch
         return
     compiled = kernel.warmup(grid=grid, **kwargs)
     _check_shared_memory(compiled)
@@ -88,7 +89,7 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     there bf16 outputs are written in fp32 and rounded by torch in ``as_dtype``."""
     if dtype == torch.bfloat16 and interpreting():
         dtype = torch.float32
-    return torch.empty(shape, dtype=dtype, device=device)
+    return plans.scratch(torch.empty(shape, dtype=dtype, device=device))
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +122,7 @@ class CallShape:
         self.keys = dict(cu_seqlens_k=self.cu_seqlens_k, k_start=None, k_end=None, k_batch=None, block_table=None,
                          stride_bt=None, page_size=None)
         if cache is not None:
-            self.nk = cache.max_seqlen_k
+            self.nk = cache_keys(cache.max_seqlen_k, k, cache.block_table)
             self.keys.update(k_start=cache.k_start, k_end=cache.k_end, k_batch=cache.batch_idx)
             if cache.block_table is not None:
                 self.keys.update(block_table=cache.block_table, stride_bt=cache.block_table.stride(0),
@@ -140,6 +141,19 @@ class CallShape:
         """(batch, head) strides of lse or delta; query positions have unit stride."""
         b, h = (0, lse.stride(0)) if self.q_packed else (lse.stride(0), lse.stride(1))
         return {f"stride_{name}b": b, f"stride_{name}h": h}
+
+
+def cache_keys(longest: int, k: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """The key count a KV-cache call's launch is sized for: the longest sequence's keys rounded up to a power of
+    two, at most the cache's capacity. The kernels bound each sequence by its own length, so a larger count only
+    adds split programs that find no keys; rounding keeps one launch (and one launch plan, ``plans.py``) for many
+    steps of a growing cache instead of one per length.
+
+        >>> cache_keys(1000, torch.empty(1, 4096, 1, 8), None), cache_keys(3000, torch.empty(1, 2048, 1, 8), None)
+        (1024, 2048)
+    """
+    capacity = k.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    return min(capacity, 1 << max(0, longest - 1).bit_length()) if longest > 0 else 0
 
 
 class QueryRows:

@@ -39,9 +39,12 @@ class Launches:
 
     device: StubDevice
     stamps: list[tuple[int, str]] = field(default_factory=list)
+    arguments: list[tuple] | None = None  # each launch's grid and arguments, when asked for (keep_arguments)
 
     def clear(self) -> None:
         self.stamps.clear()
+        if self.arguments is not None:
+            self.arguments.clear()
 
 
 _active: ContextVar[Launches | None] = ContextVar("flashattn_triton_stub", default=None)
@@ -65,6 +68,8 @@ def _driver(device: StubDevice, launches: Launches):
 
         def __call__(self, *args) -> None:
             launches.stamps.append((time.perf_counter_ns(), self.name))
+            if launches.arguments is not None:  # (grid x, y, z, stream, function, metadata, ..., kernel arguments)
+                launches.arguments.append((self.name, args[:3], args[9:]))
 
     class Utils:
         def get_device_properties(self, _device) -> dict:
@@ -96,9 +101,11 @@ def _driver(device: StubDevice, launches: Launches):
 
 
 @contextmanager
-def stubbed_launches(arch: int = 90, multiprocessors: int = 132) -> Iterator[Launches]:
+def stubbed_launches(arch: int = 90, multiprocessors: int = 132, *, keep_arguments: bool = False
+                     ) -> Iterator[Launches]:
     """Inside the block, the triton path takes CPU tensors as a GPU of ``arch`` would take CUDA ones and records
-    each launch in the ``Launches`` it yields instead of running it. Needs triton, and not its interpreter."""
+    each launch in the ``Launches`` it yields instead of running it (with its grid and arguments when
+    ``keep_arguments``). Needs triton, and not its interpreter."""
     from triton.runtime import driver
 
     from . import interpreting
@@ -106,7 +113,7 @@ def stubbed_launches(arch: int = 90, multiprocessors: int = 132) -> Iterator[Lau
     if interpreting():
         raise RuntimeError("stubbed_launches: TRITON_INTERPRET=1 runs the kernels in the interpreter; unset it to "
                            "compile them for a GPU and stub their launches")
-    launches = Launches(StubDevice(arch, multiprocessors))
+    launches = Launches(StubDevice(arch, multiprocessors), arguments=[] if keep_arguments else None)
     previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
     driver.set_active(_driver(launches.device, launches))
     token = _active.set(launches)

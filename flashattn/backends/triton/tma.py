@@ -39,6 +39,11 @@ def use(enabled: bool) -> Iterator[None]:
         _forced.reset(token)
 
 
+def forced() -> bool | None:
+    """What ``use`` forces, if anything (part of a launch plan's key)."""
+    return _forced.get()
+
+
 WGMMA_ROWS = 64  # a warpgroup's wgmma tile: programs whose matmuls have fewer rows run on mma.sync
 
 

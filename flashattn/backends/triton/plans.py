@@ -1,0 +1,335 @@
+"""Launch plans: a call's launches worked out once per signature, then replayed at a few microseconds.
+
+Building a launch in Python costs more than a short call's kernel: shapes, strides, tiles, TMA descriptors and
+about seventy keyword arguments per kernel, then Triton's binding of them (specializing each argument to find the
+compiled kernel). None of it changes between calls of one signature: the same shapes, strides, dtypes, devices,
+pointer alignment and options give the same kernels, grids and arguments but for the tensors themselves. So the
+first call of a signature runs the path's Python and records what it launches (``recording``): each kernel's
+compiled binary, grid and arguments in order, every tensor among them traced to where it comes from (an input, a
+view of one, an output, or a workspace the call allocates). Later calls with that signature (``key``) replay the
+record (``Plan.run``): allocate the outputs and workspaces, put the new tensors in their places, and call each
+compiled kernel's launcher directly.
+
+A call that does other work on the host besides launching (FP8 scales, block-mask lists, returned probabilities,
+empty inputs) is never planned (``plannable``), and a record in which a tensor cannot be traced is dropped: such
+calls keep the path's full Python every time. Plans apply to compiled kernels on a GPU (or stubbed launches,
+``stub.py``), never to the interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from ..spec import AttentionSpec
+
+
+class Launch(NamedTuple):
+    """One kernel launch as recorded: the JIT function, its compiled binary, the grid and the keyword arguments."""
+
+    kernel: object
+    compiled: object
+    grid: tuple[int, ...]
+    kwargs: dict
+
+
+@dataclass
+class Recording:
+    launches: list[Launch] = field(default_factory=list)
+    scratch: set[int] = field(default_factory=set)  # storages the call allocated for its kernels to fill
+
+
+_recording: ContextVar[Recording | None] = ContextVar("flashattn_triton_recording", default=None)
+_enabled: ContextVar[bool] = ContextVar("flashattn_triton_plans", default=True)
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Every call inside the block runs the path's full Python (to compare a plan against what it replays)."""
+    token = _enabled.set(False)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+def scratch(t: torch.Tensor) -> torch.Tensor:
+    """``t``, a buffer the call allocates and its kernels write before reading (a workspace, or an output): a
+    replay allocates it anew. Any other tensor an argument, not an input or a view of one, makes a record
+    unplannable (it holds values the host computed)."""
+    recording = _recording.get()
+    if recording is not None:
+        recording.scratch.add(_storage_of(t))
+    return t
+
+
+def record(kernel, compiled, grid: tuple[int, ...], kwargs: dict) -> None:
+    """Called by ``launch.launch`` after each launch; kept when a recording is active."""
+    recording = _recording.get()
+    if recording is not None:
+        recording.launches.append(Launch(kernel, compiled, grid, kwargs))
+
+
+# --- where a tensor argument comes from, and how a replay finds it -------------------------------------------------
+# A slot is (kind, index, view): kind "in" (an input), "out" (an output) or "work" (a workspace), and view None (the
+# tensor itself) or (dtype, shape, stride, offset from the base's storage offset).
+
+
+class _Storage(NamedTuple):
+    kind: str
+    index: int
+    base: torch.Tensor
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _view(t: torch.Tensor, base: torch.Tensor):
+    if t is base:
+        return None
+    return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset()
+
+
+def _resolve(base: torch.Tensor, view) -> torch.Tensor:
+    if view is None:
+        return base
+    dtype, shape, stride, offset = view
+    typed = base if base.dtype == dtype else base.view(dtype)
+    return typed.as_strided(shape, stride, base.storage_offset() + offset)
+
+
+def _descriptor(base: torch.Tensor, fields: dict):
+    """A TMA descriptor with a recorded one's fields (shape, strides, tile) around ``base``: built without its
+    checks (alignment, strides), which held when it was recorded and hold for every call of the key."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(fields, base=base)
+    return desc
+
+
+class Plan:
+    """A signature's launches: the outputs and workspaces to allocate, then each compiled kernel launched with
+    its recorded arguments and the call's tensors in their places, by one function written for the plan (a
+    generic loop over seventy arguments a launch costs more than the launch)."""
+
+    def __init__(self, outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]):
+        self.outputs = outputs  # (shape, stride, dtype) of each output, in the order the path returns them
+        self.workspaces = workspaces  # the same of each workspace (bytes: ((n,), (1,), torch.uint8))
+        self._launch = _writer(launches)
+
+    def run(self, inputs: Sequence[torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
+        from triton import knobs
+        from triton.runtime import driver
+
+        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
+                   self.outputs]
+        work = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
+                self.workspaces]
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
+        hooked = any(getattr(hook, "calls", hook is not None) for hook in (enter, leave))
+        self._launch(inputs, outputs, work, stream, enter, leave, hooked)
+        return outputs
+
+
+def _literal(value: object) -> bool:
+    """Whether ``repr(value)`` is ``value`` in the plan's source: None, bools, ints, finite floats, tuples of them."""
+    kind = type(value)
+    if kind is tuple:
+        return all(_literal(x) for x in value)
+    return kind in (type(None), bool, int) or (kind is float and math.isfinite(value))
+
+
+def _writer(launches: list[tuple]) -> Callable:
+    """``launch(inputs, outputs, work, stream, enter, leave, hooked)``: every recorded launch, written out."""
+    names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor}
+    lines = ["def launch(inputs, outputs, work, stream, enter, leave, hooked):"]
+    bases = {"in": "inputs", "out": "outputs", "work": "work"}
+
+    def constant(value: object) -> str:
+        if _literal(value):
+            return repr(value)
+        name = f"c{len(names)}"
+        names[name] = value
+        return name
+
+    def tensor(slot: tuple) -> str:
+        kind, index, view = slot
+        base = f"{bases[kind]}[{index}]"
+        return base if view is None else f"_resolve({base}, {constant(view)})"
+
+    for compiled, grid, arguments, tensors, descriptors in launches:
+        terms = [constant(value) for value in arguments]
+        for position, slot in tensors:
+            terms[position] = tensor(slot)
+        for position, (slot, fields) in descriptors:
+            terms[position] = f"_descriptor({tensor(slot)}, {constant(fields)})"
+        kernel = constant(compiled)
+        lines += [f"    args = ({', '.join(terms)},)",
+                  f"    meta = {kernel}.launch_metadata({constant(grid)}, stream, *args) if hooked else None",
+                  f"    {constant(compiled.run)}({', '.join(map(str, grid))}, stream, {constant(compiled.function)}, "
+                  f"{constant(compiled.packed_metadata)}, meta, enter, leave, *args)"]
+    exec(compile("\n".join(lines) + "\n", f"<flashattn launch plan of {len(launches)} launches>", "exec"), names)
+    return names["launch"]
+
+
+class _Untraceable(Exception):
+    """A tensor argument that is neither an input, an output, a workspace nor a view of one."""
+
+
+def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor], scratch: set[int]):
+    """Slots for tensor arguments: inputs and outputs by storage; a buffer the call allocated (``scratch``) a
+    workspace, allocated anew per call."""
+    storages: dict[int, _Storage] = {}
+    for kind, tensors in (("in", inputs), ("out", outputs)):
+        for i, t in enumerate(tensors):
+            if t is not None and t.numel() and _storage_of(t) not in storages:
+                storages[_storage_of(t)] = _Storage(kind, i, t)
+    workspaces: list[torch.Tensor] = []
+
+    def slot(t: torch.Tensor) -> tuple:
+        for kind, tensors in (("in", inputs), ("out", outputs)):  # the tensor itself first: cheapest to replay
+            for i, known in enumerate(tensors):
+                if known is t:
+                    return kind, i, None
+        found = storages.get(_storage_of(t))
+        if found is None:
+            if _storage_of(t) not in scratch:
+                raise _Untraceable
+            # The workspace as the tensor that first uses it when that tensor is all of it (then the replay passes
+            # the allocation itself), else as bytes that its users view.
+            workspace = t if _owns_storage(t) else torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                t.untyped_storage())
+            found = storages[_storage_of(t)] = _Storage("work", len(workspaces), workspace)
+            workspaces.append(workspace)
+        return found.kind, found.index, _view(t, found.base)
+
+    return slot, workspaces
+
+
+def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
+    """The plan of a recorded call, or None when a tensor argument cannot be traced."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    slot, workspaces = _tracer(inputs, outputs, recording.scratch)
+    launches = []
+    try:
+        for kernel, compiled, grid, kwargs in recording.launches:
+            arguments, tensors, descriptors = [], [], []
+            for position, (name, param) in enumerate(kernel.signature.parameters.items()):
+                value = kwargs.get(name, param.default)
+                if isinstance(value, torch.Tensor):
+                    tensors.append((position, slot(value)))
+                    value = None
+                elif isinstance(value, TensorDescriptor):
+                    fields = {k: v for k, v in vars(value).items() if k != "base"}
+                    descriptors.append((position, (slot(value.base), fields)))
+                    value = None
+                elif isinstance(value, tuple) and any(isinstance(x, torch.Tensor) for x in value):
+                    raise _Untraceable  # a bundle of tensors (block-mask lists): not planned
+                arguments.append(value)
+            grid3 = (*grid, 1, 1)[:3]
+            launches.append((compiled, grid3, tuple(arguments), tuple(tensors), tuple(descriptors)))
+    except _Untraceable:
+        return None
+    if not all(_storage_of(t) in recording.scratch for t in outputs if t.numel()):
+        return None  # an output the call did not allocate (an input handed back)
+    if not all(_owns_storage(t) for t in outputs) or len({_storage_of(t) for t in outputs if t.numel()}) < sum(
+            1 for t in outputs if t.numel()):
+        return None  # an output that is a view of a larger buffer, or two sharing one: not replayed as allocations
+    return Plan([(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outputs],
+                [(tuple(w.shape), tuple(w.stride()), w.dtype) if w.numel() else ((w.untyped_storage().nbytes(),), (1,),
+                                                                                   torch.uint8) for w in workspaces],
+                launches)
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage's whole tensor, as ``torch.empty_strided`` of its shape and strides makes it."""
+    if t.numel() == 0:
+        return True
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == span * t.element_size()
+
+
+# --- which calls are planned, and their signature --------------------------------------------------------------------
+
+_TENSOR_FIELDS = tuple(i for i, leaf in enumerate(AttentionSpec(scale=1.0).as_args()) if leaf is None)
+_SCALAR_FIELDS = tuple(i for i, leaf in enumerate(AttentionSpec(scale=1.0).as_args()) if leaf is not None)
+_CACHE_LENGTH = _SCALAR_FIELDS.index(AttentionSpec.arg_index("cache_max_seqlen_k"))  # among the scalars
+
+
+def plannable(spec: AttentionSpec) -> bool:
+    """Calls whose host work is launches only: no FP8, no block mask (their lists are built on the host)."""
+    return (_enabled.get() and spec.descale is None and not spec.fp8_training and spec.block_sparse is None)
+
+
+def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple[list, tuple]:
+    """(the spec's tensors, its other arguments) in ``as_args`` order; with ``cache_keys`` (the key count a cache
+    call's launch is sized for, ``launch.cache_keys``) in place of the cache's exact longest length, which the
+    launches do not depend on."""
+    args = spec.as_args()
+    scalars = tuple(args[i] for i in _SCALAR_FIELDS)
+    if cache_keys is not None:
+        scalars = (*scalars[:_CACHE_LENGTH], cache_keys, *scalars[_CACHE_LENGTH + 1:])
+    return [args[i] for i in _TENSOR_FIELDS], scalars
+
+
+def key(kind: str, tensors: Sequence[torch.Tensor | None], scalars: tuple, extra: tuple = ()) -> tuple:
+    """What decides every launch of a call: the tensors' shapes, strides, dtypes, devices and 16-byte alignment,
+    the options, and the context that chooses tiles (the forced tiles and descriptors, the current device)."""
+    from triton.runtime import driver
+
+    from . import configs, tma
+
+    facts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                  for t in tensors)
+    return kind, facts, scalars, extra, configs.context(), tma.forced(), driver.active.get_current_device()
+
+
+class PlanCache:
+    """Plans by key; keys whose record could not be traced map to None (always the full Python)."""
+
+    LIMIT = 4096  # signatures kept; past it the cache starts over (a model has a handful)
+
+    def __init__(self):
+        self._plans: dict[tuple, Plan | None] = {}
+        self.replays = 0  # calls that ran by their plan
+
+    def run(self, signature: tuple, inputs: Sequence[torch.Tensor | None], device: torch.device,
+            slow: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
+        """The outputs of the call: by its plan when there is one, else by ``slow()`` (the path's Python),
+        recorded into a plan for the next call."""
+        plan = self._plans.get(signature, _MISSING)
+        if plan is not _MISSING:
+            if plan is None:
+                return slow()
+            self.replays += 1
+            return plan.run(inputs, device)
+        recording = Recording()
+        token = _recording.set(recording)
+        try:
+            outputs = slow()
+        finally:
+            _recording.reset(token)
+        if len(self._plans) >= self.LIMIT:
+            self._plans.clear()
+        self._plans[signature] = build(recording, inputs, outputs) if recording.launches else None
+        return outputs
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+_MISSING = object()

@@ -1,0 +1,58 @@
+"""Checked signatures: a call whose tensors and options were checked once is not checked again.
+
+The checks of a call depend only on its signature: each tensor's type, shape, dtype, device and layout, and the
+option values. A signature that passed once passes again, so its result (the ``AttentionSpec``, which holds no
+tensor when the call passes no optional one) is remembered and the next call of that signature skips the checks
+(a few microseconds instead of tens: a decode step calls attention once per layer and token). Only calls whose
+every other argument is a plain value (None, a bool, int, float, str, or a tuple of them) are remembered; anything
+else (a tensor option, a mask, scales, a list) is checked every time, and a failing call is never remembered, so
+every error is raised as before. Under ``torch.compile`` the checks run as written (they are traced once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain(value: object) -> bool:
+    kind = type(value)
+    return kind in _PLAIN or (kind is tuple and all(type(x) in _PLAIN for x in value))
+
+
+def facts(t: object) -> tuple | None:
+    """What the checks read of a tensor argument; None for anything that is not a tensor (not remembered)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return type(t), t.shape, t.dtype, t.device, t.layout, t.is_nested
+
+
+class Signatures:
+    """Results of passed checks by signature: ``key`` builds one (None: not rememberable), ``get`` and ``put``."""
+
+    LIMIT = 4096  # signatures kept; past it the memo starts over
+
+    def __init__(self):
+        self._results: dict[tuple, object] = {}
+
+    @staticmethod
+    def key(fn: str, tensors: tuple, options: tuple) -> tuple | None:
+        """The signature of a call of ``fn`` with ``tensors`` (each must be a tensor) and ``options`` (each must be
+        a plain value); None when the call is not to be remembered."""
+        if torch.compiler.is_compiling():
+            return None
+        described = tuple(facts(t) for t in tensors)
+        if None in described or not all(_plain(o) for o in options):
+            return None
+        return fn, described, options
+
+    def get(self, key: tuple | None) -> object | None:
+        return None if key is None else self._results.get(key)
+
+    def put(self, key: tuple | None, result: object) -> None:
+        if key is None:
+            return
+        if len(self._results) >= self.LIMIT:
+            self._results.clear()
+        self._results[key] = result

@@ -1,0 +1,180 @@
+"""Launch plans (flashattn.backends.triton.plans): a replayed call launches exactly what the path's full Python
+launches for the same inputs: the same kernels, grids and arguments, the call's own tensors in their places (never a
+previous call's), fresh outputs and workspaces. Checked on the kernels compiled for sm_90 with stubbed launches
+(which record every argument), in a process without Triton's interpreter, for every kind of call plans serve: dense,
+GQA, masks, ALiBi, sinks, dropout, windows, packed sequences, KV caches (dense, paged, appending, growing), SDPA's
+layout and the backward."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triton_versions import TRITON_MISSING
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_replayed_launches_equal_the_full_path():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "cases replayed: " in done.stdout, done.stdout
+
+
+# --- the check itself, run as a script ------------------------------------------------------------------------------
+
+
+def _cases(torch, flashattn):
+    """name -> a function of a seed returning (call, the tensors it reads), each call of one signature."""
+    bf16, dev = torch.bfloat16, "cpu"
+
+    def dense(seed, h=8, hk=2, d=128, n=100, dtype=bf16, grad=False, unaligned=False, **kwargs):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, n, heads, d, generator=g, dtype=dtype, device=dev, requires_grad=grad)
+                   for heads in (h, hk, hk))
+        if unaligned:  # q one element into its storage: not 16-byte aligned, another plan
+            q = torch.randn(2 * n * h * d + 1, generator=g, dtype=dtype)[1:].view(2, n, h, d)
+        if not grad:
+            return (lambda: flashattn.flash_attn_func(q, k, v, **kwargs)), [q, k, v]
+        out_grad = torch.randn(2, n, h, d, generator=g, dtype=dtype)
+
+        def train():
+            out, lse, _ = flashattn.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+            torch.autograd.grad((out, lse), (q, k, v), (out_grad, torch.ones_like(lse)))
+
+        return train, [q, k, v, out_grad]
+
+    def with_tensors(seed, **kwargs):
+        g = torch.Generator().manual_seed(seed)
+        slopes = torch.rand(8, generator=g)
+        sink = torch.randn(8, generator=g)
+        call, tensors = dense(seed, alibi_slopes=slopes, learnable_sink=sink, **kwargs)
+        return call, [*tensors, slopes, sink]
+
+    def sdpa(seed, mask_dtype=None):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, 8, 77, 64, generator=g, dtype=bf16) for _ in range(3))
+        mask = None if mask_dtype is None else (torch.randn(77, 77, generator=g) > 0 if mask_dtype == "bool" else
+                                                 torch.randn(1, 8, 77, 77, generator=g))
+        return (lambda: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)), [q, k, v, mask]
+
+    def varlen(seed):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(150, heads, 64, generator=g, dtype=bf16) for heads in (4, 2, 2))
+        cu = torch.tensor([0, 50, 51, 150], dtype=torch.int32)
+        return (lambda: flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 99, 99, causal=True)), [q, k, v, cu]
+
+    def decode(seed, seqlens="tensor", paged=False, append=False, leftpad=False, length=None):
+        g = torch.Generator().manual_seed(seed)
+        shape = (16, 64) if paged else (3, 1024)
+        k_cache, v_cache = (torch.randn(*shape, 2, 128, generator=g, dtype=bf16) for _ in range(2))
+        q = torch.randn(2, 1, 8, 128, generator=g, dtype=bf16)
+        table = torch.randperm(16, generator=g).to(torch.int32).view(2, 8) if paged else None
+        lengths = length if length is not None else 300 + seed % 7  # a growing cache: other lengths, one plan
+        cache_seqlens = torch.tensor([lengths, lengths - 9], dtype=torch.int32) if seqlens == "tensor" else lengths
+        new = [torch.randn(2, 1, 2, 128, generator=g, dtype=bf16) for _ in range(2)] if append else [None, None]
+        pad = torch.tensor([3, 0], dtype=torch.int32) if leftpad else None
+        call = lambda: flashattn.flash_attn_with_kvcache(  # noqa: E731
+            q, k_cache, v_cache, *new, cache_seqlens=cache_seqlens, block_table=table, cache_leftpad=pad, causal=True)
+        tensors = [q, k_cache, v_cache, *new, table, pad, cache_seqlens if seqlens == "tensor" else None]
+        return call, tensors
+
+    return {
+        "dense causal GQA": lambda s: dense(s, causal=True),
+        "window, softcap, fp16": lambda s: dense(s, d=64, dtype=torch.float16, window_size=(17, 3), softcap=5.0),
+        "ALiBi and sinks": lambda s: with_tensors(s, causal=True),
+        "dropout": lambda s: dense(s, dropout_p=0.2),
+        "float32": lambda s: dense(s, d=40, dtype=torch.float32, causal=True),
+        "an unaligned q": lambda s: dense(s, unaligned=True),
+        "SDPA layout": lambda s: sdpa(s),
+        "SDPA boolean mask": lambda s: sdpa(s, "bool"),
+        "SDPA additive mask": lambda s: sdpa(s, "float"),
+        "varlen": varlen,
+        "decode, int lengths": lambda s: decode(s, seqlens="int"),
+        "decode, tensor lengths": lambda s: decode(s),
+        "decode, paged": lambda s: decode(s, paged=True),
+        "decode, appending": lambda s: decode(s, append=True),
+        "decode, left padding": lambda s: decode(s, leftpad=True),
+        "training step": lambda s: dense(s, grad=True, causal=True),
+        "training step, dropout and window": lambda s: dense(s, grad=True, dropout_p=0.1, window_size=(30, 0)),
+    }
+
+
+def _describe(torch, args, inputs):
+    """A launch's arguments with each tensor named by the input it is (or views), else by its layout (a buffer
+    the call allocated); small integer tensors also by their values (lengths, offsets, the dropout seed)."""
+    storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate(inputs) if t is not None}
+
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            values = a.tolist() if a.numel() <= 16 and not a.is_floating_point() else None
+            owner = storages.get(a.untyped_storage().data_ptr())
+            where = ("input", owner, a.storage_offset()) if owner is not None else ("allocated",)
+            return (*where, tuple(a.shape), a.stride(), a.dtype, values)
+        if type(a).__name__ == "TensorDescriptor":
+            return ("descriptor", one(a.base), tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding)
+        return a
+
+    return [one(a) for a in args]
+
+
+def main() -> int:
+    import torch
+
+    import flashattn
+    from flashattn.backends.triton import attend, plans
+    from flashattn.backends.triton.stub import stubbed_launches
+
+    replayed = 0
+    with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+        for name, make in _cases(torch, flashattn).items():
+            make(1)[0]()  # the record (or a replay of an earlier case's plan: the same signature)
+            call, tensors = make(2)  # new tensors of the same signature
+            seen = {}
+            for mode in ("full", "replay"):
+                launches.clear()
+                torch.manual_seed(7)  # the same dropout seed both times
+                if mode == "full":
+                    with plans.disabled():
+                        call()
+                else:
+                    replays = attend._FORWARD_PLANS.replays + attend._BACKWARD_PLANS.replays
+                    call()
+                    replays = attend._FORWARD_PLANS.replays + attend._BACKWARD_PLANS.replays - replays
+                seen[mode] = [(n, g, _describe(torch, a, tensors)) for n, g, a in launches.arguments]
+            if seen["full"] != seen["replay"]:
+                for (n, g, a), (_, g2, b) in zip(seen["full"], seen["replay"], strict=False):
+                    diff = [(i, x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+                    print(f"{name}: {n} grid {g} vs {g2}: {diff[:4]}")
+                print(f"FAILED {name}")
+                return 1
+            # The forward's plan and the backward's; with dropout, return_attn_probs returns the probabilities,
+            # which a plan does not (the forward runs its full Python).
+            expected = 1 + (name == "training step")
+            if replays != expected:
+                print(f"FAILED {name}: {replays} of its {expected} launch plans replayed")
+                return 1
+            replayed += 1
+        # A growing cache keeps its plan while the longest length stays within one power of two.
+        before = len(attend._FORWARD_PLANS)
+        g = torch.Generator().manual_seed(0)
+        k_cache, v_cache = (torch.randn(3, 1024, 2, 128, generator=g, dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(2, 1, 8, 128, generator=g, dtype=torch.bfloat16)
+        for length in range(520, 530):
+            flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, causal=True)
+        if len(attend._FORWARD_PLANS) - before != 1:
+            print(f"FAILED: a growing cache made {len(attend._FORWARD_PLANS) - before} plans")
+            return 1
+    print(f"cases replayed: {replayed}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    raise SystemExit(main())
