@@ -50,20 +50,16 @@ class Request(NamedTuple):
     @classmethod
     def of(cls, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs: bool = False) -> Request:
         """The request of a checked call (flash layout, ``spec`` from ``flashattn.checks``)."""
-        used = {
-            "varlen": spec.varlen is not None, "kv cache": spec.cache is not None,
-            "alibi": spec.alibi_slopes is not None, "sink": spec.sink is not None,
-            "attn_mask": spec.attn_mask is not None, "block mask": spec.block_sparse is not None,
-            "dropout": spec.dropout_p > 0, "softcap": spec.softcap > 0,
-            "window": spec.window_left >= 0 or spec.window_right > 0, "return_attn_probs": return_probs,
-            "fp8": spec.descale is not None or spec.fp8_training,
-        }
+        used = (spec.varlen is not None, spec.cache is not None, spec.alibi_slopes is not None, spec.sink is not None,
+                spec.attn_mask is not None, spec.block_sparse is not None, spec.dropout_p > 0, spec.softcap > 0,
+                spec.window_left >= 0 or spec.window_right > 0, return_probs,
+                spec.descale is not None or spec.fp8_training)  # in FEATURES' order
         blocks = spec.block_sparse
         grad_enabled = torch.is_grad_enabled()
         mask = spec.attn_mask
         return cls(
             device=q.device.type, dtype=q.dtype, head_dim=int(q.shape[-1]), head_dim_v=int(v.shape[-1]),
-            features=tuple(name for name in FEATURES if used[name]),
+            features=tuple(name for name, on in zip(FEATURES, used, strict=True) if on),
             mask_blocks=None if blocks is None else (blocks.q_block, blocks.kv_block),
             mask_grad=grad_enabled and mask is not None and mask.dtype != torch.bool and mask.requires_grad,
             grad=grad_enabled and any(t.requires_grad for t in (q, k, v)),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = frozenset((type(None), bool, int, float, str))
 
 
 def _plain(value: object) -> bool:
@@ -42,10 +42,16 @@ class Signatures:
         a plain value); None when the call is not to be remembered."""
         if torch.compiler.is_compiling():
             return None
-        described = tuple(facts(t) for t in tensors)
-        if None in described or not all(_plain(o) for o in options):
-            return None
-        return fn, described, options
+        described = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                return None
+            described.append((type(t), t.shape, t.dtype, t.device, t.layout, t.is_nested))
+        for option in options:  # a loop, not all(generator): this runs on every call
+            kind = type(option)
+            if kind not in _PLAIN and not (kind is tuple and _plain(option)):
+                return None
+        return fn, tuple(described), options
 
     def get(self, key: tuple | None) -> object | None:
         return None if key is None else self._results.get(key)
