@@ -23,6 +23,7 @@ from ._base import (
 from .deferred import checked_cache
 from .flash import FLASH_OPTIONS, flash_options, validate_block_table
 from .kinds import validate_plain
+from .signature import Signatures
 from .values import CacheSizes, check_cache_values
 
 
@@ -49,15 +50,51 @@ class KVCacheCall:
     q_positions_advance: bool
 
 
+class _Structure(NamedTuple):
+    """What a ``flash_attn_with_kvcache`` call's signature decides: its options (``spec``, without the cache), the
+    sizes its lengths must fit, the number of splits, the rotary layout and whether queries advance."""
+
+    spec: AttentionSpec
+    sizes: CacheSizes
+    num_splits: int
+    rotary_interleaved: bool
+    local: bool
+
+
+_INDEX_NAMES = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
+_TENSOR_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_batch_idx",
+                 "cache_leftpad", "block_table")
+
+
 def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments, given by name (``arguments``: q, k_cache, v_cache, k, v,
     rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-    window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink)."""
+    window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink).
+
+    What the call's signature decides is checked once per signature (``signature.Signatures``); the lengths'
+    values every call."""
     a = arguments
+    seqlens = a["cache_seqlens"]
+    tensors = tuple(a[n] for n in _TENSOR_NAMES if a[n] is not None)
+    options = (*(a[n] is None for n in _TENSOR_NAMES), seqlens if seqlens is None else type(seqlens).__name__,
+               *(a[n] for n in a if n not in _TENSOR_NAMES and n != "cache_seqlens"))
+    signature = _CHECKED.key(fn, (*tensors, seqlens) if isinstance(seqlens, torch.Tensor) else tensors, options)
+    structure = _CHECKED.get(signature)
+    if structure is None:
+        structure = _structure(fn, a)
+        if not any(isinstance(x, torch.Tensor) for x in structure.spec.as_args()):  # no tensor option to keep
+            _CHECKED.put(signature, structure)
+    return _checked_call(fn, a, structure)
+
+
+_CHECKED = Signatures()  # check_kvcache's passed signatures
+
+
+def _structure(fn: str, a: dict) -> _Structure:
+    """Every check that depends on the call's signature only: layouts, shapes, dtypes, devices, options."""
     q, k_cache, v_cache = _cache_layout(fn, a["q"], a["k_cache"], a["v_cache"], paged=a["block_table"] is not None)
-    k, v = _new_keys(fn, q, k_cache, v_cache, a["k"], a["v"], cache_seqlens=a["cache_seqlens"])
-    indices = _indices(fn, q, k_cache, **{n: a[n] for n in ("cache_seqlens", "cache_batch_idx", "cache_leftpad",
-                                                            "block_table")})
+    k, _ = _new_keys(fn, q, k_cache, v_cache, a["k"], a["v"], cache_seqlens=a["cache_seqlens"])
+    known = _index_sizes(fn, q, k_cache, **{n: a[n] for n in _INDEX_NAMES})
     num_splits = validate_count(fn, "num_splits", a["num_splits"])
     validate_flag(fn, "return_softmax_lse", a["return_softmax_lse"])
     # flash_attn_with_kvcache takes flash_attn_func's options but dropout and the probabilities (inference).
@@ -73,26 +110,48 @@ def check_kvcache(fn: str, **arguments) -> KVCacheCall:
     new = 0 if k is None else k.shape[1]
     # Rotary positions are cache positions, as in flash_attn: from cache_seqlens over the new keys (and the
     # queries when they advance), whatever the left padding.
-    known = indices.sizes  # rebuilt, not _replace()d: torch 2.8's Dynamo refuses to trace NamedTuple._replace
     sizes = CacheSizes(batch=known.batch, capacity=known.capacity, new=new, cache_rows=known.cache_rows,
                        paged=known.paged, num_pages=known.num_pages, page_size=known.page_size,
                        rotary_positions=None if rotary is None else rotary[0].shape[0],
                        rotary_reach=max(new, q.shape[1] if local else 1))
+    return _Structure(dataclasses.replace(spec, descale=scales), sizes, num_splits, interleaved, local)
+
+
+def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
+    """The call with its lengths' values checked (``_checked_values``) and its ``KeyCache`` built."""
+    q, sizes = a["q"], structure.sizes
+    indices = _lengths(fn, a["cache_seqlens"], q, (a["cache_leftpad"], a["cache_batch_idx"], a["block_table"]),
+                       sizes)
     (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes)
+    new = sizes.new
     cache = KeyCache(
         k_start=torch.zeros_like(seqlens) if leftpad is None else leftpad,
         k_end=seqlens + new if new else seqlens,
         max_seqlen_k=max_seqlen_k,
         batch_idx=batch_idx,
         block_table=table,
-        num_splits=num_splits,
+        num_splits=structure.num_splits,
     )
+    rotary = None if a["rotary_cos"] is None else (a["rotary_cos"], a["rotary_sin"])
     return KVCacheCall(
-        q, k_cache, v_cache, k, v, dataclasses.replace(spec, cache=cache, descale=scales),
+        q, a["k_cache"], a["v_cache"], a["k"], a["v"], dataclasses.replace(structure.spec, cache=cache),
         cache_seqlens=seqlens,
-        rotary=rotary, rotary_interleaved=interleaved,
-        q_positions_advance=local,
+        rotary=rotary, rotary_interleaved=structure.rotary_interleaved,
+        q_positions_advance=structure.local,
     )
+
+
+def _lengths(fn: str, cache_seqlens, q: torch.Tensor, others: tuple, sizes: CacheSizes) -> _Indices:
+    """The index tensors with cache_seqlens as a tensor (an int one's value checked here, on the host)."""
+    leftpad, batch_idx, table = others
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        return _Indices((cache_seqlens, leftpad, batch_idx, table), None, sizes, q.device)
+    length = validate_int(fn, "cache_seqlens", cache_seqlens)
+    if length < 0:
+        raise fail(fn, f"cache_seqlens must be >= 0, got {length}")
+    # Known on the host already: with no leftpad or batch index the call needs no device-to-host copy.
+    seqlens = torch.full((sizes.batch,), length, dtype=torch.int32, device=q.device)
+    return _Indices((seqlens, leftpad, batch_idx, table), [length] * sizes.batch, sizes, q.device)
 
 
 class _Indices(NamedTuple):
@@ -178,8 +237,9 @@ def _validate_index_vector(fn: str, name: str, t: object, batch: int, ref: torch
     return t
 
 
-def _indices(fn: str, q, k_cache, *, cache_seqlens, cache_batch_idx, cache_leftpad, block_table) -> _Indices:
-    """The kinds and shapes of the index arguments (their values are checked in ``values.check_cache_values``)."""
+def _index_sizes(fn: str, q, k_cache, *, cache_seqlens, cache_batch_idx, cache_leftpad, block_table) -> CacheSizes:
+    """The kinds and shapes of the index arguments and the sizes their values must fit (the values themselves are
+    checked per call: ``values.check_cache_values``)."""
     batch, paged = q.shape[0], block_table is not None
     if paged and cache_batch_idx is not None:
         raise fail(fn, "cache_batch_idx cannot be used with block_table (the table already maps sequences to "
@@ -191,25 +251,18 @@ def _indices(fn: str, q, k_cache, *, cache_seqlens, cache_batch_idx, cache_leftp
         # More rows than sequences is fine (a preallocated cache; sequence b uses row b, as in flash_attn).
         raise fail(fn, f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass a cache with at "
                        "least batch rows, or cache_batch_idx to choose rows")
-    batch_idx = _validate_index_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q)
-    leftpad = _validate_index_vector(fn, "cache_leftpad", cache_leftpad, batch, q)
-    known = None
+    _validate_index_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q)
+    _validate_index_vector(fn, "cache_leftpad", cache_leftpad, batch, q)
     if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
-        seqlens = _validate_index_vector(fn, "cache_seqlens", cache_seqlens, batch, q)
+        _validate_index_vector(fn, "cache_seqlens", cache_seqlens, batch, q)
     else:
         try:
-            length = validate_int(fn, "cache_seqlens", cache_seqlens)
+            validate_int(fn, "cache_seqlens", cache_seqlens)
         except TypeError:
             raise fail(fn, f"cache_seqlens must be an int, an int32 tensor (batch,) or None, got {cache_seqlens!r}",
                        TypeError) from None
-        if length < 0:
-            raise fail(fn, f"cache_seqlens must be >= 0, got {length}")
-        # Known on the host already: with no leftpad or batch index the call needs no device-to-host copy.
-        seqlens = torch.full((batch,), length, dtype=torch.int32, device=q.device)
-        known = [length] * batch
-    sizes = CacheSizes(batch, capacity, new=0, cache_rows=k_cache.shape[0], paged=paged, num_pages=k_cache.shape[0],
-                       page_size=k_cache.shape[1])
-    return _Indices((seqlens, leftpad, batch_idx, block_table), known, sizes, q.device)
+    return CacheSizes(batch, capacity, new=0, cache_rows=k_cache.shape[0], paged=paged, num_pages=k_cache.shape[0],
+                      page_size=k_cache.shape[1])
 
 
 def _rotary(fn: str, cos, sin, q) -> tuple[torch.Tensor, torch.Tensor] | None:
