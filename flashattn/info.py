@@ -42,6 +42,7 @@ ENVIRONMENT = (
     ("FLASHATTN_NVRTC", "libnvrtc.so for the cuda backend, tried before torch's and the toolkit's", "searched"),
     ("FLASHATTN_TRITON_MEASURED", "a JSON file of measured Triton configs (tools.gpu_tune's) used first", "unset"),
     ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward has S and dP on FP8 tensor cores", "0"),
+    ("FLASHATTN_LAUNCH_PLANS", "0: every Triton call runs its full launch code (no launch plans)", "1"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
@@ -57,8 +58,7 @@ ENVIRONMENT = (
     ("PATH", "searched for a C++ compiler and ninja; the ninja package's copy is put first when none is found",
      "the system's"),
     ("LOCAL_RANK", "set by torchrun: flashattn bench context-parallel then runs as one rank", "unset"),
-    ("FLASHATTN_BENCH_LOAD", "internal: the load reading flashattn bench context-parallel hands to its ranks",
-     "unset"),
+    ("FLASHATTN_BENCH_LOAD", "internal: the load reading bench context-parallel hands to its ranks", "unset"),
 )
 # Not read by flashattn, but they change what runs: shown by ``environment()`` too.
 RELATED = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")

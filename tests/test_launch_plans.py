@@ -171,6 +171,15 @@ def main() -> int:
         if len(attend._FORWARD_PLANS) - before != 1:
             print(f"FAILED: a growing cache made {len(attend._FORWARD_PLANS) - before} plans")
             return 1
+        # FLASHATTN_LAUNCH_PLANS=0: the full launch code every time.
+        os.environ["FLASHATTN_LAUNCH_PLANS"] = "0"
+        call, _ = _cases(torch, flashattn)["dense causal GQA"](3)
+        replays = attend._FORWARD_PLANS.replays
+        call()
+        del os.environ["FLASHATTN_LAUNCH_PLANS"]
+        if attend._FORWARD_PLANS.replays != replays:
+            print("FAILED: FLASHATTN_LAUNCH_PLANS=0 still replayed a plan")
+            return 1
     print(f"cases replayed: {replayed}")
     return 0
 

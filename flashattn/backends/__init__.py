@@ -161,7 +161,7 @@ def choose(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs
     request = Request.of(q, k, v, spec, return_probs=return_probs)
     if torch.compiler.is_compiling():
         return _choice(*request)
-    stubbed = triton.stub.active()
+    stubbed = triton.stubbed_device()
     if request.device != "cuda" and stubbed is None:
         return _choice(*request)
     # GPU calls in eager mode: the answer of each request under each choice in force, remembered (deciding costs

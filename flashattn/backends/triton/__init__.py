@@ -14,11 +14,11 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+from contextvars import ContextVar
 
 import torch
 
 from ..request import Request
-from . import stub
 
 NAME = "triton"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,6 +30,16 @@ BLOCK_MULTIPLE = 16
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# The GPU that CPU tensors stand for inside ``stub.stubbed_launches`` (a ``stub.StubDevice``), else None: kept here,
+# in the declaration ``serves`` reads, so that choosing a path loads none of the path's modules.
+_stubbed: ContextVar[object | None] = ContextVar("flashattn_triton_stub", default=None)
+
+
+def stubbed_device():
+    """The stubbed GPU (``stub.StubDevice``) inside ``stub.stubbed_launches``, else None."""
+    return _stubbed.get()
 
 
 @functools.cache
@@ -75,7 +85,7 @@ def serves(request: Request) -> str | None:
     whose blocks are multiples of 16."""
     if not installed():
         return "triton is not installed (pip install 'flashattn[triton]')"
-    stubbed = stub.active()  # a GPU stood in for by CPU tensors, to time the host side (stub.stubbed_launches)
+    stubbed = stubbed_device()  # a GPU stood in for by CPU tensors, to time the host side (stub.stubbed_launches)
     if request.device != "cuda" and not (request.device == "cpu" and (interpreting() or stubbed is not None)):
         return f"it runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got {request.device} tensors"
     old_or_new = unsupported_release()

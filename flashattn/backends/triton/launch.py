@@ -20,7 +20,7 @@ import torch
 from ...errors import ArgumentError
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse
-from . import configs, interpreting, plans, stub, tma
+from . import configs, interpreting, plans, stubbed_device, tma
 from .kernels import BlockLists, merge_splits_kernel
 
 
@@ -246,7 +246,7 @@ def split_count(shape: CallShape, rows: QueryRows, cfg: configs.KernelConfig,
     key_blocks = -(-shape.nk // cfg.block_n)
     if requested == 0:
         programs = shape.b * rows.h * -(-rows.nq // cfg.block_m)
-        stubbed = stub.active()  # CPU tensors standing for a GPU's
+        stubbed = stubbed_device()  # CPU tensors standing for a GPU's
         multiprocessors = stubbed.multiprocessors if stubbed is not None else _multiprocessors(device)
         requested = configs.split_heuristic(programs, multiprocessors, key_blocks)
     splits = max(1, min(requested, key_blocks))

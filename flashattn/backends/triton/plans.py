@@ -19,6 +19,7 @@ calls keep the path's full Python every time. Plans apply to compiled kernels on
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -267,9 +268,14 @@ _SCALAR_FIELDS = tuple(i for i, leaf in enumerate(AttentionSpec(scale=1.0).as_ar
 _CACHE_LENGTH = _SCALAR_FIELDS.index(AttentionSpec.arg_index("cache_max_seqlen_k"))  # among the scalars
 
 
+PLANS_ENV = "FLASHATTN_LAUNCH_PLANS"
+
+
 def plannable(spec: AttentionSpec) -> bool:
-    """Calls whose host work is launches only: no FP8, no block mask (their lists are built on the host)."""
-    return (_enabled.get() and spec.descale is None and not spec.fp8_training and spec.block_sparse is None)
+    """Calls whose host work is launches only: no FP8, no block mask (their lists are built on the host); plans
+    on (``disabled``, ``FLASHATTN_LAUNCH_PLANS=0``)."""
+    return (_enabled.get() and spec.descale is None and not spec.fp8_training and spec.block_sparse is None
+            and os.environ.get(PLANS_ENV, "1") != "0")
 
 
 def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple[list, tuple]:

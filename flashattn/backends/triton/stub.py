@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -47,13 +46,6 @@ class Launches:
             self.arguments.clear()
 
 
-_active: ContextVar[Launches | None] = ContextVar("flashattn_triton_stub", default=None)
-
-
-def active() -> StubDevice | None:
-    """The stubbed GPU, inside ``stubbed_launches``; else None."""
-    launches = _active.get()
-    return None if launches is None else launches.device
 
 
 def _driver(device: StubDevice, launches: Launches):
@@ -108,7 +100,7 @@ def stubbed_launches(arch: int = 90, multiprocessors: int = 132, *, keep_argumen
     ``keep_arguments``). Needs triton, and not its interpreter."""
     from triton.runtime import driver
 
-    from . import interpreting
+    from . import _stubbed, interpreting
 
     if interpreting():
         raise RuntimeError("stubbed_launches: TRITON_INTERPRET=1 runs the kernels in the interpreter; unset it to "
@@ -116,9 +108,9 @@ def stubbed_launches(arch: int = 90, multiprocessors: int = 132, *, keep_argumen
     launches = Launches(StubDevice(arch, multiprocessors), arguments=[] if keep_arguments else None)
     previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
     driver.set_active(_driver(launches.device, launches))
-    token = _active.set(launches)
+    token = _stubbed.set(launches.device)
     try:
         yield launches
     finally:
-        _active.reset(token)
+        _stubbed.reset(token)
         driver._active = previous
