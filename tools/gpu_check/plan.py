@@ -23,7 +23,8 @@ TESTS = ROOT / "tests"
 # The suites that run kernels on the GPU (the rest need none), most telling first: xdist hands out tests in order.
 GPU_TESTS = ("test_triton.py", "test_flash_api.py", "test_kvcache.py", "test_varlen.py", "test_block_mask.py",
              "test_autograd.py", "test_sdpa.py", "test_sinks.py", "test_value_head_dim.py", "test_dropin.py",
-             "test_backends.py", "test_merge.py", "test_nn.py")
+             "test_backends.py", "test_merge.py", "test_nn.py", "test_cuda_graphs.py", "test_vmap.py",
+             "test_sdpa_masks.py")
 SDPA_BASELINES = "sdpa-flash,sdpa-cudnn,sdpa-efficient,flex"
 
 
