@@ -4,9 +4,10 @@ The checks of a call depend only on its signature: each tensor's type, shape, dt
 option values. A signature that passed once passes again, so its result (the ``AttentionSpec``, which holds no
 tensor when the call passes no optional one) is remembered and the next call of that signature skips the checks
 (a few microseconds instead of tens: a decode step calls attention once per layer and token). Only calls whose
-every other argument is a plain value (None, a bool, int, float, str, or a tuple of them) are remembered; anything
-else (a tensor option, a mask, scales, a list) is checked every time, and a failing call is never remembered, so
-every error is raised as before. Under ``torch.compile`` the checks run as written (they are traced once).
+every other argument is a plain value (None, a bool, int, float, str, or a tuple of them) and whose tensors are
+plain tensors (or parameters) are remembered; anything else (a tensor option, a mask, scales, a list, a tensor
+subclass) is checked every time, and a failing call is never remembered, so every error is raised as before.
+Under ``torch.compile`` the checks run as written (they are traced once).
 """
 
 from __future__ import annotations
@@ -19,13 +20,6 @@ _PLAIN = frozenset((type(None), bool, int, float, str))
 def _plain(value: object) -> bool:
     kind = type(value)
     return kind in _PLAIN or (kind is tuple and all(type(x) in _PLAIN for x in value))
-
-
-def facts(t: object) -> tuple | None:
-    """What the checks read of a tensor argument; None for anything that is not a tensor (not remembered)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    return type(t), t.shape, t.dtype, t.device, t.layout, t.is_nested
 
 
 class Signatures:
@@ -44,9 +38,10 @@ class Signatures:
             return None
         described = []
         for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                return None
-            described.append((type(t), t.shape, t.dtype, t.device, t.layout, t.is_nested))
+            kind = type(t)
+            if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+                return None  # subclasses are checked every time (some refuse even .shape: CausalBias on torch 2.7)
+            described.append((kind, t.shape, t.dtype, t.device, t.layout, t.is_nested))
         for option in options:  # a loop, not all(generator): this runs on every call
             kind = type(option)
             if kind not in _PLAIN and not (kind is tuple and _plain(option)):
