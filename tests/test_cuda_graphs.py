@@ -1,10 +1,10 @@
 """CUDA graphs: calls captured with ``torch.cuda.graph`` and replayed on new data equal eager calls (the launch plans
 replay into the capturing stream, their allocations come from the graph's pool). Needs a GPU; skipped without one.
 
-Capturable today: ``flash_attn_func`` forward and forward + backward, and ``flash_attn_with_kvcache`` with an int
-``cache_seqlens`` (dense cache, appending or not). Not yet: calls whose checks read index tensors on the host
-(tensor ``cache_seqlens``, paged caches, ``flash_attn_varlen_func``'s offsets), marked as expected to fail until
-those checks move to the device."""
+Capturable: ``flash_attn_func`` forward and forward + backward, ``flash_attn_with_kvcache`` with an int or tensor
+``cache_seqlens`` (dense or paged, appending or not, left padding), ``flash_attn_varlen_func``: the index values of
+a GPU call are checked on the GPU (``flashattn.checks.on_device``), so no call synchronises with the host, which
+``torch.cuda.set_sync_debug_mode("error")`` proves here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 import flashattn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-HOST_READS = "its checks read index tensors on the host (a synchronisation): not capturable yet"
 
 
 def _captured(call, static_inputs: list[torch.Tensor]):
@@ -80,22 +79,82 @@ def test_decode_with_an_int_length_is_capturable(append):
     _replay_equals_eager(step, make)
 
 
-@pytest.mark.xfail(reason=HOST_READS, strict=False)
-@pytest.mark.parametrize("kind", ["tensor lengths", "paged", "varlen"])
-def test_calls_whose_checks_read_the_device(kind):
+def _index_call(kind: str):
+    """(call, make_inputs) of a call that takes index tensors, which change from one replay to the next."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
     if kind == "varlen":
-        packed = [torch.randn(300, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2)]
-        cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
-        call = lambda *t: flashattn.flash_attn_varlen_func(*t, cu, cu, 200, 200, causal=True)  # noqa: E731
-        _replay_equals_eager(call, lambda seed: [p.clone() for p in packed])
-        return
-    pages = 16 if kind == "paged" else 2
-    cache = [torch.randn(pages, 64 if kind == "paged" else 1024, 2, 128, device="cuda", dtype=torch.bfloat16,
-                         generator=g) for _ in range(2)]
-    table = torch.arange(16, dtype=torch.int32, device="cuda").view(2, 8) if kind == "paged" else None
-    lengths = torch.tensor([300, 200], dtype=torch.int32, device="cuda")
-    call = lambda q, kc, vc: flashattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,  # noqa: E731
-                                                               block_table=table, causal=True)
-    _replay_equals_eager(call, lambda seed: [q.clone(), *(c.clone() for c in cache)])
+        packed = [randn(300, h, 128) for h in (8, 2, 2)]
+        cuts = ([0, 100, 300], [0, 170, 300], [0, 1, 300])
+        call = lambda q, k, v, cu: flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 299, 299, causal=True)  # noqa: E731
+        return call, lambda seed: [*(p.clone() for p in packed), i32(*cuts[seed])]
+    paged = "paged" in kind
+    cache = [randn(16, 64, 2, 128) if paged else randn(2, 1024, 2, 128) for _ in range(2)]
+    q, new = randn(2, 1, 8, 128), [randn(2, 1, 2, 128) for _ in range(2)] if "appending" in kind else [None, None]
+    tables = [torch.randperm(16, device="cuda", generator=g).to(torch.int32).view(2, 8) for _ in range(3)]
+    lengths = ([300, 200], [511, 17], [0, 400])
+
+    def call(q, k_cache, v_cache, cache_seqlens, table, leftpad):
+        return flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=cache_seqlens,
+                                                 block_table=table if paged else None,
+                                                 cache_leftpad=leftpad if "padding" in kind else None, causal=True)
+
+    return call, lambda seed: [q.clone(), *(c.clone() for c in cache), i32(*lengths[seed]), tables[seed].clone(),
+                               i32(0, seed)]
+
+
+INDEX_KINDS = ["tensor lengths", "tensor lengths, appending", "left padding", "paged", "paged, appending", "varlen"]
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_calls_with_index_tensors_are_capturable(kind):
+    """Their checks run on the GPU (no host read), so the graph replays them with the new lengths and pages."""
+    call, make = _index_call(kind)
+    _replay_equals_eager(call, make)
+
+
+@pytest.mark.parametrize("kind", [*INDEX_KINDS, "forward and backward"])
+def test_no_call_synchronises_with_the_host(kind):
+    if kind == "forward and backward":
+        def call(q, k, v):
+            out = flashattn.flash_attn_func(q, k, v, causal=True)
+            return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+        make = lambda seed: _dense(seed, grad=True)  # noqa: E731
+    else:
+        call, make = _index_call(kind)
+    inputs = make(1)
+    call(*inputs)  # compiles and records the launch plan
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(*inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+BAD_VALUE = """
+import torch, flashattn
+q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+cache = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+lengths = torch.tensor([5, 200], dtype=torch.int32, device="cuda")
+flashattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths)
+torch.cuda.synchronize()
+"""
+
+
+def test_a_bad_length_stops_the_call_with_its_rule():
+    """A length past the cache, given on the GPU, fails the device check: the process stops (as a bad index into
+    a PyTorch CUDA op does) and the rule broken is printed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", BAD_VALUE], capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "cache_seqlens[b] plus the new keys does not fit the cache" in done.stdout + done.stderr, done.stderr[-3000:]

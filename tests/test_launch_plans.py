@@ -164,9 +164,9 @@ def main() -> int:
         # A growing cache keeps its plan while the longest length stays within one power of two.
         before = len(attend._FORWARD_PLANS)
         g = torch.Generator().manual_seed(0)
-        k_cache, v_cache = (torch.randn(3, 1024, 2, 128, generator=g, dtype=torch.bfloat16) for _ in range(2))
+        k_cache, v_cache = (torch.randn(3, 4096, 2, 128, generator=g, dtype=torch.bfloat16) for _ in range(2))
         q = torch.randn(2, 1, 8, 128, generator=g, dtype=torch.bfloat16)
-        for length in range(520, 530):
+        for length in range(1100, 1110):  # launches sized for 2048 keys, below the capacity
             flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, causal=True)
         if len(attend._FORWARD_PLANS) - before != 1:
             print(f"FAILED: a growing cache made {len(attend._FORWARD_PLANS) - before} plans")

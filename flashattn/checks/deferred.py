@@ -1,9 +1,11 @@
-"""The host-read checks of ``values.py`` under ``torch.compile``: custom ops that run them when the graph executes.
+"""The value checks of ``values.py`` and ``on_device.py`` under ``torch.compile``: custom ops that run them when the
+graph executes.
 
 While a graph is traced, tensor values are unknown and reading them would break the graph. Each op here takes the
-index tensors a call is about to use, checks their values with the same function eager mode calls (so the same
-errors), and returns copies of them, which the call then uses in their place: being in the data path, the check
-cannot be pruned from the graph and always runs before the kernels and the in-place cache append.
+index tensors a call is about to use, checks their values with the same functions eager mode calls (so the same
+errors: on the host for CPU tensors, by a kernel for a GPU's, with no copy to the host), and returns copies of
+them, which the call then uses in their place: being in the data path, the check cannot be pruned from the graph
+and always runs before the kernels and the in-place cache append.
 
 Example (what ``flashattn.checks`` does when ``torch.compiler.is_compiling()``)::
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import on_device
+from .on_device import values_on_host
 from .values import CacheSizes, VarlenSizes, check_cache_values, check_varlen_values
 
 
@@ -29,8 +33,11 @@ from .values import CacheSizes, VarlenSizes, check_cache_values, check_varlen_va
 def _check_varlen(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_table: Tensor | None, sizes: list[int],
                   fn: str) -> list[Tensor]:
     total_q, total_k, max_q, max_k, num_pages, page_size = sizes
-    check_varlen_values(fn, cu_seqlens_q, cu_seqlens_k, block_table,
-                        VarlenSizes(total_q, None if total_k < 0 else total_k, max_q, max_k, num_pages, page_size))
+    given = VarlenSizes(total_q, None if total_k < 0 else total_k, max_q, max_k, num_pages, page_size)
+    if values_on_host(cu_seqlens_q, cu_seqlens_k, block_table):
+        check_varlen_values(fn, cu_seqlens_q, cu_seqlens_k, block_table, given)
+    else:
+        on_device.check_varlen(fn, cu_seqlens_q, cu_seqlens_k, block_table, given)
     return [t.clone() for t in (cu_seqlens_q, cu_seqlens_k, block_table) if t is not None]
 
 
@@ -53,8 +60,11 @@ def _check_kvcache(seqlens: Tensor | None, leftpad: Tensor | None, batch_idx: Te
                    block_table: Tensor | None, sizes: list[int], fn: str) -> list[Tensor]:
     batch, capacity, new, rows, paged, pages, page_size, rotary, reach = sizes
     tensors = (seqlens, leftpad, batch_idx, block_table)
-    check_cache_values(fn, tensors, CacheSizes(batch, capacity, new, rows, bool(paged), pages, page_size,
-                                               None if rotary < 0 else rotary, reach))
+    given = CacheSizes(batch, capacity, new, rows, bool(paged), pages, page_size, None if rotary < 0 else rotary, reach)
+    if values_on_host(*tensors):
+        check_cache_values(fn, tensors, given)
+    else:
+        on_device.check_cache(fn, tensors, given)
     return [t.clone() for t in tensors if t is not None]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.spec import AttentionSpec, KeyCache, Varlen
-from . import fp8
+from . import fp8, on_device
 from ._base import (
     fail,
     validate_alibi,
@@ -28,6 +28,7 @@ from ._base import (
 from .block_mask import validate_block_mask
 from .deferred import checked_varlen
 from .kinds import validate_plain
+from .on_device import values_on_host
 from .signature import Signatures
 from .values import VarlenSizes, check_pages, check_varlen_values, same_batch
 
@@ -162,7 +163,10 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
     sizes = VarlenSizes(q.shape[0], None if paged else k.shape[0], max_q, max_k,
                         num_pages=k.shape[0], page_size=k.shape[1] if paged else 1)
     compiling = torch.compiler.is_compiling()
-    if compiling:  # the values are checked when the graph runs (below); the batch sizes are known now
+    # Offsets on the host are checked there; a GPU's by a kernel (no copy to the host), the paged K/V's pages
+    # with them; under torch.compile when the graph runs (below). The batch sizes are known now.
+    on_host = not compiling and values_on_host(cu_q, cu_k, block_table)
+    if not on_host:
         same_batch(fn, cu_q.numel(), cu_k.numel())
     else:
         lengths_k = check_varlen_values(fn, cu_q, cu_k, None, sizes)
@@ -178,8 +182,10 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
             raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0, fp8=False and "
                            "return_attn_probs=False")
         validate_block_table(fn, block_table, k, batch)
-        if not compiling:
+        if on_host:
             check_pages(fn, block_table, lengths_k, num_pages=k.shape[0], page_size=k.shape[1])
+    if not compiling and not on_host:
+        on_device.check_varlen(fn, cu_q, cu_k, block_table, sizes)
     if compiling:
         cu_q, cu_k, *table = checked_varlen(fn, cu_q, cu_k, block_table, sizes)
         block_table = table[0] if paged else None

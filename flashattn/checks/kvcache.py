@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends.spec import AttentionSpec, KeyCache
-from . import fp8
+from . import fp8, on_device
 from ._base import (
     fail,
     validate_count,
@@ -23,6 +23,7 @@ from ._base import (
 from .deferred import checked_cache
 from .flash import FLASH_OPTIONS, flash_options, validate_block_table
 from .kinds import validate_plain
+from .on_device import values_on_host
 from .signature import Signatures
 from .values import CacheSizes, check_cache_values
 
@@ -166,15 +167,21 @@ class _Indices(NamedTuple):
 
 def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes) -> tuple[tuple, int]:
     """(seqlens, leftpad, batch_idx, block_table) with seqlens filled in, and max_seqlen_k, once the values are
-    checked: here in eager mode; under torch.compile by an op when the graph runs, with the cache's capacity
-    bounding max_seqlen_k (the value flash_attn itself sizes its split-KV work with)."""
+    checked: on the host where they are there (CPU tensors, an int cache_seqlens); a GPU's by a kernel in stream
+    order (``on_device.py``: no device-to-host copy), with the cache's capacity bounding max_seqlen_k (the value
+    flash_attn itself sizes its split-KV work with); under torch.compile by an op when the graph runs."""
     seqlens, leftpad, batch_idx, table = indices.tensors
+    tensors = (None if indices.known_lengths is not None else seqlens, leftpad, batch_idx, table)
+    checked = indices.tensors
     if torch.compiler.is_compiling():
         checked = checked_cache(fn, indices.tensors, sizes)
         max_seqlen_k = sizes.capacity
-    else:
-        checked = indices.tensors
+    elif values_on_host(*tensors):
         max_seqlen_k = check_cache_values(fn, indices.tensors, sizes, known_lengths=indices.known_lengths)
+    else:
+        on_device.check_cache(fn, indices.tensors, sizes)
+        known = indices.known_lengths
+        max_seqlen_k = sizes.capacity if known is None else max(known, default=0) + sizes.new
     if checked[0] is None:  # the whole cache
         checked = (torch.full((sizes.batch,), sizes.capacity, dtype=torch.int32, device=indices.device),
                    *checked[1:])

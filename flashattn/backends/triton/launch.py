@@ -120,8 +120,11 @@ class CallShape:
         # Keys from a cache are found through its bounds, not the varlen key offsets (paged varlen has both).
         self.cu_seqlens_k = varlen.cu_seqlens_k if self.q_packed and cache is None else None
         self.keys = dict(cu_seqlens_k=self.cu_seqlens_k, k_start=None, k_end=None, k_batch=None, block_table=None,
-                         stride_bt=None, page_size=None)
+                         stride_bt=None, page_size=None, cache_entries=k.shape[0])
+        # The kernels clamp the offsets and cache bounds they read to these (``tiles.sequence``).
+        self.rows_q, self.rows_k = q.shape[0], k.shape[0]  # packed rows; a cache's: its positions per entry
         if cache is not None:
+            self.rows_k = k.shape[1] * (cache.block_table.shape[1] if cache.block_table is not None else 1)
             self.nk = cache_keys(cache.max_seqlen_k, k, cache.block_table)
             self.keys.update(k_start=cache.k_start, k_end=cache.k_end, k_batch=cache.batch_idx)
             if cache.block_table is not None:
@@ -325,7 +328,8 @@ def sparse_tiles(cfg: configs.KernelConfig, spec: AttentionSpec) -> configs.Kern
 def _sizes(q, shape: CallShape, rows: QueryRows | None = None) -> dict:
     """The sizes by kernel argument name: with ``rows``, the queries as the forward kernel walks them."""
     return dict(num_heads=rows.h if rows else shape.h, group_size=rows.g if rows else shape.h // shape.hk,
-                seqlen_q=rows.nq if rows else shape.nq, seqlen_k=shape.nk, head_dim=shape.d, head_dim_v=shape.dv,
+                seqlen_q=rows.nq if rows else shape.nq, seqlen_k=shape.nk, rows_q=shape.rows_q, rows_k=shape.rows_k,
+                head_dim=shape.d, head_dim_v=shape.dv,
                 BLOCK_D=configs.padded_head_dim(shape.d), BLOCK_DV=configs.padded_head_dim(shape.dv),
                 # The interpreter's tl.dot is wrong on bf16 (and fp16 is slow there): compute in fp32.
                 UPCAST=interpreting() and q.dtype != torch.float32)

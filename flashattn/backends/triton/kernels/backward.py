@@ -177,7 +177,7 @@ def attention_backward_dkdv_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    num_heads, num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
+    num_heads, num_heads_k, group_size, seqlen_q, seqlen_k, rows_q, rows_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, PLAIN: tl.constexpr,
@@ -195,7 +195,7 @@ def attention_backward_dkdv_kernel(
         scale = scale * q_scale * tl.load(descale + bhk * 3 + 1)
         dk_scale = dk_scale * q_scale
         v_scale = tl.load(descale + bhk * 3 + 2)
-    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, None, seqlen_q, seqlen_k)
+    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, None, seqlen_q, seqlen_k, rows_q, rows_k)
     band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -285,7 +285,7 @@ def attention_backward_dq_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    num_heads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
+    num_heads, group_size, seqlen_q, seqlen_k, rows_q, rows_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, PLAIN: tl.constexpr,
@@ -302,7 +302,7 @@ def attention_backward_dq_kernel(
         k_scale = tl.load(p_scales + 1)
         scale = scale * tl.load(p_scales) * k_scale
         dq_scale = dq_scale * k_scale
-    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, None, seqlen_q, seqlen_k)
+    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, None, None, seqlen_q, seqlen_k, rows_q, rows_k)
     band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)

@@ -108,6 +108,7 @@ class KeySlots(NamedTuple):
     kb: Any  # the batch entry (cache row) the keys are in
     nk: Any  # the sequence's keys
     block_table: Any  # the paged cache's block table (batch entry, page -> physical page); None when not paged
+    entries: Any  # the cache's batch entries (dense) or pages (paged): where ``kb`` and page ids are clamped
     stride_bt: Any  # the block table's row stride
     page_size: Any  # keys per page
     value_rows: Any  # values interleaved for FP8 P (``tiles.fp8_operand_order``): the rows they fill; else None

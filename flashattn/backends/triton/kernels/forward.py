@@ -130,7 +130,7 @@ def attention_forward_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sh, stride_sm,
-    stride_bt, page_size, split_keys,
+    stride_bt, page_size, split_keys, rows_q, rows_k, cache_entries,
     num_heads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -159,8 +159,10 @@ def attention_forward_kernel(
     hk = h // group_size
     if descale is not None:
         scale = scale * tl.load(descale + b * (num_heads // group_size) + hk)
-    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k)
-    kb = tl.load(k_batch + b).to(tl.int64) if k_batch is not None else b
+    q0, nq, k0, nk = sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k, rows_q, rows_k)
+    kb = b
+    if k_batch is not None:  # clamped like the bounds (``sequence``): a bad row reads a real one
+        kb = tl.minimum(tl.maximum(tl.load(k_batch + b), 0), cache_entries - 1).to(tl.int64)
     band = Band(window_left, window_right, (nk - nq) * bottom_right + diagonal_offset)
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -186,7 +188,7 @@ def attention_forward_kernel(
     dropout = Dropout(b_seed, dropout_p, counter_row0, seqlen_k)
     args = Attend(b_q, o_m, Operand(k_desc, k_at, p_k, stride_kn, stride_kd, head_dim, stride_kb),
                   Operand(v_desc, v_at, p_v, stride_vn, stride_vd, head_dim_v, stride_vb),
-                  KeySlots(k0, kb, nk, block_table, stride_bt, page_size, value_rows), dropout)
+                  KeySlots(k0, kb, nk, block_table, cache_entries, stride_bt, page_size, value_rows), dropout)
 
     # The keys this split sees, cut into the masked tiles around the band's whole tiles (``walk_band``).
     lo, hi = key_range(start_m, nk, band, BLOCK_M, BLOCK_N)

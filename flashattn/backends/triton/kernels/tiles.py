@@ -204,27 +204,36 @@ def dropout_keep(dropout, i, j):
 
 
 @triton.jit
-def sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k):
+def sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k, rows_q, rows_k):
     """(q start, q length, k start, k length) of batch entry ``b``.
 
     Queries: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of a packed (varlen) q, else all ``seqlen_q`` rows of entry
     b. Keys: rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of packed (varlen) keys, or positions ``k_start[b]:k_end[b]``
     of a KV cache (both None without one), else all ``seqlen_k``. Starts are int64 so that start * stride cannot
     overflow on long packed batches.
-    """
+
+    Bounds are clamped to the rows that exist (``rows_q``; ``rows_k``: packed keys, or a cache entry's positions),
+    lengths to ``seqlen_q``/``seqlen_k``: whatever values the checks (``flashattn.checks.on_device``) let through,
+    no program reads or writes outside its tensors."""
     q0 = 0
     nq = seqlen_q
     k0 = 0
     nk = seqlen_k
     if cu_seqlens_q is not None:
-        q0 = tl.load(cu_seqlens_q + b).to(tl.int64)
-        nq = tl.load(cu_seqlens_q + b + 1) - tl.load(cu_seqlens_q + b)
+        q_lo = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + b), 0), rows_q)
+        q_hi = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + b + 1), q_lo), rows_q)
+        q0 = q_lo.to(tl.int64)
+        nq = tl.minimum(q_hi - q_lo, seqlen_q)
     if cu_seqlens_k is not None:
-        k0 = tl.load(cu_seqlens_k + b).to(tl.int64)
-        nk = tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)
+        k_lo = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + b), 0), rows_k)
+        k_hi = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + b + 1), k_lo), rows_k)
+        k0 = k_lo.to(tl.int64)
+        nk = tl.minimum(k_hi - k_lo, seqlen_k)
     if k_start is not None:
-        k0 = tl.load(k_start + b).to(tl.int64)
-        nk = tl.load(k_end + b) - tl.load(k_start + b)
+        k_hi = tl.minimum(tl.maximum(tl.load(k_end + b), 0), rows_k)
+        k_lo = tl.minimum(tl.maximum(tl.load(k_start + b), 0), k_hi)
+        k0 = k_lo.to(tl.int64)
+        nk = tl.minimum(k_hi - k_lo, seqlen_k)
     return q0, nq, k0, nk
 
 
@@ -299,7 +308,8 @@ def key_slots(o_n, keys):
     if keys.block_table is not None:
         o_pos = (keys.k0 + o_n).to(tl.int32)  # cache positions fit; a 64-bit division would be a subroutine call
         o_page = tl.load(keys.block_table + keys.kb * keys.stride_bt + o_pos // keys.page_size, mask=m_keys,
-                         other=0).to(tl.int64)
+                         other=0)
+        o_page = tl.minimum(tl.maximum(o_page, 0), keys.entries - 1).to(tl.int64)  # a bad id reads a real page
         o_row = (o_pos % keys.page_size).to(tl.int64)  # row x stride stays 64-bit like every address term
     else:
         o_page = 0

@@ -1,0 +1,126 @@
+"""Index values checked where they live, so that a GPU call never synchronises with the host.
+
+A KV-cache call's lengths, left padding, cache rows and page ids, and a varlen call's offsets, decide where its
+kernels read and write. On the host (CPU tensors, int arguments) ``values.py`` checks them and raises a clear
+error. On a GPU reading them costs a device-to-host copy that stalls the stream on every call (and cannot be
+captured in a CUDA graph), so there one small kernel (``device_kernels.py``) checks the same rules in stream order
+before any kernel uses the values: a broken rule stops the process with a device-side assertion naming the
+function and the rule, as a bad index into a PyTorch CUDA op does. Independently, the kernels that read these
+values clamp each one to the tensors they index, so no value can make them read or write outside memory.
+
+Example (a GPU's tensors; the call returns at once)::
+
+    if not values_on_host(cache_seqlens):
+        check_cache("flash_attn_with_kvcache", (cache_seqlens, None, None, None), sizes)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .values import CacheSizes, VarlenSizes
+
+
+def values_on_host(*tensors: torch.Tensor | None) -> bool:
+    """Whether the values of ``tensors`` can be read without a device-to-host copy: all on the CPU, outside a
+    stubbed GPU (where CPU tensors stand for a GPU's: ``flashattn.backends.triton.stub``). True when all are
+    None."""
+    from ..backends.triton import stubbed_device
+
+    present = [t for t in tensors if t is not None]
+    return not present or (all(t.device.type == "cpu" for t in present) and stubbed_device() is None)
+
+
+def _block(n: int, low: int, high: int) -> int:
+    return min(max(1 << max(0, n - 1).bit_length(), low), high)
+
+
+def check_cache(fn: str, tensors: tuple, sizes: CacheSizes, *, errors: torch.Tensor | None = None) -> None:
+    """Launch the device check of ``flash_attn_with_kvcache``'s index values: ``tensors`` = (cache_seqlens (None:
+    the whole cache), cache_leftpad, cache_batch_idx, block_table), None where absent. ``errors`` (int64 (4,)):
+    where the kernel writes the first broken rule (``describe``)."""
+    from . import device_kernels
+
+    table = tensors[3]
+    rotary = -1 if sizes.rotary_positions is None else sizes.rotary_positions
+    pages_per_seq = 0 if table is None else table.shape[1]
+    args = (*tensors, errors, sizes.batch, sizes.capacity, sizes.new, sizes.cache_rows, sizes.num_pages,
+            sizes.page_size, pages_per_seq, 0 if table is None else table.stride(0), rotary, sizes.rotary_reach,
+            fn, _block(sizes.batch, 16, 64), _block(pages_per_seq, 16, 64))
+    _launch(device_kernels.check_cache_kernel, args, next(t for t in tensors if t is not None).device)
+
+
+def check_varlen(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+                 sizes: VarlenSizes, *, errors: torch.Tensor | None = None) -> None:
+    """Launch the device check of a varlen call's offsets (and a paged K/V's pages in use)."""
+    from . import device_kernels
+
+    batch = cu_seqlens_q.numel() - 1
+    pages_per_seq = 0 if block_table is None else block_table.shape[1]
+    args = (cu_seqlens_q, cu_seqlens_k, block_table, errors, batch, sizes.total_q,
+            -1 if sizes.total_k is None else sizes.total_k, sizes.max_q, sizes.max_k, sizes.num_pages,
+            sizes.page_size, pages_per_seq, 0 if block_table is None else block_table.stride(0),
+            fn, _block(batch + 1, 16, 64), _block(pages_per_seq, 16, 64))
+    _launch(device_kernels.check_varlen_kernel, args, cu_seqlens_q.device)
+
+
+_COMPILED: dict[tuple, object] = {}  # (kernel, absent tensors, constants, device, stubbed GPU) -> compiled kernel
+
+
+def _launch(kernel, args: tuple, device: torch.device) -> None:
+    """``kernel[(1,)](*args)``, through the compiled kernel's launcher once it is known: Triton's own binding of
+    the arguments costs more host time than the check. The kernels take no specialization from their integer and
+    pointer values (``do_not_specialize``), so the compiled kernel depends only on which tensors are absent, the
+    constants (the last three arguments), the device and the target."""
+    from ..backends.triton import _stubbed
+
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return _launch(kernel, args, device)
+    key = (kernel, *(a is None for a in args[:5]), *args[-3:], device, _stubbed.get())
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        from ..backends.triton import interpreting
+
+        compiled = kernel[(1,)](*args)
+        if not interpreting():
+            _COMPILED[key] = compiled
+        return
+    from triton import knobs
+    from triton.runtime import driver
+
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    hooked = any(getattr(hook, "calls", hook is not None) for hook in (enter, leave))
+    meta = compiled.launch_metadata((1, 1, 1), stream, *args) if hooked else None
+    compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+
+
+def describe(fn: str, record: list[int]) -> str | None:
+    """The broken rule a check kernel wrote to ``errors`` (code, row, column, value), in words; None if none."""
+    from . import device_kernels
+
+    code, row, column, value = record
+    if code == 0:
+        return None
+    what = {
+        "cache_length": f"cache_seqlens[{row}] = {value} plus the new keys does not fit the cache",
+        "cache_leftpad": f"cache_leftpad[{row}] = {value} must be in [0, cache_seqlens[{row}]]",
+        "cache_row": f"cache_batch_idx[{row}] = {value} is not a row of the cache",
+        "cache_repeated_row": f"cache_batch_idx[{row}] = {value} is repeated: two sequences would append to one "
+                              "cache row",
+        "pages_short": f"sequence {row} needs {value} pages, more than block_table has per sequence",
+        "page_id": f"block_table[{row}, {column}] = {value} is a page in use but not a page of the cache",
+        "rotary_reach": f"sequence {row} reaches position {value}, past rotary_cos/rotary_sin",
+        "q_start": f"cu_seqlens_q must start at 0, got {value}",
+        "q_order": f"cu_seqlens_q must be non-decreasing, but cu_seqlens_q[{row}] = {value} is smaller than the one "
+                   "before",
+        "q_end": f"cu_seqlens_q[-1] = {value} must equal the number of packed rows",
+        "k_start": f"cu_seqlens_k must start at 0, got {value}",
+        "k_order": f"cu_seqlens_k must be non-decreasing, but cu_seqlens_k[{row}] = {value} is smaller than the one "
+                   "before",
+        "k_end": f"cu_seqlens_k[-1] = {value} must equal the number of packed rows",
+        "q_longest": f"sequence {row} has {value} queries, more than max_seqlen_q",
+        "k_longest": f"sequence {row} has {value} keys, more than max_seqlen_k",
+    }[device_kernels.CODES[code - 1]]
+    return f"{fn}: {what}"
