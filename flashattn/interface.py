@@ -320,7 +320,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when ``return_softmax_lse``.
 
-    The lengths and indices are checked on the host (one small device-to-host copy per call).
+    The lengths and indices are checked on the host where they are there (CPU tensors, an int ``cache_seqlens``), and
+    on the GPU by a kernel for a GPU's (no device-to-host copy: a bad value is a device-side assertion naming the rule).
 
     Example::
 

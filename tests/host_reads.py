@@ -87,6 +87,15 @@ def _calls(flashattn):
     blocked = [randn(1, 256, 4, 64) for _ in range(3)]
     e4m3 = [t.to(torch.float8_e4m3fn) for t in dense]
     scales = [torch.ones(2, 2) for _ in range(3)]
+    layer = flashattn.nn.SelfAttention(256, 4, 2, dtype=torch.float32).eval()
+    cache = layer.new_cache(1, 64, dtype=torch.float32)
+    token = torch.randn(1, 1, 256, generator=g)
+
+    def module_step():
+        cache.seqlens.zero_()  # the same step each time
+        with torch.no_grad():
+            layer(token, cache)
+
     return {
         "decode, tensor lengths": lambda: decode(q, k_cache, v_cache, cache_seqlens=lengths, causal=True),
         "decode, int length": lambda: decode(q, k_cache, v_cache, cache_seqlens=300, causal=True),
@@ -109,11 +118,13 @@ def _calls(flashattn):
         "block mask": lambda: flashattn.flash_attn_func(*blocked, block_mask=causal),
         "FP8 with descales": lambda: flashattn.flash_attn_func(*e4m3, q_descale=scales[0], k_descale=scales[1],
                                                                v_descale=scales[2]),
+        "flashattn.nn decode step": module_step,
     }
 
 
 def main() -> int:
     import flashattn
+    import flashattn.nn
     from flashattn.backends.triton.stub import stubbed_launches
 
     failed = []

@@ -1,5 +1,5 @@
 """Checks of ``flash_attn_with_kvcache``: the cache layout, the new keys, the per-sequence lengths and indices
-(read on the host, one small copy, so no kernel or in-place append ever trusts a bad one), and rotary."""
+(on the host for CPU values, on the GPU for a GPU's: ``on_device.py``), and rotary."""
 
 from __future__ import annotations
 

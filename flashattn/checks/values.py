@@ -1,6 +1,7 @@
 """The checks that read argument values on the host: varlen offsets and maxima, KV-cache lengths and rows, page
 ids, the reach of a rotary table. A bad value here would make a kernel or an in-place append read or write stray
-memory, so they are checked before anything trusts them, at the cost of one small device-to-host copy.
+memory, so they are checked before anything trusts them. These checks read the values on the host: CPU tensors and
+int arguments; a GPU's are checked on the GPU by the same rules (``on_device.py``), with no copy to the host.
 
 In eager mode the checkers call these directly, before the op. Under ``torch.compile`` a host read cannot run while
 the graph is traced, so ``deferred.py`` runs the same functions inside a custom op when the graph executes: the
