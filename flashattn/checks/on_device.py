@@ -64,7 +64,7 @@ def check_varlen(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
     _launch(device_kernels.check_varlen_kernel, args, cu_seqlens_q.device)
 
 
-_COMPILED: dict[tuple, object] = {}  # (kernel, absent tensors, constants, device, stubbed GPU) -> compiled kernel
+_COMPILED: dict[tuple, tuple] = {}  # (kernel, absent tensors, constants, device, stubbed GPU) -> its launcher
 
 
 def _launch(kernel, args: tuple, device: torch.device) -> None:
@@ -74,26 +74,39 @@ def _launch(kernel, args: tuple, device: torch.device) -> None:
     constants (the last three arguments), the device and the target."""
     from ..backends.triton import _stubbed
 
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+    if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             return _launch(kernel, args, device)
-    key = (kernel, *(a is None for a in args[:5]), *args[-3:], device, _stubbed.get())
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        from ..backends.triton import interpreting
-
-        compiled = kernel[(1,)](*args)
-        if not interpreting():
-            _COMPILED[key] = compiled
+    key = (id(kernel), args[0] is None, args[1] is None, args[2] is None, args[3] is None, args[4] is None,
+           *args[-3:], device, _stubbed.get())
+    launcher = _COMPILED.get(key)
+    if launcher is None:
+        launcher = _compile(kernel, args)
+        if launcher is None:  # the interpreter ran it
+            return
+        _COMPILED[key] = launcher
         return
+    compiled, driver, knobs = launcher
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
+    hooked = getattr(enter, "calls", enter is not None) or getattr(leave, "calls", leave is not None)
+    meta = compiled.launch_metadata((1, 1, 1), stream, *args) if hooked else None
+    compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+
+
+def _compile(kernel, args: tuple) -> tuple | None:
+    """Run ``kernel`` once through Triton (compiling it) and return what launches it directly, or None under the
+    interpreter."""
     from triton import knobs
     from triton.runtime import driver
 
-    stream = driver.active.get_current_stream(driver.active.get_current_device())
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    hooked = any(getattr(hook, "calls", hook is not None) for hook in (enter, leave))
-    meta = compiled.launch_metadata((1, 1, 1), stream, *args) if hooked else None
-    compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+    from ..backends.triton import interpreting
+
+    compiled = kernel[(1,)](*args)
+    if interpreting():
+        return None
+    return compiled, driver, knobs
 
 
 def describe(fn: str, record: list[int]) -> str | None:
