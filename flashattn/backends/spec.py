@@ -65,7 +65,7 @@ class KeyCache:
     """Where each batch entry's keys and values live in a KV cache (inference; there is no backward).
 
     Batch entry b attends the ``k_end[b] - k_start[b]`` keys at cache positions ``k_start[b] .. k_end[b] - 1``
-    (logical key j is position ``k_start[b] + j``; masks and ALiBi count j from 0). Position p is row p of cache
+    (logical key j is position ``k_start[b] + j``; masks and ALiBi count j from 0; ``k_start`` None: 0). Position p is row p of cache
     entry ``batch_idx[b]`` (default b) of a dense cache (B_cache, N_cache, Hk, D), or, with ``block_table``
     (B, pages per sequence), row ``p % page_size`` of page ``block_table[b, p // page_size]`` of a paged cache
     (num_pages, page_size, Hk, D).
@@ -75,7 +75,7 @@ class KeyCache:
     log-sum-exp (flash-decoding); 0 lets the backend choose.
     """
 
-    k_start: Tensor
+    k_start: Tensor | None
     k_end: Tensor
     max_seqlen_k: int
     batch_idx: Tensor | None = None
@@ -84,7 +84,8 @@ class KeyCache:
 
     def bounds(self) -> list[tuple[int, int]]:
         """(first position, end position) per batch entry (reads the bounds on the host)."""
-        return list(zip(self.k_start.tolist(), self.k_end.tolist(), strict=True))
+        ends = self.k_end.tolist()
+        return list(zip(self.k_start.tolist() if self.k_start is not None else [0] * len(ends), ends, strict=True))
 
     def gather(self, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Each entry's keys and values copied out of the cache and packed one entry after another, as a varlen
@@ -97,11 +98,12 @@ class KeyCache:
             >>> k.flatten().tolist(), cu.tolist()
             ([1.0, 2.0, 4.0], [0, 2, 3])
         """
-        lengths = (self.k_end - self.k_start).long()
+        start = torch.zeros_like(self.k_end) if self.k_start is None else self.k_start
+        lengths = (self.k_end - start).long()
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
         entry = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
                                         output_size=int(cu[-1]))
-        pos = torch.arange(entry.numel(), device=entry.device) - cu[entry] + self.k_start.long()[entry]
+        pos = torch.arange(entry.numel(), device=entry.device) - cu[entry] + start.long()[entry]
         if self.block_table is not None:
             page_size = k_cache.shape[1]
             index = (self.block_table.long()[entry, pos // page_size], pos % page_size)
@@ -298,7 +300,7 @@ class Saved(NamedTuple):
 # --- the flattening behind as_args / from_args / op_schema -------------------------------------------------------
 # A field is a scalar (float, int, bool), a tensor (optional or not) or a nested layout dataclass (always optional).
 # A nested one is flattened into its own fields, prefixed with its name; absent, it contributes None for tensors
-# and 0 for scalars, and it is present exactly when its first field (a required tensor) is not None. The plan is
+# and 0 for scalars, and it is present exactly when its first required tensor field is not None. The plan is
 # computed once at import: ``as_args`` runs under torch.compile, which cannot trace ``typing.get_type_hints``.
 
 _SCALAR_SCHEMA = {float: "float", int: "SymInt", bool: "bool"}
@@ -358,7 +360,7 @@ def _flattener(cls: type) -> Callable[[object], tuple]:
 
 
 def _unflattener(cls: type) -> Callable[[Sequence], object]:
-    """``args -> cls(...)``: a nested layout is present exactly when its first field is not None."""
+    """``args -> cls(...)``: a nested layout is present exactly when its first required tensor is not None."""
     lines, names = [], {}
     position = 0
 
@@ -370,8 +372,8 @@ def _unflattener(cls: type) -> Callable[[Sequence], object]:
                 parts.append(f"{name}=args[{position}]")
                 position += 1
             else:
-                first = position
-                variable = f"_{name}_{first}"
+                first = position + _REQUIRED[nested]
+                variable = f"_{name}_{position}"
                 names[nested.__name__] = nested
                 lines.append(f"    {variable} = None if args[{first}] is None else {build(nested)}")
                 parts.append(f"{name}={variable}")
@@ -387,6 +389,9 @@ def _compiled(name: str, source: str, namespace: dict) -> Callable:
     return namespace[name]
 
 
+# The leaf, counted from a nested layout's first, that tells whether it is present: its first required tensor.
+_REQUIRED = {cls: next(i for i, (_, kind, optional) in enumerate(_field_types(cls)) if kind is Tensor and not optional)
+             for cls in (BlockSparse, Varlen, KeyCache, Descale)}
 # (field name, its dataclass type or None) per class, computed once: every op call rebuilds a spec.
 _FIELDS = {cls: tuple((name, kind if dataclasses.is_dataclass(kind) else None) for name, kind, _ in _field_types(cls))
            for cls in (AttentionSpec, BlockSparse, Varlen, KeyCache, Descale)}

@@ -191,7 +191,7 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
         block_table = table[0] if paged else None
     cache = None
     if paged:
-        cache = KeyCache(torch.zeros_like(cu_k[1:]), cu_k[1:] - cu_k[:-1], max_k, block_table=block_table)
+        cache = KeyCache(None, cu_k[1:] - cu_k[:-1], max_k, block_table=block_table)
     return CheckedCall(q, k, v, dataclasses.replace(spec, varlen=Varlen(cu_q, cu_k, max_q, max_k), cache=cache))
 
 

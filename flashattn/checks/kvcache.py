@@ -126,7 +126,7 @@ def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
     (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes)
     new = sizes.new
     cache = KeyCache(
-        k_start=torch.zeros_like(seqlens) if leftpad is None else leftpad,
+        k_start=leftpad,  # None: every sequence from position 0
         k_end=seqlens + new if new else seqlens,
         max_seqlen_k=max_seqlen_k,
         batch_idx=batch_idx,

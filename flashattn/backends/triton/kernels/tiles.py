@@ -209,12 +209,10 @@ def sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k, 
 
     Queries: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of a packed (varlen) q, else all ``seqlen_q`` rows of entry
     b. Keys: rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of packed (varlen) keys, or positions ``k_start[b]:k_end[b]``
-    of a KV cache (both None without one), else all ``seqlen_k``. Starts are int64 so that start * stride cannot
-    overflow on long packed batches.
-
-    Bounds are clamped to the rows that exist (``rows_q``; ``rows_k``: packed keys, or a cache entry's positions),
-    lengths to ``seqlen_q``/``seqlen_k``: whatever values the checks (``flashattn.checks.on_device``) let through,
-    no program reads or writes outside its tensors."""
+    of a KV cache (k_start None: 0; k_end None: no cache), else all ``seqlen_k``. Starts are int64 (start * stride
+    cannot overflow). Bounds are clamped to the rows that exist (``rows_q``; ``rows_k``: packed keys, or a cache
+    entry's positions), lengths to ``seqlen_q``/``seqlen_k``: whatever values the checks let through
+    (``flashattn.checks.on_device``), no program reads or writes outside its tensors."""
     q0 = 0
     nq = seqlen_q
     k0 = 0
@@ -229,9 +227,9 @@ def sequence(b, cu_seqlens_q, cu_seqlens_k, k_start, k_end, seqlen_q, seqlen_k, 
         k_hi = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + b + 1), k_lo), rows_k)
         k0 = k_lo.to(tl.int64)
         nk = tl.minimum(k_hi - k_lo, seqlen_k)
-    if k_start is not None:
+    if k_end is not None:
         k_hi = tl.minimum(tl.maximum(tl.load(k_end + b), 0), rows_k)
-        k_lo = tl.minimum(tl.maximum(tl.load(k_start + b), 0), k_hi)
+        k_lo = tl.minimum(tl.maximum(tl.load(k_start + b), 0), k_hi) if k_start is not None else 0 * k_hi
         k0 = k_lo.to(tl.int64)
         nk = tl.minimum(k_hi - k_lo, seqlen_k)
     return q0, nq, k0, nk
