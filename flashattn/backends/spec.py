@@ -65,10 +65,10 @@ class KeyCache:
     """Where each batch entry's keys and values live in a KV cache (inference; there is no backward).
 
     Batch entry b attends the ``k_end[b] - k_start[b]`` keys at cache positions ``k_start[b] .. k_end[b] - 1``
-    (logical key j is position ``k_start[b] + j``; masks and ALiBi count j from 0; ``k_start`` None: 0). Position p is row p of cache
-    entry ``batch_idx[b]`` (default b) of a dense cache (B_cache, N_cache, Hk, D), or, with ``block_table``
-    (B, pages per sequence), row ``p % page_size`` of page ``block_table[b, p // page_size]`` of a paged cache
-    (num_pages, page_size, Hk, D).
+    (logical key j is position ``k_start[b] + j``; masks and ALiBi count j from 0; ``k_start`` None: 0). Position
+    p is row p of cache entry ``batch_idx[b]`` (default b) of a dense cache (B_cache, N_cache, Hk, D), or, with
+    ``block_table`` (B, pages per sequence), row ``p % page_size`` of page ``block_table[b, p // page_size]`` of a
+    paged cache (num_pages, page_size, Hk, D).
 
     ``max_seqlen_k`` bounds every ``k_end[b] - k_start[b]`` (it sizes the split-KV work). ``num_splits``: cut each
     sequence's keys into that many chunks, attend each separately and merge the partial results by their
