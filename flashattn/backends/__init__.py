@@ -110,6 +110,12 @@ def requested() -> str:
     return _validate(os.environ.get("FLASHATTN_BACKEND", "auto"), "FLASHATTN_BACKEND")
 
 
+def requested_by() -> tuple[str | None, str | None]:
+    """What forces a path, as it stands: ``use_backend``'s name and ``FLASHATTN_BACKEND``'s (part of the key of
+    an answer kept for a call)."""
+    return _forced.get(), os.environ.get("FLASHATTN_BACKEND")
+
+
 def explain(request: Request) -> tuple[str, str]:
     """(path name, why) for a call (``Request``): the forced path, else the automatic choice, with the reasons
     of the paths passed over. A forced path that cannot serve the call raises ``ValueError`` saying why.
@@ -166,7 +172,7 @@ def choose(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs
         return _choice(*request)
     # GPU calls in eager mode: the answer of each request under each choice in force, remembered (deciding costs
     # a few us a call, a short call's kernel time). The CPU paths' answers may change (a kernel build can fail).
-    situation = (request, _forced.get(), os.environ.get("FLASHATTN_BACKEND"), stubbed,
+    situation = (request, *requested_by(), stubbed,
                  torch.cuda.current_device() if stubbed is None else None)
     name = _CHOSEN.get(situation)
     if name is None:

@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from triton import knobs
+from triton.runtime import driver
 
 from ..spec import AttentionSpec
+from . import configs, tma
 
 
 class Launch(NamedTuple):
@@ -127,19 +130,22 @@ class Plan:
         self._launch = _writer(launches)
 
     def run(self, inputs: Sequence[torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
-        from triton import knobs
-        from triton.runtime import driver
-
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
                    self.outputs]
         work = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
                 self.workspaces]
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
-        hooked = any(getattr(hook, "calls", hook is not None) for hook in (enter, leave))
-        self._launch(inputs, outputs, work, stream, enter, leave, hooked)
+        active = driver.active
+        stream = active.get_current_stream(active.get_current_device())
+        runtime = knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        self._launch(inputs, outputs, work, stream, enter, leave, _hooked(enter) or _hooked(leave))
         return outputs
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook sees launches: Triton's hooks are chains (triton.knobs.HookChain), and an empty one
+    sees none (nor needs the launch's metadata)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _literal(value: object) -> bool:
@@ -273,9 +279,13 @@ PLANS_ENV = "FLASHATTN_LAUNCH_PLANS"
 
 def plannable(spec: AttentionSpec) -> bool:
     """Calls whose host work is launches only: no FP8, no block mask (their lists are built on the host); plans
-    on (``disabled``, ``FLASHATTN_LAUNCH_PLANS=0``)."""
-    return (_enabled.get() and spec.descale is None and not spec.fp8_training and spec.block_sparse is None
-            and os.environ.get(PLANS_ENV, "1") != "0")
+    on (``enabled``)."""
+    return spec.descale is None and not spec.fp8_training and spec.block_sparse is None and enabled()
+
+
+def enabled() -> bool:
+    """Plans are on: not ``disabled``, nor turned off by ``FLASHATTN_LAUNCH_PLANS=0``."""
+    return _enabled.get() and os.environ.get(PLANS_ENV, "1") != "0"
 
 
 def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple[list, tuple]:
@@ -291,14 +301,19 @@ def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple
 
 def key(kind: str, tensors: Sequence[torch.Tensor | None], scalars: tuple, extra: tuple = ()) -> tuple:
     """What decides every launch of a call: the tensors' shapes, strides, dtypes, devices and 16-byte alignment,
-    the options, and the context that chooses tiles (the forced tiles and descriptors, the current device)."""
-    from triton.runtime import driver
-
-    from . import configs, tma
-
+    the options, and the context that chooses tiles (``context``)."""
     facts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                   for t in tensors)
-    return kind, facts, scalars, extra, configs.context(), tma.forced(), driver.active.get_current_device()
+    return kind, facts, scalars, extra, *context()
+
+
+def context() -> tuple:
+    """What besides a call's arguments decides its launches: the forced tiles and descriptors and the current
+    device; with the plans' generation (``PlanCache.clear``), so that a plan handed out is known to be current."""
+    return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
+
+
+_generation = 0  # bumped whenever a cache forgets its plans
 
 
 class PlanCache:
@@ -327,11 +342,18 @@ class PlanCache:
         finally:
             _recording.reset(token)
         if len(self._plans) >= self.LIMIT:
-            self._plans.clear()
+            self.clear()
         self._plans[signature] = build(recording, inputs, outputs) if recording.launches else None
         return outputs
 
+    def get(self, signature: tuple) -> Plan | None:
+        """The plan recorded for ``signature``, if any (for callers that replay it themselves: count them in
+        ``replays``)."""
+        return self._plans.get(signature)
+
     def clear(self) -> None:
+        global _generation
+        _generation += 1
         self._plans.clear()
 
     def __len__(self) -> int:
