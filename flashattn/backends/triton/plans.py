@@ -19,7 +19,6 @@ calls keep the path's full Python every time. Plans apply to compiled kernels on
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -29,7 +28,9 @@ from typing import NamedTuple
 import torch
 from triton import knobs
 from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..environ import Variable
 from ..spec import AttentionSpec
 from . import configs, tma
 
@@ -109,12 +110,10 @@ def _resolve(base: torch.Tensor, view) -> torch.Tensor:
     return typed.as_strided(shape, stride, base.storage_offset() + offset)
 
 
-def _descriptor(base: torch.Tensor, fields: dict):
+def _descriptor(base: torch.Tensor, fields: dict, _new=TensorDescriptor.__new__):
     """A TMA descriptor with a recorded one's fields (shape, strides, tile) around ``base``: built without its
     checks (alignment, strides), which held when it was recorded and hold for every call of the key."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc = _new(TensorDescriptor)
     desc.__dict__.update(fields, base=base)
     return desc
 
@@ -225,8 +224,6 @@ def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tenso
 
 def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
     """The plan of a recorded call, or None when a tensor argument cannot be traced."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     slot, workspaces = _tracer(inputs, outputs, recording.scratch)
     launches = []
     try:
@@ -275,6 +272,7 @@ _CACHE_LENGTH = _SCALAR_FIELDS.index(AttentionSpec.arg_index("cache_max_seqlen_k
 
 
 PLANS_ENV = "FLASHATTN_LAUNCH_PLANS"
+_PLANS = Variable(PLANS_ENV)
 
 
 def plannable(spec: AttentionSpec) -> bool:
@@ -285,7 +283,7 @@ def plannable(spec: AttentionSpec) -> bool:
 
 def enabled() -> bool:
     """Plans are on: not ``disabled``, nor turned off by ``FLASHATTN_LAUNCH_PLANS=0``."""
-    return _enabled.get() and os.environ.get(PLANS_ENV, "1") != "0"
+    return _enabled.get() and _PLANS.get("1") != "0"
 
 
 def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple[list, tuple]:
