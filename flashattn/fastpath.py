@@ -28,8 +28,9 @@ from .backends.triton import stubbed_device
 from .batching import under_transform
 
 _TENSORS = (Tensor, torch.nn.Parameter)
+# Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
+# they take a number.
 _REALS = (float, int)
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 LIMIT = 4096  # signatures kept; past it the entries start over (a model has a handful)
 
 
@@ -43,10 +44,6 @@ class Entry:
         self.spec, self.path, self.forward, self.context = spec, path, forward, context
         self.backward: dict[tuple, object] = {}
 
-    def current(self) -> bool:
-        """Whether the plan still holds: the same context, and the plans not forgotten since."""
-        return self.path.plan_context() == self.context
-
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.path.FORWARD_PLANS.replays += 1
         out, lse = self.forward.run((q, k, v), q.device)
@@ -57,13 +54,16 @@ class Entry:
         records the plan, kept here for the next step)."""
         if dout is None:  # only lse's gradient flows (gradients are not materialized: _Planned)
             dout = torch.zeros_like(saved.out)
-        if ops._transformed_gradients(dout, dlse):  # batched gradients: the op's backward and its batching rule
-            return ops._eager_backward(dout, dlse, *saved, *self.spec.as_args(), self.path.NAME, False)[:3]
         context = self.path.plan_context()
-        signature = (dout.shape, dout.stride(), dout.dtype, dout.device, dout.data_ptr() & 15,
-                     None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.device,
-                                                dlse.data_ptr() & 15),
-                     saved.out.data_ptr() & 15, saved.lse.data_ptr() & 15, context)
+        try:
+            signature = (dout.shape, dout.stride(), dout.dtype, dout.device, dout.data_ptr() & 15,
+                         None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.device,
+                                                    dlse.data_ptr() & 15),
+                         saved.out.data_ptr() & 15, saved.lse.data_ptr() & 15, context)
+        except RuntimeError:  # no storage: gradients batched by torch.func or gradcheck's older vmap
+            signature = None
+        if signature is None or under_transform():  # the op's backward, whose batching rule takes them
+            return ops._eager_backward(dout, dlse, *saved, *self.spec.as_args(), self.path.NAME, False)[:3]
         plan = self.backward.get(signature)
         if plan is not None:
             self.path.BACKWARD_PLANS.replays += 1
@@ -77,18 +77,17 @@ class Entry:
 
 
 class _Planned(torch.autograd.Function):
-    """A training call of an ``Entry``: q, k, v in, (out, lse) out, the backward by the entry's plans. Gradients
-    are not materialized: an unused lse (the usual case) passes None, not a tensor of zeros, to the backward."""
+    """A training call of an ``Entry`` that returns lse: q, k, v in, (out, lse) out, the backward by the entry's
+    plans. Gradients are not materialized: an unused lse passes None, not a tensor of zeros, to the backward.
+    Forward and context in one function: the older form, one Python call less than ``setup_context``'s."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> tuple[Tensor, Tensor]:
-        return entry.run(q, k, v)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(*inputs[:3], *output)
-        ctx.entry = inputs[3]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> tuple[Tensor, Tensor]:
+        out, lse = entry.run(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.entry = entry
         ctx.set_materialize_grads(False)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -96,19 +95,29 @@ class _Planned(torch.autograd.Function):
         return (*ctx.entry.gradients(dout, dlse, Saved(q, k, v, out, lse)), None)
 
 
+class _PlannedOut(torch.autograd.Function):
+    """``_Planned`` for a call that returns out alone (the usual training call): one output for autograd to
+    wrap and differentiate, and lse, which no one else sees, kept on the context."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> Tensor:
+        out, ctx.lse = entry.run(q, k, v)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.entry = entry
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out = ctx.saved_tensors
+        return (*ctx.entry.gradients(dout, None, Saved(q, k, v, out, ctx.lse)), None)
+
+
 # As ops._apply_eager: the C apply, without Function.apply's binding of the arguments by inspect.signature.
 _apply_planned = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Planned)
+_apply_planned_out = torch._C._FunctionBase.__dict__["apply"].__get__(None, _PlannedOut)
+
+
 _ENTRIES: dict[tuple, Entry] = {}
-
-
-def _plain(options: tuple) -> bool:
-    """flash_attn_func's options of the types the fast path keys on (a bool equals an int in a key, and the
-    checks refuse a bool where they take a number)."""
-    dropout_p, scale, causal, window, softcap, deterministic, probs = options
-    return (type(dropout_p) in _REALS and dropout_p == 0 and type(softcap) in _REALS
-            and (scale is None or type(scale) in _REALS) and type(causal) is bool and type(deterministic) is bool
-            and type(probs) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
-            and type(window[1]) is int)
 
 
 def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
@@ -122,22 +131,28 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
         if given is not None and given is not False:
             return None, None
     stubbed = stubbed_device()
-    if not (q.is_cuda or stubbed is not None) or not _plain(options) or under_transform():
+    if not (q.is_cuda or stubbed is not None) or under_transform():
         return None, None
-    if _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v):  # escaped from a transform: the full way
+    dropout_p, scale, causal, window, softcap, deterministic, probs = options
+    if not (type(dropout_p) in _REALS and dropout_p == 0 and type(softcap) in _REALS  # see _REALS
+            and (scale is None or type(scale) in _REALS) and type(causal) is bool and type(deterministic) is bool
+            and type(probs) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int):
         return None, None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15, k.shape, k.stride(), k.dtype, k.device,
                k.data_ptr() & 15, v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, options, grad,
                backends.requested_by(), stubbed)
-    except RuntimeError:  # a tensor without strides (sparse, nested, MKL-DNN): the checks say what it is
-        return None, None
+    except RuntimeError:  # no strides (sparse, nested, MKL-DNN) or no storage (torch.func's wrappers, even
+        return None, None  # escaped from their transform): the full way, whose checks say what it is
     entry = _ENTRIES.get(key)
-    if entry is None or not entry.current():
+    if entry is None or entry.path.plan_context() != entry.context:  # a context of other launches
         return key, None
+    if not options[-1]:  # return_attn_probs=False
+        return key, (_apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0])
     out, lse = _apply_planned(q, k, v, entry) if grad else entry.run(q, k, v)
-    return key, ((out, lse, None) if options[-1] else out)
+    return key, (out, lse, None)
 
 
 def learn(key: tuple, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> None:

@@ -126,19 +126,14 @@ class Plan:
     def __init__(self, outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]):
         self.outputs = outputs  # (shape, stride, dtype) of each output, in the order the path returns them
         self.workspaces = workspaces  # the same of each workspace (bytes: ((n,), (1,), torch.uint8))
-        self._launch = _writer(launches)
+        self._launch = _writer(outputs, workspaces, launches)
 
-    def run(self, inputs: Sequence[torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
-        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
-                   self.outputs]
-        work = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
-                self.workspaces]
+    def run(self, inputs: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
         active = driver.active
         stream = active.get_current_stream(active.get_current_device())
         runtime = knobs.runtime
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        self._launch(inputs, outputs, work, stream, enter, leave, _hooked(enter) or _hooked(leave))
-        return outputs
+        return self._launch(inputs, device, stream, enter, leave, _hooked(enter) or _hooked(leave))
 
 
 def _hooked(hook) -> bool:
@@ -155,11 +150,12 @@ def _literal(value: object) -> bool:
     return kind in (type(None), bool, int) or (kind is float and math.isfinite(value))
 
 
-def _writer(launches: list[tuple]) -> Callable:
-    """``launch(inputs, outputs, work, stream, enter, leave, hooked)``: every recorded launch, written out."""
-    names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor}
-    lines = ["def launch(inputs, outputs, work, stream, enter, leave, hooked):"]
-    bases = {"in": "inputs", "out": "outputs", "work": "work"}
+def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]) -> Callable:
+    """``launch(inputs, device, stream, enter, leave, hooked) -> outputs``: the outputs' and workspaces'
+    allocations and every recorded launch, written out."""
+    names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor, "_empty": torch.empty_strided}
+    lines = ["def launch(inputs, device, stream, enter, leave, hooked):"]
+    bases = {"in": "inputs[{}]", "out": "o{}", "work": "w{}"}
 
     def constant(value: object) -> str:
         if _literal(value):
@@ -170,9 +166,12 @@ def _writer(launches: list[tuple]) -> Callable:
 
     def tensor(slot: tuple) -> str:
         kind, index, view = slot
-        base = f"{bases[kind]}[{index}]"
+        base = bases[kind].format(index)
         return base if view is None else f"_resolve({base}, {constant(view)})"
 
+    for prefix, layouts in (("o", outputs), ("w", workspaces)):
+        lines += [f"    {prefix}{i} = _empty({shape!r}, {stride!r}, dtype={constant(dtype)}, device=device)"
+                  for i, (shape, stride, dtype) in enumerate(layouts)]
     for compiled, grid, arguments, tensors, descriptors in launches:
         terms = [constant(value) for value in arguments]
         for position, slot in tensors:
@@ -184,6 +183,7 @@ def _writer(launches: list[tuple]) -> Callable:
                   f"    meta = {kernel}.launch_metadata({constant(grid)}, stream, *args) if hooked else None",
                   f"    {constant(compiled.run)}({', '.join(map(str, grid))}, stream, {constant(compiled.function)}, "
                   f"{constant(compiled.packed_metadata)}, meta, enter, leave, *args)"]
+    lines.append(f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})")
     exec(compile("\n".join(lines) + "\n", f"<flashattn launch plan of {len(launches)} launches>", "exec"), names)
     return names["launch"]
 
