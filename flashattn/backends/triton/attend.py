@@ -96,9 +96,9 @@ def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> plans.Plan |
 def plan_context() -> tuple | None:
     """What besides a call's arguments decides whether it is planned and how (``plans.context``); None where no
     call is (the interpreter, ``compile_only``, plans off). A kept plan is replayed only while this is unchanged."""
-    if interpreting() or compiling_only() or not plans.enabled():
+    if interpreting() or compiling_only():
         return None
-    return plans.context()
+    return plans.context_if_enabled()
 
 
 def _forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):

@@ -311,6 +311,14 @@ def context() -> tuple:
     return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
 
 
+def context_if_enabled() -> tuple | None:
+    """``context()`` where plans are ``enabled``, else None: in one function, as a kept plan checks it on every
+    call (``flashattn.fastpath``)."""
+    if not _enabled.get() or _PLANS.get("1") == "0":
+        return None
+    return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
+
+
 _generation = 0  # bumped whenever a cache forgets its plans
 
 
