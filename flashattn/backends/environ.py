@@ -9,9 +9,9 @@ it changed. Where ``os.environ`` does not look like that, it is ``os.environ.get
 
 Example::
 
-    >>> os.environ["FLASHATTN_EXAMPLE"] = "1"
-    >>> Variable("FLASHATTN_EXAMPLE").get(), Variable("FLASHATTN_NOT_SET").get("default")
-    ('1', 'default')
+    >>> name = "PATH"
+    >>> Variable(name).get() == os.environ.get(name), Variable(name + "_NOT_SET").get("default")
+    (True, 'default')
 """
 
 from __future__ import annotations
