@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from . import checks, kvcache
+from . import checks, fastpath, kvcache
 from .ops import attention
 from .rotary import apply_rotary, positions
 
@@ -106,13 +106,23 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         >>> flash_attn_func(q, k, v, causal=True).shape
         torch.Size([2, 128, 8, 64])
     """
+    key = None
+    if not torch.compiler.is_compiling():  # a signature seen before: its launches directly (fastpath.py)
+        key, result = fastpath.flash(
+            q, k, v, (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs),
+            (alibi_slopes, learnable_sink, block_mask, q_descale, k_descale, v_descale, fp8))
+        if result is not None:
+            return result
     options = checks.flash_arguments(
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_flash(
         "flash_attn_func", q, k, v, **options, learnable_sink=learnable_sink, block_mask=block_mask,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fp8=fp8)
-    return _flash_result(call, return_attn_probs)
+    result = _flash_result(call, return_attn_probs)
+    if key is not None and call.q is q and call.k is k and call.v is v:
+        fastpath.learn(key, q, k, v, call.spec)
+    return result
 
 
 def flash_attn_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)

@@ -130,6 +130,8 @@ def _backward_with(run: Callable) -> Callable:
 
     def backward(ctx, dout, dlse, _dprobs):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
+        if dout is None:  # only lse's gradient flows (not materialized: _EagerAttention)
+            dout = torch.zeros_like(out)
         rest = list(ctx.rest)
         for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
             rest[slot] = t
@@ -226,8 +228,14 @@ class _EagerAttention(torch.autograd.Function):
     arguments), more than a short sequence's attention costs, and does not compose with ``torch.func.grad``."""
 
     forward = staticmethod(_attention)
-    setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward_with(_eager_backward))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _setup_context(ctx, inputs, output)
+        # An unused lse (or out) reaches the backward as None, not as zeros allocated for it: what the fast path
+        # (flashattn.fastpath) passes too, so that the two launch the same backward.
+        ctx.set_materialize_grads(False)
 
 
 _EagerAttention.vmap = staticmethod(batching.forward_rule(_EagerAttention.apply))

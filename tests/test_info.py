@@ -182,7 +182,7 @@ def test_a_section_that_raises_does_not_hide_the_others(monkeypatch):
 def test_every_environment_variable_the_package_reads_is_listed():
     read = set()
     for path in (ROOT / "flashattn").rglob("*.py"):
-        read |= set(re.findall(r"""(?:environ(?:\.get)?\(|environ\[|getenv\()\s*["']([A-Z_]+)["']""",
+        read |= set(re.findall(r"""(?:environ(?:\.get)?\(|environ\[|getenv\(|Variable\()\s*["']([A-Z_]+)["']""",
                                path.read_text()))
     listed = {name for name, _, _ in info.ENVIRONMENT}
     assert read and read <= listed, read - listed

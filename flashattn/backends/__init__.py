@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -38,6 +37,7 @@ from torch import Tensor
 
 from ..errors import ArgumentError
 from . import cpu, cuda, tiled, triton
+from .environ import Variable
 from .request import Request
 from .spec import AttentionSpec, Saved
 
@@ -67,6 +67,7 @@ OTHER_DEVICES = ("torch",)
 # A forced name tries these paths in order: "cpu" keeps its older meaning (the kernel, else the tiled torch path).
 FORCED = {"cpu": ("cpu", "torch")}
 _forced: ContextVar[str | None] = ContextVar("flashattn_backend", default=None)
+_BACKEND_ENV = Variable("FLASHATTN_BACKEND")
 _log = logging.getLogger("flashattn")
 
 
@@ -107,7 +108,13 @@ def requested() -> str:
     forced = _forced.get()
     if forced is not None:
         return forced
-    return _validate(os.environ.get("FLASHATTN_BACKEND", "auto"), "FLASHATTN_BACKEND")
+    return _validate(_BACKEND_ENV.get("auto"), "FLASHATTN_BACKEND")
+
+
+def requested_by() -> tuple[str | None, str | None]:
+    """What forces a path, as it stands: ``use_backend``'s name and ``FLASHATTN_BACKEND``'s (part of the key of
+    an answer kept for a call)."""
+    return _forced.get(), _BACKEND_ENV.get()
 
 
 def explain(request: Request) -> tuple[str, str]:
@@ -166,7 +173,7 @@ def choose(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs
         return _choice(*request)
     # GPU calls in eager mode: the answer of each request under each choice in force, remembered (deciding costs
     # a few us a call, a short call's kernel time). The CPU paths' answers may change (a kernel build can fail).
-    situation = (request, _forced.get(), os.environ.get("FLASHATTN_BACKEND"), stubbed,
+    situation = (request, *requested_by(), stubbed,
                  torch.cuda.current_device() if stubbed is None else None)
     name = _CHOSEN.get(situation)
     if name is None:

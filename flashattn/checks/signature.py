@@ -42,11 +42,14 @@ class Signatures:
             if kind is not torch.Tensor and kind is not torch.nn.Parameter:
                 return None  # subclasses are checked every time (some refuse even .shape: CausalBias on torch 2.7)
             described.append((kind, t.shape, t.dtype, t.device, t.layout, t.is_nested))
+        kinds = []
         for option in options:  # a loop, not all(generator): this runs on every call
             kind = type(option)
             if kind not in _PLAIN and not (kind is tuple and _plain(option)):
                 return None
-        return fn, tuple(described), options
+            kinds.append(kind)
+        # The options' types too: False == 0 == 0.0 as keys, and the checks refuse a bool where they take a number.
+        return fn, tuple(described), options, tuple(kinds)
 
     def get(self, key: tuple | None) -> object | None:
         return None if key is None else self._results.get(key)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import os
 import re
 from contextvars import ContextVar
 
 import torch
 
+from ..environ import Variable
 from ..request import Request
 
 NAME = "triton"
@@ -27,9 +27,12 @@ MAX_HEAD_DIM = 256
 BLOCK_MULTIPLE = 16
 
 
+_INTERPRET = Variable("TRITON_INTERPRET")
+
+
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET.get() == "1"
 
 
 # The GPU that CPU tensors stand for inside ``stub.stubbed_launches`` (a ``stub.StubDevice``), else None: kept here,

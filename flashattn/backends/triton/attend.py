@@ -49,6 +49,7 @@ __all__ = ["NAME", "backward", "forward", "fp8_backward"]
 
 _FORWARD_PLANS = plans.PlanCache()
 _BACKWARD_PLANS = plans.PlanCache()
+FORWARD_PLANS, BACKWARD_PLANS = _FORWARD_PLANS, _BACKWARD_PLANS  # for callers that replay plans themselves
 
 
 def _planned(spec: AttentionSpec, *tensors: torch.Tensor | None) -> bool:
@@ -60,14 +61,44 @@ def _planned(spec: AttentionSpec, *tensors: torch.Tensor | None) -> bool:
 
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """The call's launches by its plan where it has one (``plans.py``), else ``_forward``'s."""
-    if return_probs or not _planned(spec) or q.numel() == 0 or k.numel() == 0:
+    planned = None if return_probs else _forward_signature(q, k, v, spec)
+    if planned is None:
         return _forward(q, k, v, spec, return_probs=return_probs)
+    signature, inputs = planned
+    out, lse = _FORWARD_PLANS.run(signature, inputs, q.device, lambda: _forward(q, k, v, spec)[:2])
+    return out, lse, q.new_empty(0)
+
+
+def _forward_signature(q, k, v, spec: AttentionSpec) -> tuple[tuple, tuple] | None:
+    """(the forward plan's key, its inputs) for a call that goes through a plan, else None."""
+    if not _planned(spec) or q.numel() == 0 or k.numel() == 0:
+        return None
     tensors, scalars = plans.spec_tensors(spec, cache_keys=None if spec.cache is None else cache_keys(
         spec.cache.max_seqlen_k, k, spec.cache.block_table))
     inputs = (q, k, v, *tensors)
-    out, lse = _FORWARD_PLANS.run(plans.key("forward", inputs, scalars), inputs, q.device,
-                                  lambda: _forward(q, k, v, spec)[:2])
-    return out, lse, q.new_empty(0)
+    return plans.key("forward", inputs, scalars), inputs
+
+
+def forward_plan(q, k, v, spec: AttentionSpec) -> plans.Plan | None:
+    """The plan ``forward`` replays for this call (without probabilities) once one is recorded, else None: for
+    a caller that keeps it and replays it itself (``flashattn.fastpath``), counting ``FORWARD_PLANS.replays``
+    and checking ``plan_context`` each time."""
+    planned = _forward_signature(q, k, v, spec)
+    return None if planned is None else _FORWARD_PLANS.get(planned[0])
+
+
+def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> plans.Plan | None:
+    """The plan ``backward`` replays for this call once one is recorded, else None (as ``forward_plan``)."""
+    planned = _backward_signature(dout, dlse, saved, spec)
+    return None if planned is None else _BACKWARD_PLANS.get(planned[0])
+
+
+def plan_context() -> tuple | None:
+    """What besides a call's arguments decides whether it is planned and how (``plans.context``); None where no
+    call is (the interpreter, ``compile_only``, plans off). A kept plan is replayed only while this is unchanged."""
+    if interpreting() or compiling_only():
+        return None
+    return plans.context_if_enabled()
 
 
 def _forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
@@ -239,14 +270,23 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
     the gradients of attention at ``x.float() * descale``, in dout's dtype, dO rounded to e4m3 for dP."""
     if mask_grad:  # never asked for: serves() sends such calls to another path
         raise NotImplementedError("the triton path does not compute the gradient of attn_mask")
-    q, k, v, out, lse = saved
-    if not _planned(spec, lse, dlse) or spec.descale is not None or q.numel() == 0 or k.numel() == 0:
+    planned = _backward_signature(dout, dlse, saved, spec)
+    if planned is None:
         return _backward(dout, dlse, saved, spec)
-    tensors, scalars = plans.spec_tensors(spec)
-    inputs = (dout, dlse, q, k, v, out, lse, *tensors)
-    dq, dk, dv = _BACKWARD_PLANS.run(plans.key("backward", inputs, scalars), inputs, q.device,
+    signature, inputs = planned
+    dq, dk, dv = _BACKWARD_PLANS.run(signature, inputs, saved.q.device,
                                      lambda: _backward(dout, dlse, saved, spec)[:3])
     return dq, dk, dv, None
+
+
+def _backward_signature(dout, dlse, saved: Saved, spec: AttentionSpec) -> tuple[tuple, tuple] | None:
+    """(the backward plan's key, its inputs) for a call that goes through a plan, else None."""
+    q, k, v, out, lse = saved
+    if not _planned(spec, lse, dlse) or spec.descale is not None or q.numel() == 0 or k.numel() == 0:
+        return None
+    tensors, scalars = plans.spec_tensors(spec)
+    inputs = (dout, dlse, q, k, v, out, lse, *tensors)
+    return plans.key("backward", inputs, scalars), inputs
 
 
 def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):

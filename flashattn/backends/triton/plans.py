@@ -19,7 +19,6 @@ calls keep the path's full Python every time. Plans apply to compiled kernels on
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -27,8 +26,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..environ import Variable
 from ..spec import AttentionSpec
+from . import configs, tma
 
 
 class Launch(NamedTuple):
@@ -106,12 +110,10 @@ def _resolve(base: torch.Tensor, view) -> torch.Tensor:
     return typed.as_strided(shape, stride, base.storage_offset() + offset)
 
 
-def _descriptor(base: torch.Tensor, fields: dict):
+def _descriptor(base: torch.Tensor, fields: dict, _new=TensorDescriptor.__new__):
     """A TMA descriptor with a recorded one's fields (shape, strides, tile) around ``base``: built without its
     checks (alignment, strides), which held when it was recorded and hold for every call of the key."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc = _new(TensorDescriptor)
     desc.__dict__.update(fields, base=base)
     return desc
 
@@ -124,22 +126,20 @@ class Plan:
     def __init__(self, outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]):
         self.outputs = outputs  # (shape, stride, dtype) of each output, in the order the path returns them
         self.workspaces = workspaces  # the same of each workspace (bytes: ((n,), (1,), torch.uint8))
-        self._launch = _writer(launches)
+        self._launch = _writer(outputs, workspaces, launches)
 
-    def run(self, inputs: Sequence[torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
-        from triton import knobs
-        from triton.runtime import driver
+    def run(self, inputs: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
+        active = driver.active
+        stream = active.get_current_stream(active.get_current_device())
+        runtime = knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        return self._launch(inputs, device, stream, enter, leave, _hooked(enter) or _hooked(leave))
 
-        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
-                   self.outputs]
-        work = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in
-                self.workspaces]
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
-        hooked = any(getattr(hook, "calls", hook is not None) for hook in (enter, leave))
-        self._launch(inputs, outputs, work, stream, enter, leave, hooked)
-        return outputs
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook sees launches: Triton's hooks are chains (triton.knobs.HookChain), and an empty one
+    sees none (nor needs the launch's metadata)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _literal(value: object) -> bool:
@@ -150,11 +150,12 @@ def _literal(value: object) -> bool:
     return kind in (type(None), bool, int) or (kind is float and math.isfinite(value))
 
 
-def _writer(launches: list[tuple]) -> Callable:
-    """``launch(inputs, outputs, work, stream, enter, leave, hooked)``: every recorded launch, written out."""
-    names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor}
-    lines = ["def launch(inputs, outputs, work, stream, enter, leave, hooked):"]
-    bases = {"in": "inputs", "out": "outputs", "work": "work"}
+def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]) -> Callable:
+    """``launch(inputs, device, stream, enter, leave, hooked) -> outputs``: the outputs' and workspaces'
+    allocations and every recorded launch, written out."""
+    names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor, "_empty": torch.empty_strided}
+    lines = ["def launch(inputs, device, stream, enter, leave, hooked):"]
+    bases = {"in": "inputs[{}]", "out": "o{}", "work": "w{}"}
 
     def constant(value: object) -> str:
         if _literal(value):
@@ -165,9 +166,12 @@ def _writer(launches: list[tuple]) -> Callable:
 
     def tensor(slot: tuple) -> str:
         kind, index, view = slot
-        base = f"{bases[kind]}[{index}]"
+        base = bases[kind].format(index)
         return base if view is None else f"_resolve({base}, {constant(view)})"
 
+    for prefix, layouts in (("o", outputs), ("w", workspaces)):
+        lines += [f"    {prefix}{i} = _empty({shape!r}, {stride!r}, dtype={constant(dtype)}, device=device)"
+                  for i, (shape, stride, dtype) in enumerate(layouts)]
     for compiled, grid, arguments, tensors, descriptors in launches:
         terms = [constant(value) for value in arguments]
         for position, slot in tensors:
@@ -179,6 +183,7 @@ def _writer(launches: list[tuple]) -> Callable:
                   f"    meta = {kernel}.launch_metadata({constant(grid)}, stream, *args) if hooked else None",
                   f"    {constant(compiled.run)}({', '.join(map(str, grid))}, stream, {constant(compiled.function)}, "
                   f"{constant(compiled.packed_metadata)}, meta, enter, leave, *args)"]
+    lines.append(f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})")
     exec(compile("\n".join(lines) + "\n", f"<flashattn launch plan of {len(launches)} launches>", "exec"), names)
     return names["launch"]
 
@@ -219,8 +224,6 @@ def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tenso
 
 def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
     """The plan of a recorded call, or None when a tensor argument cannot be traced."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     slot, workspaces = _tracer(inputs, outputs, recording.scratch)
     launches = []
     try:
@@ -269,13 +272,18 @@ _CACHE_LENGTH = _SCALAR_FIELDS.index(AttentionSpec.arg_index("cache_max_seqlen_k
 
 
 PLANS_ENV = "FLASHATTN_LAUNCH_PLANS"
+_PLANS = Variable(PLANS_ENV)
 
 
 def plannable(spec: AttentionSpec) -> bool:
     """Calls whose host work is launches only: no FP8, no block mask (their lists are built on the host); plans
-    on (``disabled``, ``FLASHATTN_LAUNCH_PLANS=0``)."""
-    return (_enabled.get() and spec.descale is None and not spec.fp8_training and spec.block_sparse is None
-            and os.environ.get(PLANS_ENV, "1") != "0")
+    on (``enabled``)."""
+    return spec.descale is None and not spec.fp8_training and spec.block_sparse is None and enabled()
+
+
+def enabled() -> bool:
+    """Plans are on: not ``disabled``, nor turned off by ``FLASHATTN_LAUNCH_PLANS=0``."""
+    return _enabled.get() and _PLANS.get("1") != "0"
 
 
 def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple[list, tuple]:
@@ -291,14 +299,27 @@ def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple
 
 def key(kind: str, tensors: Sequence[torch.Tensor | None], scalars: tuple, extra: tuple = ()) -> tuple:
     """What decides every launch of a call: the tensors' shapes, strides, dtypes, devices and 16-byte alignment,
-    the options, and the context that chooses tiles (the forced tiles and descriptors, the current device)."""
-    from triton.runtime import driver
-
-    from . import configs, tma
-
+    the options, and the context that chooses tiles (``context``)."""
     facts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                   for t in tensors)
-    return kind, facts, scalars, extra, configs.context(), tma.forced(), driver.active.get_current_device()
+    return kind, facts, scalars, extra, *context()
+
+
+def context() -> tuple:
+    """What besides a call's arguments decides its launches: the forced tiles and descriptors and the current
+    device; with the plans' generation (``PlanCache.clear``), so that a plan handed out is known to be current."""
+    return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
+
+
+def context_if_enabled() -> tuple | None:
+    """``context()`` where plans are ``enabled``, else None: in one function, as a kept plan checks it on every
+    call (``flashattn.fastpath``)."""
+    if not _enabled.get() or _PLANS.get("1") == "0":
+        return None
+    return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
+
+
+_generation = 0  # bumped whenever a cache forgets its plans
 
 
 class PlanCache:
@@ -327,11 +348,18 @@ class PlanCache:
         finally:
             _recording.reset(token)
         if len(self._plans) >= self.LIMIT:
-            self._plans.clear()
+            self.clear()
         self._plans[signature] = build(recording, inputs, outputs) if recording.launches else None
         return outputs
 
+    def get(self, signature: tuple) -> Plan | None:
+        """The plan recorded for ``signature``, if any (for callers that replay it themselves: count them in
+        ``replays``)."""
+        return self._plans.get(signature)
+
     def clear(self) -> None:
+        global _generation
+        _generation += 1
         self._plans.clear()
 
     def __len__(self) -> int:

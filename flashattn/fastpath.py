@@ -1,0 +1,176 @@
+"""The fast path of a repeated ``flash_attn_func`` call: a signature seen before goes straight to its launches.
+
+What a call's checks conclude, which path runs it and what that path launches depend only on its signature: the
+tensors' shapes, strides, dtypes, devices and 16-byte alignment, the option values, whether autograd records it,
+and the context (the forced path, the stubbed GPU, the launch plans' context: ``plans.context``). The first calls
+of a signature take the full way (checks, choice, the triton path's Python, which records a launch plan:
+``backends/triton/plans.py``); once the path holds a plan for it, the signature maps to an ``Entry`` holding
+everything decided (the checked spec, the forward's plan), and a later call computes its key, allocates its outputs
+and launches: no checks, choice, spec or op arguments (on a decode-sized call they cost more than the kernel). A
+training step runs through ``_Planned``, an autograd function of q, k and v alone whose backward replays the
+backward's plan, kept in the entry per gradient signature.
+
+Calls it does not serve take the full way every time, with every check and error: torch.compile (which traces
+the full way once), ``torch.func`` transforms and their tensors, tensor subclasses, the optional tensors (ALiBi,
+sinks, block masks, FP8 scales and mode), dropout (a fresh seed per call), options of other types than plain
+bools, ints and floats (some of which the checks refuse where an equal value passes), tensors without strides, CPU
+tensors outside the stub (their path's choice may change) and whatever the triton path does not plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import backends, ops
+from .backends.spec import AttentionSpec, Saved
+from .backends.triton import stubbed_device
+from .batching import under_transform
+
+_TENSORS = (Tensor, torch.nn.Parameter)
+# Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
+# they take a number.
+_REALS = (float, int)
+LIMIT = 4096  # signatures kept; past it the entries start over (a model has a handful)
+
+
+class Entry:
+    """Everything decided for one signature: its checked spec, the triton path (``attend``), its forward's plan
+    and the path's plan context it holds under, and the backward's plans by gradient signature."""
+
+    __slots__ = ("backward", "context", "forward", "path", "spec")
+
+    def __init__(self, spec: AttentionSpec, path, forward, context: tuple):
+        self.spec, self.path, self.forward, self.context = spec, path, forward, context
+        self.backward: dict[tuple, object] = {}
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.path.FORWARD_PLANS.replays += 1
+        out, lse = self.forward.run((q, k, v), q.device)
+        return out, lse
+
+    def gradients(self, dout: Tensor | None, dlse: Tensor | None, saved: Saved) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) by the backward's plan for this gradient signature, else by the op's backward (which
+        records the plan, kept here for the next step)."""
+        if dout is None:  # only lse's gradient flows (gradients are not materialized: _Planned)
+            dout = torch.zeros_like(saved.out)
+        context = self.path.plan_context()
+        try:
+            signature = (dout.shape, dout.stride(), dout.dtype, dout.device, dout.data_ptr() & 15,
+                         None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.device,
+                                                    dlse.data_ptr() & 15),
+                         saved.out.data_ptr() & 15, saved.lse.data_ptr() & 15, context)
+        except RuntimeError:  # no storage: gradients batched by torch.func or gradcheck's older vmap
+            signature = None
+        if signature is None or under_transform():  # the op's backward, whose batching rule takes them
+            return ops._eager_backward(dout, dlse, *saved, *self.spec.as_args(), self.path.NAME, False)[:3]
+        plan = self.backward.get(signature)
+        if plan is not None:
+            self.path.BACKWARD_PLANS.replays += 1
+            dq, dk, dv = plan.run((dout, dlse, *saved), saved.q.device)
+            return dq, dk, dv
+        dq, dk, dv, _ = ops._gradients(dout, dlse, saved, self.spec, backend=self.path.NAME, mask_grad=False)
+        plan = self.path.backward_plan(dout, dlse, saved, self.spec) if context is not None else None
+        if plan is not None:
+            self.backward[signature] = plan
+        return dq, dk, dv
+
+
+class _Planned(torch.autograd.Function):
+    """A training call of an ``Entry`` that returns lse: q, k, v in, (out, lse) out, the backward by the entry's
+    plans. Gradients are not materialized: an unused lse passes None, not a tensor of zeros, to the backward.
+    Forward and context in one function: the older form, one Python call less than ``setup_context``'s."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> tuple[Tensor, Tensor]:
+        out, lse = entry.run(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.entry = entry
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.entry.gradients(dout, dlse, Saved(q, k, v, out, lse)), None)
+
+
+class _PlannedOut(torch.autograd.Function):
+    """``_Planned`` for a call that returns out alone (the usual training call): one output for autograd to
+    wrap and differentiate, and lse, which no one else sees, kept on the context."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> Tensor:
+        out, ctx.lse = entry.run(q, k, v)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.entry = entry
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out = ctx.saved_tensors
+        return (*ctx.entry.gradients(dout, None, Saved(q, k, v, out, ctx.lse)), None)
+
+
+# As ops._apply_eager: the C apply, without Function.apply's binding of the arguments by inspect.signature.
+_apply_planned = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Planned)
+_apply_planned_out = torch._C._FunctionBase.__dict__["apply"].__get__(None, _PlannedOut)
+
+
+_ENTRIES: dict[tuple, Entry] = {}
+
+
+def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
+    """(the call's key, its result) for ``flash_attn_func``'s q, k, v, its options (dropout_p, softmax_scale,
+    causal, window_size, softcap, deterministic, return_attn_probs) and its optional arguments (``absent``: all
+    must be None or False); the result is None where the fast path does not run the call, and the key None where
+    it never will (``learn`` needs it)."""
+    if type(q) not in _TENSORS or type(k) not in _TENSORS or type(v) not in _TENSORS:
+        return None, None
+    for given in absent:
+        if given is not None and given is not False:
+            return None, None
+    stubbed = stubbed_device()
+    if not (q.is_cuda or stubbed is not None) or under_transform():
+        return None, None
+    dropout_p, scale, causal, window, softcap, deterministic, probs = options
+    if not (type(dropout_p) in _REALS and dropout_p == 0 and type(softcap) in _REALS  # see _REALS
+            and (scale is None or type(scale) in _REALS) and type(causal) is bool and type(deterministic) is bool
+            and type(probs) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int):
+        return None, None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15, k.shape, k.stride(), k.dtype, k.device,
+               k.data_ptr() & 15, v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, options, grad,
+               backends.requested_by(), stubbed)
+    except RuntimeError:  # no strides (sparse, nested, MKL-DNN) or no storage (torch.func's wrappers, even
+        return None, None  # escaped from their transform): the full way, whose checks say what it is
+    entry = _ENTRIES.get(key)
+    if entry is None or entry.path.plan_context() != entry.context:  # a context of other launches
+        return key, None
+    if not options[-1]:  # return_attn_probs=False
+        return key, (_apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0])
+    out, lse = _apply_planned(q, k, v, entry) if grad else entry.run(q, k, v)
+    return key, (out, lse, None)
+
+
+def learn(key: tuple, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> None:
+    """After the full way ran a call of ``key`` (checked: its own q, k, v and spec), keep an entry for its
+    signature once the triton path holds its plan (the first call records it, the second finds it)."""
+    if backends.choose(q, k, v, spec) != "triton":
+        return
+    path = backends.get("triton")
+    context = path.plan_context()
+    plan = None if context is None else path.forward_plan(q, k, v, spec)
+    if plan is None:
+        return
+    if len(_ENTRIES) >= LIMIT:
+        _ENTRIES.clear()
+    _ENTRIES[key] = Entry(spec, path, plan, context)
+
+
+def clear() -> None:
+    """Forget every entry (the next calls take the full way)."""
+    _ENTRIES.clear()
+

@@ -1,0 +1,166 @@
+"""The fast path of a repeated flash_attn_func call (flashattn.fastpath): a signature seen before launches what
+the full path launches (the same kernels, grids and arguments, its own tensors), forward and backward, with and
+without lse's gradient; it never serves what it must not (a changed context, plans off, other options, tensor
+subclasses), and every error a call raises is still raised after its signature's neighbours ran fast. Checked with
+the kernels compiled for sm_90 and stubbed launches, in a process without Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triton_versions import TRITON_MISSING
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_the_fast_path_launches_what_the_full_path_launches():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "fast path checked" in done.stdout, done.stdout
+
+
+# --- the check itself, run as a script ------------------------------------------------------------------------------
+
+
+def _launched(torch, launches, call):
+    launches.clear()
+    torch.manual_seed(3)
+    call()
+    return [(name, grid, [_plain(torch, a) for a in args]) for name, grid, args in launches.arguments]
+
+
+def _plain(torch, a):
+    """A launch argument as a comparable value: a tensor by its storage and layout, a descriptor by its fields."""
+    if isinstance(a, torch.Tensor):
+        return ("tensor", a.untyped_storage().data_ptr() if a.numel() else 0, tuple(a.shape), a.stride(), a.dtype)
+    if type(a).__name__ == "TensorDescriptor":
+        return ("descriptor", _plain(torch, a.base), tuple(a.shape), tuple(a.strides), tuple(a.block_shape))
+    return a
+
+
+def _same_but_fresh(torch, full, fast, inputs) -> bool:
+    """The same launches, inputs in the same places, everything else (outputs, workspaces) laid out alike."""
+    known = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def norm(launch):
+        name, grid, args = launch
+        return name, grid, [(a[0], a[1] in known and a[1], *a[2:]) if isinstance(a, tuple) and a[:1] == ("tensor",)
+                            else a for a in args]
+
+    return [norm(x) for x in full] == [norm(x) for x in fast]
+
+
+def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
+    import torch
+
+    import flashattn
+    from flashattn import fastpath
+    from flashattn.backends.triton import attend, plans, tma
+    from flashattn.backends.triton.stub import stubbed_launches
+
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+
+    def qkv(grad=False, d=128, n=100):
+        return [torch.randn(2, n, h, d, generator=g, dtype=bf16).requires_grad_(grad) for h in (8, 2, 2)]
+
+    def failed(what: str) -> int:
+        print(f"FAILED {what}")
+        return 1
+
+    with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+        q, k, v = qkv()
+        flashattn.flash_attn_func(q, k, v, causal=True)  # recorded, and kept as an entry
+        q, k, v = qkv()
+        with plans.disabled():
+            full = _launched(torch, launches, lambda: flashattn.flash_attn_func(q, k, v, causal=True))
+        before = attend.FORWARD_PLANS.replays
+        fast = _launched(torch, launches, lambda: flashattn.flash_attn_func(q, k, v, causal=True))
+        if attend.FORWARD_PLANS.replays != before + 1 or not _same_but_fresh(torch, full, fast, (q, k, v)):
+            return failed("a forward")
+        if len(fastpath._ENTRIES) != 1:
+            return failed(f"{len(fastpath._ENTRIES)} entries after one signature")
+
+        # Training, lse unused (None reaches the backward both ways) and lse returned and differentiated.
+        for with_lse in (False, True):
+            q, k, v = qkv(grad=True)
+            dout = torch.randn(2, 100, 8, 128, generator=g, dtype=bf16)
+
+            def step(q=q, k=k, v=v, dout=dout, with_lse=with_lse):
+                if with_lse:
+                    out, lse, _ = flashattn.flash_attn_func(q, k, v, window_size=(20, 5), return_attn_probs=True)
+                    torch.autograd.grad((out, lse), (q, k, v), (dout, torch.ones_like(lse)))
+                else:
+                    torch.autograd.grad(flashattn.flash_attn_func(q, k, v, window_size=(20, 5)), (q, k, v), dout)
+
+            step()
+            step()  # the backward's plan kept by the entry
+            with plans.disabled():
+                full = _launched(torch, launches, step)
+            before = attend.FORWARD_PLANS.replays + attend.BACKWARD_PLANS.replays
+            fast = _launched(torch, launches, step)
+            replays = attend.FORWARD_PLANS.replays + attend.BACKWARD_PLANS.replays - before
+            if replays != 2 or not _same_but_fresh(torch, full, fast, (q, k, v, dout)):
+                return failed(f"a training step (lse's gradient: {with_lse}; {replays} replays)")
+            if len(full) != 4:
+                return failed(f"a training step launched {[n for n, _, _ in full]}")
+
+        # What it must not serve: plans off, another context (forced descriptors), a bool where a number goes.
+        q, k, v = qkv()
+        flashattn.flash_attn_func(q, k, v)
+        for context in (plans.disabled(), tma.use(False)):
+            before = attend.FORWARD_PLANS.replays
+            with context:
+                flashattn.flash_attn_func(q, k, v)
+            if attend.FORWARD_PLANS.replays != before:
+                return failed(f"replayed inside {context}")
+        for bad, error in (({"dropout_p": False}, TypeError), ({"softcap": True}, TypeError),
+                           ({"window_size": (-2, 0)}, ValueError), ({"softmax_scale": float("nan")}, ValueError)):
+            try:
+                flashattn.flash_attn_func(q, k, v, **bad)
+            except error:
+                pass
+            else:
+                return failed(f"{bad} passed")
+        # A subclass is checked every call: a wrapper subclass of an entry's signature is refused.
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        try:
+            flashattn.flash_attn_func(TwoTensor(q, q.clone()), k, v)
+        except TypeError:
+            pass
+        else:
+            return failed("a TwoTensor passed")
+        # Shapes beside an entry's: each its own error.
+        try:
+            flashattn.flash_attn_func(q[:, :, :3], k, v)
+        except ValueError as e:
+            if "multiple" not in str(e):
+                return failed(f"3 heads over 2: {e}")
+        else:
+            return failed("3 heads over 2 passed")
+        # Forgetting the plans forgets what entries replay.
+        attend.FORWARD_PLANS.clear()
+        before = attend.FORWARD_PLANS.replays
+        flashattn.flash_attn_func(q, k, v)
+        if attend.FORWARD_PLANS.replays != before:
+            return failed("an entry replayed a forgotten plan")
+    # Outside the stub, CPU tensors never take the fast path (their path's choice may change).
+    before = attend.FORWARD_PLANS.replays
+    flashattn.flash_attn_func(q, k, v)
+    if attend.FORWARD_PLANS.replays != before:
+        return failed("CPU tensors outside the stub replayed")
+    print("fast path checked")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    raise SystemExit(main())
