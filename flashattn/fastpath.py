@@ -23,9 +23,11 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .backends.spec import AttentionSpec, Saved
+from . import kvcache as cache_ops
+from .backends.spec import AttentionSpec, Saved, cache_launch_keys
 from .backends.triton import stubbed_device
 from .batching import under_transform
+from .checks import on_device
 
 _TENSORS = (Tensor, torch.nn.Parameter)
 # Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
@@ -173,4 +175,129 @@ def learn(key: tuple, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> N
 def clear() -> None:
     """Forget every entry (the next calls take the full way)."""
     _ENTRIES.clear()
+    _CACHE_ENTRIES.clear()
 
+
+
+# --- flash_attn_with_kvcache ---------------------------------------------------------------------------------------
+# A decode step: the same signature at every step of a generation, only the lengths move. The key holds what the
+# checks and the launch depend on; an int cache_seqlens is checked here (two comparisons) and keyed by the key
+# count its launch is sized for (``spec.cache_launch_keys``); index tensors are checked on the device
+# (``checks.on_device``) and new keys appended, both as on the full way.
+
+
+class CacheEntry:
+    """Everything decided for one ``flash_attn_with_kvcache`` signature: the forward's plan, where the cache's
+    bounds go among its inputs (``slots``: k_start, k_end, batch_idx, block_table), the sizes the device check
+    takes, and the path's plan context it holds under."""
+
+    __slots__ = ("context", "forward", "inputs", "path", "sizes", "slots")
+
+    def __init__(self, path, forward, context: tuple, *, inputs: list, slots: tuple, sizes):
+        self.path, self.forward, self.context = path, forward, context
+        self.inputs, self.slots, self.sizes = inputs, slots, sizes
+
+
+_CACHE_ENTRIES: dict[tuple, CacheEntry] = {}
+
+
+def _signature(t: Tensor | None) -> tuple | None:
+    return t if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
+    """(the call's key, its result) for ``flash_attn_with_kvcache``: ``given`` = (q, k_cache, v_cache, k, v),
+    ``indices`` = (cache_leftpad, cache_batch_idx, block_table), ``options`` = (softmax_scale, causal,
+    window_size, softcap, num_splits, return_softmax_lse) and ``absent`` what the fast path leaves to the full way
+    (rotary, ALiBi, sinks, FP8 scales: all must be None). As ``flash``: the result is None where the fast path does
+    not run the call, the key None where it never will."""
+    if any(a is not None for a in absent):
+        return None, None
+    q, k_cache, v_cache, k, _ = given
+    tensors = (*given, *indices)
+    if type(q) not in _TENSORS or type(k_cache) not in _TENSORS or type(v_cache) not in _TENSORS or any(
+            t is not None and type(t) not in _TENSORS for t in tensors[3:]):
+        return None, None
+    stubbed = stubbed_device()
+    if not (q.is_cuda or stubbed is not None) or under_transform():
+        return None, None
+    scale, causal, window, softcap, num_splits, return_lse = options
+    if not ((scale is None or type(scale) in _REALS) and type(causal) is bool and type(softcap) in _REALS
+            and type(num_splits) is int and type(return_lse) is bool and type(window) is tuple and len(window) == 2
+            and type(window[0]) is int and type(window[1]) is int):
+        return None, None
+    table = indices[2]
+    if k_cache.dim() != 4 or (k is not None and k.dim() != 4) or (table is not None and table.dim() != 2):
+        return None, None
+    new = 0 if k is None else k.shape[1]
+    capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
+    if type(cache_seqlens) is int:
+        if not 0 <= cache_seqlens <= capacity - new:
+            return None, None  # the full way says what is wrong
+        keys, lengths = cache_launch_keys(cache_seqlens + new, capacity), "int"
+    elif cache_seqlens is None or type(cache_seqlens) in _TENSORS:
+        keys, lengths = capacity, _signature(cache_seqlens)  # lengths on the device: launches sized for them all
+    else:
+        return None, None
+    try:
+        key = (*map(_signature, tensors), lengths, keys, options, backends.requested_by(), stubbed)
+    except RuntimeError:  # no strides or storage: the full way's checks say what it is
+        return None, None
+    entry = _CACHE_ENTRIES.get(key)
+    if entry is None or entry.path.plan_context() != entry.context:
+        return key, None
+    return key, _decode(entry, given, cache_seqlens, indices, return_lse)
+
+
+def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, return_lse: bool):
+    """The call of a known signature: its lengths as a tensor, the device check, the append, the plan."""
+    q, k_cache, v_cache, k, v = given
+    leftpad, batch_idx, table = indices
+    sizes = entry.sizes
+    seqlens = cache_seqlens
+    if type(cache_seqlens) is int or cache_seqlens is None:  # None: the whole cache
+        length = sizes.capacity if cache_seqlens is None else cache_seqlens
+        seqlens = torch.full((sizes.batch,), length, dtype=torch.int32, device=q.device)
+    if type(cache_seqlens) is not int or leftpad is not None or batch_idx is not None or table is not None:
+        # The values on the device are checked there; an int length was checked in ``kvcache``.
+        checked = None if cache_seqlens is None else seqlens
+        if checked is not None or leftpad is not None or batch_idx is not None or table is not None:
+            on_device.check_cache("flash_attn_with_kvcache", (checked, leftpad, batch_idx, table), sizes)
+    if k is not None:
+        with torch.no_grad():
+            cache_ops.append(k_cache, v_cache, k, v, at=seqlens, batch_idx=batch_idx, block_table=table)
+            seqlens = seqlens + sizes.new  # the keys attended end past the new ones
+    inputs = list(entry.inputs)  # a plan's launches record nothing for autograd
+    start, end, rows, pages = entry.slots
+    inputs[start], inputs[end], inputs[rows], inputs[pages] = leftpad, seqlens, batch_idx, table
+    entry.path.FORWARD_PLANS.replays += 1
+    out, lse = entry.forward.run(inputs, q.device)
+    return (out, lse) if return_lse else out
+
+
+def learn_kvcache(key: tuple, call) -> None:
+    """After the full way ran a ``flash_attn_with_kvcache`` call of ``key`` (checked: ``call``, a
+    ``checks.KVCacheCall`` of the caller's own tensors), keep an entry for its signature once the triton path
+    holds its plan."""
+    import dataclasses
+
+    spec = call.spec
+    if call.rotary is not None or spec.descale is not None or backends.choose(
+            call.q, call.k_cache, call.v_cache, spec) != "triton":
+        return
+    path = backends.get("triton")
+    context = path.plan_context()
+    plan = None if context is None else path.forward_plan(call.q, call.k_cache, call.v_cache, spec)
+    if plan is None:
+        return
+    # Where the cache's bounds sit among the plan's inputs: found by planting markers in a copy of the spec.
+    markers = [torch.empty(0) for _ in range(4)]
+    marked = dataclasses.replace(spec, cache=dataclasses.replace(
+        spec.cache, k_start=markers[0], k_end=markers[1], batch_idx=markers[2], block_table=markers[3]))
+    inputs = [call.q, call.k_cache, call.v_cache, *path.plan_tensors(marked)]
+    slots = tuple(next(i for i, t in enumerate(inputs) if t is m) for m in markers)
+    for i in slots:
+        inputs[i] = None
+    if len(_CACHE_ENTRIES) >= LIMIT:
+        _CACHE_ENTRIES.clear()
+    _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, inputs=inputs, slots=slots, sizes=call.sizes)

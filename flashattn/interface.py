@@ -342,6 +342,14 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         >>> out.shape, bool(k_cache[0, 10].eq(k[0, 0]).all())
         (torch.Size([2, 1, 8, 32]), True)
     """
+    key = None
+    if not torch.compiler.is_compiling():  # a signature seen before: its launches directly (fastpath.py)
+        key, result = fastpath.kvcache(
+            (q, k_cache, v_cache, k, v), cache_seqlens, (cache_leftpad, cache_batch_idx, block_table),
+            (softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse),
+            (rotary_cos, rotary_sin, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale))
+        if result is not None:
+            return result
     call = checks.check_kvcache(
         "flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
@@ -349,6 +357,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
         num_splits=num_splits, return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    learnable = key is not None and all(a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k),
+                                                               (q, k_cache, v_cache, k), strict=True))
     with torch.no_grad():
         q, k = call.q, call.k
         if call.rotary is not None:
@@ -364,6 +374,8 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
             kvcache.append(call.k_cache, call.v_cache, k, call.v, at=call.cache_seqlens, batch_idx=cache.batch_idx,
                            block_table=cache.block_table, descale=None if scales is None else (scales.k, scales.v))
         out, lse, _ = attention(q, call.k_cache, call.v_cache, call.spec)
+    if learnable:
+        fastpath.learn_kvcache(key, call)
     return (out, lse) if return_softmax_lse else out
 
 

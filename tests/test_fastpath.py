@@ -38,8 +38,10 @@ def _launched(torch, launches, call):
 
 def _plain(torch, a):
     """A launch argument as a comparable value: a tensor by its storage and layout, a descriptor by its fields."""
-    if isinstance(a, torch.Tensor):
-        return ("tensor", a.untyped_storage().data_ptr() if a.numel() else 0, tuple(a.shape), a.stride(), a.dtype)
+    if isinstance(a, torch.Tensor):  # small integer tensors (lengths, offsets, tables) by their values too
+        values = a.tolist() if a.numel() <= 32 and not a.is_floating_point() else None
+        return ("tensor", a.untyped_storage().data_ptr() if a.numel() else 0, tuple(a.shape), a.stride(), a.dtype,
+                values)
     if type(a).__name__ == "TensorDescriptor":
         return ("descriptor", _plain(torch, a.base), tuple(a.shape), tuple(a.strides), tuple(a.block_shape))
     return a
@@ -55,6 +57,67 @@ def _same_but_fresh(torch, full, fast, inputs) -> bool:
                             else a for a in args]
 
     return [norm(x) for x in full] == [norm(x) for x in fast]
+
+
+def _decode_steps(torch, flashattn, launches, failed) -> int:
+    """flash_attn_with_kvcache: each kind of decode step, fast, launches what the full path launches (the device
+    check of its index values included), with new lengths every step; a bad int length is still an error."""
+    from flashattn import fastpath
+    from flashattn.backends.triton import attend, plans
+
+    bf16, g = torch.bfloat16, torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=bf16)
+
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    q, k_cache, v_cache = randn(2, 1, 8, 128), randn(3, 1024, 2, 128), randn(3, 1024, 2, 128)
+    pages_k, pages_v = randn(16, 64, 2, 128), randn(16, 64, 2, 128)
+    table = torch.randperm(16, generator=g).to(torch.int32).view(2, 8)
+    new = [randn(2, 1, 2, 128), randn(2, 1, 2, 128)]
+    kinds = {
+        "int lengths": lambda n: {"cache_seqlens": n, "causal": True},
+        "tensor lengths": lambda n: {"cache_seqlens": i32(n, n - 7)},
+        "left padding and cache rows": lambda n: {"cache_seqlens": i32(n, n - 7), "cache_leftpad": i32(3, 0),
+                                                  "cache_batch_idx": i32(2, 0)},
+        "int length, left padding": lambda n: {"cache_seqlens": n, "cache_leftpad": i32(0, 5)},
+        "paged": lambda n: {"cache_seqlens": i32(n, n - 7), "block_table": table},
+        "appending": lambda n: {"cache_seqlens": i32(n, n - 7), "new": True, "causal": True},
+        "paged, appending, lse": lambda n: {"cache_seqlens": i32(n, 3), "block_table": table, "new": True,
+                                            "return_softmax_lse": True},
+        "three splits": lambda n: {"cache_seqlens": n, "num_splits": 3},
+    }
+    for name, arguments in kinds.items():
+        def step(n, arguments=arguments):
+            kwargs = arguments(n)
+            paged = "block_table" in kwargs
+            caches = (pages_k, pages_v) if paged else (k_cache, v_cache)
+            added = new if kwargs.pop("new", False) else []
+            return flashattn.flash_attn_with_kvcache(q, *caches, *added, **kwargs)
+
+        step(300)
+        step(301)  # its plan is found and kept as an entry
+        with plans.disabled():
+            full = _launched(torch, launches, lambda: step(302))
+        before = attend.FORWARD_PLANS.replays
+        fast = _launched(torch, launches, lambda: step(302))
+        if attend.FORWARD_PLANS.replays != before + 1:
+            return failed(f"decode, {name}: not replayed")
+        inputs = [q, k_cache, v_cache, pages_k, pages_v, table, *new]
+        if not _same_but_fresh(torch, full, fast, inputs):
+            return failed(f"decode, {name}: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
+    if not fastpath._CACHE_ENTRIES:
+        return failed("no decode entry kept")
+    try:  # past the capacity, beside an entry of the same signature
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1025, causal=True)
+    except ValueError as e:
+        if "cache_seqlens" not in str(e):
+            return failed(f"a length past the cache: {e}")
+    else:
+        return failed("a length past the cache passed")
+    return 0
 
 
 def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
@@ -152,6 +215,9 @@ def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
         flashattn.flash_attn_func(q, k, v)
         if attend.FORWARD_PLANS.replays != before:
             return failed("an entry replayed a forgotten plan")
+        status = _decode_steps(torch, flashattn, launches, failed)
+        if status:
+            return status
     # Outside the stub, CPU tensors never take the fast path (their path's choice may change).
     before = attend.FORWARD_PLANS.replays
     flashattn.flash_attn_func(q, k, v)

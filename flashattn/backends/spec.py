@@ -60,6 +60,18 @@ class Varlen:
         return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(self.batch)]
 
 
+def cache_launch_keys(longest: int, capacity: int) -> int:
+    """The key count a KV-cache call's launch is sized for: the longest sequence's keys rounded up to a power of
+    two, at most the cache's ``capacity`` (positions per sequence). Kernels bound each sequence by its own length,
+    so a larger count only adds split programs that find no keys; rounding keeps one launch (and one launch plan)
+    for many steps of a growing cache instead of one per length.
+
+        >>> cache_launch_keys(1000, 4096), cache_launch_keys(3000, 2048)
+        (1024, 2048)
+    """
+    return min(capacity, 1 << max(0, longest - 1).bit_length()) if longest > 0 else 0
+
+
 @dataclass(frozen=True, eq=False)
 class KeyCache:
     """Where each batch entry's keys and values live in a KV cache (inference; there is no backward).

@@ -49,6 +49,7 @@ class KVCacheCall:
     rotary: tuple[torch.Tensor, torch.Tensor] | None
     rotary_interleaved: bool
     q_positions_advance: bool
+    sizes: CacheSizes | None = None  # what the index values must fit (``values.check_cache_values``)
 
 
 class _Structure(NamedTuple):
@@ -138,7 +139,7 @@ def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
         q, a["k_cache"], a["v_cache"], a["k"], a["v"], dataclasses.replace(structure.spec, cache=cache),
         cache_seqlens=seqlens,
         rotary=rotary, rotary_interleaved=structure.rotary_interleaved,
-        q_positions_advance=structure.local,
+        q_positions_advance=structure.local, sizes=sizes,
     )
 
 

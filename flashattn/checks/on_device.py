@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.triton import _stubbed, stubbed_device  # the path's declaration only: no triton is loaded
 from .values import CacheSizes, VarlenSizes
 
 
@@ -25,8 +26,6 @@ def values_on_host(*tensors: torch.Tensor | None) -> bool:
     """Whether the values of ``tensors`` can be read without a device-to-host copy: all on the CPU, outside a
     stubbed GPU (where CPU tensors stand for a GPU's: ``flashattn.backends.triton.stub``). True when all are
     None."""
-    from ..backends.triton import stubbed_device
-
     present = [t for t in tensors if t is not None]
     return not present or (all(t.device.type == "cpu" for t in present) and stubbed_device() is None)
 
@@ -72,8 +71,6 @@ def _launch(kernel, args: tuple, device: torch.device) -> None:
     the arguments costs more host time than the check. The kernels take no specialization from their integer and
     pointer values (``do_not_specialize``), so the compiled kernel depends only on which tensors are absent, the
     constants (the last three arguments), the device and the target."""
-    from ..backends.triton import _stubbed
-
     if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             return _launch(kernel, args, device)

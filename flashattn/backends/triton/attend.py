@@ -93,6 +93,11 @@ def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> plans.Plan |
     return None if planned is None else _BACKWARD_PLANS.get(planned[0])
 
 
+def plan_tensors(spec: AttentionSpec) -> list:
+    """The spec's tensors as a forward plan takes them after q, k and v (``plans.spec_tensors``)."""
+    return plans.spec_tensors(spec)[0]
+
+
 def plan_context() -> tuple | None:
     """What besides a call's arguments decides whether it is planned and how (``plans.context``); None where no
     call is (the interpreter, ``compile_only``, plans off). A kept plan is replayed only while this is unchanged."""

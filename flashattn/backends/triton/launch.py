@@ -19,7 +19,7 @@ import torch
 
 from ...errors import ArgumentError
 from ..memo import PerTensor
-from ..spec import AttentionSpec, BlockSparse
+from ..spec import AttentionSpec, BlockSparse, cache_launch_keys
 from . import configs, interpreting, plans, stubbed_device, tma
 from .kernels import BlockLists, merge_splits_kernel
 
@@ -147,16 +147,8 @@ class CallShape:
 
 
 def cache_keys(longest: int, k: torch.Tensor, block_table: torch.Tensor | None) -> int:
-    """The key count a KV-cache call's launch is sized for: the longest sequence's keys rounded up to a power of
-    two, at most the cache's capacity. The kernels bound each sequence by its own length, so a larger count only
-    adds split programs that find no keys; rounding keeps one launch (and one launch plan, ``plans.py``) for many
-    steps of a growing cache instead of one per length.
-
-        >>> cache_keys(1000, torch.empty(1, 4096, 1, 8), None), cache_keys(3000, torch.empty(1, 2048, 1, 8), None)
-        (1024, 2048)
-    """
-    capacity = k.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    return min(capacity, 1 << max(0, longest - 1).bit_length()) if longest > 0 else 0
+    """``spec.cache_launch_keys`` for the cache ``k`` (dense, or paged through ``block_table``)."""
+    return cache_launch_keys(longest, k.shape[1] * (block_table.shape[1] if block_table is not None else 1))
 
 
 class QueryRows:
