@@ -267,7 +267,7 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
         with torch.no_grad():
             cache_ops.append(k_cache, v_cache, k, v, at=seqlens, batch_idx=batch_idx, block_table=table)
             seqlens = seqlens + sizes.new  # the keys attended end past the new ones
-    inputs = list(entry.inputs)  # a plan's launches record nothing for autograd
+    inputs = [q, k_cache, v_cache, *entry.inputs]  # a plan's launches record nothing for autograd
     start, end, rows, pages = entry.slots
     inputs[start], inputs[end], inputs[rows], inputs[pages] = leftpad, seqlens, batch_idx, table
     entry.path.FORWARD_PLANS.replays += 1
@@ -294,10 +294,9 @@ def learn_kvcache(key: tuple, call) -> None:
     markers = [torch.empty(0) for _ in range(4)]
     marked = dataclasses.replace(spec, cache=dataclasses.replace(
         spec.cache, k_start=markers[0], k_end=markers[1], batch_idx=markers[2], block_table=markers[3]))
-    inputs = [call.q, call.k_cache, call.v_cache, *path.plan_tensors(marked)]
-    slots = tuple(next(i for i, t in enumerate(inputs) if t is m) for m in markers)
-    for i in slots:
-        inputs[i] = None
+    inputs = path.plan_tensors(marked)  # after q, k_cache and v_cache, which each call brings (none kept here)
+    slots = tuple(3 + next(i for i, t in enumerate(inputs) if t is m) for m in markers)
+    inputs = [None if any(t is m for m in markers) else t for t in inputs]
     if len(_CACHE_ENTRIES) >= LIMIT:
         _CACHE_ENTRIES.clear()
     _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, inputs=inputs, slots=slots, sizes=call.sizes)

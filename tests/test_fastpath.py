@@ -90,22 +90,23 @@ def _decode_steps(torch, flashattn, launches, failed) -> int:
         "three splits": lambda n: {"cache_seqlens": n, "num_splits": 3},
     }
     for name, arguments in kinds.items():
-        def step(n, arguments=arguments):
+        def step(n, tensors, arguments=arguments):
             kwargs = arguments(n)
-            paged = "block_table" in kwargs
-            caches = (pages_k, pages_v) if paged else (k_cache, v_cache)
+            query, dense_k, dense_v, paged_k, paged_v = tensors
+            caches = (paged_k, paged_v) if "block_table" in kwargs else (dense_k, dense_v)
             added = new if kwargs.pop("new", False) else []
-            return flashattn.flash_attn_with_kvcache(q, *caches, *added, **kwargs)
+            return flashattn.flash_attn_with_kvcache(query, *caches, *added, **kwargs)
 
-        step(300)
-        step(301)  # its plan is found and kept as an entry
+        step(300, (q, k_cache, v_cache, pages_k, pages_v))
+        step(301, (q, k_cache, v_cache, pages_k, pages_v))  # its plan is found and kept as an entry
+        fresh = [t.clone() for t in (q, k_cache, v_cache, pages_k, pages_v)]  # another call's tensors
         with plans.disabled():
-            full = _launched(torch, launches, lambda: step(302))
+            full = _launched(torch, launches, lambda fresh=fresh: step(302, fresh))
         before = attend.FORWARD_PLANS.replays
-        fast = _launched(torch, launches, lambda: step(302))
+        fast = _launched(torch, launches, lambda fresh=fresh: step(302, fresh))
         if attend.FORWARD_PLANS.replays != before + 1:
             return failed(f"decode, {name}: not replayed")
-        inputs = [q, k_cache, v_cache, pages_k, pages_v, table, *new]
+        inputs = [*fresh, table, *new]
         if not _same_but_fresh(torch, full, fast, inputs):
             return failed(f"decode, {name}: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
     if not fastpath._CACHE_ENTRIES:
