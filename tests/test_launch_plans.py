@@ -27,6 +27,25 @@ def test_replayed_launches_equal_the_full_path():
     assert "cases replayed: " in done.stdout, done.stdout
 
 
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_a_view_of_inputs_sharing_a_storage_is_not_planned():
+    """k and v unbound from one kv tensor share a storage: a view the call makes of either cannot be told from a
+    view of the other, and a later call of the same signature may bring them apart, so no plan is made."""
+    import torch
+
+    from flashattn.backends.triton import plans
+
+    kv = torch.randn(4, 2, 8)
+    k, v = kv.unbind(1)
+    slot, _ = plans._tracer([k, v], [], set())
+    assert slot(k) == ("in", 0, None) and slot(v) == ("in", 1, None)  # the inputs themselves: known
+    with pytest.raises(plans._Untraceable):
+        slot(v[None])
+    k2, v2 = k.clone(), v.clone()
+    apart, _ = plans._tracer([k2, v2], [], set())
+    assert apart(v2[None])[:2] == ("in", 1)  # on their own storages, a view is traced to its input
+
+
 # --- the check itself, run as a script ------------------------------------------------------------------------------
 
 
@@ -125,6 +144,8 @@ def _describe(torch, args, inputs):
 
 
 def main() -> int:
+    import contextlib
+
     import torch
 
     import flashattn
@@ -171,6 +192,23 @@ def main() -> int:
         if len(attend._FORWARD_PLANS) - before != 1:
             print(f"FAILED: a growing cache made {len(attend._FORWARD_PLANS) - before} plans")
             return 1
+        # k and v on one storage (unbound from a packed kv) when a plan is recorded, then on two of the same
+        # strides: the replay must read each from its own tensor.
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(150, 4, 64, generator=g, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 50, 51, 150], dtype=torch.int32)
+        kv = torch.randn(150, 2, 2, 64, generator=g, dtype=torch.bfloat16)
+        apart = [torch.randn(150, 2, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2)]
+        for k_, v_ in ((kv[:, 0], kv[:, 1]), (kv[:, 0], kv[:, 1]), (apart[0][:, 0], apart[1][:, 1])):
+            seen = {}
+            for mode in ("full", "replay"):
+                launches.clear()
+                with plans.disabled() if mode == "full" else contextlib.nullcontext():
+                    flashattn.flash_attn_varlen_func(q, k_, v_, cu, cu, 99, 99, causal=True)
+                seen[mode] = [(n, gr, _describe(torch, a, [q, k_, v_, cu])) for n, gr, a in launches.arguments]
+            if seen["full"] != seen["replay"]:
+                print("FAILED k and v on one storage, then on two")
+                return 1
         # FLASHATTN_LAUNCH_PLANS=0: the full launch code every time.
         os.environ["FLASHATTN_LAUNCH_PLANS"] = "0"
         call, _ = _cases(torch, flashattn)["dense causal GQA"](3)

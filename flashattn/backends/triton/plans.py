@@ -196,10 +196,14 @@ def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tenso
     """Slots for tensor arguments: inputs and outputs by storage; a buffer the call allocated (``scratch``) a
     workspace, allocated anew per call."""
     storages: dict[int, _Storage] = {}
+    shared: set[int] = set()  # storages of two or more inputs (k and v unbound from one kv tensor)
     for kind, tensors in (("in", inputs), ("out", outputs)):
         for i, t in enumerate(tensors):
-            if t is not None and t.numel() and _storage_of(t) not in storages:
-                storages[_storage_of(t)] = _Storage(kind, i, t)
+            if t is not None and t.numel():
+                if _storage_of(t) in storages:
+                    shared.add(_storage_of(t))
+                else:
+                    storages[_storage_of(t)] = _Storage(kind, i, t)
     workspaces: list[torch.Tensor] = []
 
     def slot(t: torch.Tensor) -> tuple:
@@ -208,6 +212,10 @@ def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tenso
                 if known is t:
                     return kind, i, None
         found = storages.get(_storage_of(t))
+        if _storage_of(t) in shared:
+            # A view of one of several inputs on one storage: which one it views is not known, and a later call
+            # of the same signature may bring them on separate storages.
+            raise _Untraceable
         if found is None:
             if _storage_of(t) not in scratch:
                 raise _Untraceable
