@@ -1,14 +1,19 @@
 """The in-place append of new keys and values to a KV cache (dense or paged), before attending it.
 
-Plain torch ops on the new tokens, on any device; the attention itself is ``flashattn.ops.attention`` with
-``AttentionSpec.cache`` set, and rotary embeddings are in ``flashattn.rotary``.
+On a GPU (with triton) one kernel launch (``kvcache_kernel.py``); elsewhere, and for an FP8 cache fed 16-bit keys
+(quantized on the way), plain torch ops on the new tokens. The attention itself is ``flashattn.ops.attention``
+with ``AttentionSpec.cache`` set, and rotary embeddings are in ``flashattn.rotary``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
+from .backends import direct
+from .backends.triton import installed, interpreting, stubbed_device
 from .quantize import to_fp8
 from .rotary import positions
 
@@ -27,6 +32,9 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
         >>> cache.flatten(1).tolist()
         [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
     """
+    if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and k.numel() and _kernel_serves(k_cache):
+        append_by_kernel(k_cache, v_cache, k, v, at=at, batch_idx=batch_idx, block_table=block_table)
+        return
     pos = positions(at, k.shape[1])
     if block_table is not None:
         page_size = k_cache.shape[1]
@@ -38,3 +46,31 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
         k, v = to_fp8(k, descale[0], k_cache.dtype), to_fp8(v, descale[1], v_cache.dtype)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
+
+
+def _kernel_serves(cache: Tensor) -> bool:
+    """Whether the append kernel writes into ``cache``: a GPU's (or a stubbed one's) with triton, not its
+    interpreter."""
+    return (cache.is_cuda or stubbed_device() is not None) and not interpreting() and _installed()
+
+
+_installed = functools.cache(installed)
+
+
+def append_by_kernel(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor,
+                     batch_idx: Tensor | None = None, block_table: Tensor | None = None) -> None:
+    """``append`` as one launch of ``kvcache_kernel.append_kernel`` (k, v of the caches' dtypes)."""
+    from .kvcache_kernel import append_kernel
+
+    batch, new, heads, head_dim = k.shape
+    paged = block_table is not None
+    capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    args = (k, v, k_cache, v_cache, at, None if paged else batch_idx, block_table, *k.stride(), *v.stride(),
+            *k_cache.stride(), *v_cache.stride(), block_table.stride(0) if paged else 0, new, heads, head_dim,
+            v.shape[3], capacity, k_cache.shape[0], k_cache.shape[1],
+            _power_of_two(heads), _power_of_two(head_dim), _power_of_two(v.shape[3]))
+    direct.launch(append_kernel, (batch * new, 1, 1), args, device=k.device, constants=3)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.triton import _stubbed, stubbed_device  # the path's declaration only: no triton is loaded
+from ..backends.direct import launch
+from ..backends.triton import stubbed_device  # the path's declaration only: no triton is loaded
 from .values import CacheSizes, VarlenSizes
 
 
@@ -46,7 +47,8 @@ def check_cache(fn: str, tensors: tuple, sizes: CacheSizes, *, errors: torch.Ten
     args = (*tensors, errors, sizes.batch, sizes.capacity, sizes.new, sizes.cache_rows, sizes.num_pages,
             sizes.page_size, pages_per_seq, 0 if table is None else table.stride(0), rotary, sizes.rotary_reach,
             fn, _block(sizes.batch, 16, 64), _block(pages_per_seq, 16, 64))
-    _launch(device_kernels.check_cache_kernel, args, next(t for t in tensors if t is not None).device)
+    launch(device_kernels.check_cache_kernel, (1, 1, 1), args, device=next(t for t in tensors if t is not None).device,
+           constants=3)
 
 
 def check_varlen(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
@@ -60,50 +62,7 @@ def check_varlen(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
             -1 if sizes.total_k is None else sizes.total_k, sizes.max_q, sizes.max_k, sizes.num_pages,
             sizes.page_size, pages_per_seq, 0 if block_table is None else block_table.stride(0),
             fn, _block(batch + 1, 16, 64), _block(pages_per_seq, 16, 64))
-    _launch(device_kernels.check_varlen_kernel, args, cu_seqlens_q.device)
-
-
-_COMPILED: dict[tuple, tuple] = {}  # (kernel, absent tensors, constants, device, stubbed GPU) -> its launcher
-
-
-def _launch(kernel, args: tuple, device: torch.device) -> None:
-    """``kernel[(1,)](*args)``, through the compiled kernel's launcher once it is known: Triton's own binding of
-    the arguments costs more host time than the check. The kernels take no specialization from their integer and
-    pointer values (``do_not_specialize``), so the compiled kernel depends only on which tensors are absent, the
-    constants (the last three arguments), the device and the target."""
-    if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            return _launch(kernel, args, device)
-    key = (id(kernel), args[0] is None, args[1] is None, args[2] is None, args[3] is None, args[4] is None,
-           *args[-3:], device, _stubbed.get())
-    launcher = _COMPILED.get(key)
-    if launcher is None:
-        launcher = _compile(kernel, args)
-        if launcher is None:  # the interpreter ran it
-            return
-        _COMPILED[key] = launcher
-        return
-    compiled, driver, knobs = launcher
-    stream = driver.active.get_current_stream(driver.active.get_current_device())
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
-    hooked = getattr(enter, "calls", enter is not None) or getattr(leave, "calls", leave is not None)
-    meta = compiled.launch_metadata((1, 1, 1), stream, *args) if hooked else None
-    compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
-
-
-def _compile(kernel, args: tuple) -> tuple | None:
-    """Run ``kernel`` once through Triton (compiling it) and return what launches it directly, or None under the
-    interpreter."""
-    from triton import knobs
-    from triton.runtime import driver
-
-    from ..backends.triton import interpreting
-
-    compiled = kernel[(1,)](*args)
-    if interpreting():
-        return None
-    return compiled, driver, knobs
+    launch(device_kernels.check_varlen_kernel, (1, 1, 1), args, device=cu_seqlens_q.device, constants=3)
 
 
 def describe(fn: str, record: list[int]) -> str | None:

@@ -1,0 +1,47 @@
+"""Launching a small Triton kernel without Triton's per-call argument binding.
+
+``kernel[grid](*args)`` specializes every argument (integers equal to 1 or divisible by 16, pointer alignment) to
+find the compiled kernel: tens of microseconds of host time, more than a small kernel takes on a GPU. A kernel
+declared with ``do_not_specialize`` for all its integer and pointer arguments compiles to one binary per pattern of
+absent (None) tensors and constants, so ``launch`` compiles it once through Triton and calls that binary's launcher
+directly after. Used by the device checks of index values (``flashattn.checks.on_device``) and the KV-cache append
+(``flashattn.kvcache``); works under the offline stub driver (``backends.triton.stub``), and under Triton's
+interpreter (where every call runs through Triton).
+
+Example::
+
+    launch(check_cache_kernel, (1,), args, device=q.device, constants=3)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton import _stubbed, interpreting
+
+_COMPILED: dict[tuple, tuple] = {}  # (kernel, absent tensors, constants, device, stubbed GPU) -> its launcher
+
+
+def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.device, constants: int) -> None:
+    """``kernel[grid](*args)``; the last ``constants`` arguments are its ``tl.constexpr`` ones (hashable), the
+    others tensors, None or integers it does not specialize on."""
+    if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return launch(kernel, grid, args, device=device, constants=constants)
+    key = (id(kernel), *(a is None for a in args), *args[-constants:], device, _stubbed.get())
+    launcher = _COMPILED.get(key)
+    if launcher is None:
+        compiled = kernel[grid](*args)
+        if not interpreting():
+            from triton import knobs
+            from triton.runtime import driver
+
+            _COMPILED[key] = compiled, driver, knobs
+        return
+    compiled, driver, knobs = launcher
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
+    hooked = getattr(enter, "calls", enter is not None) or getattr(leave, "calls", leave is not None)
+    meta = compiled.launch_metadata(grid, stream, *args) if hooked else None
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
