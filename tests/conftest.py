@@ -28,6 +28,20 @@ TRITON = importlib.util.find_spec("triton") is not None
 
 
 INTERPRETED = not GPU and os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_compiled(script: str, *, timeout: int = 280) -> str:
+    """Run ``script`` (a path) in a process without Triton's interpreter, where kernels compile for a GPU (the
+    stubbed launches of ``flashattn.backends.triton.stub``); assert it exits 0 and return what it printed."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
 PATHS = ("triton", "cpu", "torch")
 FLOAT64_PATHS = ("cpu", "torch")  # the Triton kernels take no float64: tests of float64 exactness run on these
 # Under the interpreter a call costs about 0.1 ms per score element (forward and backward, batch x heads x Nq x Nk):

@@ -7,23 +7,17 @@ the kernels compiled for sm_90 and stubbed launches, in a process without Triton
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from triton_versions import TRITON_MISSING
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_compiled
 
 
 @pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
 def test_the_fast_path_launches_what_the_full_path_launches():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "fast path checked" in done.stdout, done.stdout
+    out = run_compiled(__file__)
+    assert "fast path checked" in out, out
 
 
 # --- the check itself, run as a script ------------------------------------------------------------------------------
