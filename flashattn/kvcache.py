@@ -50,8 +50,9 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
 
 def _kernel_serves(cache: Tensor) -> bool:
     """Whether the append kernel writes into ``cache``: a GPU's (or a stubbed one's) with triton, not its
-    interpreter."""
-    return (cache.is_cuda or stubbed_device() is not None) and not interpreting() and _installed()
+    interpreter, in eager mode (torch.compile traces the torch ops, which it fuses itself)."""
+    return (not torch.compiler.is_compiling() and (cache.is_cuda or stubbed_device() is not None)
+            and not interpreting() and _installed())
 
 
 _installed = functools.cache(installed)
