@@ -8,8 +8,8 @@ path at the same seed), ``block-mask`` (the three kernels walking a FlexAttentio
 ``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries) and ``fp8-matmul`` (q, k, v in
 e4m3fn: FP8 tensor-core matmuls with P rounded, judged against float64 with P rounded alike), ``fp8-train`` (the
 training mode, fp8=True: bf16 inputs quantized by the call, forward and backward) and ``fp8-backward`` (the same
-with ``FLASHATTN_FP8_BACKWARD=1``: S and dP on FP8 tensor cores, dO in e4m3). Shapes are odd on
-purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
+with ``FLASHATTN_FP8_BACKWARD=1``: S and dP on FP8 tensor cores, dO in e4m3), ``decode-graph`` (``graph_case.py``).
+Shapes are odd on purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
 
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
 error names the case that caused it, and the worker restarts with a fresh CUDA context) or ``declined`` (the
@@ -35,12 +35,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .graph_case import check_decode_graph
 from .plan import ROOT, TESTS
 
 KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train",
-           "fp8-backward")
-# Cases whose inputs are FP8 (or bf16 quantized to FP8) whatever the dtype: run under this one only.
-FP8_ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16", "fp8-backward": "bfloat16"}
+           "fp8-backward", "decode-graph")
+# Cases whose inputs are FP8 (or bf16 quantized to FP8) whatever the dtype, or that test no dtype: under this one.
+ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16", "fp8-backward": "bfloat16", "decode-graph": "bfloat16"}
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (128, 64, 256)
 RESTARTS = 3  # per worker, after a fault that may have broken its CUDA context
@@ -78,7 +79,7 @@ def cases(tiny: bool) -> list[Case]:
     dtypes, dims = (("float32", "bfloat16"), (16,)) if tiny else (DTYPES, HEAD_DIMS)
     return [Case(kernel, dtype, d, causal) for dtype in dtypes for d in dims for causal in (True, False)
             for kernel in KERNELS if not (kernel == "fp8-cache" and dtype == "float32")  # 16-bit q reads FP8
-            and FP8_ONCE.get(kernel, dtype) == dtype]
+            and ONCE.get(kernel, dtype) == dtype]
 
 
 @contextmanager
@@ -309,7 +310,8 @@ CHECKS = {"fwd+bwd": check_fwd_bwd, "dropout": check_dropout, "block-mask": chec
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),
           "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True),
           "fp8-matmul": check_fp8_matmul, "fp8-train": check_fp8_train,
-          "fp8-backward": lambda c, s, dev: check_fp8_train(c, s, dev, fp8_backward=True)}
+          "fp8-backward": lambda c, s, dev: check_fp8_train(c, s, dev, fp8_backward=True),
+          "decode-graph": lambda c, s, dev: check_decode_graph(c, s, dev, _oracle())}
 
 
 def run_case(case: Case, sizes: Sizes, device: str) -> dict:
@@ -436,9 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.out, args.jobs, args.tiny)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "wrong", "fault", "declined", "not run")}
     (args.out / "smoke.json").write_text(json.dumps({"counts": counts, "cases": rows}, indent=1))
-    for r in rows:
-        if r["status"] not in ("ok",):
-            print(f"{r['status']:>8}  {r['case']}: {r.get('reason', '')}")
+    for r in (r for r in rows if r["status"] != "ok"):
+        print(f"{r['status']:>8}  {r['case']}: {r.get('reason', '')}")
     print(matrix(rows))
     print(f"smoke: {len(rows)} cases in {time.perf_counter() - start:.0f} s: "
           + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
