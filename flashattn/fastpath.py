@@ -126,7 +126,9 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
     """(the call's key, its result) for ``flash_attn_func``'s q, k, v, its options (dropout_p, softmax_scale,
     causal, window_size, softcap, deterministic, return_attn_probs) and its optional arguments (``absent``: all
     must be None or False); the result is None where the fast path does not run the call, and the key None where
-    it never will (``learn`` needs it)."""
+    it never will (``learn`` needs it). Nothing is served under torch.compile, which traces the full way."""
+    if torch.compiler.is_compiling():
+        return None, None
     if type(q) not in _TENSORS or type(k) not in _TENSORS or type(v) not in _TENSORS:
         return None, None
     for given in absent:
@@ -155,6 +157,46 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
         return key, (_apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0])
     out, lse = _apply_planned(q, k, v, entry) if grad else entry.run(q, k, v)
     return key, (out, lse, None)
+
+
+def sdpa(query: object, key: object, value: object, attn_mask: object, options: tuple) -> tuple[tuple | None, object]:
+    """``flash`` for ``scaled_dot_product_attention`` with 4-D query, key and value (B, H, L, E) and no mask:
+    ``options`` = (dropout_p, is_causal, scale, enable_gqa). The call runs as its flash-layout views
+    (``q = query.transpose(1, 2)``), as the full way runs it, and its output is transposed back."""
+    if torch.compiler.is_compiling() or attn_mask is not None or any(
+            type(t) not in _TENSORS or t.dim() != 4 for t in (query, key, value)):
+        return None, None
+    dropout_p, causal, scale, gqa = options
+    if not (type(dropout_p) in _REALS and dropout_p == 0 and type(causal) is bool and type(gqa) is bool
+            and (scale is None or type(scale) in _REALS)):
+        return None, None
+    stubbed = stubbed_device()
+    if not (query.is_cuda or stubbed is not None) or under_transform():
+        return None, None
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    try:
+        signature = ("sdpa", *map(_signature, (query, key, value)), options, grad, backends.requested_by(), stubbed)
+    except RuntimeError:
+        return None, None
+    entry = _ENTRIES.get(signature)
+    if entry is None or entry.path.plan_context() != entry.context:
+        return signature, None
+    # As the checks make them (``checks.sdpa``): view(shape) gives a size-1 dim the stride the reshape does.
+    q, k, v = (t.view(t.shape).transpose(1, 2) for t in (query, key, value))
+    out = _apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0]
+    return signature, out.transpose(1, 2)
+
+
+def learn_sdpa(signature: tuple | None, call, query: Tensor, key: Tensor, value: Tensor) -> None:
+    """``learn`` for an SDPA call whose checked flash-layout tensors are its inputs' transposed views (none for a
+    call ``sdpa`` gave no signature)."""
+    if signature is None:
+        return
+    for flash, given in zip((call.q, call.k, call.v), (query, key, value), strict=True):
+        view = given.view(given.shape).transpose(1, 2)  # what ``sdpa`` will pass
+        if flash.data_ptr() != view.data_ptr() or flash.shape != view.shape or flash.stride() != view.stride():
+            return
+    learn(signature, call.q, call.k, call.v, call.spec)
 
 
 def learn(key: tuple, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> None:
@@ -211,7 +253,7 @@ def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent:
     window_size, softcap, num_splits, return_softmax_lse) and ``absent`` what the fast path leaves to the full way
     (rotary, ALiBi, sinks, FP8 scales: all must be None). As ``flash``: the result is None where the fast path does
     not run the call, the key None where it never will."""
-    if any(a is not None for a in absent):
+    if torch.compiler.is_compiling() or any(a is not None for a in absent):
         return None, None
     q, k_cache, v_cache, k, _ = given
     tensors = (*given, *indices)

@@ -106,13 +106,11 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
         >>> flash_attn_func(q, k, v, causal=True).shape
         torch.Size([2, 128, 8, 64])
     """
-    key = None
-    if not torch.compiler.is_compiling():  # a signature seen before: its launches directly (fastpath.py)
-        key, result = fastpath.flash(
-            q, k, v, (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs),
-            (alibi_slopes, learnable_sink, block_mask, q_descale, k_descale, v_descale, fp8))
-        if result is not None:
-            return result
+    key, result = fastpath.flash(  # a signature seen before: its launches directly (fastpath.py)
+        q, k, v, (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs),
+        (alibi_slopes, learnable_sink, block_mask, q_descale, k_descale, v_descale, fp8))
+    if result is not None:
+        return result
     options = checks.flash_arguments(
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
@@ -342,14 +340,12 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         >>> out.shape, bool(k_cache[0, 10].eq(k[0, 0]).all())
         (torch.Size([2, 1, 8, 32]), True)
     """
-    key = None
-    if not torch.compiler.is_compiling():  # a signature seen before: its launches directly (fastpath.py)
-        key, result = fastpath.kvcache(
-            (q, k_cache, v_cache, k, v), cache_seqlens, (cache_leftpad, cache_batch_idx, block_table),
-            (softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse),
-            (rotary_cos, rotary_sin, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale))
-        if result is not None:
-            return result
+    key, result = fastpath.kvcache(  # a signature seen before: its launches directly (fastpath.py)
+        (q, k_cache, v_cache, k, v), cache_seqlens, (cache_leftpad, cache_batch_idx, block_table),
+        (softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse),
+        (rotary_cos, rotary_sin, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale))
+    if result is not None:
+        return result
     call = checks.check_kvcache(
         "flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
@@ -409,6 +405,10 @@ def scaled_dot_product_attention(
         >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
         torch.Size([2, 8, 128, 64])
     """
+    signature, result = fastpath.sdpa(  # a signature seen before: its launches directly (fastpath.py)
+        query, key, value, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
+    if result is not None:
+        return result
     if checks.any_nested(query, key, value):  # jagged (B, H, j, E): the packed call of each sequence
         call = checks.check_nested_sdpa("scaled_dot_product_attention", query, key, value, attn_mask=attn_mask,
                                         dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -419,6 +419,7 @@ def scaled_dot_product_attention(
         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
     )
     out, _, _ = _run(call, return_probs=False)
+    fastpath.learn_sdpa(signature, call, query, key, value)
     return out.transpose(1, 2).reshape(*leading, *out.shape[1:2], out.shape[-1])
 
 

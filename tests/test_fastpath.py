@@ -34,7 +34,8 @@ def _plain(torch, a):
     """A launch argument as a comparable value: a tensor by its storage and layout, a descriptor by its fields."""
     if isinstance(a, torch.Tensor):  # small integer tensors (lengths, offsets, tables) by their values too
         values = a.tolist() if a.numel() <= 32 and not a.is_floating_point() else None
-        return ("tensor", a.untyped_storage().data_ptr() if a.numel() else 0, tuple(a.shape), a.stride(), a.dtype,
+        strides = tuple(st if n > 1 else None for n, st in zip(a.shape, a.stride(), strict=True))  # size-1: any
+        return ("tensor", a.untyped_storage().data_ptr() if a.numel() else 0, tuple(a.shape), strides, a.dtype,
                 values)
     if type(a).__name__ == "TensorDescriptor":
         return ("descriptor", _plain(torch, a.base), tuple(a.shape), tuple(a.strides), tuple(a.block_shape))
@@ -42,15 +43,62 @@ def _plain(torch, a):
 
 
 def _same_but_fresh(torch, full, fast, inputs) -> bool:
-    """The same launches, inputs in the same places, everything else (outputs, workspaces) laid out alike."""
+    """The same launches, inputs in the same places, everything else (outputs, workspaces, the descriptors over
+    them) laid out alike."""
     known = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def norm_arg(a):
+        if isinstance(a, tuple) and a[:1] == ("tensor",):
+            return (a[0], a[1] in known and a[1], *a[2:])
+        if isinstance(a, tuple) and a[:1] == ("descriptor",):
+            return (a[0], norm_arg(a[1]), *a[2:])
+        return a
 
     def norm(launch):
         name, grid, args = launch
-        return name, grid, [(a[0], a[1] in known and a[1], *a[2:]) if isinstance(a, tuple) and a[:1] == ("tensor",)
-                            else a for a in args]
+        return name, grid, [norm_arg(a) for a in args]
 
     return [norm(x) for x in full] == [norm(x) for x in fast]
+
+
+def _sdpa_calls(torch, flashattn, launches, failed) -> int:
+    """scaled_dot_product_attention (B, H, L, E), no mask: fast forward and training step launch what the full path
+    launches (batch 1 too, whose batch stride the checks' reshape changes); a mask or dropout is never served."""
+    from flashattn import fastpath
+    from flashattn.backends.triton import attend, plans
+
+    g = torch.Generator().manual_seed(2)
+    # Batch 1's training step is left out: its dO reaches the backward through other views on the two ways, with
+    # another stride for the size-1 batch (an argument no program reads): equal launches in all but that.
+    for batch, grad in ((2, False), (2, True), (1, False)):
+        def inputs(batch=batch, grad=grad):
+            return [torch.randn(batch, n, h, 64, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+                    .requires_grad_(grad) for n, h in ((77, 8), (90, 2), (90, 2))]
+
+        def call(q, k, v, grad=grad):
+            out = flashattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if grad:
+                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+        for _ in range(3):  # recorded, learned (the backward's plan too), then fast
+            call(*inputs())
+        fresh = inputs()
+        with plans.disabled():
+            full = _launched(torch, launches, lambda fresh=fresh: call(*fresh))
+        before = attend.FORWARD_PLANS.replays
+        fast = _launched(torch, launches, lambda fresh=fresh: call(*fresh))
+        if attend.FORWARD_PLANS.replays != before + 1:
+            return failed(f"SDPA (batch {batch}, grad {grad}): not replayed")
+        if not _same_but_fresh(torch, full, fast, fresh):
+            return failed(f"SDPA (batch {batch}, grad {grad}): {[n for n, _, _ in full]} vs "
+                          f"{[n for n, _, _ in fast]}")
+    q = torch.randn(2, 8, 77, 64, dtype=torch.bfloat16)
+    for mask, dropout in ((torch.ones(77, 77, dtype=torch.bool), 0.0), (None, 0.1)):
+        for _ in range(3):
+            flashattn.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=dropout)
+        if fastpath.sdpa(q, q, q, mask, (dropout, False, None, False))[1] is not None:
+            return failed(f"SDPA with mask {mask is not None} and dropout {dropout} served fast")
+    return 0
 
 
 def _decode_steps(torch, flashattn, launches, failed) -> int:
@@ -210,7 +258,7 @@ def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
         flashattn.flash_attn_func(q, k, v)
         if attend.FORWARD_PLANS.replays != before:
             return failed("an entry replayed a forgotten plan")
-        status = _decode_steps(torch, flashattn, launches, failed)
+        status = _sdpa_calls(torch, flashattn, launches, failed) or _decode_steps(torch, flashattn, launches, failed)
         if status:
             return status
     # Outside the stub, CPU tensors never take the fast path (their path's choice may change).
