@@ -119,6 +119,8 @@ def _calls(flashattn):
         "FP8 with descales": lambda: flashattn.flash_attn_func(*e4m3, q_descale=scales[0], k_descale=scales[1],
                                                                v_descale=scales[2]),
         "flashattn.nn decode step": module_step,
+        "decode, appending to a float32 cache": lambda: decode(
+            q.float(), k_cache.float(), v_cache.float(), new_k.float(), new_v.float(), cache_seqlens=lengths),
     }
 
 
@@ -140,6 +142,14 @@ def main() -> int:
                 frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
                           for f in traceback.extract_tb(read.__traceback__)]
                 failed.append(f"{name}: {read} (at {' <- '.join(reversed(frames[-4:]))})")
+    # Small kernels launched directly (flashattn.backends.direct) reuse a binary only for the same argument kinds:
+    # the float32 cache's append has its own, not the bfloat16 one's.
+    from flashattn.backends import direct
+
+    appends = {c.src.signature["k_cache"] for key, (c, *_) in direct._COMPILED.items()
+               if c.name == "append_kernel" and key[-5:-2] == (2, 128, 128) and c.src.signature["table"] == "constexpr"}
+    if appends != {"*bf16", "*fp32"}:  # the dense appends of 2 heads of 128 in bfloat16 and float32
+        failed.append(f"the append kernel ran as compiled for {sorted(appends)}")
     # The guard itself: outside the stub, a CPU cache's lengths are read on the host (that is their check).
     try:
         with no_host_reads():

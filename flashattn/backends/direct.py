@@ -3,14 +3,14 @@
 ``kernel[grid](*args)`` specializes every argument (integers equal to 1 or divisible by 16, pointer alignment) to
 find the compiled kernel: tens of microseconds of host time, more than a small kernel takes on a GPU. A kernel
 declared with ``do_not_specialize`` for all its integer and pointer arguments compiles to one binary per pattern of
-absent (None) tensors and constants, so ``launch`` compiles it once through Triton and calls that binary's launcher
-directly after. Used by the device checks of index values (``flashattn.checks.on_device``) and the KV-cache append
-(``flashattn.kvcache``); works under the offline stub driver (``backends.triton.stub``), and under Triton's
-interpreter (where every call runs through Triton).
+absent (None) tensors, tensor dtypes, integer widths (32 or 64 bits) and constants, so ``launch`` compiles it once
+through Triton and calls that binary's launcher directly after. Used by the device checks of index values
+(``flashattn.checks.on_device``) and the KV-cache append (``flashattn.kvcache``); works under the offline stub
+driver (``backends.triton.stub``), and under Triton's interpreter (where every call runs through Triton).
 
 Example::
 
-    launch(check_cache_kernel, (1,), args, device=q.device, constants=3)
+    launch(check_cache_kernel, (1, 1, 1), args, device=q.device, constants=3)
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import torch
 
 from .triton import _stubbed, interpreting
 
-_COMPILED: dict[tuple, tuple] = {}  # (kernel, absent tensors, constants, device, stubbed GPU) -> its launcher
+_COMPILED: dict[tuple, tuple] = {}  # (kernel, argument kinds, constants, device, stubbed GPU) -> its launcher
+
+
+def _kind(arg: object) -> object:
+    if type(arg) is int:
+        return -0x80000000 <= arg <= 0x7FFFFFFF
+    return None if arg is None else arg.dtype
 
 
 def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.device, constants: int) -> None:
@@ -28,7 +34,9 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.dev
     if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             return launch(kernel, grid, args, device=device, constants=constants)
-    key = (id(kernel), *(a is None for a in args), *args[-constants:], device, _stubbed.get())
+    # What the binary depends on besides the constants: each tensor's dtype (its pointer type), which arguments are
+    # None, and each integer's width (Triton passes one past 32 bits as a 64-bit argument).
+    key = (id(kernel), *map(_kind, args[:-constants]), *args[-constants:], device, _stubbed.get())
     launcher = _COMPILED.get(key)
     if launcher is None:
         compiled = kernel[grid](*args)
