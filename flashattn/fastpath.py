@@ -27,7 +27,7 @@ from . import kvcache as cache_ops
 from .backends.spec import AttentionSpec, Saved, cache_launch_keys
 from .backends.triton import stubbed_device
 from .batching import under_transform
-from .checks import on_device
+from .checks.kvcache import cache_bounds
 
 _TENSORS = (Tensor, torch.nn.Parameter)
 # Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
@@ -220,12 +220,11 @@ def clear() -> None:
     _CACHE_ENTRIES.clear()
 
 
-
 # --- flash_attn_with_kvcache ---------------------------------------------------------------------------------------
 # A decode step: the same signature at every step of a generation, only the lengths move. The key holds what the
-# checks and the launch depend on; an int cache_seqlens is checked here (two comparisons) and keyed by the key
-# count its launch is sized for (``spec.cache_launch_keys``); index tensors are checked on the device
-# (``checks.on_device``) and new keys appended, both as on the full way.
+# checks and the launch depend on, an int cache_seqlens by the key count its launch is sized for
+# (``spec.cache_launch_keys``; one outside the cache goes the full way, to its error). The lengths and indices are
+# checked and turned into bounds by the full way's own ``checks.kvcache.cache_bounds``, and new keys appended.
 
 
 class CacheEntry:
@@ -292,26 +291,18 @@ def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent:
 
 
 def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, return_lse: bool):
-    """The call of a known signature: its lengths as a tensor, the device check, the append, the plan."""
+    """The call of a known signature: its bounds checked as the full way checks them (``cache_bounds``: on the
+    host, or on the device), the append, the plan."""
     q, k_cache, v_cache, k, v = given
-    leftpad, batch_idx, table = indices
-    sizes = entry.sizes
-    seqlens = cache_seqlens
-    if type(cache_seqlens) is int or cache_seqlens is None:  # None: the whole cache
-        length = sizes.capacity if cache_seqlens is None else cache_seqlens
-        seqlens = torch.full((sizes.batch,), length, dtype=torch.int32, device=q.device)
-    if type(cache_seqlens) is not int or leftpad is not None or batch_idx is not None or table is not None:
-        # The values on the device are checked there; an int length was checked in ``kvcache``.
-        checked = None if cache_seqlens is None else seqlens
-        if checked is not None or leftpad is not None or batch_idx is not None or table is not None:
-            on_device.check_cache("flash_attn_with_kvcache", (checked, leftpad, batch_idx, table), sizes)
+    bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device)
     if k is not None:
         with torch.no_grad():
-            cache_ops.append(k_cache, v_cache, k, v, at=seqlens, batch_idx=batch_idx, block_table=table)
-            seqlens = seqlens + sizes.new  # the keys attended end past the new ones
+            cache_ops.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,
+                             block_table=bounds.block_table)
     inputs = [q, k_cache, v_cache, *entry.inputs]  # a plan's launches record nothing for autograd
     start, end, rows, pages = entry.slots
-    inputs[start], inputs[end], inputs[rows], inputs[pages] = leftpad, seqlens, batch_idx, table
+    inputs[start], inputs[end], inputs[rows], inputs[pages] = (bounds.k_start, bounds.k_end, bounds.batch_idx,
+                                                               bounds.block_table)
     entry.path.FORWARD_PLANS.replays += 1
     out, lse = entry.forward.run(inputs, q.device)
     return (out, lse) if return_lse else out
@@ -321,8 +312,6 @@ def learn_kvcache(key: tuple, call) -> None:
     """After the full way ran a ``flash_attn_with_kvcache`` call of ``key`` (checked: ``call``, a
     ``checks.KVCacheCall`` of the caller's own tensors), keep an entry for its signature once the triton path
     holds its plan."""
-    import dataclasses
-
     spec = call.spec
     if call.rotary is not None or spec.descale is not None or backends.choose(
             call.q, call.k_cache, call.v_cache, spec) != "triton":
@@ -332,13 +321,11 @@ def learn_kvcache(key: tuple, call) -> None:
     plan = None if context is None else path.forward_plan(call.q, call.k_cache, call.v_cache, spec)
     if plan is None:
         return
-    # Where the cache's bounds sit among the plan's inputs: found by planting markers in a copy of the spec.
-    markers = [torch.empty(0) for _ in range(4)]
-    marked = dataclasses.replace(spec, cache=dataclasses.replace(
-        spec.cache, k_start=markers[0], k_end=markers[1], batch_idx=markers[2], block_table=markers[3]))
-    inputs = path.plan_tensors(marked)  # after q, k_cache and v_cache, which each call brings (none kept here)
-    slots = tuple(3 + next(i for i, t in enumerate(inputs) if t is m) for m in markers)
-    inputs = [None if any(t is m for m in markers) else t for t in inputs]
+    # The plan's inputs after q, k_cache and v_cache, which each call brings, as are the cache's bounds (none kept).
+    slots = tuple(map(path.plan_slot, ("cache_k_start", "cache_k_end", "cache_batch_idx", "cache_block_table")))
+    inputs = path.plan_tensors(spec)
+    for slot in slots:
+        inputs[slot - 3] = None
     if len(_CACHE_ENTRIES) >= LIMIT:
         _CACHE_ENTRIES.clear()
     _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, inputs=inputs, slots=slots, sizes=call.sizes)

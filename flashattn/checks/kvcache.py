@@ -119,21 +119,43 @@ def _structure(fn: str, a: dict) -> _Structure:
     return _Structure(dataclasses.replace(spec, descale=scales), sizes, num_splits, interleaved, local)
 
 
-def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
-    """The call with its lengths' values checked (``_checked_values``) and its ``KeyCache`` built."""
-    q, sizes = a["q"], structure.sizes
-    indices = _lengths(fn, a["cache_seqlens"], q, (a["cache_leftpad"], a["cache_batch_idx"], a["block_table"]),
-                       sizes)
+class CacheBounds(NamedTuple):
+    """A call's index values, checked: ``seqlens`` (where new keys go), the keys to attend [k_start, k_end) per
+    sequence (k_start None: 0), the cache rows or pages, and the most keys any sequence attends."""
+
+    seqlens: torch.Tensor
+    k_start: torch.Tensor | None
+    k_end: torch.Tensor
+    batch_idx: torch.Tensor | None
+    block_table: torch.Tensor | None
+    max_seqlen_k: int
+
+
+def cache_bounds(fn: str, cache_seqlens, others: tuple, sizes: CacheSizes, device: torch.device) -> CacheBounds:
+    """The bounds of a call whose signature passed (``sizes``: its ``CacheSizes``), ``others`` = (cache_leftpad,
+    cache_batch_idx, block_table), their values checked (``_checked_values``): the one way both the full checks
+    and ``flashattn.fastpath`` turn a call's lengths into what its kernels read."""
+    if (type(cache_seqlens) is int and 0 <= cache_seqlens <= sizes.capacity - sizes.new and others == (None,) * 3
+            and sizes.rotary_positions is None and not torch.compiler.is_compiling()):
+        # One length for every sequence, in range, nothing else to check: a decode step's usual call, at the cost
+        # of one tensor (``check_cache_values`` would pass it after a loop over the batch).
+        seqlens = torch.full((sizes.batch,), cache_seqlens, dtype=torch.int32, device=device)
+        return CacheBounds(seqlens, None, seqlens + sizes.new if sizes.new else seqlens, None, None,
+                           cache_seqlens + sizes.new)
+    indices = _lengths(fn, cache_seqlens, device, others, sizes)
     (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes)
-    new = sizes.new
-    cache = KeyCache(
-        k_start=leftpad,  # None: every sequence from position 0
-        k_end=seqlens + new if new else seqlens,
-        max_seqlen_k=max_seqlen_k,
-        batch_idx=batch_idx,
-        block_table=table,
-        num_splits=structure.num_splits,
-    )
+    return CacheBounds(seqlens, leftpad, seqlens + sizes.new if sizes.new else seqlens, batch_idx, table,
+                       max_seqlen_k)
+
+
+def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
+    """The call with its lengths' values checked (``cache_bounds``) and its ``KeyCache`` built."""
+    q, sizes = a["q"], structure.sizes
+    bounds = cache_bounds(fn, a["cache_seqlens"], (a["cache_leftpad"], a["cache_batch_idx"], a["block_table"]),
+                          sizes, q.device)
+    seqlens = bounds.seqlens
+    cache = KeyCache(k_start=bounds.k_start, k_end=bounds.k_end, max_seqlen_k=bounds.max_seqlen_k,
+                     batch_idx=bounds.batch_idx, block_table=bounds.block_table, num_splits=structure.num_splits)
     rotary = None if a["rotary_cos"] is None else (a["rotary_cos"], a["rotary_sin"])
     return KVCacheCall(
         q, a["k_cache"], a["v_cache"], a["k"], a["v"], dataclasses.replace(structure.spec, cache=cache),
@@ -143,17 +165,17 @@ def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
     )
 
 
-def _lengths(fn: str, cache_seqlens, q: torch.Tensor, others: tuple, sizes: CacheSizes) -> _Indices:
+def _lengths(fn: str, cache_seqlens, device: torch.device, others: tuple, sizes: CacheSizes) -> _Indices:
     """The index tensors with cache_seqlens as a tensor (an int one's value checked here, on the host)."""
     leftpad, batch_idx, table = others
     if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
-        return _Indices((cache_seqlens, leftpad, batch_idx, table), None, sizes, q.device)
+        return _Indices((cache_seqlens, leftpad, batch_idx, table), None, sizes, device)
     length = validate_int(fn, "cache_seqlens", cache_seqlens)
     if length < 0:
         raise fail(fn, f"cache_seqlens must be >= 0, got {length}")
     # Known on the host already: with no leftpad or batch index the call needs no device-to-host copy.
-    seqlens = torch.full((sizes.batch,), length, dtype=torch.int32, device=q.device)
-    return _Indices((seqlens, leftpad, batch_idx, table), [length] * sizes.batch, sizes, q.device)
+    seqlens = torch.full((sizes.batch,), length, dtype=torch.int32, device=device)
+    return _Indices((seqlens, leftpad, batch_idx, table), [length] * sizes.batch, sizes, device)
 
 
 class _Indices(NamedTuple):
@@ -171,13 +193,11 @@ def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes) -> tuple[tupl
     checked: on the host where they are there (CPU tensors, an int cache_seqlens); a GPU's by a kernel in stream
     order (``on_device.py``: no device-to-host copy), with the cache's capacity bounding max_seqlen_k (the value
     flash_attn itself sizes its split-KV work with); under torch.compile by an op when the graph runs."""
-    seqlens, leftpad, batch_idx, table = indices.tensors
-    tensors = (None if indices.known_lengths is not None else seqlens, leftpad, batch_idx, table)
-    checked = indices.tensors
+    seqlens, leftpad, batch_idx, table = checked = indices.tensors
     if torch.compiler.is_compiling():
         checked = checked_cache(fn, indices.tensors, sizes)
         max_seqlen_k = sizes.capacity
-    elif values_on_host(*tensors):
+    elif values_on_host(None if indices.known_lengths is not None else seqlens, leftpad, batch_idx, table):
         max_seqlen_k = check_cache_values(fn, indices.tensors, sizes, known_lengths=indices.known_lengths)
     else:
         on_device.check_cache(fn, indices.tensors, sizes)

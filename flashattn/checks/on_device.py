@@ -27,8 +27,9 @@ def values_on_host(*tensors: torch.Tensor | None) -> bool:
     """Whether the values of ``tensors`` can be read without a device-to-host copy: all on the CPU, outside a
     stubbed GPU (where CPU tensors stand for a GPU's: ``flashattn.backends.triton.stub``). True when all are
     None."""
-    present = [t for t in tensors if t is not None]
-    return not present or (all(t.device.type == "cpu" for t in present) and stubbed_device() is None)
+    if stubbed_device() is not None:
+        return all(t is None for t in tensors)
+    return all(t is None or t.is_cpu for t in tensors)
 
 
 def _block(n: int, low: int, high: int) -> int:

@@ -98,6 +98,11 @@ def plan_tensors(spec: AttentionSpec) -> list:
     return plans.spec_tensors(spec)[0]
 
 
+def plan_slot(field: str) -> int:
+    """Where the spec's tensor ``field`` (e.g. "cache_k_end") sits among a forward plan's inputs."""
+    return 3 + plans.tensor_slot(field)
+
+
 def plan_context() -> tuple | None:
     """What besides a call's arguments decides whether it is planned and how (``plans.context``); None where no
     call is (the interpreter, ``compile_only``, plans off). A kept plan is replayed only while this is unchanged."""

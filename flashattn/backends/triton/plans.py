@@ -305,6 +305,12 @@ def spec_tensors(spec: AttentionSpec, *, cache_keys: int | None = None) -> tuple
     return [args[i] for i in _TENSOR_FIELDS], scalars
 
 
+def tensor_slot(field: str) -> int:
+    """Where the spec's tensor field ``field`` (an ``AttentionSpec.op_schema`` name, e.g. "cache_k_end") sits among
+    ``spec_tensors``'s tensors."""
+    return _TENSOR_FIELDS.index(AttentionSpec.arg_index(field))
+
+
 def key(kind: str, tensors: Sequence[torch.Tensor | None], scalars: tuple, extra: tuple = ()) -> tuple:
     """What decides every launch of a call: the tensors' shapes, strides, dtypes, devices and 16-byte alignment,
     the options, and the context that chooses tiles (``context``)."""
