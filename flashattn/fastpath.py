@@ -58,10 +58,10 @@ class Entry:
             dout = torch.zeros_like(saved.out)
         context = self.path.plan_context()
         try:
+            # out and lse are the forward plan's own allocations: their layout and alignment never vary.
             signature = (dout.shape, dout.stride(), dout.dtype, dout.device, dout.data_ptr() & 15,
                          None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.device,
-                                                    dlse.data_ptr() & 15),
-                         saved.out.data_ptr() & 15, saved.lse.data_ptr() & 15, context)
+                                                    dlse.data_ptr() & 15), context)
         except RuntimeError:  # no storage: gradients batched by torch.func or gradcheck's older vmap
             signature = None
         if signature is None or under_transform():  # the op's backward, whose batching rule takes them
@@ -181,8 +181,9 @@ def sdpa(query: object, key: object, value: object, attn_mask: object, options: 
     entry = _ENTRIES.get(signature)
     if entry is None or entry.path.plan_context() != entry.context:
         return signature, None
-    # As the checks make them (``checks.sdpa``): view(shape) gives a size-1 dim the stride the reshape does.
-    q, k, v = (t.view(t.shape).transpose(1, 2) for t in (query, key, value))
+    # The checks make the views with view(shape) first (``checks.sdpa``), which gives a size-1 dim the stride a
+    # reshape does: a stride never multiplied by an index but 0, and the plan's strides are its record's. Skipped.
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out = _apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0]
     return signature, out.transpose(1, 2)
 

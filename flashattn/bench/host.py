@@ -8,7 +8,9 @@ microseconds each, so whatever Python spends before a launch is paid in full, on
   default) and their launches recorded instead of run (``flashattn.backends.triton.stub``): every step a GPU call
   takes on the host runs on CPU tensors, and each launch records its time. The figure of an entry point is the
   median time from the call to its last launch (the backward's last for ``train``). This is the host cost alone,
-  on the CPU named in the results, without a GPU's driver call (a few microseconds per launch).
+  on the CPU named in the results, without a GPU's driver call (a few microseconds per launch). Beside ``train``,
+  its floor (impl ``autograd``): the same step through a no-op ``autograd.Function`` that only allocates the
+  outputs and gradients, torch's own share of a training call on that CPU.
 - ``gpu``: many calls queued back to back at tiny shapes and the wall time per call, so the host's time is what
   is measured (the kernels finish faster than the calls come); torch SDPA beside ours in the same run.
 
@@ -167,6 +169,36 @@ def measure_stubbed(entry: str, calls: int, launches) -> dict:
             "us_to_each_launch": to_launch, "us_to_return": round(statistics.median(totals), 2)}
 
 
+class _NoOp(torch.autograd.Function):
+    """What autograd alone costs a training call: the outputs allocated, nothing computed (``train``'s floor)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, _dout):
+        q, k, v, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def measure_autograd_floor(calls: int) -> dict:
+    """``train``'s step through a no-op ``autograd.Function`` in place of flash_attn_func: the median
+    microseconds to the backward's return, torch's own share of a training call's host cost on this CPU."""
+    q, k, v = inputs = [t.requires_grad_() for t in _dense("cpu")]
+    grad = torch.randn_like(q)
+    apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _NoOp)  # as ours: the C apply
+    times = []
+    for i in range(calls + 3):
+        start = time.perf_counter_ns()
+        torch.autograd.grad(apply(q, k, v), inputs, grad)
+        if i >= 3:
+            times.append((time.perf_counter_ns() - start) / 1e3)
+    return {"entry": "train", "impl": "autograd", "us": round(statistics.median(times), 2)}
+
+
 def measure_queued(call: Callable, calls: int) -> float:
     """Wall microseconds per call of ``calls`` calls queued back to back (GPU), after a warm-up."""
     for _ in range(3):
@@ -192,6 +224,8 @@ def run(entries: list[str], *, mode: str, calls: int, arch: int = 90) -> list[di
             stack.enter_context(flashattn.use_backend("triton"))
             for entry in entries:
                 rows.append(measure_stubbed(entry, calls, launches))
+                if entry == "train":
+                    rows.append(measure_autograd_floor(calls))
         return rows
     for entry in entries:
         rows.append({"entry": entry, "impl": "flashattn", "us": round(measure_queued(ENTRIES[entry][1]("cuda"),
