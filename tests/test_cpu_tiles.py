@@ -54,6 +54,8 @@ SHAPES = [  # (b, nq, nk, h, hk, d, dv): odd head dims, q/k lengths that differ,
     (1, 1, 1025, 4, 1, 59, None),
     (1, 200, 130, 2, 2, 96, None),
     (1, 65, 90, 4, 2, 192, 128),
+    # Two query blocks of one head and a last key tile of 8 keys: each tile packed once for both blocks.
+    (1, 300, 520, 2, 1, 64, None),
 ]
 
 
@@ -205,6 +207,21 @@ def test_rows_that_see_no_key_are_zero_with_lse_minus_inf(tiles):
     ref, _ = attention_ref(q, k, v, causal=True)
     base, _ = attention_ref(q, k, v, causal=True, upcast=False)
     assert_close("out", out, ref, base)
+
+
+def test_a_nan_in_a_query_row_makes_that_row_nan_and_no_other(tiles):
+    """A NaN score reaches its row's output as NaN, as in PyTorch, never a weight of 0 (the fused softmax pass of
+    the 16-bit tiles finds a row's maximum without NaN checks); a NaN key reaches every row that sees it."""
+    q, k, v = (t.detach() for t in _inputs(1, 300, 300, 2, 2, 64))
+    q[0, 5, 1, 3] = float("nan")
+    for causal in (False, True):
+        out = flashattn.flash_attn_func(q, k, v, causal=causal)
+        nan_rows = torch.isnan(out).any(dim=-1)
+        assert nan_rows[0, 5, 1] and nan_rows.sum() == 1, (causal, nan_rows.nonzero().tolist())
+    q[0, 5, 1, 3], k[0, 260, 0, 7] = 0.0, float("nan")
+    out = flashattn.flash_attn_func(q, k, v, causal=True)  # rows 260 and later see key 260
+    nan_rows = torch.isnan(out).any(dim=-1)[0, :, 0]
+    assert nan_rows[260:].all() and not nan_rows[:260].any()
 
 
 class _Spy:

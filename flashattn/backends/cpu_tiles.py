@@ -122,6 +122,21 @@ def choose(dtype: torch.dtype) -> str:
     return explain(dtype)[0]
 
 
+def engine_label(dtype: torch.dtype) -> str:
+    """The instructions that multiply a ``dtype`` call's tiles here, for reports beside a figure: ``AMX``,
+    ``AVX512_BF16`` (oneDNN's brgemm or the kernel's own loop), or the vector width of fp32 (fp64) tiles on the BLAS
+    and the kernel's row passes: ``AVX-512 fp32``, ``AVX2 fp32``, ``fp32`` elsewhere."""
+    tiles = choose(dtype)
+    if tiles == "onednn":
+        return "AMX (oneDNN brgemm)" if _cpu_has("amx_tile") else "AVX512_BF16 (oneDNN brgemm)"
+    if tiles == "avx512bf16":
+        return "AVX512_BF16 (own loop)"
+    precision = "fp64" if dtype == torch.float64 else "fp32"
+    capability = next((flag for flag in cpu_build.capability_flags() if flag.startswith("-DCPU_CAPABILITY=")), "")
+    width = capability.removeprefix("-DCPU_CAPABILITY=")
+    return {"AVX512": f"AVX-512 {precision}", "AVX2": f"AVX2 {precision}"}.get(width, precision)
+
+
 def allowed(dtype: torch.dtype) -> list[str]:
     """The values of ``FLASHATTN_CPU_TILES`` that run ``dtype`` calls here."""
     engines = [engine for engine in ENGINES if engine_status(dtype, engine) is None]

@@ -94,8 +94,12 @@ def annotate(rows: list[dict], limits: dict) -> list[dict]:
     """Each grid row's ``ceiling`` (the dtype our tiles run in for its inputs: one ceiling for both
     implementations, so their fractions compare) and ``of_rate``; ours gets ``speedup`` = SDPA's time / ours."""
     rates = limits["product_gflops"]
+    from ..backends import cpu_tiles
+
     for row in rows:
         row["ceiling"] = tiles_dtype(row["dtype"])
+        if row["impl"] == OURS:  # which instructions multiplied our tiles (SDPA's are its own)
+            row["engine"] = cpu_tiles.engine_label(getattr(torch, row["dtype"]))
         rate = rates.get(row["ceiling"])
         row["of_rate"] = row["tflops"] * 1e3 / rate if row.get("tflops") and rate else None
     keyed = {tuple(r[k] for k in ("impl", "dtype", "headdim", "causal", "mode", "seqlen")): r for r in rows}
@@ -119,6 +123,9 @@ def table(rows: list[dict], limits: dict) -> str:
                    report.Col("GFLOP/s", (impl, "tflops"), ".0f", 1e3, group=impl),
                    report.Col("of rate", (impl, "of_rate"), ".0%", group=impl))),
                report.Col("x SDPA", (OURS, "speedup"), ".2f")]
+    engines = sorted({(r["dtype"], r["engine"]) for r in grid if r.get("engine")})
+    if engines:
+        head.append("flashattn's tiles: " + "; ".join(f"{dtype} on {engine}" for dtype, engine in engines))
     lines = [*head, report.table(points, columns)]
     speedups = sorted((r["speedup"], r) for r in grid if r.get("speedup"))
     if speedups:

@@ -139,6 +139,47 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   };
 
   using Scratch = ForwardScratch<Tiles>;
+  PackedKeys<scalar_t> keys;  // a prefill's K^T and V tiles packed once (16-bit tiles, keys not widened)
+  if constexpr (Tiles::kRoundsProbs && !kWiden) {
+    if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr);
+  }
+  // Scores nothing transforms (no softcap, ALiBi, mask or FP8 descale; a block mask's partial tiles are checked
+  // per tile): the softmax pass of a row reads the raw q.k and writes 16-bit P at once (exp2_scaled_round).
+  const acc_t factor = score_factor<acc_t>(p);
+  const bool plain_scores = p.softcap == 0 && p.alibi == nullptr && p.mask == nullptr && p.qk_descale == nullptr &&
+                            factor > 0;
+  // Row r of the tile (query row i, head h), fused: its visible columns' maximum (the factor is positive, so the
+  // raw maximum scales to the scaled one), then P and its sum; acc row rescaled when the maximum moved.
+  const auto fused_row = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srow, int64_t r, int64_t h,
+                             int64_t i, int64_t c0, int64_t cols, acc_t* acc_row, acc_t* row_max, acc_t* row_sum) {
+    int64_t j0, j1;
+    p.visible(s, i, &j0, &j1);
+    j0 = std::clamp<int64_t>(j0 - c0, 0, cols);
+    j1 = std::clamp<int64_t>(j1 - c0, j0, cols);
+    auto* prow = sc.tiles.probs(r);
+    using prob_t = std::remove_pointer_t<decltype(prow)>;
+    const int64_t cols_c = key_columns(cols);
+    const acc_t top = j0 < j1 ? max_raw_checked(srow + j0, j1 - j0) * factor : neg_inf;
+    const acc_t m = std::isnan(top) ? top : std::max(*row_max, top);
+    if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
+      std::fill(prow, prow + cols_c, prob_t(0));
+      return;
+    }
+    const float* z = nullptr;
+    if (p.dropout_p > 0) {
+      p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
+      z = sc.z.data() + j0;
+    }
+    const acc_t alpha = m == *row_max ? acc_t(1) : exp2_neg(*row_max - m);  // most tiles leave the maximum
+    std::fill(prow, prow + j0, prob_t(0));
+    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, z, prow + j0);
+    std::fill(prow + j1, prow + cols_c, prob_t(0));
+    *row_sum = *row_sum * alpha + sum;  // the undropped weights: dropout acts on normalised probabilities
+    *row_max = m;
+    if (alpha != acc_t(1)) {
+      for (int64_t d = 0; d < DV; ++d) acc_row[d] *= alpha;
+    }
+  };
   run_tasks(longest_first(cost), [&] { return Scratch(p, engine, plan.heads); }, [&](int64_t t, Scratch& sc) {
     const ForwardTask& task = tasks[t];
     const Sequence& s = p.seqs[task.seq];
@@ -175,7 +216,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           }
         }
       };
-      bool packed = false;
+      const bool prepacked = !keys.empty() && task.heads == 1;
+      bool packed = prepacked;
       if constexpr (kWiden && Tiles::kPacksFp8) {  // FP8 rows widened by the packing itself: one pass
         if (task.heads > 1) {
           const auto rows_of = [&](const Rows<kv_t>& rows) {
@@ -199,11 +241,28 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         acc_t *acc = sc.acc.data() + slab * MR * DV, *row_max = sc.row_max.data() + slab * p.block_m,
               *row_sum = sc.row_sum.data() + slab * p.block_m;
         if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
-        acc_t* scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n)
-                                       : sc.tiles.scores(p, sc.keys_of[slab], cols, n);
+        const bool fused = plain_scores && tile == nullptr;
+        acc_t* scores;
+        if constexpr (Tiles::kRoundsProbs) {
+          if (prepacked) {
+            scores = sc.tiles.prepacked_scores(p, keys.kt(task.seq, hk, c0), cols, n, fused);
+          } else {
+            scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n, fused)
+                                    : sc.tiles.scores(p, sc.keys_of[slab], cols, n, fused);
+          }
+        } else {
+          scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n)
+                                  : sc.tiles.scores(p, sc.keys_of[slab], cols, n);
+        }
         for (int64_t r = 0; r < n; ++r) {
           acc_t* srow = scores + r * ld;
           const int64_t h = hk * p.group + g[r];
+          if constexpr (Tiles::kRoundsProbs) {
+            if (fused) {
+              fused_row(sc, s, task.seq, srow, r, h, i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r);
+              continue;
+            }
+          }
           if constexpr (std::is_same_v<acc_t, float>) {  // FP8 inputs: before any transform (q.k's own scale)
             if (p.qk_descale != nullptr) scale_row(srow, cols, p.qk_descale[task.seq * p.kv_heads + hk]);
           }
@@ -225,6 +284,20 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           if (alpha != acc_t(1)) {
             acc_t* ar = acc + r * DV;
             for (int64_t d = 0; d < DV; ++d) ar[d] *= alpha;
+          }
+        }
+        if constexpr (Tiles::kRoundsProbs) {
+          if (prepacked) {
+            sc.tiles.add_prepacked_values(keys.v(task.seq, hk, c0), cols, n, acc, fused);
+            continue;
+          }
+          if (fused) {
+            if (task.heads > 1) {
+              sc.tiles.add_packed_probs_values(slab, cols, n, acc);
+            } else {
+              sc.tiles.add_probs_values(sc.values_of[slab], cols, n, acc);
+            }
+            continue;
           }
         }
         if (task.heads > 1) {

@@ -78,6 +78,7 @@ struct WideTiles {
     for (int64_t h = 0; h < heads; ++h) head_keys[h] = keys(h), head_values[h] = values(h);
   }
   static constexpr bool kPacksFp8 = false;  // FP8 rows are widened before (cpu_forward.h)
+  static constexpr bool kRoundsProbs = false;  // P stays in fp32 for the BLAS (no fused pass: see NativeTiles)
   acc_t* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
     return scores(p, head_keys[h], cols, n);
   }
@@ -104,6 +105,58 @@ struct WideTiles {
     gemm<acc_t>(false, false, n, D, cols, dp_tile.data(), BN, kt, ldk, acc_t(1), dq, D);
     gemm<acc_t>(true, false, cols, D, n, dp_tile.data(), BN, q.data(), D, acc_t(1), dk, ld_dk);
   }
+};
+
+// ------------------------------------------------------------------------------------------------ packed keys
+// Every key tile of every kv head, K^T and V in the 16-bit products' layouts, packed once before a prefill's tasks:
+// the query blocks of a head (its query heads' blocks under GQA too) all read the same tiles, and each used to pack
+// them again, 8 to 16 times over at N = 4096. Tiles start at multiples of block_n (Problem::for_each_tile).
+template <typename scalar_t>
+struct PackedKeys {
+  at::Tensor storage;
+  std::vector<int64_t> first;  // per sequence: the index of its first tile
+  int64_t kv_heads = 0, kt_size = 0, v_size = 0, block_n = 1;
+
+  bool empty() const { return !storage.defined(); }
+  const scalar_t* kt(int64_t seq, int64_t hk, int64_t c0) const {
+    return storage.data_ptr<scalar_t>() + ((first[seq] + c0 / block_n) * kv_heads + hk) * (kt_size + v_size);
+  }
+  const scalar_t* v(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + kt_size; }
+
+  // Worth it where some sequence's tiles are read by two query blocks or more.
+  static bool worth_it(const Problem& p) {
+    if (p.short_queries()) return false;  // decode-like tasks pack several heads' tiles at once (pack_heads)
+    for (const auto& s : p.seqs) {
+      if (p.blocks(s) > 1) return true;
+    }
+    return false;
+  }
+
+  PackedKeys(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr) {
+    kv_heads = p.kv_heads, block_n = p.block_n;
+    const int64_t bnc = key_columns(p.block_n);
+    kt_size = round_up(p.dim, 2) * bnc, v_size = bnc * p.dim_v;
+    std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first key) of each tile
+    for (int64_t si = 0; si < static_cast<int64_t>(p.seqs.size()); ++si) {
+      first.push_back(static_cast<int64_t>(tiles.size()));
+      for (int64_t c0 = 0; c0 < p.seqs[si].nk; c0 += p.block_n) tiles.emplace_back(si, c0);
+    }
+    const int64_t units = static_cast<int64_t>(tiles.size()) * kv_heads;
+    storage = at::empty({std::max<int64_t>(units, 1) * (kt_size + v_size)},
+                        at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value));
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const auto [si, c0] = tiles[u / kv_heads];
+        const int64_t hk = u % kv_heads;
+        const Sequence& s = p.seqs[si];
+        const int64_t cols = std::min(p.block_n, s.nk - c0);
+        scalar_t* out = storage.data_ptr<scalar_t>() + u * (kt_size + v_size);
+        pack_transposed(KeyRows<scalar_t>::of(p, kr, si, s, hk, c0), cols, p.dim, out, bnc);
+        pack_rows(KeyRows<scalar_t>::of(p, vr, si, s, hk, c0), cols, 32, p.dim_v, out + kt_size, p.dim_v);
+      }
+    });
+  }
+  PackedKeys() = default;
 };
 
 // -------------------------------------------------------------------------------------------------- native tiles
@@ -148,10 +201,24 @@ struct NativeTiles {
     copy_rows(p, qr, s, hk, g, i, n, D, Dp, q.data());
   }
 
-  // S = Q K^T, then scaled into log2 units over the tile's valid columns.
-  float* scores(const Problem& p, const KeyRows<scalar_t>& keys, int64_t cols, int64_t n) {
+  // S = Q K^T, then scaled into log2 units over the tile's valid columns (raw: left unscaled, for the fused
+  // softmax pass that scales, exponentiates and rounds P in one go: probs, add_probs_values).
+  float* scores(const Problem& p, const KeyRows<scalar_t>& keys, int64_t cols, int64_t n, bool raw = false) {
     pack_transposed(keys, cols, D, kt.data(), BNc);
-    return product_scores(p, kt.data(), cols, n);
+    return product_scores(p, kt.data(), cols, n, raw);
+  }
+
+  // The fused pass's P: row r of the 16-bit tile P V reads (columns up to key_columns(cols), zero past the
+  // visible ones).
+  static constexpr bool kRoundsProbs = true;
+  scalar_t* probs(int64_t r) { return rounded.data() + r * BNc; }
+  // acc += P V with P written through probs() (rows [0, n)).
+  void add_probs_values(const KeyRows<scalar_t>& values, int64_t cols, int64_t n, float* acc) {
+    pack_rows(values, cols, 32, DV, vt.data(), DV);
+    probs_times(vt.data(), cols, n, acc);
+  }
+  void add_packed_probs_values(int64_t h, int64_t cols, int64_t n, float* acc) {
+    probs_times(heads_vt.data() + h * BNc * DV, cols, n, acc);
   }
 
   void add_values(const Problem&, const KeyRows<scalar_t>& values, int64_t cols, int64_t n, float* acc) {
@@ -197,11 +264,24 @@ struct NativeTiles {
 #else
   static constexpr bool kPacksFp8 = false;
 #endif
-  float* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
-    return product_scores(p, heads_kt.data() + h * Dp * BNc, cols, n);
+  float* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n, bool raw = false) {
+    return product_scores(p, heads_kt.data() + h * Dp * BNc, cols, n, raw);
   }
   void add_packed_values(const Problem&, int64_t h, int64_t cols, int64_t n, float* acc) {
     product_values(heads_vt.data() + h * BNc * DV, cols, n, acc);
+  }
+
+  // Products on tiles packed before the tasks (PackedKeys): S = Q K^T from the packed K^T, and acc += P V from
+  // the packed V with P from the scores (rounded here) or written through probs() (fused).
+  float* prepacked_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n, bool raw) {
+    return product_scores(p, packed_kt, cols, n, raw);
+  }
+  void add_prepacked_values(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc, bool fused) {
+    if (fused) {
+      probs_times(packed_v, cols, n, acc);
+    } else {
+      product_values(packed_v, cols, n, acc);
+    }
   }
 
   void load_block(const Problem& p, const Rows<scalar_t>& qr, const Rows<scalar_t>& dor, const Sequence& s,
@@ -233,10 +313,16 @@ struct NativeTiles {
 
  private:
   // S = Q K^T from the packed K^T (ld BNc), scaled into log2 units over the valid columns.
-  float* product_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n) {
+  float* product_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n, bool raw) {
     gemm16(engine, product_rows(n), key_columns(cols), Dp, q.data(), Dp, packed_kt, BNc, s_tile.data(), BNc, false);
-    scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
+    if (!raw) scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
     return s_tile.data();
+  }
+  // acc += P V, P's rows [0, n) written through probs(): the product's padding rows zeroed here.
+  void probs_times(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc) {
+    const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);
+    for (int64_t r = n; r < rows_n; ++r) std::fill(probs(r), probs(r) + cols_c, scalar_t(0));
+    gemm16(engine, rows_n, DV, cols_c, rounded.data(), BNc, packed_v, DV, acc, DV, true);
   }
   // acc += P V, P in s_tile rounded to 16 bits, V packed (ld DV, its padded rows zero).
   void product_values(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc) {

@@ -6,12 +6,15 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -25,6 +28,7 @@ using iVec = at::vec::Vectorized<int32_t>;
 // 2^x for x <= 0 (a score minus its row maximum); exactly 0 below 2^-126 and for -inf. Relative error below 3e-7;
 // no calls or branches, so the loops that use it vectorize.
 inline float exp2_neg(float x) {
+  if (std::isnan(x)) return x;  // a NaN score stays NaN (as in PyTorch), not a weight of 0
   const float xc = std::max(x, -126.0f);
   const float xi = std::floor(xc);
   const float f = xc - xi;
@@ -56,7 +60,7 @@ inline fVec exp2_neg(fVec x) {
   // (xi + 127) * 2^23 is an exact float; as an int it is 2^xi's bit pattern.
   const iVec bits = at::vec::convert_to_int_of_same_size(at::vec::fmadd(xi, fVec(8388608.0f), fVec(1065353216.0f)));
   const fVec r = p * at::vec::cast<float>(bits);
-  return fVec::blendv(fVec(0.0f), r, x >= lowest);
+  return fVec::blendv(r, fVec(0.0f), x < lowest);  // NaN compares false: it stays NaN
 }
 
 // The two passes of the online softmax over a row: its maximum, then x = 2^(x - m) with their sum. The float
@@ -103,6 +107,134 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
     acc = acc + fVec::set(fVec(0.0f), e, n - j);
   }
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+}
+
+// The forward's softmax pass over a row of raw scores x (q.k, unscaled) whose visible columns are [0, n), when
+// nothing transforms them: e = 2^(x f - m) with f the factor into log2 units and m the row's running maximum
+// (already in those units), times the dropout factors z where given, rounded to 16 bits into out; returns the sum
+// of e (undropped, unrounded: the denominator). One pass where scaling, exp-sum and rounding took three over
+// the tile. Exponents are clamped at -126 (a weight below 2^-126 is kept at that size, not flushed: it adds
+// nothing to a sum of at least one).
+template <typename scalar_t>
+inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+  float sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = exp2_neg(std::max(x[j] * f - m, -126.0f));
+    sum += e;
+    out[j] = static_cast<scalar_t>(z != nullptr ? e * z[j] : e);
+  }
+  return sum;
+}
+
+#if defined(__AVX512F__)
+// 16 fp32 lanes rounded to 16 bits (to nearest even) and stored: bf16 by AVX512_BF16 where the build has it (else
+// by the rounding bias on the bit pattern), fp16 by vcvtps2ph.
+template <typename scalar_t>
+inline void store_rounded16(scalar_t* out, __m512 v, __mmask16 keep) {
+  __m256i h;
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+#ifdef __AVX512BF16__
+    h = (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));  // finite values only
+#endif
+  }
+  _mm256_mask_storeu_epi16(out, keep, h);
+}
+
+// 2^x for x in [-126, 0]: 2^floor(x) times a polynomial of the fraction, by vscalefps.
+inline __m512 exp2_clamped(__m512 x) {
+  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 fr = _mm512_sub_ps(x, xi);
+  __m512 q = _mm512_fmadd_ps(fr, _mm512_set1_ps(1.8775767e-3f), _mm512_set1_ps(8.9893397e-3f));
+  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(5.5826318e-2f));
+  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(2.4015361e-1f));
+  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(6.9315308e-1f));
+  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(9.9999994e-1f));
+  return _mm512_scalef_ps(q, xi);
+}
+
+template <typename scalar_t>
+inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+  const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m), lowest = _mm512_set1_ps(-126.0f);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
+    // vmaxps returns its second operand where either is NaN: a NaN score gives a NaN weight.
+    const __m512 e0 = exp2_clamped(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j), factor, shift)));
+    const __m512 e1 =
+        exp2_clamped(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), factor, shift)));
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+    store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
+    store_rounded16(out + j + 16, z != nullptr ? _mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)) : e1, 0xFFFF);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        keep, exp2_clamped(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, x + j), factor, shift))));
+    acc0 = _mm512_add_ps(acc0, e);
+    store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// The largest of x[0, n) (n > 0) for the fused pass: four running maxima, so the loop is not one chain of
+// dependent maxima. vmaxps drops a NaN against a number: the exp pass after it turns any NaN score into a NaN
+// weight and sum, and a row left at -inf that holds one is made NaN here (max_raw_checked).
+inline float max_raw_avx512(const float* x, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    m0 = _mm512_max_ps(_mm512_loadu_ps(x + j), m0);
+    m1 = _mm512_max_ps(_mm512_loadu_ps(x + j + 16), m1);
+    m2 = _mm512_max_ps(_mm512_loadu_ps(x + j + 32), m2);
+    m3 = _mm512_max_ps(_mm512_loadu_ps(x + j + 48), m3);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    m0 = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, keep, x + j), m0);
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+}
+
+template <>
+inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
+                                              c10::BFloat16* out) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+}
+template <>
+inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z, c10::Half* out) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+}
+#endif
+
+// The largest raw score of a row for the fused pass (n > 0); NaN where the row holds a NaN and nothing above -inf
+// (so the row's output is NaN, as the unfused passes make it, not 0).
+template <typename T>
+inline T max_raw_checked(const T* x, int64_t n) {
+  T m = -std::numeric_limits<T>::infinity();
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    m = max_raw_avx512(x, n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+#endif
+  if (m == -std::numeric_limits<T>::infinity()) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (std::isnan(x[j])) return x[j];
+    }
+  }
+  return m;
 }
 
 // x *= factor over a row.
