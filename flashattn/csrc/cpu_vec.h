@@ -82,6 +82,17 @@ inline T exp2_shift_sum(T* x, int64_t n, T m) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+inline float max_raw_checked_float(const float* x, int64_t n);
+// On AVX-512: four running maxima (max_raw_avx512); a NaN reaches the exp pass after it as a NaN weight, and a row
+// of NaN and -inf alone comes back NaN.
+template <>
+inline float max_of<float>(const float* x, int64_t n, float m) {
+  if (n <= 0) return m;
+  const float top = max_raw_checked_float(x, n);
+  return std::isnan(top) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, top);
+}
+#else
 template <>
 inline float max_of<float>(const float* x, int64_t n, float m) {
   fVec acc(m);
@@ -90,7 +101,37 @@ inline float max_of<float>(const float* x, int64_t n, float m) {
   if (j < n) acc = at::vec::maximum(acc, fVec::set(fVec(m), fVec::loadu(x + j, n - j), n - j));
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, acc);
 }
+#endif
 
+#if defined(__AVX512F__)
+inline __m512 exp2_clamped(__m512 x);
+// 2^(x - m) in place with the sum, on AVX-512: exactly 0 below 2^-126 (and for -inf, a masked score), NaN kept.
+template <>
+inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
+  const __m512 shift = _mm512_set1_ps(-m), lowest = _mm512_set1_ps(-126.0f);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const auto weight = [&](__m512 s) {
+    const __m512 y = _mm512_add_ps(s, shift);
+    const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(exp2_clamped(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
+  };
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = weight(_mm512_loadu_ps(x + j)), e1 = weight(_mm512_loadu_ps(x + j + 16));
+    _mm512_storeu_ps(x + j, e0);
+    _mm512_storeu_ps(x + j + 16, e1);
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(keep, weight(_mm512_maskz_loadu_ps(keep, x + j)));
+    _mm512_mask_storeu_ps(x + j, keep, e);
+    acc0 = _mm512_add_ps(acc0, e);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#else
 template <>
 inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
   fVec acc(0.0f);
@@ -108,6 +149,7 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
   }
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
 }
+#endif
 
 // The forward's softmax pass over a row of raw scores x (q.k, unscaled) whose visible columns are [0, n), when
 // nothing transforms them: e = 2^(x f - m) with f the factor into log2 units and m the row's running maximum
@@ -236,6 +278,10 @@ inline T max_raw_checked(const T* x, int64_t n) {
   }
   return m;
 }
+
+#if defined(__AVX512F__)
+inline float max_raw_checked_float(const float* x, int64_t n) { return max_raw_checked<float>(x, n); }
+#endif
 
 // x *= factor over a row.
 inline void scale_row(float* x, int64_t n, float factor) {
