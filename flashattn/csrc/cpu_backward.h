@@ -75,6 +75,10 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
     }
   }
   using Scratch = BackwardScratch<Tiles>;
+  PackedKeys<scalar_t> keys;  // 16-bit tiles: every tile's K^T, V^T and K packed once for all the query blocks
+  if constexpr (Tiles::kRoundsProbs) {
+    if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr, /*for_backward=*/true);
+  }
   run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
     const int64_t ld = sc.tiles.ld();
     const Task& task = tasks[t];
@@ -102,8 +106,18 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       std::fill_n(sc.dq.data(), n * D, acc_t(0));
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
-        sc.tiles.scores_and_dp(p, KeyRows<scalar_t>::of(p, kr, task.seq, s, hk, c0),
-                               KeyRows<scalar_t>::of(p, vr, task.seq, s, hk, c0), cols, n);
+        bool prepacked = false;
+        if constexpr (Tiles::kRoundsProbs) {
+          if (!keys.empty()) {
+            sc.tiles.prepacked_scores_and_dp(p, keys.kt(task.seq, hk, c0), keys.v(task.seq, hk, c0),
+                                             keys.k(task.seq, hk, c0), cols, n);
+            prepacked = true;
+          }
+        }
+        if (!prepacked) {
+          sc.tiles.scores_and_dp(p, KeyRows<scalar_t>::of(p, kr, task.seq, s, hk, c0),
+                                 KeyRows<scalar_t>::of(p, vr, task.seq, s, hk, c0), cols, n);
+        }
         for (int64_t r = 0; r < n; ++r) {
           const int64_t h = hk * p.group + g[r];
           acc_t* srow = sc.tiles.s_tile.data() + r * ld;

@@ -141,7 +141,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   using Scratch = ForwardScratch<Tiles>;
   PackedKeys<scalar_t> keys;  // a prefill's K^T and V tiles packed once (16-bit tiles, keys not widened)
   if constexpr (Tiles::kRoundsProbs && !kWiden) {
-    if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr);
+    if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr, /*for_backward=*/false);
   }
   // Scores nothing transforms (no softcap, ALiBi, mask or FP8 descale; a block mask's partial tiles are checked
   // per tile): the softmax pass of a row reads the raw q.k and writes 16-bit P at once (exp2_scaled_round).

@@ -108,41 +108,46 @@ struct WideTiles {
 };
 
 // ------------------------------------------------------------------------------------------------ packed keys
-// Every key tile of every kv head, K^T and V in the 16-bit products' layouts, packed once before a prefill's tasks:
-// the query blocks of a head (its query heads' blocks under GQA too) all read the same tiles, and each used to pack
-// them again, 8 to 16 times over at N = 4096. Tiles start at multiples of block_n (Problem::for_each_tile).
+// Every key tile of every kv head in the 16-bit products' layouts, packed once before the tasks: the query blocks of
+// a head (its query heads' blocks under GQA too) all read the same tiles, and each used to pack them again, 8 to 32
+// times over at N = 4096. Forward: K^T (for Q K^T) and V (P V). Backward: K^T, V^T (dP = dO V^T) and K (dQ = dS K).
+// Tiles start at multiples of block_n (Problem::for_each_tile).
 template <typename scalar_t>
 struct PackedKeys {
   at::Tensor storage;
   std::vector<int64_t> first;  // per sequence: the index of its first tile
-  int64_t kv_heads = 0, kt_size = 0, v_size = 0, block_n = 1;
+  bool backward = false;
+  int64_t kv_heads = 0, kt_size = 0, v_size = 0, k_size = 0, block_n = 1;
 
   bool empty() const { return !storage.defined(); }
   const scalar_t* kt(int64_t seq, int64_t hk, int64_t c0) const {
-    return storage.data_ptr<scalar_t>() + ((first[seq] + c0 / block_n) * kv_heads + hk) * (kt_size + v_size);
+    return storage.data_ptr<scalar_t>() + ((first[seq] + c0 / block_n) * kv_heads + hk) * (kt_size + v_size + k_size);
   }
-  const scalar_t* v(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + kt_size; }
+  const scalar_t* v(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + kt_size; }  // V or V^T
+  const scalar_t* k(int64_t seq, int64_t hk, int64_t c0) const { return v(seq, hk, c0) + v_size; }  // backward
 
   // Worth it where some sequence's tiles are read by two query blocks or more.
   static bool worth_it(const Problem& p) {
-    if (p.short_queries()) return false;  // decode-like tasks pack several heads' tiles at once (pack_heads)
+    if (p.short_queries()) return false;  // decode-like forward tasks pack several heads' tiles at once (pack_heads)
     for (const auto& s : p.seqs) {
       if (p.blocks(s) > 1) return true;
     }
     return false;
   }
 
-  PackedKeys(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr) {
-    kv_heads = p.kv_heads, block_n = p.block_n;
+  PackedKeys(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, bool for_backward)
+      : backward(for_backward), kv_heads(p.kv_heads), block_n(p.block_n) {
     const int64_t bnc = key_columns(p.block_n);
-    kt_size = round_up(p.dim, 2) * bnc, v_size = bnc * p.dim_v;
+    kt_size = round_up(p.dim, 2) * bnc;
+    v_size = backward ? round_up(p.dim_v, 2) * bnc : bnc * p.dim_v;
+    k_size = backward ? bnc * p.dim : 0;
     std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first key) of each tile
     for (int64_t si = 0; si < static_cast<int64_t>(p.seqs.size()); ++si) {
       first.push_back(static_cast<int64_t>(tiles.size()));
       for (int64_t c0 = 0; c0 < p.seqs[si].nk; c0 += p.block_n) tiles.emplace_back(si, c0);
     }
-    const int64_t units = static_cast<int64_t>(tiles.size()) * kv_heads;
-    storage = at::empty({std::max<int64_t>(units, 1) * (kt_size + v_size)},
+    const int64_t units = static_cast<int64_t>(tiles.size()) * kv_heads, unit = kt_size + v_size + k_size;
+    storage = at::empty({std::max<int64_t>(units, 1) * unit},
                         at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value));
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
@@ -150,9 +155,16 @@ struct PackedKeys {
         const int64_t hk = u % kv_heads;
         const Sequence& s = p.seqs[si];
         const int64_t cols = std::min(p.block_n, s.nk - c0);
-        scalar_t* out = storage.data_ptr<scalar_t>() + u * (kt_size + v_size);
-        pack_transposed(KeyRows<scalar_t>::of(p, kr, si, s, hk, c0), cols, p.dim, out, bnc);
-        pack_rows(KeyRows<scalar_t>::of(p, vr, si, s, hk, c0), cols, 32, p.dim_v, out + kt_size, p.dim_v);
+        scalar_t* out = storage.data_ptr<scalar_t>() + u * unit;
+        const auto keys = KeyRows<scalar_t>::of(p, kr, si, s, hk, c0);
+        const auto values = KeyRows<scalar_t>::of(p, vr, si, s, hk, c0);
+        pack_transposed(keys, cols, p.dim, out, bnc);
+        if (backward) {
+          pack_transposed(values, cols, p.dim_v, out + kt_size, bnc);
+          pack_rows(keys, cols, 32, p.dim, out + kt_size + v_size, p.dim);
+        } else {
+          pack_rows(values, cols, 32, p.dim_v, out + kt_size, p.dim_v);
+        }
       }
     });
   }
@@ -171,6 +183,7 @@ struct NativeTiles {
   Buffer<scalar_t> q, dout, kt, vt, kv, rounded, qv, dov, p_trans, ds_trans;
   Buffer<float> s_tile, dp_tile;
   Buffer<scalar_t> heads_kt, heads_vt;  // a multi-head task's packed K^T and V, one slab per head
+  const scalar_t* key_rows = nullptr;  // the backward's current tile of K rows (in kv, or packed before the tasks)
 
   NativeTiles(const Problem& p, bool backward, Engine engine_, int64_t heads = 1)
       : engine(engine_), D(p.dim), Dp(round_up(p.dim, 2)), DV(p.dim_v), DVp(round_up(p.dim_v, 2)),
@@ -294,11 +307,18 @@ struct NativeTiles {
 
   void scores_and_dp(const Problem& p, const KeyRows<scalar_t>& keys, const KeyRows<scalar_t>& values, int64_t cols,
                      int64_t n) {
-    scores(p, keys, cols, n);
-    const int64_t cols_c = key_columns(cols);
+    pack_transposed(keys, cols, D, kt.data(), BNc);
     pack_transposed(values, cols, DV, vt.data(), BNc);
     pack_rows(keys, cols, 32, D, kv.data(), D);
-    gemm16(engine, product_rows(n), cols_c, DVp, dout.data(), DVp, vt.data(), BNc, dp_tile.data(), BNc, false);
+    prepacked_scores_and_dp(p, kt.data(), vt.data(), kv.data(), cols, n);
+  }
+  // The same from a tile packed before the tasks (PackedKeys for the backward): K^T, V^T and K rows.
+  void prepacked_scores_and_dp(const Problem& p, const scalar_t* packed_kt, const scalar_t* packed_vt,
+                               const scalar_t* packed_k, int64_t cols, int64_t n) {
+    product_scores(p, packed_kt, cols, n, false);
+    gemm16(engine, product_rows(n), key_columns(cols), DVp, dout.data(), DVp, packed_vt, BNc, dp_tile.data(), BNc,
+           false);
+    key_rows = packed_k;
   }
 
   void add_gradients(int64_t cols, int64_t n, float* dq, float* dk, int64_t ld_dk, float* dv, int64_t ld_dv) {
@@ -307,7 +327,7 @@ struct NativeTiles {
     round_transposed(dp_tile.data(), BNc, n, n_c, cols, ds_trans.data());
     round_rows(dp_tile.data(), n, rows_n, cols, cols_c, rounded.data());
     gemm16(engine, cols, DV, n_c, p_trans.data(), n_c, dov.data(), DV, dv, ld_dv, true);
-    gemm16(engine, rows_n, D, cols_c, rounded.data(), BNc, kv.data(), D, dq, D, true);
+    gemm16(engine, rows_n, D, cols_c, rounded.data(), BNc, key_rows, D, dq, D, true);
     gemm16(engine, cols, D, n_c, ds_trans.data(), n_c, qv.data(), D, dk, ld_dk, true);
   }
 

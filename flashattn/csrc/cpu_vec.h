@@ -28,8 +28,7 @@ using iVec = at::vec::Vectorized<int32_t>;
 // 2^x for x <= 0 (a score minus its row maximum); exactly 0 below 2^-126 and for -inf. Relative error below 3e-7;
 // no calls or branches, so the loops that use it vectorize.
 inline float exp2_neg(float x) {
-  if (std::isnan(x)) return x;  // a NaN score stays NaN (as in PyTorch), not a weight of 0
-  const float xc = std::max(x, -126.0f);
+  const float xc = x >= -126.0f ? x : -126.0f;  // NaN too: its result is replaced below
   const float xi = std::floor(xc);
   const float f = xc - xi;
   float p = 1.8775767e-3f;
@@ -41,7 +40,7 @@ inline float exp2_neg(float x) {
   const int32_t bits = (static_cast<int32_t>(xi) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x >= -126.0f ? p * scale : 0.0f;
+  return x >= -126.0f ? p * scale : (x < -126.0f ? 0.0f : x);  // a NaN score stays NaN, not a weight of 0
 }
 
 inline double exp2_neg(double x) { return std::exp2(x); }
@@ -104,6 +103,7 @@ inline float max_of<float>(const float* x, int64_t n, float m) {
 #endif
 
 #if defined(__AVX512F__)
+template <int kDegree>
 inline __m512 exp2_clamped(__m512 x);
 // 2^(x - m) in place with the sum, on AVX-512: exactly 0 below 2^-126 (and for -inf, a masked score), NaN kept.
 template <>
@@ -113,7 +113,7 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
   const auto weight = [&](__m512 s) {
     const __m512 y = _mm512_add_ps(s, shift);
     const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);
-    return _mm512_mask_mov_ps(exp2_clamped(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
   };
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
@@ -189,15 +189,26 @@ inline void store_rounded16(scalar_t* out, __m512 v, __mmask16 keep) {
   _mm256_mask_storeu_epi16(out, keep, h);
 }
 
-// 2^x for x in [-126, 0]: 2^floor(x) times a polynomial of the fraction, by vscalefps.
+// 2^x for x in [-126, 0]: 2^floor(x) times a polynomial of the fraction, by vscalefps. Degree 5: relative error
+// below 1e-7 (fp32 weights); degree 4: below 3e-6, for weights rounded to 16 bits (bf16 keeps 8 bits; the fp32
+// sum of the weights then errs by 3e-6 at most, as PyTorch's exp_u20 does).
+template <int kDegree = 5>
 inline __m512 exp2_clamped(__m512 x) {
   const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 fr = _mm512_sub_ps(x, xi);
-  __m512 q = _mm512_fmadd_ps(fr, _mm512_set1_ps(1.8775767e-3f), _mm512_set1_ps(8.9893397e-3f));
-  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(5.5826318e-2f));
-  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(2.4015361e-1f));
-  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(6.9315308e-1f));
-  q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(9.9999994e-1f));
+  __m512 q;
+  if constexpr (kDegree == 4) {
+    q = _mm512_fmadd_ps(fr, _mm512_set1_ps(1.35347741e-2f), _mm512_set1_ps(5.20121194e-2f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(2.41440862e-1f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(6.93004668e-1f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(1.00000250e+0f));
+  } else {
+    q = _mm512_fmadd_ps(fr, _mm512_set1_ps(1.8775767e-3f), _mm512_set1_ps(8.9893397e-3f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(5.5826318e-2f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(2.4015361e-1f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(6.9315308e-1f));
+    q = _mm512_fmadd_ps(q, fr, _mm512_set1_ps(9.9999994e-1f));
+  }
   return _mm512_scalef_ps(q, xi);
 }
 
@@ -208,9 +219,9 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
     // vmaxps returns its second operand where either is NaN: a NaN score gives a NaN weight.
-    const __m512 e0 = exp2_clamped(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j), factor, shift)));
+    const __m512 e0 = exp2_clamped<4>(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j), factor, shift)));
     const __m512 e1 =
-        exp2_clamped(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), factor, shift)));
+        exp2_clamped<4>(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), factor, shift)));
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
     store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
@@ -219,7 +230,8 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
   for (; j < n; j += 16) {
     const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
     const __m512 e = _mm512_maskz_mov_ps(
-        keep, exp2_clamped(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, x + j), factor, shift))));
+        keep,
+        exp2_clamped<4>(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, x + j), factor, shift))));
     acc0 = _mm512_add_ps(acc0, e);
     store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
   }
