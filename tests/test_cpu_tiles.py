@@ -390,3 +390,20 @@ def test_the_avx2_switch_hides_the_engines_and_builds_for_avx2(monkeypatch, fres
     monkeypatch.setenv(cpu_build.ISA_ENV, "avx9000")
     with pytest.raises(ValueError, match="FLASHATTN_CPU_ISA='avx9000' is not one of native, avx2"):
         cpu_build.isa()
+
+
+def test_the_engine_label_names_the_instructions_behind_a_figure(monkeypatch, fresh_choice):
+    """What ``bench cpu --roofline`` prints beside each figure: AMX where oneDNN's brgemm runs on an AMX CPU, the
+    kernel's own AVX512_BF16 loop by that name, and fp32 tiles by the vector width the build compiled for."""
+    monkeypatch.setattr(cpu_tiles, "choose", lambda dtype: "onednn")
+    monkeypatch.setattr(cpu_tiles, "_cpu_has", lambda probe: probe == "amx_tile")
+    assert cpu_tiles.engine_label(torch.bfloat16) == "AMX (oneDNN brgemm)"
+    monkeypatch.setattr(cpu_tiles, "_cpu_has", lambda probe: probe == "avx512_bf16")
+    assert cpu_tiles.engine_label(torch.bfloat16) == "AVX512_BF16 (oneDNN brgemm)"
+    monkeypatch.setattr(cpu_tiles, "choose", lambda dtype: "avx512bf16")
+    assert cpu_tiles.engine_label(torch.bfloat16) == "AVX512_BF16 (own loop)"
+    monkeypatch.setattr(cpu_tiles, "choose", lambda dtype: "fp32")
+    for capability, label in (("AVX512", "AVX-512 fp32"), ("AVX2", "AVX2 fp32"), ("DEFAULT", "fp32")):
+        monkeypatch.setattr(cpu_build, "capability_flags", lambda c=capability: [f"-DCPU_CAPABILITY={c}"])
+        assert cpu_tiles.engine_label(torch.float32) == label
+    assert cpu_tiles.engine_label(torch.float64) == "fp64"
