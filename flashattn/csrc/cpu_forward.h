@@ -148,8 +148,12 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   const acc_t factor = score_factor<acc_t>(p);
   const bool plain_scores = p.softcap == 0 && p.alibi == nullptr && p.mask == nullptr && p.qk_descale == nullptr &&
                             factor > 0;
-  // Row r of the tile (query row i, head h), fused: its visible columns' maximum (the factor is positive, so the
-  // raw maximum scales to the scaled one), then P and its sum; acc row rescaled when the maximum moved.
+  // Row r of the tile (query row i, head h), fused. Once the row has a maximum, one pass: the weights against it
+  // as the reference, kept unless this tile's scores rise more than kHeadroom above it (weights up to 2^8, exact
+  // in fp32 and bf16 alike; the reference is what the sum and acc are relative to, so out = acc / sum holds). Else
+  // (the row's first visible tile, or a jump) two passes: the visible columns' maximum (the factor is positive, so
+  // the raw maximum scales to the scaled one), then P and its sum, acc rescaled to the new maximum.
+  constexpr acc_t kHeadroom = 8;
   const auto fused_row = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srow, int64_t r, int64_t h,
                              int64_t i, int64_t c0, int64_t cols, acc_t* acc_row, acc_t* row_max, acc_t* row_sum) {
     int64_t j0, j1;
@@ -159,20 +163,30 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     auto* prow = sc.tiles.probs(r);
     using prob_t = std::remove_pointer_t<decltype(prow)>;
     const int64_t cols_c = key_columns(cols);
+    const float* z = nullptr;
+    if (p.dropout_p > 0) {
+      p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
+      z = sc.z.data() + j0;
+    }
+    acc_t seen;
+    if (*row_max > neg_inf) {  // (not NaN either)
+      const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, *row_max, z, prow + j0, &seen);
+      if (!(seen * factor > *row_max + kHeadroom)) {
+        std::fill(prow, prow + j0, prob_t(0));
+        std::fill(prow + j1, prow + cols_c, prob_t(0));
+        *row_sum += sum;
+        return;
+      }
+    }
     const acc_t top = j0 < j1 ? max_raw_checked(srow + j0, j1 - j0) * factor : neg_inf;
     const acc_t m = std::isnan(top) ? top : std::max(*row_max, top);
     if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
       std::fill(prow, prow + cols_c, prob_t(0));
       return;
     }
-    const float* z = nullptr;
-    if (p.dropout_p > 0) {
-      p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
-      z = sc.z.data() + j0;
-    }
-    const acc_t alpha = m == *row_max ? acc_t(1) : exp2_neg(*row_max - m);  // most tiles leave the maximum
+    const acc_t alpha = m == *row_max ? acc_t(1) : exp2_neg(*row_max - m);
     std::fill(prow, prow + j0, prob_t(0));
-    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, z, prow + j0);
+    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, z, prow + j0, &seen);
     std::fill(prow + j1, prow + cols_c, prob_t(0));
     *row_sum = *row_sum * alpha + sum;  // the undropped weights: dropout acts on normalised probabilities
     *row_max = m;

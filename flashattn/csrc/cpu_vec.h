@@ -152,19 +152,21 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
 #endif
 
 // The forward's softmax pass over a row of raw scores x (q.k, unscaled) whose visible columns are [0, n), when
-// nothing transforms them: e = 2^(x f - m) with f the factor into log2 units and m the row's running maximum
-// (already in those units), times the dropout factors z where given, rounded to 16 bits into out; returns the sum
-// of e (undropped, unrounded: the denominator). One pass where scaling, exp-sum and rounding took three over
-// the tile. Exponents are clamped at -126 (a weight below 2^-126 is kept at that size, not flushed: it adds
-// nothing to a sum of at least one).
+// nothing transforms them: e = 2^(x f - m) with f the factor into log2 units and m a reference in those units (the
+// row's maximum, or a running one below it: weights up to 2^8 are exact too), times the dropout factors z where
+// given, rounded to 16 bits into out; returns the sum of e (undropped, unrounded: the denominator), and the largest
+// raw x into *seen. One pass where scaling, exp-sum and rounding took three over the tile.
 template <typename scalar_t>
-inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
-  float sum = 0;
+inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
+                               float* seen) {
+  float sum = 0, top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    const float e = exp2_neg(std::max(x[j] * f - m, -126.0f));
+    const float e = exp2_neg(x[j] * f - m);
+    top = x[j] > top ? x[j] : top;
     sum += e;
     out[j] = static_cast<scalar_t>(z != nullptr ? e * z[j] : e);
   }
+  *seen = top;
   return sum;
 }
 
@@ -213,15 +215,19 @@ inline __m512 exp2_clamped(__m512 x) {
 }
 
 template <typename scalar_t>
-inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
-  const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m), lowest = _mm512_set1_ps(-126.0f);
+inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
+                                      float* seen) {
+  // No clamp: vscalefps gives 2^x exactly 0 far below the reference, and NaN stays NaN.
+  const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
-    // vmaxps returns its second operand where either is NaN: a NaN score gives a NaN weight.
-    const __m512 e0 = exp2_clamped<4>(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j), factor, shift)));
-    const __m512 e1 =
-        exp2_clamped<4>(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), factor, shift)));
+    const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
+    top0 = _mm512_max_ps(x0, top0);
+    top1 = _mm512_max_ps(x1, top1);
+    const __m512 e0 = exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift));
+    const __m512 e1 = exp2_clamped<4>(_mm512_fmadd_ps(x1, factor, shift));
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
     store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
@@ -229,18 +235,19 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
   }
   for (; j < n; j += 16) {
     const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(
-        keep,
-        exp2_clamped<4>(_mm512_max_ps(lowest, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, x + j), factor, shift))));
+    const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
+    top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
     store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
   }
+  *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 // The largest of x[0, n) (n > 0) for the fused pass: four running maxima, so the loop is not one chain of
 // dependent maxima. vmaxps drops a NaN against a number: the exp pass after it turns any NaN score into a NaN
-// weight and sum, and a row left at -inf that holds one is made NaN here (max_raw_checked).
+// weight and sum, and a row left at -inf that holds one is made NaN (max_raw_checked).
 inline float max_raw_avx512(const float* x, int64_t n) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
@@ -260,12 +267,13 @@ inline float max_raw_avx512(const float* x, int64_t n) {
 
 template <>
 inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
-                                              c10::BFloat16* out) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+                                              c10::BFloat16* out, float* seen) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
 }
 template <>
-inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z, c10::Half* out) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z, c10::Half* out,
+                                          float* seen) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
 }
 #endif
 
