@@ -76,7 +76,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
   }
   using Scratch = BackwardScratch<Tiles>;
   PackedKeys<scalar_t> keys;  // 16-bit tiles: every tile's K^T, V^T and K packed once for all the query blocks
-  if constexpr (Tiles::kRoundsProbs) {
+  if constexpr (Tiles::kPacksKeys) {
     if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr, /*for_backward=*/true);
   }
   run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
@@ -107,7 +107,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
         bool prepacked = false;
-        if constexpr (Tiles::kRoundsProbs) {
+        if constexpr (Tiles::kPacksKeys) {
           if (!keys.empty()) {
             sc.tiles.prepacked_scores_and_dp(p, keys.kt(task.seq, hk, c0), keys.v(task.seq, hk, c0),
                                              keys.k(task.seq, hk, c0), cols, n);

@@ -140,14 +140,15 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
 
   using Scratch = ForwardScratch<Tiles>;
   PackedKeys<scalar_t> keys;  // a prefill's K^T and V tiles packed once (16-bit tiles, keys not widened)
-  if constexpr (Tiles::kRoundsProbs && !kWiden) {
+  if constexpr (Tiles::kPacksKeys && !kWiden) {
     if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr, /*for_backward=*/false);
   }
   // Scores nothing transforms (no softcap, ALiBi, mask or FP8 descale; a block mask's partial tiles are checked
   // per tile): the softmax pass of a row reads the raw q.k and writes 16-bit P at once (exp2_scaled_round).
-  const acc_t factor = score_factor<acc_t>(p);
   const bool plain_scores = p.softcap == 0 && p.alibi == nullptr && p.mask == nullptr && p.qk_descale == nullptr &&
-                            factor > 0;
+                            score_factor<acc_t>(p) > 0;
+  // The 16-bit tiles leave S raw for the pass to scale; fp32 tiles scaled Q as they loaded it.
+  const acc_t factor = Tiles::kPacksKeys ? score_factor<acc_t>(p) : acc_t(1);
   // Row r of the tile (query row i, head h), fused. Once the row has a maximum, one pass: the weights against it
   // as the reference, kept unless this tile's scores rise more than kHeadroom above it (weights up to 2^8, exact
   // in fp32 and bf16 alike; the reference is what the sum and acc are relative to, so out = acc / sum holds). Else
@@ -257,7 +258,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
         const bool fused = plain_scores && tile == nullptr;
         acc_t* scores;
-        if constexpr (Tiles::kRoundsProbs) {
+        if constexpr (Tiles::kPacksKeys) {
           if (prepacked) {
             scores = sc.tiles.prepacked_scores(p, keys.kt(task.seq, hk, c0), cols, n, fused);
           } else {
@@ -271,7 +272,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         for (int64_t r = 0; r < n; ++r) {
           acc_t* srow = scores + r * ld;
           const int64_t h = hk * p.group + g[r];
-          if constexpr (Tiles::kRoundsProbs) {
+          if constexpr (Tiles::kWritesProbs) {
             if (fused) {
               fused_row(sc, s, task.seq, srow, r, h, i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r);
               continue;
@@ -300,11 +301,13 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
             for (int64_t d = 0; d < DV; ++d) ar[d] *= alpha;
           }
         }
-        if constexpr (Tiles::kRoundsProbs) {
+        if constexpr (Tiles::kPacksKeys) {
           if (prepacked) {
             sc.tiles.add_prepacked_values(keys.v(task.seq, hk, c0), cols, n, acc, fused);
             continue;
           }
+        }
+        if constexpr (Tiles::kWritesProbs) {
           if (fused) {
             if (task.heads > 1) {
               sc.tiles.add_packed_probs_values(slab, cols, n, acc);

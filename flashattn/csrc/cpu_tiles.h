@@ -40,17 +40,19 @@ template <typename scalar_t_, typename acc_t_>
 struct WideTiles {
   using scalar_t = scalar_t_;
   using acc_t = acc_t_;
-  int64_t D, DV, BN;
-  Buffer<acc_t> q, dout, s_tile, dp_tile, k, v;
+  int64_t D, DV, BN, BNc;
+  Buffer<acc_t> q, dout, s_tile, dp_tile, k, v, p_tile;
   const acc_t *kt = nullptr, *vt = nullptr;  // the current tile's keys and values (in place or in k/v)
   int64_t ldk = 0, ldv = 0;
 
   std::vector<KeyRows<scalar_t>> head_keys, head_values;  // a multi-head task's tile, per head
 
   WideTiles(const Problem& p, bool backward, Engine, int64_t heads = 1)
-      : D(p.dim), DV(p.dim_v), BN(p.block_n), q(p.block_m * p.dim), dout(backward ? p.block_m * p.dim_v : 0),
-        s_tile(p.block_m * p.block_n), dp_tile(backward ? p.block_m * p.block_n : 0), k(p.block_n * p.dim),
-        v(p.block_n * p.dim_v), head_keys(heads), head_values(heads) {}
+      : D(p.dim), DV(p.dim_v), BN(p.block_n), BNc(key_columns(p.block_n)), q(p.block_m * p.dim),
+        dout(backward ? p.block_m * p.dim_v : 0), s_tile(p.block_m * p.block_n),
+        dp_tile(backward ? p.block_m * p.block_n : 0), k(p.block_n * p.dim), v(p.block_n * p.dim_v),
+        p_tile(backward || !kWritesProbs ? 0 : p.block_m * key_columns(p.block_n)), head_keys(heads),
+        head_values(heads) {}
   int64_t ld() const { return BN; }
   // The backward's dK accumulates dS^T (Q scaled into log2 units): back to the natural score's units.
   static double dk_factor(const Problem& p) { return p.softcap > 0 ? p.softcap : 1.0 / kLog2e; }
@@ -78,7 +80,22 @@ struct WideTiles {
     for (int64_t h = 0; h < heads; ++h) head_keys[h] = keys(h), head_values[h] = values(h);
   }
   static constexpr bool kPacksFp8 = false;  // FP8 rows are widened before (cpu_forward.h)
-  static constexpr bool kRoundsProbs = false;  // P stays in fp32 for the BLAS (no fused pass: see NativeTiles)
+  static constexpr bool kPacksKeys = false;  // the BLAS packs its operands itself
+  // The forward's fused softmax pass (cpu_forward.h) writes fp32 P into p_tile (fp64 keeps its passes); the
+  // scores come in log2 units already (Q is scaled as it is loaded).
+#ifdef __AVX512F__
+  static constexpr bool kWritesProbs = std::is_same_v<acc_t, float>;
+#else  // the AVX2 build keeps at::vec's passes (the fused one is written for AVX-512)
+  static constexpr bool kWritesProbs = false;
+#endif
+  acc_t* probs(int64_t r) { return p_tile.data() + r * BNc; }
+  void add_probs_values(const KeyRows<scalar_t>& values, int64_t cols, int64_t n, acc_t* acc) {
+    vt = key_tile(values, cols, DV, v.data(), &ldv);
+    gemm<acc_t>(false, false, n, DV, cols, p_tile.data(), BNc, vt, ldv, acc_t(1), acc, DV);
+  }
+  void add_packed_probs_values(int64_t h, int64_t cols, int64_t n, acc_t* acc) {
+    add_probs_values(head_values[h], cols, n, acc);
+  }
   acc_t* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
     return scores(p, head_keys[h], cols, n);
   }
@@ -223,7 +240,8 @@ struct NativeTiles {
 
   // The fused pass's P: row r of the 16-bit tile P V reads (columns up to key_columns(cols), zero past the
   // visible ones).
-  static constexpr bool kRoundsProbs = true;
+  static constexpr bool kPacksKeys = true;  // PackedKeys, and S left raw for the fused pass (scores' `raw`)
+  static constexpr bool kWritesProbs = true;
   scalar_t* probs(int64_t r) { return rounded.data() + r * BNc; }
   // acc += P V with P written through probs() (rows [0, n)).
   void add_probs_values(const KeyRows<scalar_t>& values, int64_t cols, int64_t n, float* acc) {

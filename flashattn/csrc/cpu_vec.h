@@ -214,7 +214,18 @@ inline __m512 exp2_clamped(__m512 x) {
   return _mm512_scalef_ps(q, xi);
 }
 
-template <typename scalar_t>
+// Weights stored as they are (fp32 P for the BLAS) or rounded to 16 bits.
+template <typename out_t>
+inline void store_weights(out_t* out, __m512 v, __mmask16 keep) {
+  if constexpr (std::is_same_v<out_t, float>) {
+    _mm512_mask_storeu_ps(out, keep, v);
+  } else {
+    store_rounded16(out, v, keep);
+  }
+}
+
+// fp32 weights take the degree-5 exp (relative error below 1e-7), 16-bit ones degree 4.
+template <typename scalar_t, int kDegree = std::is_same_v<scalar_t, float> ? 5 : 4>
 inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
                                       float* seen) {
   // No clamp: vscalefps gives 2^x exactly 0 far below the reference, and NaN stays NaN.
@@ -226,20 +237,20 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
     const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
     top0 = _mm512_max_ps(x0, top0);
     top1 = _mm512_max_ps(x1, top1);
-    const __m512 e0 = exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift));
-    const __m512 e1 = exp2_clamped<4>(_mm512_fmadd_ps(x1, factor, shift));
+    const __m512 e0 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift));
+    const __m512 e1 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x1, factor, shift));
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
-    store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
-    store_rounded16(out + j + 16, z != nullptr ? _mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)) : e1, 0xFFFF);
+    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
+    store_weights(out + j + 16, z != nullptr ? _mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)) : e1, 0xFFFF);
   }
   for (; j < n; j += 16) {
     const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
     const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
     top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
-    store_rounded16(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
+    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
   }
   *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
@@ -268,6 +279,11 @@ inline float max_raw_avx512(const float* x, int64_t n) {
 template <>
 inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
                                               c10::BFloat16* out, float* seen) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+}
+template <>
+inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out,
+                                      float* seen) {
   return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
 }
 template <>
