@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include "cpu_dropout.h"
 #include "cpu_fp8.h"
 #include "cpu_vec.h"
 
