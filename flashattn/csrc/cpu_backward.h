@@ -124,21 +124,9 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
           acc_t* dprow = sc.tiles.dp_tile.data() + r * ld;
           acc_t* trow = p.softcap > 0 ? sc.tanh.data() + r * BN : nullptr;
           p.transform_row<acc_t>(task.seq, s, h, i[r], c0, cols, srow, trow, p.tile_row(tile, i[r]));
-          const acc_t row_lse = sc.lse[r], delta = sc.delta[r];
-          if (p.dropout_p > 0) {  // dV takes the dropped P (in s), dS the undropped one (in dp)
-            p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
-            for (int64_t j = 0; j < cols; ++j) {
-              const acc_t pj = exp2_neg(srow[j] - row_lse);
-              srow[j] = pj * sc.z[j];
-              dprow[j] = pj * (dprow[j] * sc.z[j] - delta);
-            }
-          } else {
-            for (int64_t j = 0; j < cols; ++j) {
-              const acc_t pj = exp2_neg(srow[j] - row_lse);
-              srow[j] = pj;
-              dprow[j] = pj * (dprow[j] - delta);
-            }
-          }
+          // dV takes the dropped P (in s), dS the undropped one (in dp).
+          if (p.dropout_p > 0) p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
+          backward_row(srow, dprow, cols, sc.lse[r], sc.delta[r], p.dropout_p > 0 ? sc.z.data() : nullptr);
           if (dmask_p != nullptr) {  // an additive mask's gradient is dS itself
             acc_t* dm = dmask_p + ((task.seq * p.heads + h) * nq_max + i[r]) * nk_max + c0;
             std::copy(dprow, dprow + cols, dm);

@@ -319,6 +319,39 @@ inline T max_raw_checked(const T* x, int64_t n) {
 inline float max_raw_checked_float(const float* x, int64_t n) { return max_raw_checked<float>(x, n); }
 #endif
 
+// The backward's pass over a row: P = 2^(s - lse) (lse in log2 units, +inf for a row that saw no key: P = 0),
+// then s = P z (dropped, for dV; z = nullptr: no dropout) and dp = P (dp z - delta) (dS before softcap's factor).
+template <typename T>
+inline void backward_row(T* s, T* dp, int64_t n, T lse, T delta, const T* z) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T pj = exp2_neg(s[j] - lse);
+    s[j] = z != nullptr ? pj * z[j] : pj;
+    dp[j] = pj * ((z != nullptr ? dp[j] * z[j] : dp[j]) - delta);
+  }
+}
+
+#if defined(__AVX512F__)
+template <>
+inline void backward_row<float>(float* s, float* dp, int64_t n, float lse, float delta, const float* z) {
+  const __m512 shift = _mm512_set1_ps(-lse), lowest = _mm512_set1_ps(-126.0f), d = _mm512_set1_ps(delta);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 y = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, s + j), shift);
+    const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);  // -inf (masked) and tiny: exactly 0
+    const __m512 pj = _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
+    __m512 g = _mm512_maskz_loadu_ps(keep, dp + j);
+    __m512 kept = pj;
+    if (z != nullptr) {
+      const __m512 zj = _mm512_maskz_loadu_ps(keep, z + j);
+      g = _mm512_mul_ps(g, zj);
+      kept = _mm512_mul_ps(pj, zj);
+    }
+    _mm512_mask_storeu_ps(s + j, keep, kept);
+    _mm512_mask_storeu_ps(dp + j, keep, _mm512_mul_ps(pj, _mm512_sub_ps(g, d)));
+  }
+}
+#endif
+
 // x *= factor over a row.
 inline void scale_row(float* x, int64_t n, float factor) {
   at::vec::map([factor](fVec v) { return v * fVec(factor); }, x, x, n);
