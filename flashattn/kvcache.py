@@ -7,8 +7,6 @@ with ``AttentionSpec.cache`` set, and rotary embeddings are in ``flashattn.rotar
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -52,10 +50,7 @@ def _kernel_serves(cache: Tensor) -> bool:
     """Whether the append kernel writes into ``cache``: a GPU's (or a stubbed one's) with triton, not its
     interpreter, in eager mode (torch.compile traces the torch ops, which it fuses itself)."""
     return (not torch.compiler.is_compiling() and (cache.is_cuda or stubbed_device() is not None)
-            and not interpreting() and _installed())
-
-
-_installed = functools.cache(installed)
+            and not interpreting() and installed())
 
 
 def append_by_kernel(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor,

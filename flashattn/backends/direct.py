@@ -19,6 +19,14 @@ import torch
 
 from .triton import _stubbed, interpreting
 
+
+def hooked(enter, leave) -> bool:
+    """Whether Triton's launch hooks see launches (and so need each launch's metadata): its hooks are chains
+    (triton.knobs.HookChain), and an empty one sees none. Also read by the launch plans (``triton/plans.py``)."""
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
+
+
 _COMPILED: dict[tuple, tuple] = {}  # (kernel, argument kinds, constants, device, stubbed GPU) -> its launcher
 
 
@@ -49,7 +57,5 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.dev
     compiled, driver, knobs = launcher
     stream = driver.active.get_current_stream(driver.active.get_current_device())
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    # Triton's hooks are chains (triton.knobs.HookChain); empty ones see no launch, and need no metadata.
-    hooked = getattr(enter, "calls", enter is not None) or getattr(leave, "calls", leave is not None)
-    meta = compiled.launch_metadata(grid, stream, *args) if hooked else None
+    meta = compiled.launch_metadata(grid, stream, *args) if hooked(enter, leave) else None
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)

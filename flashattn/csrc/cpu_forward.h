@@ -260,7 +260,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         acc_t* scores;
         if constexpr (Tiles::kPacksKeys) {
           if (prepacked) {
-            scores = sc.tiles.prepacked_scores(p, keys.kt(task.seq, hk, c0), cols, n, fused);
+            scores = sc.tiles.product_scores(p, keys.kt(task.seq, hk, c0), cols, n, fused);
           } else {
             scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n, fused)
                                     : sc.tiles.scores(p, sc.keys_of[slab], cols, n, fused);

@@ -302,11 +302,14 @@ struct NativeTiles {
     product_values(heads_vt.data() + h * BNc * DV, cols, n, acc);
   }
 
-  // Products on tiles packed before the tasks (PackedKeys): S = Q K^T from the packed K^T, and acc += P V from
-  // the packed V with P from the scores (rounded here) or written through probs() (fused).
-  float* prepacked_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n, bool raw) {
-    return product_scores(p, packed_kt, cols, n, raw);
+  // S = Q K^T from a packed K^T (ld BNc; one packed before the tasks: PackedKeys), scaled into log2 units over the
+  // valid columns unless raw.
+  float* product_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n, bool raw) {
+    gemm16(engine, product_rows(n), key_columns(cols), Dp, q.data(), Dp, packed_kt, BNc, s_tile.data(), BNc, false);
+    if (!raw) scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
+    return s_tile.data();
   }
+  // acc += P V from a V packed before the tasks, P from the scores (rounded here) or written through probs().
   void add_prepacked_values(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc, bool fused) {
     if (fused) {
       probs_times(packed_v, cols, n, acc);
@@ -350,12 +353,6 @@ struct NativeTiles {
   }
 
  private:
-  // S = Q K^T from the packed K^T (ld BNc), scaled into log2 units over the valid columns.
-  float* product_scores(const Problem& p, const scalar_t* packed_kt, int64_t cols, int64_t n, bool raw) {
-    gemm16(engine, product_rows(n), key_columns(cols), Dp, q.data(), Dp, packed_kt, BNc, s_tile.data(), BNc, false);
-    if (!raw) scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
-    return s_tile.data();
-  }
   // acc += P V, P's rows [0, n) written through probs(): the product's padding rows zeroed here.
   void probs_times(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc) {
     const int64_t rows_n = product_rows(n), cols_c = key_columns(cols);

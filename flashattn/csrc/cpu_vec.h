@@ -62,138 +62,16 @@ inline fVec exp2_neg(fVec x) {
   return fVec::blendv(r, fVec(0.0f), x < lowest);  // NaN compares false: it stays NaN
 }
 
-// The two passes of the online softmax over a row: its maximum, then x = 2^(x - m) with their sum. The float
-// versions are written on vectors: the compiler does not vectorize a max reduction that must keep -inf and NaN
-// semantics.
-template <typename T>
-inline T max_of(const T* x, int64_t n, T m) {
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
-  return m;
-}
-
-template <typename T>
-inline T exp2_shift_sum(T* x, int64_t n, T m) {
-  T sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] = exp2_neg(x[j] - m);
-    sum += x[j];
-  }
-  return sum;
-}
-
 #if defined(__AVX512F__)
-inline float max_raw_checked_float(const float* x, int64_t n);
-// On AVX-512: four running maxima (max_raw_avx512); a NaN reaches the exp pass after it as a NaN weight, and a row
-// of NaN and -inf alone comes back NaN.
-template <>
-inline float max_of<float>(const float* x, int64_t n, float m) {
-  if (n <= 0) return m;
-  const float top = max_raw_checked_float(x, n);
-  return std::isnan(top) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, top);
-}
-#else
-template <>
-inline float max_of<float>(const float* x, int64_t n, float m) {
-  fVec acc(m);
-  int64_t j = 0;
-  for (; j + fVec::size() <= n; j += fVec::size()) acc = at::vec::maximum(acc, fVec::loadu(x + j));
-  if (j < n) acc = at::vec::maximum(acc, fVec::set(fVec(m), fVec::loadu(x + j, n - j), n - j));
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, acc);
-}
-#endif
-
-#if defined(__AVX512F__)
-template <int kDegree>
-inline __m512 exp2_clamped(__m512 x);
-// 2^(x - m) in place with the sum, on AVX-512: exactly 0 below 2^-126 (and for -inf, a masked score), NaN kept.
-template <>
-inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
-  const __m512 shift = _mm512_set1_ps(-m), lowest = _mm512_set1_ps(-126.0f);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  const auto weight = [&](__m512 s) {
-    const __m512 y = _mm512_add_ps(s, shift);
-    const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);
-    return _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
-  };
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    const __m512 e0 = weight(_mm512_loadu_ps(x + j)), e1 = weight(_mm512_loadu_ps(x + j + 16));
-    _mm512_storeu_ps(x + j, e0);
-    _mm512_storeu_ps(x + j + 16, e1);
-    acc0 = _mm512_add_ps(acc0, e0);
-    acc1 = _mm512_add_ps(acc1, e1);
-  }
-  for (; j < n; j += 16) {
-    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(keep, weight(_mm512_maskz_loadu_ps(keep, x + j)));
-    _mm512_mask_storeu_ps(x + j, keep, e);
-    acc0 = _mm512_add_ps(acc0, e);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-#else
-template <>
-inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
-  fVec acc(0.0f);
-  const fVec top(m);
-  int64_t j = 0;
-  for (; j + fVec::size() <= n; j += fVec::size()) {
-    const fVec e = exp2_neg(fVec::loadu(x + j) - top);
-    e.store(x + j);
-    acc = acc + e;
-  }
-  if (j < n) {
-    const fVec e = exp2_neg(fVec::loadu(x + j, n - j) - top);
-    e.store(x + j, n - j);
-    acc = acc + fVec::set(fVec(0.0f), e, n - j);
-  }
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
-}
-#endif
-
-// The forward's softmax pass over a row of raw scores x (q.k, unscaled) whose visible columns are [0, n), when
-// nothing transforms them: e = 2^(x f - m) with f the factor into log2 units and m a reference in those units (the
-// row's maximum, or a running one below it: weights up to 2^8 are exact too), times the dropout factors z where
-// given, rounded to 16 bits into out; returns the sum of e (undropped, unrounded: the denominator), and the largest
-// raw x into *seen. One pass where scaling, exp-sum and rounding took three over the tile.
-template <typename scalar_t>
-inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
-                               float* seen) {
-  float sum = 0, top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = exp2_neg(x[j] * f - m);
-    top = x[j] > top ? x[j] : top;
-    sum += e;
-    out[j] = static_cast<scalar_t>(z != nullptr ? e * z[j] : e);
-  }
-  *seen = top;
-  return sum;
+// ------------------------------------------------------------------------------------------ AVX-512 primitives
+// The lanes [0, left) of a 16-lane step (all 16 when left >= 16): the masked tail of a row.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
-#if defined(__AVX512F__)
-// 16 fp32 lanes rounded to 16 bits (to nearest even) and stored: bf16 by AVX512_BF16 where the build has it (else
-// by the rounding bias on the bit pattern), fp16 by vcvtps2ph.
-template <typename scalar_t>
-inline void store_rounded16(scalar_t* out, __m512 v, __mmask16 keep) {
-  __m256i h;
-  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  } else {
-#ifdef __AVX512BF16__
-    h = (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));  // finite values only
-#endif
-  }
-  _mm256_mask_storeu_epi16(out, keep, h);
-}
-
-// 2^x for x in [-126, 0]: 2^floor(x) times a polynomial of the fraction, by vscalefps. Degree 5: relative error
-// below 1e-7 (fp32 weights); degree 4: below 3e-6, for weights rounded to 16 bits (bf16 keeps 8 bits; the fp32
-// sum of the weights then errs by 3e-6 at most, as PyTorch's exp_u20 does).
+// 2^x by 2^floor(x) times a polynomial of the fraction, through vscalefps: exactly 0 far below -126, NaN kept.
+// Degree 5: relative error below 1e-7 (fp32 weights); degree 4: below 3e-6, for weights rounded to 16 bits (bf16
+// keeps 8 bits; the fp32 sum of the weights then errs by 3e-6 at most, as PyTorch's exp_u20 does).
 template <int kDegree = 5>
 inline __m512 exp2_clamped(__m512 x) {
   const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -214,51 +92,16 @@ inline __m512 exp2_clamped(__m512 x) {
   return _mm512_scalef_ps(q, xi);
 }
 
-// Weights stored as they are (fp32 P for the BLAS) or rounded to 16 bits.
-template <typename out_t>
-inline void store_weights(out_t* out, __m512 v, __mmask16 keep) {
-  if constexpr (std::is_same_v<out_t, float>) {
-    _mm512_mask_storeu_ps(out, keep, v);
-  } else {
-    store_rounded16(out, v, keep);
-  }
+// exp2_neg on 16 lanes: 2^y, exactly 0 below 2^-126 (and for -inf, a masked score), NaN kept.
+inline __m512 exp2_or_zero(__m512 y) {
+  const __m512 lowest = _mm512_set1_ps(-126.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);
+  // vmaxps returns its second operand where either is NaN: a NaN stays NaN.
+  return _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
 }
 
-// fp32 weights take the degree-5 exp (relative error below 1e-7), 16-bit ones degree 4.
-template <typename scalar_t, int kDegree = std::is_same_v<scalar_t, float> ? 5 : 4>
-inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
-                                      float* seen) {
-  // No clamp: vscalefps gives 2^x exactly 0 far below the reference, and NaN stays NaN.
-  const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
-    const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
-    top0 = _mm512_max_ps(x0, top0);
-    top1 = _mm512_max_ps(x1, top1);
-    const __m512 e0 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift));
-    const __m512 e1 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x1, factor, shift));
-    acc0 = _mm512_add_ps(acc0, e0);
-    acc1 = _mm512_add_ps(acc1, e1);
-    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
-    store_weights(out + j + 16, z != nullptr ? _mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)) : e1, 0xFFFF);
-  }
-  for (; j < n; j += 16) {
-    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
-    top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift)));
-    acc0 = _mm512_add_ps(acc0, e);
-    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
-  }
-  *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-// The largest of x[0, n) (n > 0) for the fused pass: four running maxima, so the loop is not one chain of
-// dependent maxima. vmaxps drops a NaN against a number: the exp pass after it turns any NaN score into a NaN
-// weight and sum, and a row left at -inf that holds one is made NaN (max_raw_checked).
+// The largest of x[0, n): four running maxima, so the loop is not one chain of dependent maxima. vmaxps drops a
+// NaN against a number (max_raw_checked says what that means).
 inline float max_raw_avx512(const float* x, int64_t n) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
@@ -269,32 +112,13 @@ inline float max_raw_avx512(const float* x, int64_t n) {
     m2 = _mm512_max_ps(_mm512_loadu_ps(x + j + 32), m2);
     m3 = _mm512_max_ps(_mm512_loadu_ps(x + j + 48), m3);
   }
-  for (; j < n; j += 16) {
-    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    m0 = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, keep, x + j), m0);
-  }
+  for (; j < n; j += 16) m0 = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, tail_mask(n - j), x + j), m0);
   return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
-}
-
-template <>
-inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
-                                              c10::BFloat16* out, float* seen) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
-}
-template <>
-inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out,
-                                      float* seen) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
-}
-template <>
-inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z, c10::Half* out,
-                                          float* seen) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
 }
 #endif
 
-// The largest raw score of a row for the fused pass (n > 0); NaN where the row holds a NaN and nothing above -inf
-// (so the row's output is NaN, as the unfused passes make it, not 0).
+// The largest of a row's scores x[0, n), for the passes that take NaN through the exp after it (a NaN score gives
+// a NaN weight there): NaN where the row holds a NaN and nothing above -inf, so that its output is NaN, not 0.
 template <typename T>
 inline T max_raw_checked(const T* x, int64_t n) {
   T m = -std::numeric_limits<T>::infinity();
@@ -315,8 +139,176 @@ inline T max_raw_checked(const T* x, int64_t n) {
   return m;
 }
 
+// The two passes of the online softmax over a row: its maximum, then x = 2^(x - m) with their sum. The float
+// versions are written on vectors: the compiler does not vectorize a max reduction that must keep -inf and NaN
+// semantics.
+template <typename T>
+inline T max_of(const T* x, int64_t n, T m) {
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+template <typename T>
+inline T exp2_shift_sum(T* x, int64_t n, T m) {
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = exp2_neg(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
 #if defined(__AVX512F__)
-inline float max_raw_checked_float(const float* x, int64_t n) { return max_raw_checked<float>(x, n); }
+// On AVX-512: four running maxima; a NaN reaches the exp pass after it as a NaN weight.
+template <>
+inline float max_of<float>(const float* x, int64_t n, float m) {
+  if (n <= 0) return m;
+  const float top = max_raw_checked(x, n);
+  return std::isnan(top) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, top);
+}
+
+// 2^(x - m) in place with the sum.
+template <>
+inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
+  const __m512 shift = _mm512_set1_ps(-m);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = exp2_or_zero(_mm512_add_ps(_mm512_loadu_ps(x + j), shift));
+    const __m512 e1 = exp2_or_zero(_mm512_add_ps(_mm512_loadu_ps(x + j + 16), shift));
+    _mm512_storeu_ps(x + j, e0);
+    _mm512_storeu_ps(x + j + 16, e1);
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep = tail_mask(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_or_zero(_mm512_add_ps(_mm512_maskz_loadu_ps(keep, x + j), shift)));
+    _mm512_mask_storeu_ps(x + j, keep, e);
+    acc0 = _mm512_add_ps(acc0, e);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#else
+template <>
+inline float max_of<float>(const float* x, int64_t n, float m) {
+  fVec acc(m);
+  int64_t j = 0;
+  for (; j + fVec::size() <= n; j += fVec::size()) acc = at::vec::maximum(acc, fVec::loadu(x + j));
+  if (j < n) acc = at::vec::maximum(acc, fVec::set(fVec(m), fVec::loadu(x + j, n - j), n - j));
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, acc);
+}
+
+template <>
+inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
+  fVec acc(0.0f);
+  const fVec top(m);
+  int64_t j = 0;
+  for (; j + fVec::size() <= n; j += fVec::size()) {
+    const fVec e = exp2_neg(fVec::loadu(x + j) - top);
+    e.store(x + j);
+    acc = acc + e;
+  }
+  if (j < n) {
+    const fVec e = exp2_neg(fVec::loadu(x + j, n - j) - top);
+    e.store(x + j, n - j);
+    acc = acc + fVec::set(fVec(0.0f), e, n - j);
+  }
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+}
+#endif
+
+// The forward's softmax pass over a row of raw scores x whose visible columns are [0, n), when nothing transforms
+// them: e = 2^(x f - m) with f the factor into log2 units and m a reference in those units (the row's maximum, or
+// a running one below it: weights up to 2^8 are exact too), times the dropout factors z where given, written to
+// out (fp32, or rounded to 16 bits); returns the sum of e (undropped, unrounded: the denominator), and the largest
+// raw x into *seen. One pass where scaling, exp-sum and rounding took three over the tile.
+template <typename scalar_t>
+inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
+                               float* seen) {
+  float sum = 0, top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = exp2_neg(x[j] * f - m);
+    top = x[j] > top ? x[j] : top;
+    sum += e;
+    out[j] = static_cast<scalar_t>(z != nullptr ? e * z[j] : e);
+  }
+  *seen = top;
+  return sum;
+}
+
+#if defined(__AVX512F__)
+// 16 fp32 lanes stored as they are (fp32 P for the BLAS) or rounded to 16 bits (to nearest even): bf16 by
+// AVX512_BF16 where the build has it (else by the rounding bias on the bit pattern), fp16 by vcvtps2ph.
+template <typename out_t>
+inline void store_weights(out_t* out, __m512 v, __mmask16 keep) {
+  if constexpr (std::is_same_v<out_t, float>) {
+    _mm512_mask_storeu_ps(out, keep, v);
+  } else {
+    __m256i h;
+    if constexpr (std::is_same_v<out_t, c10::Half>) {
+      h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+#ifdef __AVX512BF16__
+      h = (__m256i)_mm512_cvtneps_pbh(v);
+#else
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+          _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));  // finite values only
+#endif
+    }
+    _mm256_mask_storeu_epi16(out, keep, h);
+  }
+}
+
+// fp32 weights take the degree-5 exp, 16-bit ones degree 4. No clamp: vscalefps gives 2^x exactly 0 far below the
+// reference, and NaN stays NaN.
+template <typename scalar_t, int kDegree = std::is_same_v<scalar_t, float> ? 5 : 4>
+inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
+                                      float* seen) {
+  const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
+    const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
+    top0 = _mm512_max_ps(x0, top0);
+    top1 = _mm512_max_ps(x1, top1);
+    const __m512 e0 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift));
+    const __m512 e1 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x1, factor, shift));
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
+    store_weights(out + j + 16, z != nullptr ? _mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)) : e1, 0xFFFF);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep = tail_mask(n - j);
+    const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
+    top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift)));
+    acc0 = _mm512_add_ps(acc0, e);
+    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
+  }
+  *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+template <>
+inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
+                                              c10::BFloat16* out, float* seen) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+}
+template <>
+inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out,
+                                      float* seen) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+}
+template <>
+inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z, c10::Half* out,
+                                          float* seen) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+}
 #endif
 
 // The backward's pass over a row: P = 2^(s - lse) (lse in log2 units, +inf for a row that saw no key: P = 0),
@@ -333,12 +325,10 @@ inline void backward_row(T* s, T* dp, int64_t n, T lse, T delta, const T* z) {
 #if defined(__AVX512F__)
 template <>
 inline void backward_row<float>(float* s, float* dp, int64_t n, float lse, float delta, const float* z) {
-  const __m512 shift = _mm512_set1_ps(-lse), lowest = _mm512_set1_ps(-126.0f), d = _mm512_set1_ps(delta);
+  const __m512 shift = _mm512_set1_ps(-lse), d = _mm512_set1_ps(delta);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 y = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, s + j), shift);
-    const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);  // -inf (masked) and tiny: exactly 0
-    const __m512 pj = _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
+    const __mmask16 keep = tail_mask(n - j);
+    const __m512 pj = exp2_or_zero(_mm512_add_ps(_mm512_maskz_loadu_ps(keep, s + j), shift));
     __m512 g = _mm512_maskz_loadu_ps(keep, dp + j);
     __m512 kept = pj;
     if (z != nullptr) {

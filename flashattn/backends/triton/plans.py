@@ -30,6 +30,7 @@ from triton import knobs
 from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..direct import hooked
 from ..environ import Variable
 from ..spec import AttentionSpec
 from . import configs, tma
@@ -133,13 +134,7 @@ class Plan:
         stream = active.get_current_stream(active.get_current_device())
         runtime = knobs.runtime
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        return self._launch(inputs, device, stream, enter, leave, _hooked(enter) or _hooked(leave))
-
-
-def _hooked(hook) -> bool:
-    """Whether a launch hook sees launches: Triton's hooks are chains (triton.knobs.HookChain), and an empty one
-    sees none (nor needs the launch's metadata)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+        return self._launch(inputs, device, stream, enter, leave, hooked(enter, leave))
 
 
 def _literal(value: object) -> bool:
