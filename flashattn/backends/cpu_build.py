@@ -25,8 +25,9 @@ import torch
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_flash.cpp"
 # Every file the build reads: a change to any of them is a new build folder.
-SOURCES = (SOURCE, *(SOURCE.parent / name for name in ("cpu_vec.h", "cpu_dropout.h", "cpu_common.h", "cpu_gemm16.h",
-                                                     "cpu_tiles.h", "cpu_forward.h", "cpu_backward.h", "cpu_fp8.h")))
+SOURCES = (SOURCE, *(SOURCE.parent / name for name in (
+    "cpu_vec.h", "cpu_dropout.h", "cpu_common.h", "cpu_gemm16.h", "cpu_tiles.h", "cpu_wide_tiles.h", "cpu_forward.h",
+    "cpu_backward.h", "cpu_fp8.h")))
 # -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
 # opens its own parallel region, which a busy machine slows several times over.
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")

@@ -21,11 +21,12 @@ struct BackwardScratch {
         i(p.block_m) {}
 };
 
-// What the backward reads and writes besides q, k, v: dK/dV partials are (splits, B, Nk, Hk, D) in acc_t, zeroed.
+// What the backward reads and writes besides q, k, v. dK and dV: fp32 tiles on brgemm write them from their panels
+// (dk times dk_factor); other tiles write partials (splits, B, Nk, Hk, D) in acc_t, zeroed, that the caller sums.
 struct BackwardIo {
   const at::Tensor &out, &dout, &lse;
   const at::Tensor* dlse;  // or nullptr
-  at::Tensor &dq, &dk_part, &dv_part;
+  at::Tensor &dq, &dk, &dv, &dk_part, &dv_part;  // the partials: undefined where the tiles write dk and dv
   at::Tensor* dmask;  // (B, H, Nq, Nk) in acc_t, zeroed; or nullptr
 };
 
@@ -42,10 +43,12 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
   const int64_t lse_b = io.lse.stride(0), lse_h = io.lse.stride(1);
   const int64_t dlse_b = io.dlse != nullptr ? io.dlse->stride(0) : 0, dlse_h = io.dlse != nullptr ? io.dlse->stride(1) : 0;
   const int64_t D = p.dim, DV = p.dim_v, BN = p.block_n;
-  const int64_t part_split = io.dk_part.stride(0), part_b = io.dk_part.stride(1), part_row = io.dk_part.stride(2);
-  const int64_t vpart_split = io.dv_part.stride(0), vpart_b = io.dv_part.stride(1), vpart_row = io.dv_part.stride(2);
-  acc_t* dk_p = io.dk_part.data_ptr<acc_t>();
-  acc_t* dv_p = io.dv_part.data_ptr<acc_t>();
+  const auto stride = [](const at::Tensor& t, int64_t dim) { return t.defined() ? t.stride(dim) : 0; };
+  const int64_t part_split = stride(io.dk_part, 0), part_b = stride(io.dk_part, 1), part_row = stride(io.dk_part, 2);
+  const int64_t vpart_split = stride(io.dv_part, 0), vpart_b = stride(io.dv_part, 1);
+  const int64_t vpart_row = stride(io.dv_part, 2);
+  acc_t* dk_p = io.dk_part.defined() ? io.dk_part.data_ptr<acc_t>() : nullptr;
+  acc_t* dv_p = io.dv_part.defined() ? io.dv_part.data_ptr<acc_t>() : nullptr;
   acc_t* dmask_p = io.dmask != nullptr ? io.dmask->data_ptr<acc_t>() : nullptr;
   const int64_t nq_max = io.dmask != nullptr ? io.dmask->size(2) : 0, nk_max = io.dmask != nullptr ? io.dmask->size(3) : 0;
   const acc_t dq_factor = static_cast<acc_t>(p.scale);
@@ -79,6 +82,8 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
   if constexpr (Tiles::kPacksKeys) {
     if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr, /*for_backward=*/true);
   }
+  KeyPanels<scalar_t> panels;  // fp32 tiles on brgemm: K^T, V^T and the dK^T, dV^T accumulators (cpu_wide_tiles.h)
+  if constexpr (Tiles::kRowMajor) panels = KeyPanels<scalar_t>(p, kr, vr, splits);
   run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
     const int64_t ld = sc.tiles.ld();
     const Task& task = tasks[t];
@@ -107,6 +112,11 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
         bool prepacked = false;
+        if constexpr (Tiles::kRowMajor) {
+          sc.tiles.panel_scores_and_dp(panels.kt(task.seq, hk, c0), panels.vt(task.seq, hk, c0),
+                                       panels.k(task.seq, hk, c0), cols, n);
+          prepacked = true;
+        }
         if constexpr (Tiles::kPacksKeys) {
           if (!keys.empty()) {
             sc.tiles.prepacked_scores_and_dp(p, keys.kt(task.seq, hk, c0), keys.v(task.seq, hk, c0),
@@ -135,8 +145,13 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
             for (int64_t j = 0; j < cols; ++j) dprow[j] *= acc_t(1) - trow[j] * trow[j];
           }
         }
-        sc.tiles.add_gradients(cols, n, sc.dq.data(), dk_seq + c0 * part_row, part_row, dv_seq + c0 * vpart_row,
-                               vpart_row);
+        if constexpr (Tiles::kRowMajor) {
+          sc.tiles.add_panel_gradients(cols, n, sc.dq.data(), panels.dkt(task.part, task.seq, hk, c0),
+                                       panels.dvt(task.part, task.seq, hk, c0));
+        } else {
+          sc.tiles.add_gradients(cols, n, sc.dq.data(), dk_seq + c0 * part_row, part_row, dv_seq + c0 * vpart_row,
+                                 vpart_row);
+        }
       });
       for (int64_t r = 0; r < n; ++r) {
         scalar_t* dst = const_cast<scalar_t*>(query_row(p, dqrows, s, hk, g[r], i[r]));
@@ -144,6 +159,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       }
     }
   });
+  if constexpr (Tiles::kRowMajor) panels.write_back(p, splits, Tiles::dk_factor(p), io.dk, io.dv);
 }
 
 }  // namespace flash_cpu

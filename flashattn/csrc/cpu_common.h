@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/core/InferenceMode.h>
 
 #include "cpu_dropout.h"
@@ -31,6 +32,21 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 }
 
 namespace flash_cpu {
+
+// C (m x n, ldc) [+]= A (m x k, lda) B (k x n, ldb), all row-major fp32, on oneDNN's brgemm (ATen's cpublas) in
+// AVX-512 builds: its kernels read the operands where they lie, where the BLAS's sgemm copies both operands of every
+// call into its panels first (15 % of the fp32 backward's time). It compiles a kernel per shape and leading
+// dimensions, so callers take it for full tiles only (the same few shapes all call long) and gemm() elsewhere.
+#if defined(__AVX512F__) && defined(CPUBLAS_BRGEMM_F32F32F32)
+constexpr bool kBrgemmF32 = true;
+inline void brgemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                       bool add, float* c, int64_t ldc) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
+}
+#else
+constexpr bool kBrgemmF32 = false;
+inline void brgemm_f32(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, bool, float*, int64_t) {}
+#endif
 
 // C (m x n, row-major, leading dim ldc) = beta * C + op(A) op(B), A (m x k) or with trans_a (k x m), B (k x n) or
 // with trans_b (n x k), all row-major. Single-threaded inside a parallel region (the BLAS sees it is nested).

@@ -193,20 +193,30 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
   // Fewer (sequence, kv head) pairs than threads: split each one's query blocks, and its dK/dV into partials.
   const int64_t units = std::max<int64_t>(1, static_cast<int64_t>(p.seqs.size()) * p.kv_heads);
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(8, (2 * at::get_num_threads() + units - 1) / units - 1));
-  Tensor dk_part = at::zeros({splits, k.size(0), k.size(1), k.size(2), k.size(3)}, k.options().dtype(acc_type));
-  Tensor dv_part = at::zeros({splits, v.size(0), v.size(1), v.size(2), v.size(3)}, v.options().dtype(acc_type));
   optional<Tensor> dlse_acc;
   if (dlse.has_value()) dlse_acc = dlse->to(acc_type).contiguous();
-  const flash_cpu::BackwardIo io{out, dout, lse, dlse_acc ? &*dlse_acc : nullptr, dq, dk_part, dv_part,
-                                 dmask ? &*dmask : nullptr};
-  double k_factor = 1;
+  TORCH_CHECK(dk.stride(3) == 1 && dv.stride(3) == 1, "backward: dk and dv need a contiguous head dim");
   dispatch_tiles(q, engine, [&](auto policy) {
     using Tiles = typename decltype(policy)::type;
+    // fp32 tiles on brgemm write dK and dV from their panels (cpu_wide_tiles.h); the others write partials.
+    Tensor dk_part, dv_part;
+    if constexpr (Tiles::kRowMajor) {
+      int64_t covered = 0;
+      for (const auto& s : p.seqs) covered += s.nk;
+      if (covered < k.size(0) * k.size(1)) dk.zero_(), dv.zero_();  // keys no sequence reads: gradient 0
+    } else {
+      dk_part = at::zeros({splits, k.size(0), k.size(1), k.size(2), k.size(3)}, k.options().dtype(acc_type));
+      dv_part = at::zeros({splits, v.size(0), v.size(1), v.size(2), v.size(3)}, v.options().dtype(acc_type));
+    }
+    const flash_cpu::BackwardIo io{out, dout, lse, dlse_acc ? &*dlse_acc : nullptr, dq, dk, dv, dk_part, dv_part,
+                                   dmask ? &*dmask : nullptr};
     flash_cpu::backward_kernel<Tiles>(p, engine, q, k, v, io, splits);
-    k_factor = Tiles::dk_factor(p);
+    if constexpr (!Tiles::kRowMajor) {
+      const double k_factor = Tiles::dk_factor(p);
+      dk.copy_(splits > 1 ? dk_part.sum(0).mul_(k_factor) : dk_part[0].mul_(k_factor));
+      dv.copy_(splits > 1 ? dv_part.sum(0) : dv_part[0]);
+    }
   });
-  dk.copy_(splits > 1 ? dk_part.sum(0).mul_(k_factor) : dk_part[0].mul_(k_factor));
-  dv.copy_(splits > 1 ? dv_part.sum(0) : dv_part[0]);
 }
 
 void forward_op(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,

@@ -6,7 +6,7 @@
 // through their (max, sum) afterwards.
 #pragma once
 
-#include "cpu_tiles.h"
+#include "cpu_wide_tiles.h"
 
 namespace flash_cpu {
 

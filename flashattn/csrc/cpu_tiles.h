@@ -1,6 +1,7 @@
 // The tile products of the CPU kernels, in two policies with one interface, so cpu_forward.h and cpu_backward.h
 // hold the attention loop once:
-//   WideTiles<scalar_t, acc_t>: tiles converted to fp32 (fp64 for fp64) on the BLAS torch ships (sgemm/dgemm);
+//   WideTiles<scalar_t, acc_t> (cpu_wide_tiles.h): tiles converted to fp32 (fp64 for fp64), on oneDNN's brgemm and
+//     the BLAS torch ships (sgemm/dgemm);
 //   NativeTiles<scalar_t>: bf16/fp16 operands on the dot-product instructions (cpu_gemm16.h), fp32 accumulation,
 //     with FlashAttention's GPU numerics: S = Q K^T from 16-bit operands, P rounded to 16 bits for P V; in the
 //     backward dS rounded to 16 bits for dQ = dS K and dK = dS^T Q.
@@ -34,95 +35,6 @@ template <typename acc_t>
 acc_t score_factor(const Problem& p) {
   return static_cast<acc_t>(p.softcap > 0 ? p.scale / p.softcap : p.scale * kLog2e);
 }
-
-// ---------------------------------------------------------------------------------------------------- wide tiles
-template <typename scalar_t_, typename acc_t_>
-struct WideTiles {
-  using scalar_t = scalar_t_;
-  using acc_t = acc_t_;
-  int64_t D, DV, BN, BNc;
-  Buffer<acc_t> q, dout, s_tile, dp_tile, k, v, p_tile;
-  const acc_t *kt = nullptr, *vt = nullptr;  // the current tile's keys and values (in place or in k/v)
-  int64_t ldk = 0, ldv = 0;
-
-  std::vector<KeyRows<scalar_t>> head_keys, head_values;  // a multi-head task's tile, per head
-
-  WideTiles(const Problem& p, bool backward, Engine, int64_t heads = 1)
-      : D(p.dim), DV(p.dim_v), BN(p.block_n), BNc(key_columns(p.block_n)), q(p.block_m * p.dim),
-        dout(backward ? p.block_m * p.dim_v : 0), s_tile(p.block_m * p.block_n),
-        dp_tile(backward ? p.block_m * p.block_n : 0), k(p.block_n * p.dim), v(p.block_n * p.dim_v),
-        p_tile(backward || !kWritesProbs ? 0 : p.block_m * key_columns(p.block_n)), head_keys(heads),
-        head_values(heads) {}
-  int64_t ld() const { return BN; }
-  // The backward's dK accumulates dS^T (Q scaled into log2 units): back to the natural score's units.
-  static double dk_factor(const Problem& p) { return p.softcap > 0 ? p.softcap : 1.0 / kLog2e; }
-
-  // Forward: the block's queries, scaled into log2 units (S needs no pass of its own).
-  void load_queries(const Problem& p, const Rows<scalar_t>& qr, const Sequence& s, int64_t hk, const int64_t* g,
-                    const int64_t* i, int64_t n) {
-    load_rows(p, qr, s, hk, g, i, n, score_factor<acc_t>(p), q.data(), D, D);
-  }
-  // S (n x cols, leading dimension ld()) of the key tile `keys` (cols rows).
-  acc_t* scores(const Problem&, const KeyRows<scalar_t>& keys, int64_t cols, int64_t n) {
-    kt = key_tile(keys, cols, D, k.data(), &ldk);
-    gemm<acc_t>(false, true, n, cols, D, q.data(), D, kt, ldk, acc_t(0), s_tile.data(), BN);
-    return s_tile.data();
-  }
-  // acc (n x DV) += P V, P (n x cols) in s_tile.
-  void add_values(const Problem&, const KeyRows<scalar_t>& values, int64_t cols, int64_t n, acc_t* acc) {
-    vt = key_tile(values, cols, DV, v.data(), &ldv);
-    gemm<acc_t>(false, false, n, DV, cols, s_tile.data(), BN, vt, ldv, acc_t(1), acc, DV);
-  }
-
-  // A multi-head task's tile: the BLAS reads each head's rows where they are.
-  template <typename KeyFn, typename ValueFn>
-  void pack_heads(int64_t heads, int64_t, const KeyFn& keys, const ValueFn& values) {
-    for (int64_t h = 0; h < heads; ++h) head_keys[h] = keys(h), head_values[h] = values(h);
-  }
-  static constexpr bool kPacksFp8 = false;  // FP8 rows are widened before (cpu_forward.h)
-  static constexpr bool kPacksKeys = false;  // the BLAS packs its operands itself
-  // The forward's fused softmax pass (cpu_forward.h) writes fp32 P into p_tile (fp64 keeps its passes); the
-  // scores come in log2 units already (Q is scaled as it is loaded).
-#ifdef __AVX512F__
-  static constexpr bool kWritesProbs = std::is_same_v<acc_t, float>;
-#else  // the AVX2 build keeps at::vec's passes (the fused one is written for AVX-512)
-  static constexpr bool kWritesProbs = false;
-#endif
-  acc_t* probs(int64_t r) { return p_tile.data() + r * BNc; }
-  void add_probs_values(const KeyRows<scalar_t>& values, int64_t cols, int64_t n, acc_t* acc) {
-    vt = key_tile(values, cols, DV, v.data(), &ldv);
-    gemm<acc_t>(false, false, n, DV, cols, p_tile.data(), BNc, vt, ldv, acc_t(1), acc, DV);
-  }
-  void add_packed_probs_values(int64_t h, int64_t cols, int64_t n, acc_t* acc) {
-    add_probs_values(head_values[h], cols, n, acc);
-  }
-  acc_t* packed_scores(const Problem& p, int64_t h, int64_t cols, int64_t n) {
-    return scores(p, head_keys[h], cols, n);
-  }
-  void add_packed_values(const Problem& p, int64_t h, int64_t cols, int64_t n, acc_t* acc) {
-    add_values(p, head_values[h], cols, n, acc);
-  }
-
-  // Backward: the block's queries (log2 units) and output gradients.
-  void load_block(const Problem& p, const Rows<scalar_t>& qr, const Rows<scalar_t>& dor, const Sequence& s,
-                  int64_t hk, const int64_t* g, const int64_t* i, int64_t n) {
-    load_queries(p, qr, s, hk, g, i, n);
-    load_rows(p, dor, s, hk, g, i, n, acc_t(1), dout.data(), DV, DV);
-  }
-  // S into s_tile and dP = dO V^T into dp_tile, both (n x cols) with leading dimension ld().
-  void scores_and_dp(const Problem& p, const KeyRows<scalar_t>& keys, const KeyRows<scalar_t>& values, int64_t cols,
-                     int64_t n) {
-    scores(p, keys, cols, n);
-    vt = key_tile(values, cols, DV, v.data(), &ldv);
-    gemm<acc_t>(false, true, n, cols, DV, dout.data(), DV, vt, ldv, acc_t(0), dp_tile.data(), BN);
-  }
-  // With P (dropped) in s and dS in dp: dV += P^T dO, dQ += dS K, dK += dS^T Q.
-  void add_gradients(int64_t cols, int64_t n, acc_t* dq, acc_t* dk, int64_t ld_dk, acc_t* dv, int64_t ld_dv) {
-    gemm<acc_t>(true, false, cols, DV, n, s_tile.data(), BN, dout.data(), DV, acc_t(1), dv, ld_dv);
-    gemm<acc_t>(false, false, n, D, cols, dp_tile.data(), BN, kt, ldk, acc_t(1), dq, D);
-    gemm<acc_t>(true, false, cols, D, n, dp_tile.data(), BN, q.data(), D, acc_t(1), dk, ld_dk);
-  }
-};
 
 // ------------------------------------------------------------------------------------------------ packed keys
 // Every key tile of every kv head in the 16-bit products' layouts, packed once before the tasks: the query blocks of
@@ -241,6 +153,7 @@ struct NativeTiles {
   // The fused pass's P: row r of the 16-bit tile P V reads (columns up to key_columns(cols), zero past the
   // visible ones).
   static constexpr bool kPacksKeys = true;  // PackedKeys, and S left raw for the fused pass (scores' `raw`)
+  static constexpr bool kRowMajor = false;  // (WideTiles' brgemm layouts)
   static constexpr bool kWritesProbs = true;
   scalar_t* probs(int64_t r) { return rounded.data() + r * BNc; }
   // acc += P V with P written through probs() (rows [0, n)).
