@@ -74,8 +74,12 @@ inline __mmask16 tail_mask(int64_t left) {
 // keeps 8 bits; the fp32 sum of the weights then errs by 3e-6 at most, as PyTorch's exp_u20 does).
 template <int kDegree = 5>
 inline __m512 exp2_clamped(__m512 x) {
+#ifdef __AVX512DQ__  // x - floor(x) in one instruction; vscalefps floors its exponent operand itself
+  const __m512 fr = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), xi = x;
+#else
   const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 fr = _mm512_sub_ps(x, xi);
+#endif
   __m512 q;
   if constexpr (kDegree == 4) {
     q = _mm512_fmadd_ps(fr, _mm512_set1_ps(1.35347741e-2f), _mm512_set1_ps(5.20121194e-2f));
@@ -294,9 +298,42 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
+#ifdef __AVX512BF16__
+// bf16 weights without dropout: two vectors rounded by one vcvtne2ps2bf16 and stored as one.
+inline float exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, c10::BFloat16* out, float* seen) {
+  const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
+    top0 = _mm512_max_ps(x0, top0);
+    top1 = _mm512_max_ps(x1, top1);
+    const __m512 e0 = exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift));
+    const __m512 e1 = exp2_clamped<4>(_mm512_fmadd_ps(x1, factor, shift));
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+    _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep = tail_mask(n - j);
+    const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
+    top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
+    acc0 = _mm512_add_ps(acc0, e);
+    store_weights(out + j, e, keep);
+  }
+  *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#endif
+
 template <>
 inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
                                               c10::BFloat16* out, float* seen) {
+#ifdef __AVX512BF16__
+  if (z == nullptr) return exp2_scaled_round_bf16(x, n, f, m, out, seen);
+#endif
   return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
 }
 template <>
