@@ -209,13 +209,15 @@ def test_rows_that_see_no_key_are_zero_with_lse_minus_inf(tiles):
     assert_close("out", out, ref, base)
 
 
+@pytest.mark.parametrize("top", [3.0, 40.0], ids=["within-headroom", "past-headroom"])
 @pytest.mark.parametrize("trend", [1, -1], ids=["rising", "falling"])
-def test_scores_that_rise_or_fall_across_the_key_tiles(tiles, trend):
-    """Keys scaled from 0.1 to 3 along the sequence (or back): a row's scores jump by far more than the fused
-    pass's headroom from one key tile to the next (its weights are kept against a stale maximum only within 2^8),
-    or fall away; forward and backward against float64."""
+def test_scores_that_rise_or_fall_across_the_key_tiles(tiles, trend, top):
+    """Keys scaled from 0.1 to `top` along the sequence (or back): a row's scores rise from one key tile to the
+    next within the fused pass's headroom (weights kept against a stale maximum while their sum stays below 2^64)
+    or far past it (2^200: weights that would overflow unless the pass is redone), or fall away; forward and
+    backward against float64."""
     q, k, v = (t.detach() for t in _inputs(1, 300, 700, 2, 1, 64))
-    k = (k.float() * torch.linspace(0.1, 3.0, 700)[None, :, None, None] ** trend).to(k.dtype)
+    k = (k.float() * torch.linspace(0.1, top, 700)[None, :, None, None] ** trend).to(k.dtype)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for causal in (False, True):
         out = flashattn.flash_attn_func(q, k, v, causal=causal)

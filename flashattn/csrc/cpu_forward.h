@@ -150,11 +150,12 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   // The 16-bit tiles leave S raw for the pass to scale; fp32 tiles scaled Q as they loaded it.
   const acc_t factor = Tiles::kPacksKeys ? score_factor<acc_t>(p) : acc_t(1);
   // Row r of the tile (query row i, head h), fused. Once the row has a maximum, one pass: the weights against it
-  // as the reference, kept unless this tile's scores rise more than kHeadroom above it (weights up to 2^8, exact
-  // in fp32 and bf16 alike; the reference is what the sum and acc are relative to, so out = acc / sum holds). Else
-  // (the row's first visible tile, or a jump) two passes: the visible columns' maximum (the factor is positive, so
-  // the raw maximum scales to the scaled one), then P and its sum, acc rescaled to the new maximum.
-  constexpr acc_t kHeadroom = 8;
+  // as the reference (the reference is what the sum and acc are relative to, so out = acc / sum holds whatever
+  // it is), kept unless their sum exceeds 2^64: weights that large are still exact to their type's precision in
+  // fp32 and bf16 alike, far from overflow, and the pass needs no maximum of its own. Else (the row's first
+  // visible tile, a jump or a NaN) two passes: the visible columns' maximum (the factor is positive, so the raw
+  // maximum scales to the scaled one), then P and its sum, acc rescaled to the new maximum.
+  constexpr acc_t kLargestSum = acc_t(18446744073709551616.0);  // 2^64
   const auto fused_row = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srow, int64_t r, int64_t h,
                              int64_t i, int64_t c0, int64_t cols, acc_t* acc_row, acc_t* row_max, acc_t* row_sum) {
     int64_t j0, j1;
@@ -169,10 +170,9 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
       p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
       z = sc.z.data() + j0;
     }
-    acc_t seen;
     if (*row_max > neg_inf) {  // (not NaN either)
-      const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, *row_max, z, prow + j0, &seen);
-      if (!(seen * factor > *row_max + kHeadroom)) {
+      const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, *row_max, z, prow + j0);
+      if (sum <= kLargestSum) {  // (not NaN either)
         std::fill(prow, prow + j0, prob_t(0));
         std::fill(prow + j1, prow + cols_c, prob_t(0));
         *row_sum += sum;
@@ -187,7 +187,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     }
     const acc_t alpha = m == *row_max ? acc_t(1) : exp2_neg(*row_max - m);
     std::fill(prow, prow + j0, prob_t(0));
-    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, z, prow + j0, &seen);
+    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, z, prow + j0);
     std::fill(prow + j1, prow + cols_c, prob_t(0));
     *row_sum = *row_sum * alpha + sum;  // the undropped weights: dropout acts on normalised probabilities
     *row_max = m;

@@ -224,20 +224,17 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
 
 // The forward's softmax pass over a row of raw scores x whose visible columns are [0, n), when nothing transforms
 // them: e = 2^(x f - m) with f the factor into log2 units and m a reference in those units (the row's maximum, or
-// a running one below it: weights up to 2^8 are exact too), times the dropout factors z where given, written to
-// out (fp32, or rounded to 16 bits); returns the sum of e (undropped, unrounded: the denominator), and the largest
-// raw x into *seen. One pass where scaling, exp-sum and rounding took three over the tile.
+// a running one below it), times the dropout factors z where given, written to out (fp32, or rounded to 16 bits);
+// returns the sum of e (undropped, unrounded: the denominator). One pass where scaling, exp-sum and rounding took
+// three over the tile.
 template <typename scalar_t>
-inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
-                               float* seen) {
-  float sum = 0, top = -std::numeric_limits<float>::infinity();
+inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+  float sum = 0;
   for (int64_t j = 0; j < n; ++j) {
     const float e = exp2_neg(x[j] * f - m);
-    top = x[j] > top ? x[j] : top;
     sum += e;
     out[j] = static_cast<scalar_t>(z != nullptr ? e * z[j] : e);
   }
-  *seen = top;
   return sum;
 }
 
@@ -269,16 +266,12 @@ inline void store_weights(out_t* out, __m512 v, __mmask16 keep) {
 // fp32 weights take the degree-5 exp, 16-bit ones degree 4. No clamp: vscalefps gives 2^x exactly 0 far below the
 // reference, and NaN stays NaN.
 template <typename scalar_t, int kDegree = std::is_same_v<scalar_t, float> ? 5 : 4>
-inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
-                                      float* seen) {
+inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
     const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
-    top0 = _mm512_max_ps(x0, top0);
-    top1 = _mm512_max_ps(x1, top1);
     const __m512 e0 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift));
     const __m512 e1 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x1, factor, shift));
     acc0 = _mm512_add_ps(acc0, e0);
@@ -289,26 +282,21 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
   for (; j < n; j += 16) {
     const __mmask16 keep = tail_mask(n - j);
     const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
-    top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
     const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
     store_weights(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
   }
-  *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 #ifdef __AVX512BF16__
 // bf16 weights without dropout: two vectors rounded by one vcvtne2ps2bf16 and stored as one.
-inline float exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, c10::BFloat16* out, float* seen) {
+inline float exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, c10::BFloat16* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
     const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
-    top0 = _mm512_max_ps(x0, top0);
-    top1 = _mm512_max_ps(x1, top1);
     const __m512 e0 = exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift));
     const __m512 e1 = exp2_clamped<4>(_mm512_fmadd_ps(x1, factor, shift));
     acc0 = _mm512_add_ps(acc0, e0);
@@ -318,33 +306,30 @@ inline float exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m,
   for (; j < n; j += 16) {
     const __mmask16 keep = tail_mask(n - j);
     const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
-    top0 = _mm512_mask_max_ps(top0, keep, x0, top0);
     const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
     store_weights(out + j, e, keep);
   }
-  *seen = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 #endif
 
 template <>
 inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
-                                              c10::BFloat16* out, float* seen) {
+                                              c10::BFloat16* out) {
 #ifdef __AVX512BF16__
-  if (z == nullptr) return exp2_scaled_round_bf16(x, n, f, m, out, seen);
+  if (z == nullptr) return exp2_scaled_round_bf16(x, n, f, m, out);
 #endif
-  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+  return exp2_scaled_round_avx512(x, n, f, m, z, out);
 }
 template <>
-inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out,
-                                      float* seen) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out);
 }
 template <>
-inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z, c10::Half* out,
-                                          float* seen) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out, seen);
+inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z,
+                                          c10::Half* out) {
+  return exp2_scaled_round_avx512(x, n, f, m, z, out);
 }
 #endif
 
