@@ -83,7 +83,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
     if (PackedKeys<scalar_t>::worth_it(p)) keys = PackedKeys<scalar_t>(p, kr, vr, /*for_backward=*/true);
   }
   KeyPanels<scalar_t> panels;  // fp32 tiles on brgemm: K^T, V^T and the dK^T, dV^T accumulators (cpu_wide_tiles.h)
-  if constexpr (Tiles::kRowMajor) panels = KeyPanels<scalar_t>(p, kr, vr, splits);
+  if constexpr (Tiles::kRowMajor) panels = KeyPanels<scalar_t>(p, kr, vr, splits, /*for_backward=*/true);
   run_tasks(longest_first(cost), [&] { return Scratch(p, engine); }, [&](int64_t t, Scratch& sc) {
     const int64_t ld = sc.tiles.ld();
     const Task& task = tasks[t];

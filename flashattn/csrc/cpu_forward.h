@@ -147,6 +147,12 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   // per tile): the softmax pass of a row reads the raw q.k and writes 16-bit P at once (exp2_scaled_round).
   const bool plain_scores = p.softcap == 0 && p.alibi == nullptr && p.mask == nullptr && p.qk_descale == nullptr &&
                             score_factor<acc_t>(p) > 0;
+  KeyPanels<scalar_t> panels;  // fp32 tiles on brgemm: a prefill's K^T and V rows once (cpu_wide_tiles.h)
+  if constexpr (Tiles::kRowMajor && Tiles::kWritesProbs && !kWiden) {
+    if (plain_scores && PackedKeys<scalar_t>::worth_it(p)) {
+      panels = KeyPanels<scalar_t>(p, kr, vr, /*splits=*/0, /*for_backward=*/false);
+    }
+  }
   // The 16-bit tiles leave S raw for the pass to scale; fp32 tiles scaled Q as they loaded it.
   const acc_t factor = Tiles::kPacksKeys ? score_factor<acc_t>(p) : acc_t(1);
   // Row r of the tile (query row i, head h), fused. Once the row has a maximum, one pass: the weights against it
@@ -257,6 +263,17 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
               *row_sum = sc.row_sum.data() + slab * p.block_m;
         if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
         const bool fused = plain_scores && tile == nullptr;
+        if constexpr (Tiles::kRowMajor && Tiles::kWritesProbs) {
+          if (fused && !panels.empty() && task.heads == 1) {
+            const acc_t* raw = sc.tiles.panel_scores(panels.kt(task.seq, hk, c0), cols, n);
+            for (int64_t r = 0; r < n; ++r) {
+              fused_row(sc, s, task.seq, raw + r * ld, r, hk * p.group + g[r], i[r], c0, cols, acc + r * DV,
+                        row_max + r, row_sum + r);
+            }
+            sc.tiles.add_panel_probs_values(panels.v(task.seq, hk, c0), cols, n, acc);
+            continue;
+          }
+        }
         acc_t* scores;
         if constexpr (Tiles::kPacksKeys) {
           if (prepacked) {

@@ -13,50 +13,108 @@
 
 namespace flash_cpu {
 
-// Every key tile of every kv head as panels, for the fp32 backward on brgemm: K^T (D x BN) and V^T (DV x BN), K's
-// rows again (BN x D: dQ = dS K reads them, and a power-of-two row stride in the tensor made brgemm 7 % slower
-// than sgemm's own copy), and per split of the backward the tile's dK^T and dV^T (zeroed, then accumulated).
-// Tiles start at multiples of block_n in their sequence (Problem::for_each_tile).
+#if defined(__AVX512F__)
+// dst (16 x 16, leading dimension ldd) = src (16 x 16, lds)^T: pairs of rows interleaved, then pairs of pairs, then
+// 128-bit lanes twice.
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    _mm512_storeu_ps(dst + j * ldd, _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88));
+    _mm512_storeu_ps(dst + (j + 8) * ldd, _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD));
+  }
+}
+#endif
+
+// dst (cols x rows, leading dimension ldd) = src (rows x cols, lds)^T: 16 x 16 blocks through registers on AVX-512
+// (the fp32 backward's P^T and dS^T, a tile's K^T and V^T), the edges element by element.
+template <typename T>
+inline void transpose_tile(const T* src, int64_t lds, int64_t rows, int64_t cols, T* dst, int64_t ldd) {
+  int64_t r0 = 0, c0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (r0 = 0; r0 + 16 <= rows; r0 += 16) {
+      for (c0 = 0; c0 + 16 <= cols; c0 += 16) transpose16(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
+    }
+    c0 = cols - cols % 16;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {  // what the blocks left: the rows below them, and their right edge
+    for (int64_t c = r < r0 ? c0 : 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+  }
+}
+
+// Every key tile of every kv head as panels, for fp32 tiles on brgemm, packed once per call. Backward: K^T
+// (D x BN) and V^T (DV x BN), K's rows again (BN x D: dQ = dS K reads them, and a power-of-two row stride in the
+// tensor made brgemm 7 % slower than sgemm's own copy), and per split the tile's dK^T and dV^T (zeroed, then
+// accumulated). Forward: K^T and V's rows (BN x DV), which sgemm copied again for every query block. Tiles start
+// at multiples of block_n in their sequence (Problem::for_each_tile).
 template <typename scalar_t>
 struct KeyPanels {
   at::Tensor inputs, grads;
   std::vector<int64_t> first;  // per sequence: the index of its first tile
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first key) of each tile
   int64_t kv_heads = 0, D = 0, DV = 0, BN = 1;
+  bool backward = false;
 
   int64_t unit(int64_t seq, int64_t hk, int64_t c0) const { return (first[seq] + c0 / BN) * kv_heads + hk; }
   int64_t units() const { return static_cast<int64_t>(tiles.size()) * kv_heads; }
+  int64_t input_size() const { return (backward ? 2 * D + DV : D + DV) * BN; }
+  bool empty() const { return !inputs.defined(); }
   const float* kt(int64_t seq, int64_t hk, int64_t c0) const {
-    return inputs.data_ptr<float>() + unit(seq, hk, c0) * (2 * D + DV) * BN;
+    return inputs.data_ptr<float>() + unit(seq, hk, c0) * input_size();
   }
-  const float* vt(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + D * BN; }
+  const float* v(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + D * BN; }  // forward
+  const float* vt(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + D * BN; }  // backward
   const float* k(int64_t seq, int64_t hk, int64_t c0) const { return vt(seq, hk, c0) + DV * BN; }
   float* dkt(int64_t part, int64_t seq, int64_t hk, int64_t c0) const {
     return grads.data_ptr<float>() + (part * units() + unit(seq, hk, c0)) * (D + DV) * BN;
   }
   float* dvt(int64_t part, int64_t seq, int64_t hk, int64_t c0) const { return dkt(part, seq, hk, c0) + D * BN; }
 
-  KeyPanels(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, int64_t splits)
-      : kv_heads(p.kv_heads), D(p.dim), DV(p.dim_v), BN(p.block_n) {
+  KeyPanels(const Problem& p, const Rows<scalar_t>& kr, const Rows<scalar_t>& vr, int64_t splits, bool for_backward)
+      : kv_heads(p.kv_heads), D(p.dim), DV(p.dim_v), BN(p.block_n), backward(for_backward) {
     for (int64_t si = 0; si < static_cast<int64_t>(p.seqs.size()); ++si) {
       first.push_back(static_cast<int64_t>(tiles.size()));
       for (int64_t c0 = 0; c0 < p.seqs[si].nk; c0 += BN) tiles.emplace_back(si, c0);
     }
     const auto options = at::TensorOptions().dtype(at::kFloat);
-    inputs = at::empty({std::max<int64_t>(units(), 1) * (2 * D + DV) * BN}, options);
-    grads = at::zeros({std::max<int64_t>(splits * units(), 1) * (D + DV) * BN}, options);
+    inputs = at::empty({std::max<int64_t>(units(), 1) * input_size()}, options);
+    if (backward) grads = at::zeros({std::max<int64_t>(splits * units(), 1) * (D + DV) * BN}, options);
     at::parallel_for(0, units(), 1, [&](int64_t begin, int64_t end) {
       Buffer<float> rows(BN * std::max(D, DV));  // converted rows, where the inputs are not fp32 already
       for (int64_t u = begin; u < end; ++u) {
         const auto [si, c0] = tiles[u / kv_heads];
         const int64_t hk = u % kv_heads, cols = std::min(BN, p.seqs[si].nk - c0);
-        float* out = inputs.data_ptr<float>() + u * (2 * D + DV) * BN;
+        float* out = inputs.data_ptr<float>() + u * input_size();
         int64_t ld;
         const float* k = key_tile(KeyRows<scalar_t>::of(p, kr, si, p.seqs[si], hk, c0), cols, D, rows.data(), &ld);
         transpose_tile(k, ld, cols, D, out, BN);
-        for (int64_t j = 0; j < cols; ++j) std::copy(k + j * ld, k + j * ld + D, out + (D + DV) * BN + j * D);
+        if (backward) {
+          for (int64_t j = 0; j < cols; ++j) std::copy(k + j * ld, k + j * ld + D, out + (D + DV) * BN + j * D);
+        }
         const float* v = key_tile(KeyRows<scalar_t>::of(p, vr, si, p.seqs[si], hk, c0), cols, DV, rows.data(), &ld);
-        transpose_tile(v, ld, cols, DV, out + D * BN, BN);
+        if (backward) {
+          transpose_tile(v, ld, cols, DV, out + D * BN, BN);
+        } else {
+          for (int64_t j = 0; j < cols; ++j) std::copy(v + j * ld, v + j * ld + DV, out + D * BN + j * DV);
+        }
       }
     });
   }
@@ -99,8 +157,9 @@ template <typename scalar_t_, typename acc_t_>
 struct WideTiles {
   using scalar_t = scalar_t_;
   using acc_t = acc_t_;
-  // The backward's fp32 tiles on brgemm (cpu_common.h), reading KeyPanels and accumulating dK^T and dV^T. (The
-  // forward keeps sgemm: transposing K per query block, or reading V rows in place, cost more than sgemm's copies.)
+  // fp32 tiles on brgemm (cpu_common.h) where a call's tiles are read by several query blocks, from KeyPanels (a
+  // K^T per query block, or V's rows read in place, cost more than sgemm's copies); the backward accumulates
+  // dK^T and dV^T.
   static constexpr bool kRowMajor = kBrgemmF32 && std::is_same_v<acc_t, float>;
   int64_t D, DV, BM, BN, BNc;
   Buffer<acc_t> q, dout, s_tile, dp_tile, k, v, p_tile, q_trans, dout_trans;
@@ -169,6 +228,20 @@ struct WideTiles {
   }
   void add_packed_values(const Problem& p, int64_t h, int64_t cols, int64_t n, acc_t* acc) {
     add_values(p, head_values[h], cols, n, acc);
+  }
+
+  // Forward from the tile's panels (kRowMajor): S = Q K^T from K^T, acc (n x DV) += P V from V's rows and p_tile.
+  acc_t* panel_scores(const float* k_trans, int64_t cols, int64_t n) {
+    if (full(cols, n)) {
+      brgemm_f32(n, cols, D, q.data(), D, k_trans, BN, false, s_tile.data(), BN);
+    } else {
+      gemm<acc_t>(false, false, n, cols, D, q.data(), D, k_trans, BN, acc_t(0), s_tile.data(), BN);
+    }
+    return s_tile.data();
+  }
+  void add_panel_probs_values(const float* v_rows, int64_t cols, int64_t n, acc_t* acc) {
+    if (full(cols, n)) return brgemm_f32(n, DV, cols, p_tile.data(), BNc, v_rows, DV, true, acc, DV);
+    gemm<acc_t>(false, false, n, DV, cols, p_tile.data(), BNc, v_rows, DV, acc_t(1), acc, DV);
   }
 
   // Backward: the block's queries (log2 units) and output gradients, transposed too on brgemm (for dK^T, dV^T).
