@@ -45,7 +45,8 @@ inline void brgemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t 
 }
 #else
 constexpr bool kBrgemmF32 = false;
-inline void brgemm_f32(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, bool, float*, int64_t) {}
+inline void brgemm_f32(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, bool, float*,
+                       int64_t) {}
 #endif
 
 // C (m x n, row-major, leading dim ldc) = beta * C + op(A) op(B), A (m x k) or with trans_a (k x m), B (k x n) or

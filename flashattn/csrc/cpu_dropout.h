@@ -114,12 +114,12 @@ inline void philox_uniform16(uint64_t seed, uint64_t offset, float* u) {
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int g = 0; g < G; ++g) {
     const uint64_t first = offset + 16 * g;
-    const __m512i low = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), lanes);
+    const __m512i first_low = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first)));
+    const __m512i first_high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first >> 32)));
+    const __m512i low = _mm512_add_epi32(first_low, lanes);
     // A lane whose low word wrapped past 2^32 carries into the high word.
-    const __mmask16 carried = _mm512_cmplt_epu32_mask(low, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))));
-    const __m512i high = _mm512_mask_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first >> 32))),
-                                               carried, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first >> 32))),
-                                               _mm512_set1_epi32(1));
+    const __mmask16 carried = _mm512_cmplt_epu32_mask(low, first_low);
+    const __m512i high = _mm512_mask_add_epi32(first_high, carried, first_high, _mm512_set1_epi32(1));
     __m512i ha, la;  // round 0 with c2 = c3 = 0: the B product is 0, so one multiply
     mul_hi_lo16(low, ma, &ha, &la);
     c0[g] = _mm512_xor_si512(high, _mm512_set1_epi32(static_cast<int>(k0)));

@@ -172,7 +172,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     using prob_t = std::remove_pointer_t<decltype(prow)>;
     const int64_t cols_c = key_columns(cols);
     const float* z = nullptr;
-    if (p.dropout_p > 0) {
+    if (p.dropout_p > 0 && j0 < j1) {  // (a row that sees none of the tile draws nothing)
       p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
       z = sc.z.data() + j0;
     }
