@@ -168,7 +168,9 @@ def test_an_interrupted_kernel_smoke_still_reports_what_finished(tmp_path):
                              str(tmp_path)], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, preexec_fn=child)
     deadline = time.monotonic() + 240
-    while not (tmp_path / "smoke-0.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+    log = tmp_path / "smoke-0.jsonl"
+    while not (log.exists() and log.read_text().endswith("\n")) and time.monotonic() < deadline \
+            and proc.poll() is None:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGINT)
     proc.communicate(timeout=120)

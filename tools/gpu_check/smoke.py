@@ -372,8 +372,13 @@ def worker(out: Path, index: int, count: int, tiny: bool) -> int:
         if case.name in seen:
             continue
         row = run_case(case, TINY if tiny else FULL, device)
-        with log.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        # One write of the whole line: an interrupt (the parent kills its workers at once) leaves a result whole or
+        # absent, never a created but empty log.
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(row) + "\n").encode())
+        finally:
+            os.close(fd)
         if row["status"] == "fault" and device == "cuda":
             return 3
     return 0
