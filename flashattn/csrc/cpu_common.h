@@ -3,8 +3,15 @@
 // generator's use, the BLAS call and the scheduler. The arithmetic of a row lives in cpu_vec.h.
 #pragma once
 
-#include <ATen/ATen.h>
+// ATen's pieces, not <ATen/ATen.h> (every operator's declaration: seconds of each translation unit's build).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/core/InferenceMode.h>
 
