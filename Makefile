@@ -72,10 +72,13 @@ test: $(VENV)/.installed $(NEWEST_NUMPY)/.installed $(TRITON_NEWEST_DIR)/.instal
 		PYTHONPATH=$(TORCH_RANGE_DIR)/$$v:$(TORCH_RANGE_DIR)/$(TORCH_NEWEST) \
 		$(PY) -m pytest -n 2 -q -p no:cacheprovider -k "$(TORCH_RANGE_SKIP)" $$tests || exit 1; done
 
+# The three installs run side by side: unpacking a CUDA build (about 5 GB) keeps a core busy for a minute, and one
+# after another they took half of a fresh machine's set-up.
 $(TORCH_RANGE_DIR)/.installed: Makefile $(VENV)/.installed
-	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_NEWEST) "torch==$(TORCH_NEWEST)"
-	$(PIP) install -q --upgrade --no-deps --target $(TORCH_RANGE_DIR)/$(TORCH_GPU) "torch==$(TORCH_GPU)"
-	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_OLDEST) "torch==$(TORCH_OLDEST)"
+	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_NEWEST) "torch==$(TORCH_NEWEST)" & newest=$$!; \
+	$(PIP) install -q --upgrade --target $(TORCH_RANGE_DIR)/$(TORCH_OLDEST) "torch==$(TORCH_OLDEST)" & oldest=$$!; \
+	$(PIP) install -q --upgrade --no-deps --target $(TORCH_RANGE_DIR)/$(TORCH_GPU) "torch==$(TORCH_GPU)" && \
+	wait $$newest && wait $$oldest
 	touch $@
 
 # On the newest Triton: the Triton tests (every feature on the interpreted kernels, the shipped tiles, the families)
