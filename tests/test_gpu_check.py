@@ -78,9 +78,9 @@ def test_smoke_run_fits_its_budget_and_returns_three_files(tmp_path):
 def test_a_tiny_budget_ends_on_time_with_later_steps_skipped(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    done = _gpu_check(out, "--budget", "30")
+    done = _gpu_check(out, "--budget", "24")  # the least it takes
     summary = json.loads((out / "gpu-check.json").read_text())
-    assert summary["seconds"] <= 30
+    assert summary["seconds"] <= 24
     statuses = [s["status"] for s in summary["steps"]]
     assert statuses[-1] == "skipped (budget)" and "skipped (budget)" in (out / "summary.md").read_text()
     assert all(s in STATUSES for s in statuses), statuses
