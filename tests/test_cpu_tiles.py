@@ -163,6 +163,26 @@ def test_varlen_against_each_sequence(tiles):
             assert_close(name, x[start:end], r[0], bl[0], factor=3.0, magnitude=magnitude)
 
 
+def test_calls_from_several_threads_at_once_match_the_same_calls_one_by_one(tiles):
+    """The packed key tiles live in blocks kept between calls (a fresh page costs a fault): calls of different sizes
+    from four threads at once, forward and backward, each get blocks of their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def call(qkv: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = flashattn.flash_attn_func(*qkv, causal=True)
+        return [out.detach(), *torch.autograd.grad(out, qkv, torch.ones_like(out))]
+
+    sizes = [300, 129, 257, 64, 513, 200, 301, 160]
+    inputs = [_inputs(1, size, size + 30, 4, 2, 64, dtype=torch.bfloat16 if size % 2 else torch.float32)
+              for size in sizes]  # here: the random generator is not for threads
+    one_by_one = [call(qkv) for qkv in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        at_once = list(pool.map(call, inputs))
+    for size, want, got in zip(sizes, one_by_one, at_once, strict=True):
+        for name, w, g in zip(("out", "dq", "dk", "dv"), want, got, strict=True):
+            torch.testing.assert_close(g, w, msg=lambda m, size=size, name=name: f"{name}, {size} queries: {m}")
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("seqlen_q", [1, 7])
 def test_kv_cache_decode_and_prefill(tiles, paged, seqlen_q):

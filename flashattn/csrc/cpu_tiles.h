@@ -43,14 +43,14 @@ acc_t score_factor(const Problem& p) {
 // Tiles start at multiples of block_n (Problem::for_each_tile).
 template <typename scalar_t>
 struct PackedKeys {
-  at::Tensor storage;
+  Workspace storage;  // reused between calls (cpu_common.h)
   std::vector<int64_t> first;  // per sequence: the index of its first tile
   bool backward = false;
   int64_t kv_heads = 0, kt_size = 0, v_size = 0, k_size = 0, block_n = 1;
 
   bool empty() const { return !storage.defined(); }
   const scalar_t* kt(int64_t seq, int64_t hk, int64_t c0) const {
-    return storage.data_ptr<scalar_t>() + ((first[seq] + c0 / block_n) * kv_heads + hk) * (kt_size + v_size + k_size);
+    return storage.as<scalar_t>() + ((first[seq] + c0 / block_n) * kv_heads + hk) * (kt_size + v_size + k_size);
   }
   const scalar_t* v(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + kt_size; }  // V or V^T
   const scalar_t* k(int64_t seq, int64_t hk, int64_t c0) const { return v(seq, hk, c0) + v_size; }  // backward
@@ -76,15 +76,14 @@ struct PackedKeys {
       for (int64_t c0 = 0; c0 < p.seqs[si].nk; c0 += p.block_n) tiles.emplace_back(si, c0);
     }
     const int64_t units = static_cast<int64_t>(tiles.size()) * kv_heads, unit = kt_size + v_size + k_size;
-    storage = at::empty({std::max<int64_t>(units, 1) * unit},
-                        at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value));
+    storage = Workspace(units * unit * static_cast<int64_t>(sizeof(scalar_t)));
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const auto [si, c0] = tiles[u / kv_heads];
         const int64_t hk = u % kv_heads;
         const Sequence& s = p.seqs[si];
         const int64_t cols = std::min(p.block_n, s.nk - c0);
-        scalar_t* out = storage.data_ptr<scalar_t>() + u * unit;
+        scalar_t* out = storage.as<scalar_t>() + u * unit;
         const auto keys = KeyRows<scalar_t>::of(p, kr, si, s, hk, c0);
         const auto values = KeyRows<scalar_t>::of(p, vr, si, s, hk, c0);
         pack_transposed(keys, cols, p.dim, out, bnc);

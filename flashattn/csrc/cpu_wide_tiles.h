@@ -67,7 +67,7 @@ inline void transpose_tile(const T* src, int64_t lds, int64_t rows, int64_t cols
 // at multiples of block_n in their sequence (Problem::for_each_tile).
 template <typename scalar_t>
 struct KeyPanels {
-  at::Tensor inputs, grads;
+  Workspace inputs, grads;  // reused between calls (cpu_common.h)
   std::vector<int64_t> first;  // per sequence: the index of its first tile
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first key) of each tile
   int64_t kv_heads = 0, D = 0, DV = 0, BN = 1;
@@ -78,13 +78,13 @@ struct KeyPanels {
   int64_t input_size() const { return (backward ? 2 * D + DV : D + DV) * BN; }
   bool empty() const { return !inputs.defined(); }
   const float* kt(int64_t seq, int64_t hk, int64_t c0) const {
-    return inputs.data_ptr<float>() + unit(seq, hk, c0) * input_size();
+    return inputs.as<float>() + unit(seq, hk, c0) * input_size();
   }
   const float* v(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + D * BN; }  // forward
   const float* vt(int64_t seq, int64_t hk, int64_t c0) const { return kt(seq, hk, c0) + D * BN; }  // backward
   const float* k(int64_t seq, int64_t hk, int64_t c0) const { return vt(seq, hk, c0) + DV * BN; }
   float* dkt(int64_t part, int64_t seq, int64_t hk, int64_t c0) const {
-    return grads.data_ptr<float>() + (part * units() + unit(seq, hk, c0)) * (D + DV) * BN;
+    return grads.as<float>() + (part * units() + unit(seq, hk, c0)) * (D + DV) * BN;
   }
   float* dvt(int64_t part, int64_t seq, int64_t hk, int64_t c0) const { return dkt(part, seq, hk, c0) + D * BN; }
 
@@ -94,15 +94,17 @@ struct KeyPanels {
       first.push_back(static_cast<int64_t>(tiles.size()));
       for (int64_t c0 = 0; c0 < p.seqs[si].nk; c0 += BN) tiles.emplace_back(si, c0);
     }
-    const auto options = at::TensorOptions().dtype(at::kFloat);
-    inputs = at::empty({std::max<int64_t>(units(), 1) * input_size()}, options);
-    if (backward) grads = at::zeros({std::max<int64_t>(splits * units(), 1) * (D + DV) * BN}, options);
+    inputs = Workspace(units() * input_size() * static_cast<int64_t>(sizeof(float)));
+    if (backward) grads = Workspace(splits * units() * (D + DV) * BN * static_cast<int64_t>(sizeof(float)));
     at::parallel_for(0, units(), 1, [&](int64_t begin, int64_t end) {
       Buffer<float> rows(BN * std::max(D, DV));  // converted rows, where the inputs are not fp32 already
       for (int64_t u = begin; u < end; ++u) {
         const auto [si, c0] = tiles[u / kv_heads];
         const int64_t hk = u % kv_heads, cols = std::min(BN, p.seqs[si].nk - c0);
-        float* out = inputs.data_ptr<float>() + u * input_size();
+        float* out = inputs.as<float>() + u * input_size();
+        for (int64_t part = 0; backward && part < splits; ++part) {  // the accumulators start at zero
+          std::fill_n(grads.as<float>() + (part * units() + u) * (D + DV) * BN, (D + DV) * BN, 0.0f);
+        }
         int64_t ld;
         const float* k = key_tile(KeyRows<scalar_t>::of(p, kr, si, p.seqs[si], hk, c0), cols, D, rows.data(), &ld);
         transpose_tile(k, ld, cols, D, out, BN);
@@ -128,7 +130,7 @@ struct KeyPanels {
         const auto [si, c0] = tiles[u / kv_heads];
         const Sequence& s = p.seqs[si];
         const int64_t hk = u % kv_heads, cols = std::min(BN, s.nk - c0);
-        float* sum = grads.data_ptr<float>() + u * (D + DV) * BN;
+        float* sum = grads.as<float>() + u * (D + DV) * BN;
         for (int64_t part = 1; part < splits; ++part) {
           const float* other = sum + part * units() * (D + DV) * BN;
           for (int64_t e = 0; e < (D + DV) * BN; ++e) sum[e] += other[e];
