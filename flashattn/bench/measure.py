@@ -5,7 +5,8 @@ Implementations take q, k, v in the flash layout (batch, seqlen, heads, headdim)
 
 CPU: torch has no peak-memory counter for CPU tensors, so ``measure`` runs each case in a fresh subprocess that
 warms up on a tiny problem (loading code, starting threads), resets the kernel's peak-RSS mark
-(``/proc/self/clear_refs``), and reports how far the peak rose over what it held just before the call.
+(``/proc/self/clear_refs``), and reports how far the peak rose over what it held just before the call; then calls
+it for up to 0.3 s more (``warm_up``: the steady state a loop sees) before the timed calls.
 CUDA: CUDA events around each call, L2 flushed before each, and ``torch.cuda.max_memory_allocated``; the first
 full-size call, which compiles what the implementation needs (Triton kernels, FlexAttention's graph), runs before
 any of them and is reported apart as ``first_call_seconds``.
@@ -264,10 +265,26 @@ def run_here(case: Case) -> dict:
     first_call = time.perf_counter() - start
     step = _make_step(fn, q, k, v, case.causal, case.mode)
     peak = peak_bytes(step, case.device)  # also the warm-up of the timing loop
+    if not cuda:
+        warm_up(step)
     times = time_calls(step, case.repeats, case.device)
     seconds = statistics.median(times)
     return {**asdict(case), "seconds": seconds, "tflops": case.flops / seconds / 1e12, "peak_bytes": peak,
             "first_call_seconds": first_call if cuda else None}
+
+
+CPU_WARM_UP_SECONDS = 0.3
+
+
+def warm_up(step: Callable[[], object], seconds: float = CPU_WARM_UP_SECONDS, most: int = 10) -> None:
+    """Call ``step`` until ``seconds`` have passed (at most ``most`` times): on CPU the first calls of a size run
+    up to a third slower (the allocator maps their blocks anew, every fresh page faulting; the core's clock and
+    caches settle), for every implementation alike; a serving or training loop sees the steady state."""
+    start = time.perf_counter()
+    for _ in range(most):
+        if time.perf_counter() - start >= seconds:
+            break
+        step()
 
 
 def peak_bytes(step: Callable[[], object], device: str) -> int:
