@@ -2,9 +2,10 @@
 
 What a call's checks conclude, which path runs it and what that path launches depend only on its signature: the
 tensors' shapes, strides, dtypes, devices and 16-byte alignment, the option values, whether autograd records it,
-and the context (the forced path, the stubbed GPU, the launch plans' context: ``plans.context``). The first calls
-of a signature take the full way (checks, choice, the triton path's Python, which records a launch plan:
-``backends/triton/plans.py``); once the path holds a plan for it, the signature maps to an ``Entry`` holding
+and the context (the forced path, the stubbed GPU, the path's plan context: ``plans.context``, the CPU tile switch).
+The first calls of a signature take the full way (checks, choice, the triton path's Python, which records a launch
+plan: ``backends/triton/plans.py``; the cpu path's plan is its kernel call's options: ``backends/cpu.py``); once the
+path holds a plan for it, the signature maps to an ``Entry`` holding
 everything decided (the checked spec, the forward's plan), and a later call computes its key, allocates its outputs
 and launches: no checks, choice, spec or op arguments (on a decode-sized call they cost more than the kernel). A
 training step runs through ``_Planned``, an autograd function of q, k and v alone whose backward replays the
@@ -14,7 +15,8 @@ Calls it does not serve take the full way every time, with every check and error
 the full way once), ``torch.func`` transforms and their tensors, tensor subclasses, the optional tensors (ALiBi,
 sinks, block masks, FP8 scales and mode), dropout (a fresh seed per call), options of other types than plain
 bools, ints and floats (some of which the checks refuse where an equal value passes), tensors without strides, CPU
-tensors outside the stub (their path's choice may change) and whatever the triton path does not plan.
+calls the torch path runs (where the C++ kernel is not built), and whatever the paths do not plan (the cpu path
+plans dense calls with rows it reads in place; its backward takes the op's way).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _TENSORS = (Tensor, torch.nn.Parameter)
 # they take a number.
 _REALS = (float, int)
 LIMIT = 4096  # signatures kept; past it the entries start over (a model has a handful)
+PLANNED_PATHS = ("triton", "cpu")  # the paths with kept plans (forward_plan, backward_plan, plan_context)
 
 
 class Entry:
@@ -135,7 +138,7 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
         if given is not None and given is not False:
             return None, None
     stubbed = stubbed_device()
-    if not (q.is_cuda or stubbed is not None) or under_transform():
+    if not (q.is_cuda or q.is_cpu or stubbed is not None) or under_transform():
         return None, None
     dropout_p, scale, causal, window, softcap, deterministic, probs = options
     if not (type(dropout_p) in _REALS and dropout_p == 0 and type(softcap) in _REALS  # see _REALS
@@ -171,7 +174,7 @@ def sdpa(query: object, key: object, value: object, attn_mask: object, options: 
             and (scale is None or type(scale) in _REALS)):
         return None, None
     stubbed = stubbed_device()
-    if not (query.is_cuda or stubbed is not None) or under_transform():
+    if not (query.is_cuda or query.is_cpu or stubbed is not None) or under_transform():
         return None, None
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     try:
@@ -202,10 +205,12 @@ def learn_sdpa(signature: tuple | None, call, query: Tensor, key: Tensor, value:
 
 def learn(key: tuple, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> None:
     """After the full way ran a call of ``key`` (checked: its own q, k, v and spec), keep an entry for its
-    signature once the triton path holds its plan (the first call records it, the second finds it)."""
-    if backends.choose(q, k, v, spec) != "triton":
+    signature once its path holds a plan: the triton path once it recorded one (the first call records it, the
+    second finds it), the cpu path at once (``backends/cpu.py``: the kernel call's options)."""
+    name = backends.choose(q, k, v, spec)
+    if name not in PLANNED_PATHS:
         return
-    path = backends.get("triton")
+    path = backends.get(name)
     context = path.plan_context()
     plan = None if context is None else path.forward_plan(q, k, v, spec)
     if plan is None:

@@ -15,6 +15,7 @@ from oracle import assert_close, attention_ref, check_against_oracle
 
 import flashattn
 from conftest import HAS_COMPILER, with_dropout_mask
+from flashattn import fastpath
 from flashattn.backends import cpu, cpu_build, cpu_tiles
 from flashattn.backends.spec import AttentionSpec
 
@@ -279,18 +280,23 @@ class _Spy:
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
-    """The choice recomputed for the test (it is cached per process), and again after it."""
-    for cached in (cpu_tiles.engine_status, cpu_tiles.native):
-        cached.cache_clear()
+    """The choice recomputed for the test (it is cached per process, and in the plans of repeated calls), and
+    again after it."""
+    def forget() -> None:
+        cpu_tiles.engine_status.cache_clear()
+        cpu_tiles.native.cache_clear()
+        fastpath.clear()
+
+    forget()
     yield
-    for cached in (cpu_tiles.engine_status, cpu_tiles.native):
-        cached.cache_clear()
+    forget()
 
 
 def _spy(monkeypatch, engines=None) -> _Spy:
     assert cpu_build.status()[0]
     spy = _Spy(cpu_build.module(), engines)
     monkeypatch.setattr(cpu_build, "module", lambda: spy)
+    fastpath.clear()  # plans kept by earlier tests call the kernel and tiles they were made with
     return spy
 
 
