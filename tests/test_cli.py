@@ -17,7 +17,11 @@ from flashattn.bench.measure import Case, measure
 from flashattn.cli import BENCH_COMMANDS, build_parser, main
 
 
-def test_demo_runs_and_writes_json_and_png(tmp_path, capsys):
+def test_demo_runs_and_writes_json_and_png(tmp_path, capsys, monkeypatch):
+    from flashattn import cli
+
+    # Each case in this process: a fresh one per case (as the demo runs them) is the measure test's below.
+    monkeypatch.setattr(cli, "measure", lambda case: measure(case, isolate=False))
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--seqlens", "64,128", "--repeats", "1", "--traffic-n", "128",
                  "--traffic-d", "16"]) == 0

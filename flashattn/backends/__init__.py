@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -184,7 +185,17 @@ def choose(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, return_probs
 _CHOSEN: dict[tuple, str] = {}
 
 
-@torch.compiler.assume_constant_result
+def _constant_when_traced(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` where nothing has yet (its
+    import doubled ``import flashattn``'s time: 4.5 s of 8.6 on a slow 2-core machine, in every process): the mark
+    dynamo's decorator sets, the same from torch 2.7 to 2.14 (torch marks its own ``justknobs_check`` so)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_when_traced
 def _choice(*fields) -> str:
     """``explain``'s path for the request of these fields: a constant of a traced graph, evaluated once when
     ``torch.compile`` traces the call (a NamedTuple does not survive as such an argument; its fields do)."""
