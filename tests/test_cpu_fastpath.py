@@ -94,6 +94,7 @@ def test_calls_the_plans_leave_out_take_the_full_way_every_time():
         flashattn.flash_attn_func(q, k, v, alibi_slopes=slopes)  # a tensor option: never on the fast path
         flashattn.flash_attn_func(q, k, v, dropout_p=0.1)  # a fresh seed per call
         flashattn.flash_attn_func(q[:, :, :, ::2], k[:, :, :, ::2], v[:, :, :, ::2])  # rows the kernel copies
+        flashattn.flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))  # widened first
     assert cpu.FORWARD_PLANS.replays == before
 
 

@@ -229,12 +229,12 @@ class ForwardPlan:
 
 def forward_plan(q, k, v, spec: AttentionSpec) -> ForwardPlan | None:
     """The plan of a dense call whose options are all in its signature (no dropout seed, mask, ALiBi, sinks, FP8
-    scales, packed or cached keys) with rows the kernel reads in place; None for the others, which take ``forward``
-    every time."""
+    tensors or scales, packed or cached keys) with rows the kernel reads in place; None for the others, which take
+    ``forward`` every time (FP8 ones widen or reinterpret their tensors first)."""
     if (spec.packed or spec.cache is not None or spec.dropout_p > 0 or spec.descale is not None
             or spec.attn_mask is not None or spec.block_sparse is not None or spec.alibi_slopes is not None
             or spec.sink is not None or q.numel() == 0 or k.numel() == 0
-            or any(t.stride(-1) != 1 for t in (q, k, v))):
+            or any(t.dtype in FP8_DTYPES or t.stride(-1) != 1 for t in (q, k, v))):
         return None
     return ForwardPlan(q, k, v, spec)
 
