@@ -36,7 +36,8 @@ _TENSORS = (Tensor, torch.nn.Parameter)
 # they take a number.
 _REALS = (float, int)
 LIMIT = 4096  # signatures kept; past it the entries start over (a model has a handful)
-PLANNED_PATHS = ("triton", "cpu")  # the paths with kept plans (forward_plan, backward_plan, plan_context)
+# The paths with kept plans (forward_plan, backward_plan, cache_plan, plan_context, FORWARD_PLANS, BACKWARD_PLANS).
+PLANNED_PATHS = ("triton", "cpu")
 
 
 class Entry:
@@ -234,15 +235,13 @@ def clear() -> None:
 
 
 class CacheEntry:
-    """Everything decided for one ``flash_attn_with_kvcache`` signature: the forward's plan, where the cache's
-    bounds go among its inputs (``slots``: k_start, k_end, batch_idx, block_table), the sizes the device check
-    takes, and the path's plan context it holds under."""
+    """Everything decided for one ``flash_attn_with_kvcache`` signature: its path, the path's cache plan (``run(q,
+    k_cache, v_cache, bounds)``), the sizes the bounds' checks take, and the path's plan context it holds under."""
 
-    __slots__ = ("context", "forward", "inputs", "path", "sizes", "slots")
+    __slots__ = ("context", "path", "plan", "sizes")
 
-    def __init__(self, path, forward, context: tuple, *, inputs: list, slots: tuple, sizes):
-        self.path, self.forward, self.context = path, forward, context
-        self.inputs, self.slots, self.sizes = inputs, slots, sizes
+    def __init__(self, path, plan, context: tuple, sizes):
+        self.path, self.plan, self.context, self.sizes = path, plan, context, sizes
 
 
 _CACHE_ENTRIES: dict[tuple, CacheEntry] = {}
@@ -266,7 +265,7 @@ def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent:
             t is not None and type(t) not in _TENSORS for t in tensors[3:]):
         return None, None
     stubbed = stubbed_device()
-    if not (q.is_cuda or stubbed is not None) or under_transform():
+    if not (q.is_cuda or q.is_cpu or stubbed is not None) or under_transform():
         return None, None
     scale, causal, window, softcap, num_splits, return_lse = options
     if not ((scale is None or type(scale) in _REALS) and type(causal) is bool and type(softcap) in _REALS
@@ -305,33 +304,24 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
         with torch.no_grad():
             cache_ops.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,
                              block_table=bounds.block_table)
-    inputs = [q, k_cache, v_cache, *entry.inputs]  # a plan's launches record nothing for autograd
-    start, end, rows, pages = entry.slots
-    inputs[start], inputs[end], inputs[rows], inputs[pages] = (bounds.k_start, bounds.k_end, bounds.batch_idx,
-                                                               bounds.block_table)
     entry.path.FORWARD_PLANS.replays += 1
-    out, lse = entry.forward.run(inputs, q.device)
+    out, lse = entry.plan.run(q, k_cache, v_cache, bounds)
     return (out, lse) if return_lse else out
 
 
 def learn_kvcache(key: tuple, call) -> None:
     """After the full way ran a ``flash_attn_with_kvcache`` call of ``key`` (checked: ``call``, a
-    ``checks.KVCacheCall`` of the caller's own tensors), keep an entry for its signature once the triton path
-    holds its plan."""
+    ``checks.KVCacheCall`` of the caller's own tensors), keep an entry for its signature once its path holds a
+    plan (``cache_plan``: the triton path's recorded launches, the cpu path's kernel call)."""
     spec = call.spec
-    if call.rotary is not None or spec.descale is not None or backends.choose(
-            call.q, call.k_cache, call.v_cache, spec) != "triton":
+    name = backends.choose(call.q, call.k_cache, call.v_cache, spec)
+    if call.rotary is not None or spec.descale is not None or name not in PLANNED_PATHS:
         return
-    path = backends.get("triton")
+    path = backends.get(name)
     context = path.plan_context()
-    plan = None if context is None else path.forward_plan(call.q, call.k_cache, call.v_cache, spec)
+    plan = None if context is None else path.cache_plan(call.q, call.k_cache, call.v_cache, spec)
     if plan is None:
         return
-    # The plan's inputs after q, k_cache and v_cache, which each call brings, as are the cache's bounds (none kept).
-    slots = tuple(map(path.plan_slot, ("cache_k_start", "cache_k_end", "cache_batch_idx", "cache_block_table")))
-    inputs = path.plan_tensors(spec)
-    for slot in slots:
-        inputs[slot - 3] = None
     if len(_CACHE_ENTRIES) >= LIMIT:
         _CACHE_ENTRIES.clear()
-    _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, inputs=inputs, slots=slots, sizes=call.sizes)
+    _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, call.sizes)

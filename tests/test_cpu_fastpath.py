@@ -106,3 +106,71 @@ def test_errors_are_raised_after_neighbouring_signatures_ran_fast():
         flashattn.flash_attn_func(q, k[:, :, :, :32], v)
     with pytest.raises(ValueError, match="window_size"):
         flashattn.flash_attn_func(q, k, v, window_size=(-2, 0))
+
+
+def test_the_plans_pass_the_options_in_the_operators_order():
+    schema = cpu_build.module().forward.default._schema
+    names = tuple(a.name for a in schema.arguments)
+    assert names[5:5 + len(cpu.OPTION_NAMES)] == cpu.OPTION_NAMES
+    assert all(not a.kwarg_only for a in schema.arguments[:5 + len(cpu.OPTION_NAMES)])
+
+
+def _cache(paged=False, dtype=torch.bfloat16):
+    torch.manual_seed(1)
+    shape = (6, 16) if paged else (3, 96)  # 6 pages of 16 positions, or 3 rows of 96
+    k_cache, v_cache = (torch.randn(*shape, 2, 40, dtype=dtype) for _ in range(2))
+    q = torch.randn(2, 3, 4, 40, dtype=dtype)
+    new = [torch.randn(2, 3, 2, 40, dtype=dtype) for _ in range(2)]
+    return q, k_cache, v_cache, new
+
+
+@pytest.mark.parametrize("kind", ["int", "tensor", "append", "batch_idx", "leftpad", "paged", "window"])
+def test_decode_steps_replay_and_give_the_full_ways_results(kind):
+    q, k_cache, v_cache, new = _cache(paged=kind == "paged")
+    kwargs = {"causal": True, "return_softmax_lse": True}
+    if kind == "window":
+        kwargs.update(window_size=(7, 0), softcap=2.0)
+    if kind == "batch_idx":
+        kwargs["cache_batch_idx"] = torch.tensor([2, 0], dtype=torch.int32)
+    if kind == "leftpad":
+        kwargs["cache_leftpad"] = torch.tensor([3, 0], dtype=torch.int32)
+    if kind == "paged":
+        kwargs["block_table"] = torch.tensor([[5, 1, 3], [0, 2, 4]], dtype=torch.int32)
+    added = new if kind in ("append", "paged", "leftpad", "batch_idx") else []
+    rows = kwargs["cache_batch_idx"].tolist() if kind == "batch_idx" else [0, 1]
+
+    def step(lengths, caches):
+        seqlens = lengths if kind in ("int", "window") else torch.tensor([lengths, lengths - 5], dtype=torch.int32)
+        return flashattn.flash_attn_with_kvcache(q, *caches, *added, cache_seqlens=seqlens, **kwargs)
+
+    before = cpu.FORWARD_PLANS.replays
+    for lengths in (20, 33, 41):  # a growing cache: one signature
+        full_caches = [k_cache.clone(), v_cache.clone()]
+        fastpath.clear()
+        out, lse = step(lengths, full_caches)  # the full way, which learns the signature
+        fast_caches = [k_cache.clone(), v_cache.clone()]
+        fast_out, fast_lse = step(lengths, fast_caches)
+        assert torch.equal(fast_out, out) and torch.equal(fast_lse, lse)
+        assert all(torch.equal(a, b) for a, b in zip(fast_caches, full_caches, strict=True))  # the same append
+        if added and kind != "paged":  # sequence b's new rows at its length, in its cache row
+            for b, (row, at) in enumerate(zip(rows, (lengths, lengths - 5), strict=True)):
+                assert all(torch.equal(c[row, at:at + 3], n[b]) for c, n in zip(fast_caches, new, strict=True))
+    assert cpu.FORWARD_PLANS.replays == before + 3
+
+
+def _lengths(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_decode_values_out_of_range_are_refused_after_fast_steps():
+    q, k_cache, v_cache, new = _cache()
+    for _ in range(2):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=_lengths(4, 9))
+    with pytest.raises(ValueError, match="cache_seqlens"):  # 94 + 3 new keys > 96 positions
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=_lengths(4, 94))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=_lengths(-1, 9))
+    for _ in range(2):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=97)

@@ -22,11 +22,11 @@ into one tile, so the group shares each K/V tile, and take every kv head and a p
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import cpu_build, cpu_tiles
+from .environ import Variable
 from .masking import sum_to_shape
 from .request import Request
 from .spec import FP8_DTYPES, AttentionSpec, Saved, accumulation_dtype, output_dtype
@@ -196,6 +196,17 @@ def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool =
 # takes 32 and SDPA's whole call 20).
 
 
+# The forward operator's options in its schema's order (cpu_flash.cpp, FLASHATTN_OPTIONS): a plan passes them by
+# position, which binds in a fifth less time than by name.
+OPTION_NAMES = ("seqs", "block_table", "diagonal", "scale", "softcap", "left", "right", "block_m", "block_n", "alibi",
+                "sink", "dropout_p", "seed", "counter_rows", "counter_cols", "mask", "tile_kind", "partial_id",
+                "partial_masks", "tiles")
+
+
+def _positional(options: dict) -> tuple:
+    return tuple(options[name] for name in OPTION_NAMES)
+
+
 class _Replays:
     """How many calls ran by a kept plan (``flashattn.fastpath`` counts them; tests read them)."""
 
@@ -214,8 +225,8 @@ class ForwardPlan:
     __slots__ = ("dtype", "lse_dtype", "lse_shape", "op", "options", "out_shape")
 
     def __init__(self, q, k, v, spec: AttentionSpec):
-        self.op = cpu_build.module().forward
-        self.options = _options(q, k, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype))
+        self.op = cpu_build.module().forward.default
+        self.options = _positional(_options(q, k, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)))
         self.out_shape, self.dtype = (*q.shape[:-1], v.shape[-1]), q.dtype
         self.lse_shape, self.lse_dtype = spec.lse_shape(q.shape), accumulation_dtype(q.dtype)
 
@@ -223,7 +234,7 @@ class ForwardPlan:
         q, k, v = inputs
         out = torch.empty(*self.out_shape, dtype=self.dtype)  # sizes as arguments: a tuple is parsed slower
         lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype)
-        self.op(q, k, v, out, lse, **self.options)
+        self.op(q, k, v, out, lse, *self.options)
         return out, lse
 
 
@@ -239,6 +250,46 @@ def forward_plan(q, k, v, spec: AttentionSpec) -> ForwardPlan | None:
     return ForwardPlan(q, k, v, spec)
 
 
+class CachePlan:
+    """The kernel call ``forward`` makes for one ``flash_attn_with_kvcache`` signature: per call, only the
+    sequences' rows (``_sequences``' layout: batch entry, its cache row, first key, keys, diagonal) from the
+    call's checked bounds (``checks.kvcache.CacheBounds``), and its block table."""
+
+    __slots__ = ("bottom_right", "dtype", "lse_dtype", "lse_shape", "op", "options", "out_shape", "rows",
+                 "shift")
+
+    def __init__(self, q, k_cache, v_cache, spec: AttentionSpec):
+        self.op = cpu_build.module().forward.default
+        self.options = _positional(_options(q, k_cache, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)))[2:]
+        self.out_shape, self.dtype = (*q.shape[:-1], v_cache.shape[-1]), q.dtype
+        self.lse_shape, self.lse_dtype = spec.lse_shape(q.shape), accumulation_dtype(q.dtype)
+        self.rows = q.shape[1]
+        # Band.of's diagonal of an (rows x keys) matrix: keys * bottom_right + shift
+        self.bottom_right, self.shift = int(spec.bottom_right), spec.diagonal_offset - self.rows * spec.bottom_right
+
+    def run(self, q, k_cache, v_cache, bounds) -> tuple[torch.Tensor, torch.Tensor]:
+        ends = bounds.k_end.tolist()
+        starts = [0] * len(ends) if bounds.k_start is None else bounds.k_start.tolist()
+        entries = range(len(ends)) if bounds.batch_idx is None else bounds.batch_idx.tolist()
+        nq, right, shift = self.rows, self.bottom_right, self.shift
+        seqs = torch.tensor([(b, 0, nq, e, s, n - s, (n - s) * right + shift)
+                             for b, (e, s, n) in enumerate(zip(entries, starts, ends, strict=True))], dtype=torch.long)
+        out = torch.empty(*self.out_shape, dtype=self.dtype)
+        lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype)
+        self.op(q, k_cache, v_cache, out, lse, seqs, bounds.block_table, *self.options)
+        return out, lse
+
+
+def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
+    """``forward_plan`` for a ``flash_attn_with_kvcache`` call (``spec.cache`` set): its plan where the kernel reads
+    q and the cache in place and no option is a tensor (ALiBi, sinks, FP8 scales), else None."""
+    if (spec.cache is None or spec.dropout_p > 0 or spec.descale is not None or spec.attn_mask is not None
+            or spec.block_sparse is not None or spec.alibi_slopes is not None or spec.sink is not None
+            or q.numel() == 0 or any(t.dtype in FP8_DTYPES or t.stride(-1) != 1 for t in (q, k_cache, v_cache))):
+        return None
+    return CachePlan(q, k_cache, v_cache, spec)
+
+
 def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> None:
     """None: a training step's backward takes ``backward`` (a backward's work dwarfs its call's cost)."""
     return None
@@ -247,4 +298,7 @@ def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> None:
 def plan_context() -> tuple | None:
     """What decides a kept plan besides the call's signature: the tile switch (``FLASHATTN_CPU_TILES``); the
     build is the process's. None where the kernel is not built (the torch path serves CPU calls)."""
-    return (os.environ.get(cpu_tiles.ENV),) if cpu_build.status()[0] else None
+    return (_TILES.get(),) if cpu_build.status()[0] else None
+
+
+_TILES = Variable(cpu_tiles.ENV)

@@ -93,7 +93,7 @@ std::vector<std::string> engines() {
 #define FLASHATTN_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define FLASHATTN_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 FLASHATTN_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, *, " FLASHATTN_OPTIONS
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, " FLASHATTN_OPTIONS
         ", int kv_format=0, Tensor? v_descale=None, Tensor? qk_descale=None) -> ()");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? dlse, Tensor(a!) dq, "
         "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)? dmask, *, " FLASHATTN_OPTIONS ") -> ()");

@@ -103,6 +103,33 @@ def plan_slot(field: str) -> int:
     return 3 + plans.tensor_slot(field)
 
 
+class CachePlan:
+    """A KV-cache call's forward plan, each call's cache bounds (``checks.kvcache.CacheBounds``) put where the
+    plan takes them among its inputs: the same launches for every step of a generation."""
+
+    __slots__ = ("inputs", "plan", "slots")
+
+    def __init__(self, plan: plans.Plan, spec: AttentionSpec):
+        self.plan = plan
+        self.slots = tuple(map(plan_slot, ("cache_k_start", "cache_k_end", "cache_batch_idx", "cache_block_table")))
+        self.inputs = plan_tensors(spec)
+        for slot in self.slots:  # brought by each call, none kept
+            self.inputs[slot - 3] = None
+
+    def run(self, q, k_cache, v_cache, bounds) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = [q, k_cache, v_cache, *self.inputs]
+        start, end, rows, pages = self.slots
+        inputs[start], inputs[end], inputs[rows], inputs[pages] = (bounds.k_start, bounds.k_end, bounds.batch_idx,
+                                                                   bounds.block_table)
+        return self.plan.run(inputs, q.device)
+
+
+def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
+    """``forward_plan`` for a ``flash_attn_with_kvcache`` call (``spec.cache`` set), as a ``CachePlan``."""
+    plan = forward_plan(q, k_cache, v_cache, spec)
+    return None if plan is None else CachePlan(plan, spec)
+
+
 def plan_context() -> tuple | None:
     """What besides a call's arguments decides whether it is planned and how (``plans.context``); None where no
     call is (the interpreter, ``compile_only``, plans off). A kept plan is replayed only while this is unchanged."""
