@@ -30,6 +30,7 @@ from .backends.spec import AttentionSpec, Saved, cache_launch_keys
 from .backends.triton import stubbed_device
 from .batching import under_transform
 from .checks.kvcache import cache_bounds
+from .checks.on_device import CacheCheck
 
 _TENSORS = (Tensor, torch.nn.Parameter)
 # Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
@@ -238,10 +239,11 @@ class CacheEntry:
     """Everything decided for one ``flash_attn_with_kvcache`` signature: its path, the path's cache plan (``run(q,
     k_cache, v_cache, bounds)``), the sizes the bounds' checks take, and the path's plan context it holds under."""
 
-    __slots__ = ("context", "path", "plan", "sizes")
+    __slots__ = ("check", "context", "path", "plan", "sizes")
 
     def __init__(self, path, plan, context: tuple, sizes):
         self.path, self.plan, self.context, self.sizes = path, plan, context, sizes
+        self.check = CacheCheck("flash_attn_with_kvcache", sizes)  # the device check of a GPU's index values
 
 
 _CACHE_ENTRIES: dict[tuple, CacheEntry] = {}
@@ -299,7 +301,8 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
     """The call of a known signature: its bounds checked as the full way checks them (``cache_bounds``: on the
     host, or on the device), the append, the plan."""
     q, k_cache, v_cache, k, v = given
-    bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device)
+    bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device,
+                          device_check=entry.check)
     if k is not None:
         with torch.no_grad():
             cache_ops.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,

@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .triton import _stubbed, interpreting
@@ -36,26 +38,52 @@ def _kind(arg: object) -> object:
     return None if arg is None else arg.dtype
 
 
+def _key(kernel, args: tuple, device: torch.device, constants: int) -> tuple:
+    # What the binary depends on besides the constants: each tensor's dtype (its pointer type), which arguments are
+    # None, and each integer's width (Triton passes one past 32 bits as a 64-bit argument).
+    return (id(kernel), *map(_kind, args[:-constants]), *args[-constants:], device, _stubbed.get())
+
+
 def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.device, constants: int) -> None:
     """``kernel[grid](*args)``; the last ``constants`` arguments are its ``tl.constexpr`` ones (hashable), the
     others tensors, None or integers it does not specialize on."""
     if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             return launch(kernel, grid, args, device=device, constants=constants)
-    # What the binary depends on besides the constants: each tensor's dtype (its pointer type), which arguments are
-    # None, and each integer's width (Triton passes one past 32 bits as a 64-bit argument).
-    key = (id(kernel), *map(_kind, args[:-constants]), *args[-constants:], device, _stubbed.get())
-    launcher = _COMPILED.get(key)
+    launcher = _COMPILED.get(_key(kernel, args, device, constants))
     if launcher is None:
         compiled = kernel[grid](*args)
         if not interpreting():
             from triton import knobs
             from triton.runtime import driver
 
-            _COMPILED[key] = compiled, driver, knobs
+            _COMPILED[_key(kernel, args, device, constants)] = compiled, driver, knobs
         return
     compiled, driver, knobs = launcher
     stream = driver.active.get_current_stream(driver.active.get_current_device())
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     meta = compiled.launch_metadata(grid, stream, *args) if hooked(enter, leave) else None
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+
+
+def prepared(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.device, constants: int,
+             count: int) -> Callable[[tuple], None] | None:
+    """``launch`` of ``kernel`` with ``args`` fixed but for its first ``count``, which each call brings (tensors of
+    the same kinds: dtypes, None where None), once ``launch`` compiled it for these arguments (else None): the
+    compiled kernel's launcher called at once, for calls of one signature (``flashattn.fastpath``), on the device
+    current when they run (the signature's context)."""
+    launcher = _COMPILED.get(_key(kernel, args, device, constants))
+    if launcher is None:
+        return None
+    compiled, driver, knobs = launcher
+    rest = args[count:]
+    run, function, metadata, runtime, active = (compiled.run, compiled.function, compiled.packed_metadata,
+                                                knobs.runtime, driver.active)
+
+    def launch_with(given: tuple) -> None:
+        stream = active.get_current_stream(active.get_current_device())
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        meta = compiled.launch_metadata(grid, stream, *given, *rest) if hooked(enter, leave) else None
+        run(*grid, stream, function, metadata, meta, enter, leave, *given, *rest)
+
+    return launch_with

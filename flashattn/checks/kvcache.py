@@ -131,10 +131,12 @@ class CacheBounds(NamedTuple):
     max_seqlen_k: int
 
 
-def cache_bounds(fn: str, cache_seqlens, others: tuple, sizes: CacheSizes, device: torch.device) -> CacheBounds:
+def cache_bounds(fn: str, cache_seqlens, others: tuple, sizes: CacheSizes, device: torch.device, *,
+                 device_check=None) -> CacheBounds:
     """The bounds of a call whose signature passed (``sizes``: its ``CacheSizes``), ``others`` = (cache_leftpad,
     cache_batch_idx, block_table), their values checked (``_checked_values``): the one way both the full checks
-    and ``flashattn.fastpath`` turn a call's lengths into what its kernels read."""
+    and ``flashattn.fastpath`` turn a call's lengths into what its kernels read. ``device_check``: what checks
+    values on a GPU in place of ``on_device.check_cache`` (the fast path's ``on_device.CacheCheck``)."""
     if (type(cache_seqlens) is int and 0 <= cache_seqlens <= sizes.capacity - sizes.new and others == (None,) * 3
             and sizes.rotary_positions is None and not torch.compiler.is_compiling()):
         # One length for every sequence, in range, nothing else to check: a decode step's usual call, at the cost
@@ -143,7 +145,7 @@ def cache_bounds(fn: str, cache_seqlens, others: tuple, sizes: CacheSizes, devic
         return CacheBounds(seqlens, None, seqlens + sizes.new if sizes.new else seqlens, None, None,
                            cache_seqlens + sizes.new)
     indices = _lengths(fn, cache_seqlens, device, others, sizes)
-    (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes)
+    (seqlens, leftpad, batch_idx, table), max_seqlen_k = _checked_values(fn, indices, sizes, device_check)
     return CacheBounds(seqlens, leftpad, seqlens + sizes.new if sizes.new else seqlens, batch_idx, table,
                        max_seqlen_k)
 
@@ -188,7 +190,7 @@ class _Indices(NamedTuple):
     device: torch.device
 
 
-def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes) -> tuple[tuple, int]:
+def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes, device_check=None) -> tuple[tuple, int]:
     """(seqlens, leftpad, batch_idx, block_table) with seqlens filled in, and max_seqlen_k, once the values are
     checked: on the host where they are there (CPU tensors, an int cache_seqlens); a GPU's by a kernel in stream
     order (``on_device.py``: no device-to-host copy), with the cache's capacity bounding max_seqlen_k (the value
@@ -200,7 +202,10 @@ def _checked_values(fn: str, indices: _Indices, sizes: CacheSizes) -> tuple[tupl
     elif values_on_host(None if indices.known_lengths is not None else seqlens, leftpad, batch_idx, table):
         max_seqlen_k = check_cache_values(fn, indices.tensors, sizes, known_lengths=indices.known_lengths)
     else:
-        on_device.check_cache(fn, indices.tensors, sizes)
+        if device_check is None:
+            on_device.check_cache(fn, indices.tensors, sizes)
+        else:
+            device_check(indices.tensors)
         known = indices.known_lengths
         max_seqlen_k = sizes.capacity if known is None else max(known, default=0) + sizes.new
     if checked[0] is None:  # the whole cache
