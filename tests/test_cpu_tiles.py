@@ -266,8 +266,8 @@ class _Spy:
     def __init__(self, ops, engines=None):
         self.ops, self.tiles, self._engines = ops, [], engines
 
-    def forward(self, *args, **kwargs):
-        self.tiles.append(kwargs["tiles"])
+    def forward(self, *args, **kwargs):  # the options by name, or by position (the plans of repeated calls)
+        self.tiles.append(kwargs["tiles"] if "tiles" in kwargs else args[5 + cpu.OPTION_NAMES.index("tiles")])
         return self.ops.forward(*args, **kwargs)
 
     def backward(self, *args, **kwargs):
@@ -448,3 +448,37 @@ def test_the_engine_label_names_the_instructions_behind_a_figure(monkeypatch, fr
         monkeypatch.setattr(cpu_build, "capability_flags", lambda c=capability: [f"-DCPU_CAPABILITY={c}"])
         assert cpu_tiles.engine_label(torch.float32) == label
     assert cpu_tiles.engine_label(torch.float64) == "fp64"
+
+
+def test_decode_sized_forwards_on_amx_take_the_own_bf16_loop(monkeypatch, fresh_choice):
+    """On an AMX CPU the automatic choice multiplies a forward of at most ``DECODE_ROWS`` query rows per kv head on
+    the kernel's own AVX512_BF16 loop (AMX's 16-row tiles idle there); more rows, other CPUs, a switch that names
+    the engine, and the backward keep their choice. The calls agree with the fp32 tiles either way."""
+    if cpu_tiles.engine_status(torch.bfloat16, "avx512bf16") is not None:
+        pytest.skip(f"avx512bf16 cannot run here ({cpu_tiles.engine_status(torch.bfloat16, 'avx512bf16')})")
+    monkeypatch.setattr(cpu_tiles, "choose", lambda dtype: "onednn" if dtype == torch.bfloat16 else "fp32")
+    monkeypatch.setattr(cpu_tiles, "_cpu_has", lambda probe: probe in ("amx_tile", "avx512_bf16"))
+    rows = cpu_tiles.DECODE_ROWS
+    assert cpu_tiles.choose_forward(torch.bfloat16, rows) == "avx512bf16"
+    assert cpu_tiles.choose_forward(torch.bfloat16, rows + 1) == "onednn"
+    assert cpu_tiles.choose_forward(torch.float32, 1) == "fp32"
+    monkeypatch.setenv(cpu_tiles.ENV, "onednn")
+    assert cpu_tiles.choose_forward(torch.bfloat16, 1) == "onednn"
+    monkeypatch.delenv(cpu_tiles.ENV)
+    monkeypatch.setattr(cpu_tiles, "_cpu_has", lambda probe: probe == "avx512_bf16")  # no AMX: oneDNN's own choice
+    assert cpu_tiles.choose_forward(torch.bfloat16, 1) == "onednn"
+    monkeypatch.setattr(cpu_tiles, "_cpu_has", lambda probe: probe in ("amx_tile", "avx512_bf16"))
+    spy = _spy(monkeypatch)
+    for nq, group in ((1, 4), (2, 2), (1, 8), (3, 2)):  # rows 4, 4, 8, 6
+        q, k, v = _inputs(1, nq, 41, 2 * group, 2, 64)
+        cache = [torch.cat([t.detach(), torch.zeros_like(t.detach())], dim=1) for t in (k, v)]  # 41 of 82 used
+        decoded = flashattn.flash_attn_with_kvcache(q.detach(), *cache, cache_seqlens=41, causal=True)
+        with flashattn.use_backend("cpu"):
+            out = flashattn.flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()
+        want = "avx512bf16" if nq * group <= rows else "onednn"
+        assert spy.tiles[-3:] == [want, want, "onednn"], (nq, group, spy.tiles)
+        ref, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=True)
+        base, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=True, upcast=False)
+        assert_close("out", out.detach(), ref, base)
+        assert_close("decoded", decoded, ref, base)

@@ -139,8 +139,14 @@ def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     q4, k4, v4 = _as_batch(q, spec, keys=False), _as_batch(k, spec, keys=True), _as_batch(v, spec, keys=True)
     cpu_build.module().forward(q4, k4, v4, _as_batch(out, spec, keys=False), lse[None] if spec.packed else lse,
-                               **_options(q4, k4, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)), **fp8)
+                               **_options(q4, k4, spec, tile=FORWARD_TILE, tiles=_forward_tiles(q, k, spec)), **fp8)
     return out, lse, q.new_empty(0)
+
+
+def _forward_tiles(q, k, spec: AttentionSpec) -> str:
+    """The kernel's ``tiles`` for a forward: by its query rows per kv head (``cpu_tiles.choose_forward``)."""
+    rows = spec.varlen.max_seqlen_q if spec.packed else q.shape[-3]
+    return cpu_tiles.choose_forward(q.dtype, rows * (q.shape[-2] // k.shape[-2]))
 
 
 def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -225,8 +231,8 @@ class ForwardPlan:
     __slots__ = ("dtype", "lse_dtype", "lse_shape", "op", "options", "out_shape")
 
     def __init__(self, q, k, v, spec: AttentionSpec):
-        self.op = cpu_build.module().forward.default
-        self.options = _positional(_options(q, k, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)))
+        self.op = cpu_build.module().forward
+        self.options = _positional(_options(q, k, spec, tile=FORWARD_TILE, tiles=_forward_tiles(q, k, spec)))
         self.out_shape, self.dtype = (*q.shape[:-1], v.shape[-1]), q.dtype
         self.lse_shape, self.lse_dtype = spec.lse_shape(q.shape), accumulation_dtype(q.dtype)
 
@@ -259,8 +265,9 @@ class CachePlan:
                  "shift")
 
     def __init__(self, q, k_cache, v_cache, spec: AttentionSpec):
-        self.op = cpu_build.module().forward.default
-        self.options = _positional(_options(q, k_cache, spec, tile=FORWARD_TILE, tiles=cpu_tiles.choose(q.dtype)))[2:]
+        self.op = cpu_build.module().forward
+        self.options = _positional(_options(q, k_cache, spec, tile=FORWARD_TILE,
+                                                    tiles=_forward_tiles(q, k_cache, spec)))[2:]
         self.out_shape, self.dtype = (*q.shape[:-1], v_cache.shape[-1]), q.dtype
         self.lse_shape, self.lse_dtype = spec.lse_shape(q.shape), accumulation_dtype(q.dtype)
         self.rows = q.shape[1]
