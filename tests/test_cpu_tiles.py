@@ -120,20 +120,25 @@ def test_masks_and_the_additive_masks_gradient(tiles, kind):
     assert_close("dmask", dmask, want, base_grad, factor=3.0, precision=torch.bfloat16)
 
 
-def test_block_masks(tiles):
+@pytest.mark.parametrize(("softcap", "shape"), [(4.0, "documents"), (0.0, "band")])
+def test_block_masks(tiles, softcap, shape):
+    """Partial tiles read the mask; without softcap a band's full tiles take the fused pass (the row sums it keeps
+    apart, cpu_vec.h's lanes, join the masked tiles' sums)."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     nq, nk = 113, 300
     doc_q, doc_k = (torch.arange(n) * 3 // n for n in (nq, nk))
 
     def mask_mod(b, h, q, k):
+        if shape == "band":
+            return (k <= q + 170) & (k >= q + 20) | (k < 8)
         return (doc_q[q] == doc_k[k]) & (k <= q + 200)
 
     block_mask = flex.create_block_mask(mask_mod, 1, None, nq, nk, device="cpu", BLOCK_SIZE=(64, 32))
     dense = flex.create_mask(mask_mod, 1, 1, nq, nk, device="cpu")
     q, k, v = _inputs(1, nq, nk, 4, 2, 40)
-    out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, softcap=4.0)
-    ref, _ = attention_ref(q, k, v, mask=dense, softcap=4.0)
-    base, _ = attention_ref(q, k, v, mask=dense, softcap=4.0, upcast=False)
+    out = flashattn.flash_attn_func(q, k, v, block_mask=block_mask, softcap=softcap)
+    ref, _ = attention_ref(q, k, v, mask=dense, softcap=softcap)
+    base, _ = attention_ref(q, k, v, mask=dense, softcap=softcap, upcast=False)
     assert_close("out", out, ref, base)
     g = torch.randn_like(out)
     ours = torch.autograd.grad(out, (q, k, v), g)

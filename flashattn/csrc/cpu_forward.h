@@ -27,6 +27,8 @@ struct ForwardScratch {
   using acc_t = typename Tiles::acc_t;
   Tiles tiles;
   Buffer<acc_t> acc, z, row_max, row_sum;  // acc, row_max, row_sum: one slab per kv head of the task
+  // Each row's running sum is row_sum plus its 16 lanes (exp2_scaled_round_lanes), where the fused pass keeps it.
+  Buffer<float> lanes;
   Buffer<int64_t> g, i;
   // FP8 keys and values widened before the products: the tile's rows, one slab per kv head of the task (one
   // only where the packing of several heads widens them itself: tasks of one head).
@@ -34,10 +36,12 @@ struct ForwardScratch {
   std::vector<KeyRows<scalar_t>> keys_of, values_of;  // the tile's rows per kv head of the task
   ForwardScratch(const Problem& p, Engine engine, int64_t heads)
       : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v), z(p.block_n),
-        row_max(heads * p.block_m), row_sum(heads * p.block_m), g(p.block_m), i(p.block_m),
+        row_max(heads * p.block_m), row_sum(heads * p.block_m), lanes(kLanes ? heads * p.block_m * 16 : 0),
+        g(p.block_m), i(p.block_m),
         wide_k(p.kv_format == KvFormat::same ? 0 : widened_heads(heads) * p.block_n * p.dim),
         wide_v(p.kv_format == KvFormat::same ? 0 : widened_heads(heads) * p.block_n * p.dim_v) {}
   static int64_t widened_heads(int64_t heads) { return Tiles::kPacksFp8 ? 1 : heads; }
+  static constexpr bool kLanes = kLaneSums && std::is_same_v<acc_t, float>;
 };
 
 // How a forward is cut into tasks: decode-like calls (every sequence's query rows of a kv head fit one block, no
@@ -162,8 +166,10 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   // visible tile, a jump or a NaN) two passes: the visible columns' maximum (the factor is positive, so the raw
   // maximum scales to the scaled one), then P and its sum, acc rescaled to the new maximum.
   constexpr acc_t kLargestSum = acc_t(18446744073709551616.0);  // 2^64
+  constexpr bool kLanes = ForwardScratch<Tiles>::kLanes;
   const auto fused_row = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srow, int64_t r, int64_t h,
-                             int64_t i, int64_t c0, int64_t cols, acc_t* acc_row, acc_t* row_max, acc_t* row_sum) {
+                             int64_t i, int64_t c0, int64_t cols, acc_t* acc_row, acc_t* row_max, acc_t* row_sum,
+                             float* lanes) {
     int64_t j0, j1;
     p.visible(s, i, &j0, &j1);
     j0 = std::clamp<int64_t>(j0 - c0, 0, cols);
@@ -177,14 +183,23 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
       z = sc.z.data() + j0;
     }
     if (*row_max > neg_inf) {  // (not NaN either)
-      const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, *row_max, z, prow + j0);
-      if (sum <= kLargestSum) {  // (not NaN either)
-        std::fill(prow, prow + j0, prob_t(0));
-        std::fill(prow + j1, prow + cols_c, prob_t(0));
-        *row_sum += sum;
-        return;
+      if constexpr (kLanes) {
+        if (exp2_scaled_round_lanes(srow + j0, j1 - j0, factor, *row_max, z, prow + j0, lanes)) {
+          std::fill(prow, prow + j0, prob_t(0));
+          std::fill(prow + j1, prow + cols_c, prob_t(0));
+          return;
+        }
+      } else {
+        const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, *row_max, z, prow + j0);
+        if (sum <= kLargestSum) {  // (not NaN either)
+          std::fill(prow, prow + j0, prob_t(0));
+          std::fill(prow + j1, prow + cols_c, prob_t(0));
+          *row_sum += sum;
+          return;
+        }
       }
     }
+    if constexpr (kLanes) *row_sum += take_lanes(lanes);  // before it is rescaled
     const acc_t top = j0 < j1 ? max_raw_checked(srow + j0, j1 - j0) * factor : neg_inf;
     const acc_t m = std::isnan(top) ? top : std::max(*row_max, top);
     if (m == neg_inf) {  // nothing visible yet: P = 0, acc stays 0
@@ -210,6 +225,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     std::fill_n(sc.acc.data(), task.heads * MR * DV, acc_t(0));
     std::fill_n(sc.row_max.data(), task.heads * p.block_m, neg_inf);
     std::fill_n(sc.row_sum.data(), task.heads * p.block_m, acc_t(0));
+    if constexpr (kLanes) std::fill_n(sc.lanes.data(), task.heads * p.block_m * 16, 0.0f);
     if (task.heads == 1) sc.tiles.load_queries(p, qr, s, task.hk0, g, i, n);
     const int64_t ld = sc.tiles.ld();
     const auto visit = [&](int64_t c0, const bool* tile) {
@@ -261,6 +277,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         const int64_t hk = task.hk0 + slab;
         acc_t *acc = sc.acc.data() + slab * MR * DV, *row_max = sc.row_max.data() + slab * p.block_m,
               *row_sum = sc.row_sum.data() + slab * p.block_m;
+        float* lanes = sc.lanes.data() + (kLanes ? slab * p.block_m * 16 : 0);
         if (task.heads > 1) sc.tiles.load_queries(p, qr, s, hk, g, i, n);
         const bool fused = plain_scores && tile == nullptr;
         if constexpr (Tiles::kRowMajor && Tiles::kWritesProbs) {
@@ -268,7 +285,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
             const acc_t* raw = sc.tiles.panel_scores(panels.kt(task.seq, hk, c0), cols, n);
             for (int64_t r = 0; r < n; ++r) {
               fused_row(sc, s, task.seq, raw + r * ld, r, hk * p.group + g[r], i[r], c0, cols, acc + r * DV,
-                        row_max + r, row_sum + r);
+                        row_max + r, row_sum + r, lanes + 16 * r);
             }
             sc.tiles.add_panel_probs_values(panels.v(task.seq, hk, c0), cols, n, acc);
             continue;
@@ -291,7 +308,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           const int64_t h = hk * p.group + g[r];
           if constexpr (Tiles::kWritesProbs) {
             if (fused) {
-              fused_row(sc, s, task.seq, srow, r, h, i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r);
+              fused_row(sc, s, task.seq, srow, r, h, i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r,
+                        lanes + 16 * r);
               continue;
             }
           }
@@ -307,6 +325,9 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           const acc_t alpha = exp2_neg(row_max[r] - m);
           const acc_t sum = exp2_shift_sum(srow, cols, m);
           // The denominator sums the undropped weights: dropout acts on normalised probabilities.
+          if constexpr (kLanes) {  // a block mask's full tiles took the fused pass
+            if (plain_scores) row_sum[r] += take_lanes(lanes + 16 * r);
+          }
           row_sum[r] = row_sum[r] * alpha + sum;
           row_max[r] = m;
           if (p.dropout_p > 0) {
@@ -348,7 +369,9 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
       for (int64_t r = 0; r < n; ++r) {
         const int64_t h = hk * p.group + g[r];
         const acc_t* ar = sc.acc.data() + (slab * MR + r) * DV;
-        const acc_t m = sc.row_max[slab * p.block_m + r], l = sc.row_sum[slab * p.block_m + r];
+        const acc_t m = sc.row_max[slab * p.block_m + r];
+        acc_t l = sc.row_sum[slab * p.block_m + r];
+        if constexpr (kLanes) l += take_lanes(sc.lanes.data() + (slab * p.block_m + r) * 16);
         if (task.piece < 0) {
           finish_row(s, h, i[r], ar, m, l);
         } else {

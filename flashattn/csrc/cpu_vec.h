@@ -266,7 +266,7 @@ inline void store_weights(out_t* out, __m512 v, __mmask16 keep) {
 // fp32 weights take the degree-5 exp, 16-bit ones degree 4. No clamp: vscalefps gives 2^x exactly 0 far below the
 // reference, and NaN stays NaN.
 template <typename scalar_t, int kDegree = std::is_same_v<scalar_t, float> ? 5 : 4>
-inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+inline __m512 exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
@@ -286,12 +286,12 @@ inline float exp2_scaled_round_avx512(const float* x, int64_t n, float f, float 
     acc0 = _mm512_add_ps(acc0, e);
     store_weights(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  return _mm512_add_ps(acc0, acc1);
 }
 
 #ifdef __AVX512BF16__
 // bf16 weights without dropout: two vectors rounded by one vcvtne2ps2bf16 and stored as one.
-inline float exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, c10::BFloat16* out) {
+inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, c10::BFloat16* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
@@ -310,27 +310,61 @@ inline float exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m,
     acc0 = _mm512_add_ps(acc0, e);
     store_weights(out + j, e, keep);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  return _mm512_add_ps(acc0, acc1);
 }
 #endif
 
-template <>
-inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
-                                              c10::BFloat16* out) {
+// The weights' sum in 16 lanes: exp2_scaled_round reduces them, exp2_scaled_round_lanes adds them to a row's.
+template <typename scalar_t>
+inline __m512 exp2_scaled_round_vector(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
 #ifdef __AVX512BF16__
-  if (z == nullptr) return exp2_scaled_round_bf16(x, n, f, m, out);
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (z == nullptr) return exp2_scaled_round_bf16(x, n, f, m, out);
+  }
 #endif
   return exp2_scaled_round_avx512(x, n, f, m, z, out);
 }
 template <>
+inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
+                                              c10::BFloat16* out) {
+  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, z, out));
+}
+template <>
 inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, z, out));
 }
 template <>
 inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z,
                                           c10::Half* out) {
-  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, z, out));
 }
+
+// A row's running sum of weights kept in 16 lanes (`lanes`, 16 floats) while its maximum holds: the horizontal
+// sum, a chain of dependent shuffles and adds, then runs once per row (take_lanes) instead of once per tile (a
+// tenth of a d=64 forward on AMX). exp2_scaled_round_lanes writes the weights and adds their sum to the lanes,
+// unless a lane of the tile's sum passes 2^60 (16 of them: exp2_scaled_round's 2^64) or is NaN: then it returns
+// false, the lanes unchanged, and the caller takes its two-pass way.
+constexpr bool kLaneSums = true;
+template <typename scalar_t>
+inline bool exp2_scaled_round_lanes(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
+                                    float* lanes) {
+  const __m512 sum = exp2_scaled_round_vector(x, n, f, m, z, out);
+  if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(1152921504606846976.0f), _CMP_LE_OQ) != 0xFFFF) return false;
+  _mm512_storeu_ps(lanes, _mm512_add_ps(_mm512_loadu_ps(lanes), sum));
+  return true;
+}
+inline float take_lanes(float* lanes) {
+  const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes));
+  _mm512_storeu_ps(lanes, _mm512_setzero_ps());
+  return sum;
+}
+#else
+constexpr bool kLaneSums = false;
+template <typename scalar_t>
+inline bool exp2_scaled_round_lanes(const float*, int64_t, float, float, const float*, scalar_t*, float*) {
+  return false;
+}
+inline float take_lanes(float*) { return 0; }
 #endif
 
 // The backward's pass over a row: P = 2^(s - lse) (lse in log2 units, +inf for a row that saw no key: P = 0),
