@@ -301,6 +301,16 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
     """The call of a known signature: its bounds checked as the full way checks them (``cache_bounds``: on the
     host, or on the device), the append, the plan."""
     q, k_cache, v_cache, k, v = given
+    if (type(cache_seqlens) is int and entry.path.NAME == "cpu" and indices == (None, None, None)
+            and (k is None or (k.dtype == k_cache.dtype and v.dtype == v_cache.dtype))):
+        # Lengths on the host, checked by kvcache (0 <= cache_seqlens <= capacity - new): no tensors of them.
+        if k is not None:
+            with torch.no_grad():
+                cache_ops.append_rows(k_cache, v_cache, k, v, at=[cache_seqlens] * q.shape[0], batch_idx=None)
+        entry.path.FORWARD_PLANS.replays += 1
+        end = cache_seqlens + (0 if k is None else k.shape[1])
+        out, lse = entry.plan.run_lengths(q, k_cache, v_cache, [end] * q.shape[0])
+        return (out, lse) if return_lse else out
     bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device,
                           device_check=entry.check)
     if k is not None:

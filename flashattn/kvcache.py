@@ -35,7 +35,7 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
         return
     if (k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and block_table is None and k_cache.is_cpu
             and not torch.compiler.is_compiling()):  # (compiled: the indexed write, which it fuses)
-        _append_rows(k_cache, v_cache, k, v, at=at, batch_idx=batch_idx)
+        append_rows(k_cache, v_cache, k, v, at=at.tolist(), batch_idx=batch_idx)
         return
     pos = positions(at, k.shape[1])
     if block_table is not None:
@@ -50,13 +50,14 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor
     v_cache.index_put_(index, v)
 
 
-def _append_rows(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor,
-                 batch_idx: Tensor | None) -> None:
-    """``append`` into a dense CPU cache as one copy of each sequence's new rows (its positions are consecutive):
-    a decode step's few rows cost a tenth of ``index_put_``'s indexing."""
+def append_rows(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: list[int],
+                batch_idx: Tensor | None) -> None:
+    """``append`` into a dense CPU cache of k's and v's dtypes as one copy of each sequence's new rows (its
+    positions are consecutive, from ``at[b]``, checked): a decode step's few rows cost a tenth of ``index_put_``'s
+    indexing."""
     new = k.shape[1]
     entries = range(k.shape[0]) if batch_idx is None else batch_idx.tolist()
-    for b, (row, start) in enumerate(zip(entries, at.tolist(), strict=True)):
+    for b, (row, start) in enumerate(zip(entries, at, strict=True)):
         k_cache[row, start:start + new].copy_(k[b])
         v_cache[row, start:start + new].copy_(v[b])
 

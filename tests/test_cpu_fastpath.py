@@ -124,7 +124,7 @@ def _cache(paged=False, dtype=torch.bfloat16):
     return q, k_cache, v_cache, new
 
 
-@pytest.mark.parametrize("kind", ["int", "tensor", "append", "batch_idx", "leftpad", "paged", "window"])
+@pytest.mark.parametrize("kind", ["int", "int_append", "tensor", "append", "batch_idx", "leftpad", "paged", "window"])
 def test_decode_steps_replay_and_give_the_full_ways_results(kind):
     q, k_cache, v_cache, new = _cache(paged=kind == "paged")
     kwargs = {"causal": True, "return_softmax_lse": True}
@@ -136,11 +136,12 @@ def test_decode_steps_replay_and_give_the_full_ways_results(kind):
         kwargs["cache_leftpad"] = torch.tensor([3, 0], dtype=torch.int32)
     if kind == "paged":
         kwargs["block_table"] = torch.tensor([[5, 1, 3], [0, 2, 4]], dtype=torch.int32)
-    added = new if kind in ("append", "paged", "leftpad", "batch_idx") else []
+    added = new if kind in ("int_append", "append", "paged", "leftpad", "batch_idx") else []
+    host_lengths = kind in ("int", "int_append", "window")  # one int for every sequence
     rows = kwargs["cache_batch_idx"].tolist() if kind == "batch_idx" else [0, 1]
 
     def step(lengths, caches):
-        seqlens = lengths if kind in ("int", "window") else torch.tensor([lengths, lengths - 5], dtype=torch.int32)
+        seqlens = lengths if host_lengths else torch.tensor([lengths, lengths - 5], dtype=torch.int32)
         return flashattn.flash_attn_with_kvcache(q, *caches, *added, cache_seqlens=seqlens, **kwargs)
 
     before = cpu.FORWARD_PLANS.replays
@@ -153,7 +154,7 @@ def test_decode_steps_replay_and_give_the_full_ways_results(kind):
         assert torch.equal(fast_out, out) and torch.equal(fast_lse, lse)
         assert all(torch.equal(a, b) for a, b in zip(fast_caches, full_caches, strict=True))  # the same append
         if added and kind != "paged":  # sequence b's new rows at its length, in its cache row
-            for b, (row, at) in enumerate(zip(rows, (lengths, lengths - 5), strict=True)):
+            for b, (row, at) in enumerate(zip(rows, (lengths, lengths if host_lengths else lengths - 5), strict=True)):
                 assert all(torch.equal(c[row, at:at + 3], n[b]) for c, n in zip(fast_caches, new, strict=True))
     assert cpu.FORWARD_PLANS.replays == before + 3
 

@@ -276,14 +276,26 @@ class CachePlan:
 
     def run(self, q, k_cache, v_cache, bounds) -> tuple[torch.Tensor, torch.Tensor]:
         ends = bounds.k_end.tolist()
-        starts = [0] * len(ends) if bounds.k_start is None else bounds.k_start.tolist()
-        entries = range(len(ends)) if bounds.batch_idx is None else bounds.batch_idx.tolist()
+        starts = None if bounds.k_start is None else bounds.k_start.tolist()
+        entries = None if bounds.batch_idx is None else bounds.batch_idx.tolist()
+        return self.run_lengths(q, k_cache, v_cache, ends, starts=starts, entries=entries,
+                                block_table=bounds.block_table)
+
+    def run_lengths(self, q, k_cache, v_cache, ends: list[int], *, starts: list[int] | None = None,
+                    entries: list[int] | None = None, block_table=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run`` with the bounds as host values, checked: sequence b attends positions ``starts[b]`` (0) to
+        ``ends[b]`` of cache row ``entries[b]`` (b)."""
         nq, right, shift = self.rows, self.bottom_right, self.shift
-        seqs = torch.tensor([(b, 0, nq, e, s, n - s, (n - s) * right + shift)
-                             for b, (e, s, n) in enumerate(zip(entries, starts, ends, strict=True))], dtype=torch.long)
+        if starts is None and entries is None:
+            rows = [(b, 0, nq, b, 0, n, n * right + shift) for b, n in enumerate(ends)]
+        else:
+            starts = [0] * len(ends) if starts is None else starts
+            entries = range(len(ends)) if entries is None else entries
+            rows = [(b, 0, nq, e, s, n - s, (n - s) * right + shift)
+                    for b, (e, s, n) in enumerate(zip(entries, starts, ends, strict=True))]
         out = torch.empty(*self.out_shape, dtype=self.dtype)
         lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype)
-        self.op(q, k_cache, v_cache, out, lse, seqs, bounds.block_table, *self.options)
+        self.op(q, k_cache, v_cache, out, lse, torch.tensor(rows), block_table, *self.options)
         return out, lse
 
 
