@@ -22,6 +22,7 @@ into one tile, so the group shares each K/V tile, and take every kv head and a p
 from __future__ import annotations
 
 import functools
+from array import array
 
 import torch
 
@@ -266,8 +267,9 @@ class CachePlan:
 
     def __init__(self, q, k_cache, v_cache, spec: AttentionSpec):
         self.op = cpu_build.module().forward
+        # The options after seqs, block_table and diagonal (which each call brings).
         self.options = _positional(_options(q, k_cache, spec, tile=FORWARD_TILE,
-                                                    tiles=_forward_tiles(q, k_cache, spec)))[2:]
+                                            tiles=_forward_tiles(q, k_cache, spec)))[3:]
         self.out_shape, self.dtype = (*q.shape[:-1], v_cache.shape[-1]), q.dtype
         self.lse_shape, self.lse_dtype = spec.lse_shape(q.shape), accumulation_dtype(q.dtype)
         self.rows = q.shape[1]
@@ -286,16 +288,26 @@ class CachePlan:
         """``run`` with the bounds as host values, checked: sequence b attends positions ``starts[b]`` (0) to
         ``ends[b]`` of cache row ``entries[b]`` (b)."""
         nq, right, shift = self.rows, self.bottom_right, self.shift
+        out = torch.empty(*self.out_shape, dtype=self.dtype)
+        lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype)
+        end = ends[0]
+        if starts is None and entries is None and block_table is None and end > 0 and ends.count(end) == len(ends):
+            # One length (an int cache_seqlens): a dense call on the cache's first rows and positions, as views.
+            batch = len(ends)
+            self.op(q, k_cache[:batch, :end], v_cache[:batch, :end], out, lse, None, None, end * right + shift,
+                    *self.options)
+            return out, lse
+        rows = array("q")  # (S, 7) int64, flat: a tensor of them by frombuffer costs half of torch.tensor's
         if starts is None and entries is None:
-            rows = [(b, 0, nq, b, 0, n, n * right + shift) for b, n in enumerate(ends)]
+            for b, n in enumerate(ends):
+                rows.extend((b, 0, nq, b, 0, n, n * right + shift))
         else:
             starts = [0] * len(ends) if starts is None else starts
             entries = range(len(ends)) if entries is None else entries
-            rows = [(b, 0, nq, e, s, n - s, (n - s) * right + shift)
-                    for b, (e, s, n) in enumerate(zip(entries, starts, ends, strict=True))]
-        out = torch.empty(*self.out_shape, dtype=self.dtype)
-        lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype)
-        self.op(q, k_cache, v_cache, out, lse, torch.tensor(rows), block_table, *self.options)
+            for b, (e, s, n) in enumerate(zip(entries, starts, ends, strict=True)):
+                rows.extend((b, 0, nq, e, s, n - s, (n - s) * right + shift))
+        seqs = torch.frombuffer(rows, dtype=torch.long).view(-1, 7)
+        self.op(q, k_cache, v_cache, out, lse, seqs, block_table, 0, *self.options)
         return out, lse
 
 
