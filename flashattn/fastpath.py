@@ -301,15 +301,14 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
     """The call of a known signature: its bounds checked as the full way checks them (``cache_bounds``: on the
     host, or on the device), the append, the plan."""
     q, k_cache, v_cache, k, v = given
-    if (type(cache_seqlens) is int and entry.path.NAME == "cpu" and indices == (None, None, None)
-            and (k is None or (k.dtype == k_cache.dtype and v.dtype == v_cache.dtype))):
-        # Lengths on the host, checked by kvcache (0 <= cache_seqlens <= capacity - new): no tensors of them.
+    lengths = _host_lengths(entry, given, cache_seqlens, indices)
+    if lengths is not None:  # on the host and in range: no tensors of them
         if k is not None:
             with torch.no_grad():
-                cache_ops.append_rows(k_cache, v_cache, k, v, at=[cache_seqlens] * q.shape[0], batch_idx=None)
+                cache_ops.append_rows(k_cache, v_cache, k, v, at=lengths, batch_idx=None)
         entry.path.FORWARD_PLANS.replays += 1
-        end = cache_seqlens + (0 if k is None else k.shape[1])
-        out, lse = entry.plan.run_lengths(q, k_cache, v_cache, [end] * q.shape[0])
+        new = 0 if k is None else k.shape[1]
+        out, lse = entry.plan.run_lengths(q, k_cache, v_cache, [n + new for n in lengths])
         return (out, lse) if return_lse else out
     bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device,
                           device_check=entry.check)
@@ -320,6 +319,23 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
     entry.path.FORWARD_PLANS.replays += 1
     out, lse = entry.plan.run(q, k_cache, v_cache, bounds)
     return (out, lse) if return_lse else out
+
+
+def _host_lengths(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple) -> list[int] | None:
+    """A cpu entry's lengths as ints where the call has no other index tensor and new keys of the cache's dtypes,
+    if each is in range (an int: checked by ``kvcache``; a CPU tensor, int32 of shape (batch,) as its signature
+    says: read here); else None: ``cache_bounds`` checks them, and says what is wrong."""
+    q, k_cache, v_cache, k, v = given
+    if (entry.path.NAME != "cpu" or indices != (None, None, None)
+            or (k is not None and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype))):
+        return None
+    if type(cache_seqlens) is int:
+        return [cache_seqlens] * q.shape[0]
+    if cache_seqlens is None:
+        return None
+    lengths = cache_seqlens.tolist()
+    room = entry.sizes.capacity - entry.sizes.new
+    return lengths if all(0 <= n <= room for n in lengths) else None
 
 
 def learn_kvcache(key: tuple, call) -> None:
