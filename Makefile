@@ -32,7 +32,7 @@ demo: $(VENV)/.installed
 # The CPU kernel's tests again as on a CPU without AVX-512, AVX512_BF16 or AMX (FLASHATTN_CPU_ISA=avx2: an AVX2
 # build, the 16-bit dot-product engines hidden), whatever this host has: CI's machines differ between runs. (Their
 # Triton cases do not depend on the build: the first run has them.)
-AVX2_TESTS := tests/test_cpu_tiles.py tests/test_cpu_kernel.py tests/test_fp8.py
+AVX2_TESTS := tests/test_cpu_tiles.py tests/test_cpu_tile_choice.py tests/test_cpu_kernel.py tests/test_fp8.py
 
 # torch: pyproject declares torch >= 2.7 (2.6's Dynamo cannot trace the checks under torch.compile). .venv holds 2.13
 # (a CPU build on local disk); `make test` also runs the drop-in, compile and distributed tests on the range's ends
