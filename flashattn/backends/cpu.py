@@ -245,14 +245,19 @@ class ForwardPlan:
         return out, lse
 
 
+def _replayable(spec: AttentionSpec, q, k, v) -> bool:
+    """Whether ``forward``'s kernel call for these tensors is fixed by their signature: no option is a tensor or a
+    fresh seed (dropout, masks, ALiBi, sinks, FP8 scales), no FP8 tensor (widened or reinterpreted first), and rows
+    the kernel reads in place (a unit last stride; ``forward`` copies the others)."""
+    return not (spec.dropout_p > 0 or spec.descale is not None or spec.attn_mask is not None
+                or spec.block_sparse is not None or spec.alibi_slopes is not None or spec.sink is not None
+                or q.numel() == 0 or any(t.dtype in FP8_DTYPES or t.stride(-1) != 1 for t in (q, k, v)))
+
+
 def forward_plan(q, k, v, spec: AttentionSpec) -> ForwardPlan | None:
-    """The plan of a dense call whose options are all in its signature (no dropout seed, mask, ALiBi, sinks, FP8
-    tensors or scales, packed or cached keys) with rows the kernel reads in place; None for the others, which take
-    ``forward`` every time (FP8 ones widen or reinterpret their tensors first)."""
-    if (spec.packed or spec.cache is not None or spec.dropout_p > 0 or spec.descale is not None
-            or spec.attn_mask is not None or spec.block_sparse is not None or spec.alibi_slopes is not None
-            or spec.sink is not None or q.numel() == 0 or k.numel() == 0
-            or any(t.dtype in FP8_DTYPES or t.stride(-1) != 1 for t in (q, k, v))):
+    """The plan of a dense call (no packed or cached keys) that is ``_replayable``; None for the others, which take
+    ``forward`` every time."""
+    if spec.packed or spec.cache is not None or k.numel() == 0 or not _replayable(spec, q, k, v):
         return None
     return ForwardPlan(q, k, v, spec)
 
@@ -312,11 +317,9 @@ class CachePlan:
 
 
 def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
-    """``forward_plan`` for a ``flash_attn_with_kvcache`` call (``spec.cache`` set): its plan where the kernel reads
-    q and the cache in place and no option is a tensor (ALiBi, sinks, FP8 scales), else None."""
-    if (spec.cache is None or spec.dropout_p > 0 or spec.descale is not None or spec.attn_mask is not None
-            or spec.block_sparse is not None or spec.alibi_slopes is not None or spec.sink is not None
-            or q.numel() == 0 or any(t.dtype in FP8_DTYPES or t.stride(-1) != 1 for t in (q, k_cache, v_cache))):
+    """``forward_plan`` for a ``flash_attn_with_kvcache`` call (``spec.cache`` set) that is ``_replayable``, else
+    None."""
+    if spec.cache is None or not _replayable(spec, q, k_cache, v_cache):
         return None
     return CachePlan(q, k_cache, v_cache, spec)
 

@@ -137,8 +137,8 @@ def choose_forward(dtype: torch.dtype, rows: int) -> str:
         >>> choose_forward(torch.float32, 1)
         'fp32'
     """
-    tiles = choose(dtype)
-    if (tiles == "onednn" and rows <= DECODE_ROWS and _mode() in ("auto", "native") and _cpu_has("amx_tile")
+    tiles = choose(dtype)  # (a prefill's choice is this alone: the row count is tested first)
+    if (rows <= DECODE_ROWS and tiles == "onednn" and _mode() in ("auto", "native") and _cpu_has("amx_tile")
             and engine_status(dtype, "avx512bf16") is None):
         return "avx512bf16"
     return tiles

@@ -50,14 +50,15 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.dev
     if device.index is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             return launch(kernel, grid, args, device=device, constants=constants)
-    launcher = _COMPILED.get(_key(kernel, args, device, constants))
+    key = _key(kernel, args, device, constants)
+    launcher = _COMPILED.get(key)
     if launcher is None:
         compiled = kernel[grid](*args)
         if not interpreting():
             from triton import knobs
             from triton.runtime import driver
 
-            _COMPILED[_key(kernel, args, device, constants)] = compiled, driver, knobs
+            _COMPILED[key] = compiled, driver, knobs
         return
     compiled, driver, knobs = launcher
     stream = driver.active.get_current_stream(driver.active.get_current_device())

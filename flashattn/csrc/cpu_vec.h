@@ -341,7 +341,7 @@ inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, fl
 
 // A row's running sum of weights kept in 16 lanes (`lanes`, 16 floats) while its maximum holds: the horizontal
 // sum, a chain of dependent shuffles and adds, then runs once per row (take_lanes) instead of once per tile (a
-// tenth of a d=64 forward on AMX). exp2_scaled_round_lanes writes the weights and adds their sum to the lanes,
+// few percent of a d=64 forward on AMX). exp2_scaled_round_lanes writes the weights and adds their sum to the lanes,
 // unless a lane of the tile's sum passes 2^60 (16 of them: exp2_scaled_round's 2^64) or is NaN: then it returns
 // false, the lanes unchanged, and the caller takes its two-pass way.
 constexpr bool kLaneSums = true;
