@@ -248,6 +248,20 @@ def test_scores_that_rise_or_fall_across_the_key_tiles(tiles, trend, top):
         check_against_oracle(q, k, v, {"causal": causal}, out, grads=True)
 
 
+@pytest.mark.parametrize("later", [3.0, 60.0], ids=["within-headroom", "past-headroom"])
+def test_a_first_tile_whose_later_scores_pass_its_first_ones(tiles, later):
+    """The fused pass takes a row's first visible tile against the largest of its first 16 scores: keys after the
+    16th scaled by `later` put the tile's maximum a little above that reference, or so far above it (2^300) that
+    the weights would overflow unless the pass is redone; forward and backward against float64."""
+    q, k, v = (t.detach() for t in _inputs(1, 300, 300, 2, 1, 64))
+    k = k.float()
+    k[:, 16:] *= later
+    q, k, v = (t.requires_grad_() for t in (q, k.to(v.dtype), v))
+    for causal in (False, True):
+        out = flashattn.flash_attn_func(q, k, v, causal=causal)
+        check_against_oracle(q, k, v, {"causal": causal}, out, grads=True)
+
+
 def test_a_nan_in_a_query_row_makes_that_row_nan_and_no_other(tiles):
     """A NaN score reaches its row's output as NaN, as in PyTorch, never a weight of 0 (the fused softmax pass of
     the 16-bit tiles finds a row's maximum without NaN checks); a NaN key reaches every row that sees it."""

@@ -159,13 +159,15 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   }
   // The 16-bit tiles leave S raw for the pass to scale; fp32 tiles scaled Q as they loaded it.
   const acc_t factor = Tiles::kPacksKeys ? score_factor<acc_t>(p) : acc_t(1);
-  // Row r of the tile (query row i, head h), fused. Once the row has a maximum, one pass: the weights against it
-  // as the reference (the reference is what the sum and acc are relative to, so out = acc / sum holds whatever
-  // it is), kept unless their sum exceeds 2^64: weights that large are still exact to their type's precision in
-  // fp32 and bf16 alike, far from overflow, and the pass needs no maximum of its own. Else (the row's first
-  // visible tile, a jump or a NaN) two passes: the visible columns' maximum (the factor is positive, so the raw
-  // maximum scales to the scaled one), then P and its sum, acc rescaled to the new maximum.
+  // Row r of the tile (query row i, head h), fused: one pass, the weights against a reference (the reference is
+  // what the sum and acc are relative to, so out = acc / sum holds whatever it is), kept unless their sum exceeds
+  // 2^64: weights that large are still exact to their type's precision in fp32 and bf16 alike, far from overflow,
+  // and the pass needs no maximum of its own. The reference: the row's maximum so far, or on its first visible
+  // tile the largest of that tile's first kFirstScores scores (a pass over the whole row for its maximum cost a
+  // quarter of the tile's passes at N=1k). Else (a jump or a NaN) two passes: the visible columns' maximum (the
+  // factor is positive, so the raw maximum scales to the scaled one), then P and its sum, acc rescaled to it.
   constexpr acc_t kLargestSum = acc_t(18446744073709551616.0);  // 2^64
+  constexpr int64_t kFirstScores = 16;
   constexpr bool kLanes = ForwardScratch<Tiles>::kLanes;
   const auto fused_row = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srow, int64_t r, int64_t h,
                              int64_t i, int64_t c0, int64_t cols, acc_t* acc_row, acc_t* row_max, acc_t* row_sum,
@@ -182,19 +184,24 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
       p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
       z = sc.z.data() + j0;
     }
-    if (*row_max > neg_inf) {  // (not NaN either)
+    const acc_t reference = *row_max == neg_inf && j0 < j1
+                                ? max_raw_checked(srow + j0, std::min<int64_t>(kFirstScores, j1 - j0)) * factor
+                                : *row_max;
+    if (reference > neg_inf) {  // (not NaN either)
       if constexpr (kLanes) {
-        if (exp2_scaled_round_lanes(srow + j0, j1 - j0, factor, *row_max, z, prow + j0, lanes)) {
+        if (exp2_scaled_round_lanes(srow + j0, j1 - j0, factor, reference, z, prow + j0, lanes)) {
           std::fill(prow, prow + j0, prob_t(0));
           std::fill(prow + j1, prow + cols_c, prob_t(0));
+          *row_max = reference;
           return;
         }
       } else {
-        const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, *row_max, z, prow + j0);
+        const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, reference, z, prow + j0);
         if (sum <= kLargestSum) {  // (not NaN either)
           std::fill(prow, prow + j0, prob_t(0));
           std::fill(prow + j1, prow + cols_c, prob_t(0));
           *row_sum += sum;
+          *row_max = reference;
           return;
         }
       }
