@@ -8,6 +8,7 @@
 
 #include "cpu_wide_tiles.h"
 
+
 namespace flash_cpu {
 
 // Query block `block` of sequence `seq`, kv heads [hk0, hk0 + heads), keys [lo, hi); `piece` >= 0 when the key
@@ -34,6 +35,7 @@ struct ForwardScratch {
   // only where the packing of several heads widens them itself: tasks of one head).
   Buffer<scalar_t> wide_k, wide_v;
   std::vector<KeyRows<scalar_t>> keys_of, values_of;  // the tile's rows per kv head of the task
+  std::vector<std::array<int64_t, 4>> strips;  // (first row, end row, first key, end key) of a trimmed tile
   ForwardScratch(const Problem& p, Engine engine, int64_t heads)
       : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v), z(p.block_n),
         row_max(heads * p.block_m), row_sum(heads * p.block_m), lanes(kLanes ? heads * p.block_m * 16 : 0),
@@ -300,6 +302,20 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         }
         acc_t* scores;
         if constexpr (Tiles::kPacksKeys) {
+          if (prepacked && fused && trim_strips(p, s, c0, cols, n, i, sc.strips)) {
+            const scalar_t* kt = keys.kt(task.seq, hk, c0);
+            const scalar_t* v = keys.v(task.seq, hk, c0);
+            for (const auto& [r0, r1, lo, hi] : sc.strips) {
+              sc.tiles.strip_scores(kt, r0, r1 - r0, lo, hi);
+              for (int64_t r = r0; r < r1; ++r) {
+                fused_row(sc, s, task.seq, sc.tiles.s_tile.data() + r * ld, r, hk * p.group + g[r], i[r], c0, cols,
+                          acc + r * DV, row_max + r, row_sum + r, lanes + 16 * r);
+              }
+            }
+            sc.tiles.zero_probs_past(n, cols);
+            for (const auto& [r0, r1, lo, hi] : sc.strips) sc.tiles.strip_probs_times(v, r0, r1 - r0, lo, hi, acc);
+            continue;
+          }
           if (prepacked) {
             scores = sc.tiles.product_scores(p, keys.kt(task.seq, hk, c0), cols, n, fused);
           } else {

@@ -11,6 +11,8 @@
 #include "cpu_common.h"
 #include "cpu_gemm16.h"
 
+#include <array>
+
 namespace flash_cpu {
 
 // The row of the query-side tensor (q, dO) of block row (query head g of kv head hk, position i).
@@ -98,6 +100,39 @@ struct PackedKeys {
   }
   PackedKeys() = default;
 };
+
+// A key tile of a block's rows cut into strips of kStripRows rows, each with the key columns [lo, hi) of the tile
+// its rows see (multiples of kStripColumns: oneDNN compiles a kernel per shape), as (first row, end row, lo, hi):
+// true where some strip sees less than the whole tile (causal's diagonal, a window's edges), the strips that see
+// nothing left out (their rows' pass would change nothing). i: the rows' query positions.
+constexpr int64_t kStripRows = 64, kStripColumns = 64;
+inline bool trim_strips(const Problem& p, const Sequence& s, int64_t c0, int64_t cols, int64_t n, const int64_t* i,
+                        std::vector<std::array<int64_t, 4>>& strips) {
+  if (p.left < 0 && p.right < 0) return false;
+  strips.clear();
+  const int64_t cols_c = key_columns(cols);
+  bool trimmed = false;
+  for (int64_t r0 = 0; r0 < n; r0 += kStripRows) {
+    const int64_t r1 = std::min(n, r0 + kStripRows);
+    int64_t lo = cols, hi = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t j0, j1;
+      p.visible(s, i[r], &j0, &j1);
+      j0 = std::clamp<int64_t>(j0 - c0, 0, cols);
+      j1 = std::clamp<int64_t>(j1 - c0, 0, cols);
+      if (j0 < j1) lo = std::min(lo, j0), hi = std::max(hi, j1);
+    }
+    if (lo >= hi) {
+      trimmed = true;
+      continue;
+    }
+    lo = lo / kStripColumns * kStripColumns;
+    hi = std::min(cols_c, round_up(hi, kStripColumns));
+    trimmed = trimmed || lo > 0 || hi < cols_c;
+    strips.push_back({r0, r1, lo, hi});
+  }
+  return trimmed;
+}
 
 // -------------------------------------------------------------------------------------------------- native tiles
 // Operand layouts (element counts): the rows of a product are padded to product_rows(), key tiles to
@@ -220,6 +255,21 @@ struct NativeTiles {
     gemm16(engine, product_rows(n), key_columns(cols), Dp, q.data(), Dp, packed_kt, BNc, s_tile.data(), BNc, false);
     if (!raw) scale_rows(s_tile.data(), n, cols, BNc, score_factor<float>(p));
     return s_tile.data();
+  }
+  // The same two products for rows [r0, r0 + m) of the block and key columns [lo, hi) of the tile alone (lo and
+  // hi multiples of 32, hi at most key_columns(cols)): a strip of rows that sees only part of the tile (causal's
+  // diagonal, a window's edges) multiplies only that part. The rows past the block's n are zero in q (copy_rows)
+  // and must be in P (zero_probs_past).
+  void strip_scores(const scalar_t* packed_kt, int64_t r0, int64_t m, int64_t lo, int64_t hi) {
+    gemm16(engine, product_rows(m), hi - lo, Dp, q.data() + r0 * Dp, Dp, packed_kt + 2 * lo, BNc,
+           s_tile.data() + r0 * BNc + lo, BNc, false);
+  }
+  void strip_probs_times(const scalar_t* packed_v, int64_t r0, int64_t m, int64_t lo, int64_t hi, float* acc) {
+    gemm16(engine, product_rows(m), DV, hi - lo, rounded.data() + r0 * BNc + lo, BNc, packed_v + lo * DV, DV,
+           acc + r0 * DV, DV, true);
+  }
+  void zero_probs_past(int64_t n, int64_t cols) {
+    for (int64_t r = n; r < product_rows(n); ++r) std::fill(probs(r), probs(r) + key_columns(cols), scalar_t(0));
   }
   // acc += P V from a V packed before the tasks, P from the scores (rounded here) or written through probs().
   void add_prepacked_values(const scalar_t* packed_v, int64_t cols, int64_t n, float* acc, bool fused) {
