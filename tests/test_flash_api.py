@@ -13,6 +13,7 @@ from oracle import assert_close, attention_ref, check_against_oracle, feature_kw
 import flashattn
 from conftest import with_dropout_mask
 from flashattn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashattn.backends import philox
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim): odd lengths and head dims, q/k lengths that differ,
 # Nq > Nk (causal then masks whole rows), a single key, and MQA/GQA. The last three are small enough for Triton's
@@ -175,6 +176,32 @@ def test_dropout_is_the_same_on_every_path(path):
     assert torch.equal(torch.signbit(results[path.name][0])[visible], torch.signbit(results["torch"][0])[visible])
     for a, b in zip(results[path.name][1:], results["torch"][1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _philox4x32_10(seed: int, counter: int) -> list[int]:
+    """Philox4x32-10 (Random123's constants) on counter (low, high, 0, 0), written on Python ints."""
+    mask = 0xFFFFFFFF
+    c = [counter & mask, counter >> 32, 0, 0]
+    k0, k1 = seed & mask, seed >> 32
+    for _ in range(10):
+        pb, pa = 0xCD9E8D57 * c[2], 0xD2511F53 * c[0]
+        c = [(pb >> 32) ^ c[1] ^ k0, pb & mask, (pa >> 32) ^ c[3] ^ k1, pa & mask]
+        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+    return c
+
+
+def test_dropout_draws_eight_columns_of_a_row_from_a_philox_call():
+    """The generator every path shares (flashattn.backends.philox): element (row r, column j) of rows of n columns
+    draws 16-bit half j & 1 of word (j >> 1) & 3 of Philox4x32-10 on counter r * ceil(n / 8) + (j >> 3), and is
+    kept when draw / 2^16 >= p."""
+    seed, cols = 0x2A2B2C2D3E3F, 13
+    elements = [(0, 0), (0, 1), (0, 2), (0, 7), (0, 8), (0, 12), (1, 0), (1, 9), (2**33 + 5, 3), (12345678, 11)]
+    want = [(_philox4x32_10(seed, r * 2 + (j >> 3))[(j >> 1) & 3] >> (16 * (j & 1))) & 0xFFFF for r, j in elements]
+    rows, columns = (torch.tensor(t) for t in zip(*elements, strict=True))
+    assert philox.dropout_draws(seed, rows, columns, cols).tolist() == want
+    p = 0.3
+    keep = philox.dropout_keep(seed, rows, columns, cols, p).tolist()
+    assert keep == [draw / 65536 >= p for draw in want]
 
 
 def test_dropout_reproducible_under_manual_seed_and_rate_is_p(path):

@@ -89,7 +89,7 @@ class _TiledCall:
             self.seed = int(spec.seed.item())
             b0, self.counter_rows, self.counter_cols = dropout_origin or (0, nq, nk)
             idx = torch.arange(b0 * h, (b0 + b) * h, device=q.device, dtype=torch.int64).view(b, hk, g, 1, 1)
-            self.dropout_base = idx * self.counter_rows * self.counter_cols
+            self.dropout_base = idx * self.counter_rows  # the counter row of each head's query 0
 
     def _heads5(self, t: torch.Tensor) -> torch.Tensor:
         """(B|1, H|1, Lq, Lk) -> (B|1, Hk|1, G|1, Lq, Lk) so it broadcasts against a score tile."""
@@ -177,8 +177,8 @@ class _TiledCall:
             return None
         rows = torch.arange(r0, r1, device=self.dropout_base.device)
         cols = torch.arange(c0, c1, device=self.dropout_base.device)
-        offset = self.dropout_base + (rows[:, None] * self.counter_cols + cols[None, :])
-        keep = dropout_keep(self.seed, offset, spec.dropout_p)
+        keep = dropout_keep(self.seed, self.dropout_base + rows[:, None], cols[None, :], self.counter_cols,
+                            spec.dropout_p)
         return keep.to(self.acc) / (1.0 - spec.dropout_p)
 
 

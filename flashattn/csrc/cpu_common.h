@@ -174,7 +174,7 @@ struct Problem {
   const float* alibi = nullptr;  // (1 or S, H)
   int64_t alibi_stride = 0;
   std::vector<double> sink;  // (H,) learnable sink logits, natural units; empty without
-  float dropout_p = 0;  // compared with the float32 uniform, as tl.rand's callers do
+  float dropout_p = 0;  // a float, as the Triton kernels take it: the draws are compared with 2^16 p (cpu_dropout.h)
   double dropout_scale = 1;  // 1 / (1 - p) from the caller's double p
   uint64_t seed = 0;
   // FP8 inputs (cpu_fp8.h): the keys' and values' format, and per (sequence, kv head) q's descale times k's,
@@ -182,7 +182,7 @@ struct Problem {
   KvFormat kv_format = KvFormat::same;
   const float* qk_descale = nullptr;
   const float* v_descale = nullptr;
-  int64_t counter_rows = 0, counter_cols = 0;  // dropout counter ((s * H + h) * rows + i) * cols + j
+  int64_t counter_rows = 0, counter_cols = 0;  // dropout row (s * H + h) * rows + i, of cols columns
   const void* mask = nullptr;  // (S, H, Nq, Nk) broadcast view, bool or the accumulation type
   bool mask_is_bool = false;
   int64_t mask_stride[4] = {0, 0, 0, 0};
@@ -316,8 +316,9 @@ struct Problem {
   // Row i's dropout factors for columns c0 .. c0 + cols: 0 where dropped, 1 / (1 - p) where kept.
   template <typename acc_t>
   void dropout_row(int64_t s_idx, int64_t h, int64_t i, int64_t c0, int64_t cols, acc_t* z) const {
-    const uint64_t base = static_cast<uint64_t>(((s_idx * heads + h) * counter_rows + i) * counter_cols + c0);
-    dropout_factors(seed, base, cols, dropout_p, static_cast<acc_t>(dropout_scale), z);
+    const uint64_t row = static_cast<uint64_t>((s_idx * heads + h) * counter_rows + i);
+    dropout_factors(seed, row, static_cast<uint64_t>(counter_cols), static_cast<uint64_t>(c0), cols, dropout_p,
+                    static_cast<acc_t>(dropout_scale), z);
   }
 };
 

@@ -1,9 +1,15 @@
-// The dropout generator of the CPU kernels: Triton's tl.rand (Philox4x32-10) in a scalar form and on AVX2 and
-// AVX-512 intrinsics where the compiler targets them (it needs 32x32->64-bit products), and the keep factors of a
-// row drawn from it, bit-identical to the GPU kernels' masks.
+// The dropout generator of the CPU kernels, the same numbers as flashattn/backends/philox.py and the Triton kernels'
+// dropout_keep: element (r, j) (row r of ncols key columns) takes the 16-bit half j & 1 of word (j >> 1) & 3 of
+// Philox4x32-10 on counter r * ceil(ncols / 8) + (j >> 3) (Triton's tl.randint4x), and is kept when that draw /
+// 2^16 >= p. One call serves eight columns of a row.
+// In a scalar form, and on AVX2 and AVX-512 intrinsics where the compiler targets them (it needs 32x32->64-bit
+// products): 8 or 16 calls side by side, their words laid out in the elements' order.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -11,12 +17,11 @@
 
 namespace flash_cpu {
 
-// Triton's tl.rand(seed, offset): Philox4x32-10 on counter (offset low, offset high, 0, 0), first word, folded to
-// a non-negative int32 and scaled into [0, 1). The same function as flashattn/backends/philox.py.
 constexpr uint32_t kPhiloxA = 0xD2511F53u, kPhiloxB = 0xCD9E8D57u, kKeyA = 0x9E3779B9u, kKeyB = 0xBB67AE85u;
 
-inline float philox_uniform(uint64_t seed, uint64_t offset) {
-  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0, c3 = 0;
+// The four words of Philox4x32-10 on counter (call low, call high, 0, 0) with key seed, in the elements' order.
+inline void philox_words(uint64_t seed, uint64_t call, uint32_t out[4]) {
+  uint32_t c0 = static_cast<uint32_t>(call), c1 = static_cast<uint32_t>(call >> 32), c2 = 0, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
     const uint64_t pb = static_cast<uint64_t>(kPhiloxB) * c2;
@@ -30,11 +35,82 @@ inline float philox_uniform(uint64_t seed, uint64_t offset) {
     k0 += kKeyA;
     k1 += kKeyB;
   }
-  const int32_t x = static_cast<int32_t>(c0);
-  return static_cast<float>(x < 0 ? ~x : x) * 4.6566127342e-10f;  // ~x = -x - 1 without overflow
+  out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
 }
 
-#ifdef __AVX2__
+inline uint64_t calls_per_row(uint64_t ncols) { return (ncols + 7) / 8; }
+
+// The draw of element (row, col): a 16-bit number (philox.py's dropout_draws).
+inline uint32_t dropout_draw(uint64_t seed, uint64_t row, uint64_t ncols, uint64_t col) {
+  uint32_t words[4];
+  philox_words(seed, row * calls_per_row(ncols) + (col >> 3), words);
+  return (words[(col >> 1) & 3] >> (16 * (col & 1))) & 0xFFFFu;
+}
+
+// The draws of the 8 * kCalls elements of calls first .. first + kCalls - 1, in the elements' order (16-bit words).
+#if defined(__AVX512F__)
+constexpr int64_t kCalls = 32;
+
+// A 64-bit lane's high word in its low 32 bits: the two words swapped (vpshufd runs beside the multiplies, where a
+// shift would queue behind them on the same port: a fifth off the generator on a Xeon).
+inline __m512i high_word(__m512i x) { return _mm512_shuffle_epi32(x, _MM_PERM_CDAB); }
+
+// Each call's state in a 64-bit lane, 8 calls a vector: vpmuludq reads the low 32 bits of a lane and writes the
+// whole 64-bit product, so a product's high word is one shift away and its low word is the product itself (the
+// high 32 bits of a lane are never read as a word: every word is XORed, multiplied or stored from the low 32).
+// Four groups interleaved so that one's products run under the others'.
+template <int G>
+inline void philox_groups(uint64_t seed, uint64_t first, uint16_t* draws) {
+  __m512i c0[G], c1[G], c2[G], c3[G];
+  const __m512i ma = _mm512_set1_epi64(kPhiloxA), mb = _mm512_set1_epi64(kPhiloxB);
+  const __m512i lanes = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int g = 0; g < G; ++g) {
+    const __m512i call = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(first + 8 * g)), lanes);
+    const __m512i pa = _mm512_mul_epu32(call, ma);  // round 0 with c2 = c3 = 0: the B product is 0
+    c0[g] = _mm512_xor_si512(_mm512_srli_epi64(call, 32), _mm512_set1_epi64(k0));
+    c2[g] = _mm512_xor_si512(high_word(pa), _mm512_set1_epi64(k1));
+    c1[g] = _mm512_setzero_si512();
+    c3[g] = pa;
+  }
+  k0 += kKeyA;
+  k1 += kKeyB;
+  for (int round = 1; round < 10; ++round) {
+    const __m512i key0 = _mm512_set1_epi64(k0), key1 = _mm512_set1_epi64(k1);
+    for (int g = 0; g < G; ++g) {
+      const __m512i pb = _mm512_mul_epu32(c2[g], mb), pa = _mm512_mul_epu32(c0[g], ma);
+      c0[g] = _mm512_ternarylogic_epi32(high_word(pb), c1[g], key0, 0x96);  // three-way xor
+      c2[g] = _mm512_ternarylogic_epi32(high_word(pa), c3[g], key1, 0x96);
+      c1[g] = pb;
+      c3[g] = pa;
+    }
+    k0 += kKeyA;
+    k1 += kKeyB;
+  }
+  // Call c's words (c0, c1, c2, c3) side by side: (c0, c1) and (c2, c3) paired in 64-bit lanes, the pairs of a
+  // call joined in a 128-bit lane (even calls in one vector, odd in the other), then the calls put in order.
+  const __m512i first_half = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second_half = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int g = 0; g < G; ++g) {
+    const __m512i w01 = _mm512_mask_blend_epi32(0xAAAA, c0[g], _mm512_slli_epi64(c1[g], 32));
+    const __m512i w23 = _mm512_mask_blend_epi32(0xAAAA, c2[g], _mm512_slli_epi64(c3[g], 32));
+    const __m512i even = _mm512_unpacklo_epi64(w01, w23), odd = _mm512_unpackhi_epi64(w01, w23);
+    _mm512_storeu_si512(draws + 64 * g, _mm512_permutex2var_epi64(even, first_half, odd));
+    _mm512_storeu_si512(draws + 64 * g + 32, _mm512_permutex2var_epi64(even, second_half, odd));
+  }
+}
+// The draws of at least `calls` calls from first on (up to kCalls): the groups of 8 calls they need.
+inline void philox_draws(uint64_t seed, uint64_t first, uint16_t* draws, int64_t calls) {
+  switch ((std::min<int64_t>(calls, kCalls) + 7) / 8) {
+    case 1: return philox_groups<1>(seed, first, draws);
+    case 2: return philox_groups<2>(seed, first, draws);
+    case 3: return philox_groups<3>(seed, first, draws);
+    default: return philox_groups<4>(seed, first, draws);
+  }
+}
+#elif defined(__AVX2__)
+constexpr int64_t kCalls = 32;
+
 // (high, low) 32 bits of the products m * c, lane by lane: vpmuludq on the even lanes, then the odd ones.
 inline void mul_hi_lo8(__m256i c, __m256i m, __m256i* hi, __m256i* lo) {
   const __m256i even = _mm256_mul_epu32(c, m);
@@ -43,32 +119,23 @@ inline void mul_hi_lo8(__m256i c, __m256i m, __m256i* hi, __m256i* lo) {
   *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-// philox_uniform for the 8 * G counters offset .. offset + 8G - 1 into u. G independent groups interleave, so
-// the rounds' multiply latency is hidden (one group alone waits on each round).
-template <int G>
-inline void philox_uniform8(uint64_t seed, uint64_t offset, float* u) {
+// 8 lanes a group, four groups interleaved (the multiplies' latency); the words transposed through memory. All 32
+// calls whatever `calls` says (the AVX2 build serves hosts without AVX-512 alone).
+inline void philox_draws(uint64_t seed, uint64_t first, uint16_t* draws, int64_t /*calls*/) {
+  constexpr int G = 4;
   __m256i c0[G], c1[G], c2[G], c3[G];
   const __m256i ma = _mm256_set1_epi32(static_cast<int>(kPhiloxA)), mb = _mm256_set1_epi32(static_cast<int>(kPhiloxB));
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  const bool no_carry = (offset & 0xFFFFFFFFu) + 8 * G - 1 <= 0xFFFFFFFFu;  // the low words do not wrap
   for (int g = 0; g < G; ++g) {
-    if (no_carry) {
-      c0[g] = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset + 8 * g))),
-                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      c1[g] = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
-    } else {
-      alignas(32) uint32_t lo[8], hi[8];
-      for (int l = 0; l < 8; ++l) {
-        const uint64_t c = offset + 8 * g + l;
-        lo[l] = static_cast<uint32_t>(c), hi[l] = static_cast<uint32_t>(c >> 32);
-      }
-      c0[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
-      c1[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+    alignas(32) uint32_t lo[8], hi[8];
+    for (int l = 0; l < 8; ++l) {
+      const uint64_t call = first + 8 * g + l;
+      lo[l] = static_cast<uint32_t>(call), hi[l] = static_cast<uint32_t>(call >> 32);
     }
-    // Round 0 with c2 = c3 = 0: the B product is 0, so one multiply.
-    __m256i ha, la;
-    mul_hi_lo8(c0[g], ma, &ha, &la);
-    c0[g] = _mm256_xor_si256(c1[g], _mm256_set1_epi32(static_cast<int>(k0)));
+    __m256i ha, la;  // round 0 with c2 = c3 = 0: the B product is 0, so one multiply
+    mul_hi_lo8(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)), ma, &ha, &la);
+    c0[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(hi)),
+                             _mm256_set1_epi32(static_cast<int>(k0)));
     c2[g] = _mm256_xor_si256(ha, _mm256_set1_epi32(static_cast<int>(k1)));
     c1[g] = _mm256_setzero_si256();
     c3[g] = la;
@@ -89,96 +156,60 @@ inline void philox_uniform8(uint64_t seed, uint64_t offset, float* u) {
     k0 += kKeyA;
     k1 += kKeyB;
   }
+  alignas(32) uint32_t words[4][8];
+  uint32_t* out = reinterpret_cast<uint32_t*>(draws);
   for (int g = 0; g < G; ++g) {
-    const __m256i folded = _mm256_xor_si256(c0[g], _mm256_srai_epi32(c0[g], 31));  // x < 0 -> ~x
-    _mm256_storeu_ps(u + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(folded), _mm256_set1_ps(4.6566127342e-10f)));
-  }
-}
-#endif
-
-#if defined(__AVX512F__)
-// mul_hi_lo8 on 16 lanes.
-inline void mul_hi_lo16(__m512i c, __m512i m, __m512i* hi, __m512i* lo) {
-  const __m512i even = _mm512_mul_epu32(c, m);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(c, 32), m);
-  *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-  *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
-}
-
-// philox_uniform8 on 16 lanes: the 16 G counters offset .. offset + 16G - 1 into u (the same numbers).
-template <int G>
-inline void philox_uniform16(uint64_t seed, uint64_t offset, float* u) {
-  __m512i c0[G], c1[G], c2[G], c3[G];
-  const __m512i ma = _mm512_set1_epi32(static_cast<int>(kPhiloxA)), mb = _mm512_set1_epi32(static_cast<int>(kPhiloxB));
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int g = 0; g < G; ++g) {
-    const uint64_t first = offset + 16 * g;
-    const __m512i first_low = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first)));
-    const __m512i first_high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first >> 32)));
-    const __m512i low = _mm512_add_epi32(first_low, lanes);
-    // A lane whose low word wrapped past 2^32 carries into the high word.
-    const __mmask16 carried = _mm512_cmplt_epu32_mask(low, first_low);
-    const __m512i high = _mm512_mask_add_epi32(first_high, carried, first_high, _mm512_set1_epi32(1));
-    __m512i ha, la;  // round 0 with c2 = c3 = 0: the B product is 0, so one multiply
-    mul_hi_lo16(low, ma, &ha, &la);
-    c0[g] = _mm512_xor_si512(high, _mm512_set1_epi32(static_cast<int>(k0)));
-    c2[g] = _mm512_xor_si512(ha, _mm512_set1_epi32(static_cast<int>(k1)));
-    c1[g] = _mm512_setzero_si512();
-    c3[g] = la;
-  }
-  k0 += kKeyA;
-  k1 += kKeyB;
-  for (int round = 1; round < 10; ++round) {
-    const __m512i key0 = _mm512_set1_epi32(static_cast<int>(k0)), key1 = _mm512_set1_epi32(static_cast<int>(k1));
-    for (int g = 0; g < G; ++g) {
-      __m512i hb, lb, ha, la;
-      mul_hi_lo16(c2[g], mb, &hb, &lb);
-      mul_hi_lo16(c0[g], ma, &ha, &la);
-      c0[g] = _mm512_ternarylogic_epi32(hb, c1[g], key0, 0x96);  // three-way xor
-      c2[g] = _mm512_ternarylogic_epi32(ha, c3[g], key1, 0x96);
-      c1[g] = lb;
-      c3[g] = la;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[0]), c0[g]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[1]), c1[g]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[2]), c2[g]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[3]), c3[g]);
+    for (int l = 0; l < 8; ++l) {
+      for (int w = 0; w < 4; ++w) out[(8 * g + l) * 4 + w] = words[w][l];
     }
-    k0 += kKeyA;
-    k1 += kKeyB;
   }
-  for (int g = 0; g < G; ++g) {
-    const __m512i folded = _mm512_xor_si512(c0[g], _mm512_srai_epi32(c0[g], 31));  // x < 0 -> ~x
-    _mm512_storeu_ps(u + 16 * g, _mm512_mul_ps(_mm512_cvtepi32_ps(folded), _mm512_set1_ps(4.6566127342e-10f)));
-  }
+}
+#else
+constexpr int64_t kCalls = 1;
+
+inline void philox_draws(uint64_t seed, uint64_t first, uint16_t* draws, int64_t /*calls*/) {
+  uint32_t words[4];
+  philox_words(seed, first, words);
+  std::memcpy(draws, words, sizeof(words));  // little-endian: each word's low half first
 }
 #endif
 
-// z[j] = keep (1 / (1 - p)) where counter base + j survives dropout p, else 0.
+// z[j] = keep (1 / (1 - p)) where element (row, c0 + j) survives dropout p, else 0: its draw >= 2^16 p, i.e. at
+// least ceil(2^16 p) (exact: p is a float). The draws come kCalls calls (8 kCalls columns) at a time from the call
+// that holds column c0 on.
 template <typename T>
-inline void dropout_factors(uint64_t seed, uint64_t base, int64_t n, float p, T keep, T* z) {
+inline void dropout_factors(uint64_t seed, uint64_t row, uint64_t ncols, uint64_t c0, int64_t n, float p, T keep,
+                            T* z) {
+  const double scaled = std::ceil(static_cast<double>(p) * 65536.0);
+  const uint32_t threshold = scaled <= 0 ? 0u : static_cast<uint32_t>(std::min(scaled, 65536.0));
+  const uint64_t row_call = row * calls_per_row(ncols);
+  alignas(64) uint16_t draws[8 * kCalls];
   int64_t j = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    alignas(64) float u[64];
-    const __m512 threshold = _mm512_set1_ps(p), kept = _mm512_set1_ps(keep);
-    for (; j + 64 <= n; j += 64) {
-      philox_uniform16<4>(seed, base + j, u);
-      for (int l = 0; l < 64; l += 16) {
-        const __mmask16 survives = _mm512_cmp_ps_mask(_mm512_load_ps(u + l), threshold, _CMP_GE_OQ);
-        _mm512_storeu_ps(z + j + l, _mm512_maskz_mov_ps(survives, kept));
+  while (j < n) {
+    const uint64_t col = c0 + j, skip = col & 7;  // the batch's first draw is column col - skip's
+    philox_draws(seed, row_call + (col >> 3), draws, (static_cast<int64_t>(skip) + n - j + 7) / 8);
+    const int64_t count = std::min<int64_t>(n - j, 8 * kCalls - static_cast<int64_t>(skip));
+    int64_t e = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, float>) {
+      if (threshold <= 0xFFFFu) {
+        const __m512i bound = _mm512_set1_epi16(static_cast<short>(threshold));
+        const __m512 kept = _mm512_set1_ps(keep);
+        for (; e + 32 <= count; e += 32) {
+          const __mmask32 survives = _mm512_cmpge_epu16_mask(_mm512_loadu_si512(draws + skip + e), bound);
+          _mm512_storeu_ps(z + j + e, _mm512_maskz_mov_ps(static_cast<__mmask16>(survives), kept));
+          _mm512_storeu_ps(z + j + e + 16, _mm512_maskz_mov_ps(static_cast<__mmask16>(survives >> 16), kept));
+        }
       }
     }
-  }
 #endif
-#ifdef __AVX2__
-  alignas(32) float u[32];
-  for (; j + 32 <= n; j += 32) {
-    philox_uniform8<4>(seed, base + j, u);
-    for (int l = 0; l < 32; ++l) z[j + l] = u[l] >= p ? keep : T(0);
+    for (; e < count; ++e) z[j + e] = draws[skip + e] >= threshold ? keep : T(0);
+    j += count;
   }
-  for (; j + 8 <= n; j += 8) {
-    philox_uniform8<1>(seed, base + j, u);
-    for (int l = 0; l < 8; ++l) z[j + l] = u[l] >= p ? keep : T(0);
-  }
-#endif
-  for (; j < n; ++j) z[j] = philox_uniform(seed, base + j) >= p ? keep : T(0);
 }
 
 }  // namespace flash_cpu

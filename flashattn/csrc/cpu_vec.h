@@ -290,8 +290,10 @@ inline __m512 exp2_scaled_round_avx512(const float* x, int64_t n, float f, float
 }
 
 #ifdef __AVX512BF16__
-// bf16 weights without dropout: two vectors rounded by one vcvtne2ps2bf16 and stored as one.
-inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, c10::BFloat16* out) {
+// bf16 weights: two vectors rounded by one vcvtne2ps2bf16 and stored as one (times dropout's factors z, unless
+// null: the sum is of the undropped weights).
+template <bool kDropout>
+inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, const float* z, c10::BFloat16* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
@@ -301,14 +303,19 @@ inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m
     const __m512 e1 = exp2_clamped<4>(_mm512_fmadd_ps(x1, factor, shift));
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
-    _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    if constexpr (kDropout) {
+      _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)),
+                                                                _mm512_mul_ps(e0, _mm512_loadu_ps(z + j))));
+    } else {
+      _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
   }
   for (; j < n; j += 16) {
     const __mmask16 keep = tail_mask(n - j);
     const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
     const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
-    store_weights(out + j, e, keep);
+    store_weights(out + j, kDropout ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
   }
   return _mm512_add_ps(acc0, acc1);
 }
@@ -319,7 +326,8 @@ template <typename scalar_t>
 inline __m512 exp2_scaled_round_vector(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (z == nullptr) return exp2_scaled_round_bf16(x, n, f, m, out);
+    return z == nullptr ? exp2_scaled_round_bf16<false>(x, n, f, m, z, out)
+                        : exp2_scaled_round_bf16<true>(x, n, f, m, z, out);
   }
 #endif
   return exp2_scaled_round_avx512(x, n, f, m, z, out);

@@ -5,8 +5,9 @@ key/value head) pair in the dK/dV pass. Every kernel builds its score tiles with
 place where scale, softcap, the causal/window band, ALiBi and a user mask are applied; a feature whose argument
 is None is compiled out, and the band is applied only on tiles that straddle it.
 
-Dropout draws ``tl.rand(seed, ((b * H + h) * Nq + i) * Nk + j)``: the same numbers as
-``flashattn.backends.philox``, so this backend and the CPU path drop exactly the same weights.
+Dropout draws element (r, j), r = (b * H + h) * Nq + i, from ``tl.randint4x(seed, r * ceil(Nk / 8) + (j >> 3))``
+(a 16-bit half of one of its four words): the same numbers as ``flashattn.backends.philox``, so this backend and
+the CPU path drop exactly the same weights.
 
 Values travel between the kernels' helpers in named bundles (``bundles``); ``BlockLists``, a block mask's tile
 lists, is the one the launcher builds.

@@ -72,8 +72,8 @@ class Scoring(NamedTuple):
 
 
 class Dropout(NamedTuple):
-    """Where a tile's dropout draws come from: ``tl.rand(b_seed, (row0 + i) * seqlen_k + j)`` >= p drops nothing
-    (``flashattn.backends.philox`` lays the counters out the same)."""
+    """Where a tile's dropout draws come from: element (row0 + i, j) of the seed's stream (``tiles.dropout_keep``,
+    ``flashattn.backends.philox``); p = 0 drops nothing."""
 
     b_seed: Any  # the Philox seed; None without dropout
     p: Any  # the dropout probability
