@@ -12,7 +12,7 @@ its low half for even j and its high half for odd j, kept when that draw / 2^16 
 and half depend on the column alone, so a GPU tile selects them per column. Eight elements per call, not one: the
 generator's ten rounds were most of a dropout call's time on the CPU (a bf16 forward took 4x its plain time); the
 keep rate is 1 - p to within 2^-16 (flash_attn's: 1/256). The CPU kernel (``flashattn/csrc/cpu_dropout.h``), the
-Triton kernels (``kernels/tiles.py``) and this module draw the same numbers, so every path drops exactly the same
+Triton kernels (``kernels/dropout.py``) and this module draw the same numbers, so every path drops exactly the same
 elements.
 
 All arithmetic is on int64 tensors holding unsigned 32-bit values; the 32x32-bit products are split into 16-bit

@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 
 from .bundles import Band, Dropout, Operand, Scoring, Span
+from .dropout import dropout_keep
 from .tiles import (
     LOG2E,
     dot,
     dot_acc,
-    dropout_keep,
     dropped,
     e4m3_quantized,
     full_key_range,

@@ -72,7 +72,7 @@ class Scoring(NamedTuple):
 
 
 class Dropout(NamedTuple):
-    """Where a tile's dropout draws come from: element (row0 + i, j) of the seed's stream (``tiles.dropout_keep``,
+    """Where a tile's dropout draws come from: element (row0 + i, j) of the seed's stream (``dropout.dropout_keep``,
     ``flashattn.backends.philox``); p = 0 drops nothing."""
 
     b_seed: Any  # the Philox seed; None without dropout

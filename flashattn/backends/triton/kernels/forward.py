@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 
 from .bundles import Band, Dropout, KeySlots, Operand, Scoring, Span
+from .dropout import dropout_keep
 from .tiles import (
     LOG2E,
     VALUE_GROUP,
     dot_acc,
-    dropout_keep,
     e4m3_rounded,
     fast_div,
     fp8_operand_order,
