@@ -29,8 +29,6 @@ _KEY_B = 0xBB67AE85
 _ROUND_A = 0xD2511F53
 _ROUND_B = 0xCD9E8D57
 _ROUNDS = 10
-# Triton's scale: the largest float with (2**31 - 1) * scale < 1 in float32.
-_UNIFORM_SCALE = 4.6566127342e-10
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 // Philox4x32-10 on counter r * ceil(ncols / 8) + (j >> 3) (Triton's tl.randint4x), and is kept when that draw /
 // 2^16 >= p. One call serves eight columns of a row.
 // In a scalar form, and on AVX2 and AVX-512 intrinsics where the compiler targets them (it needs 32x32->64-bit
-// products): 8 or 16 calls side by side, their words laid out in the elements' order.
+// products): 32 calls side by side, their words laid out in the elements' order.
 #pragma once
 
 #include <algorithm>
@@ -56,9 +56,9 @@ constexpr int64_t kCalls = 32;
 inline __m512i high_word(__m512i x) { return _mm512_shuffle_epi32(x, _MM_PERM_CDAB); }
 
 // Each call's state in a 64-bit lane, 8 calls a vector: vpmuludq reads the low 32 bits of a lane and writes the
-// whole 64-bit product, so a product's high word is one shift away and its low word is the product itself (the
+// whole 64-bit product, so a product's high word is one swap away (high_word) and its low word is the product (the
 // high 32 bits of a lane are never read as a word: every word is XORed, multiplied or stored from the low 32).
-// Four groups interleaved so that one's products run under the others'.
+// G groups (up to four) interleaved so that one's products run under the others'.
 template <int G>
 inline void philox_groups(uint64_t seed, uint64_t first, uint16_t* draws) {
   __m512i c0[G], c1[G], c2[G], c3[G];

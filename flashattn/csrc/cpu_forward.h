@@ -8,7 +8,6 @@
 
 #include "cpu_wide_tiles.h"
 
-
 namespace flash_cpu {
 
 // Query block `block` of sequence `seq`, kv heads [hk0, hk0 + heads), keys [lo, hi); `piece` >= 0 when the key
