@@ -58,13 +58,26 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.dev
             from triton import knobs
             from triton.runtime import driver
 
-            _COMPILED[key] = compiled, driver, knobs
+            _COMPILED[key] = compiled, driver, knobs, _entry(compiled)
         return
-    compiled, driver, knobs = launcher
+    compiled, driver, knobs, found = launcher
     stream = driver.active.get_current_stream(driver.active.get_current_device())
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     meta = compiled.launch_metadata(grid, stream, *args) if hooked(enter, leave) else None
-    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+    if found is None:
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+    else:
+        found.launch(*grid, stream, compiled.function, found.cooperative, found.pdl, None, None,
+                     compiled.packed_metadata, meta, enter, leave, *args)
+
+
+def _entry(compiled):
+    """The kernel's C entry (``triton/entry.py``: these kernels take no descriptors), called past the Python of
+    Triton's launcher; None where there is none to call."""
+    from .triton.entry import entry
+
+    found = entry(compiled)
+    return None if found is None or found.descriptors else found
 
 
 def prepared(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.device, constants: int,
@@ -76,15 +89,18 @@ def prepared(kernel, grid: tuple[int, int, int], args: tuple, *, device: torch.d
     launcher = _COMPILED.get(_key(kernel, args, device, constants))
     if launcher is None:
         return None
-    compiled, driver, knobs = launcher
+    compiled, driver, knobs, found = launcher
     rest = args[count:]
-    run, function, metadata, runtime, active = (compiled.run, compiled.function, compiled.packed_metadata,
-                                                knobs.runtime, driver.active)
+    function, metadata, runtime, active = compiled.function, compiled.packed_metadata, knobs.runtime, driver.active
+    if found is None:
+        run, head = compiled.run, (function, metadata)
+    else:  # the C entry's arguments between the stream and the launch metadata
+        run, head = found.launch, (function, found.cooperative, found.pdl, None, None, metadata)
 
     def launch_with(given: tuple) -> None:
         stream = active.get_current_stream(active.get_current_device())
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         meta = compiled.launch_metadata(grid, stream, *given, *rest) if hooked(enter, leave) else None
-        run(*grid, stream, function, metadata, meta, enter, leave, *given, *rest)
+        run(*grid, stream, *head, meta, enter, leave, *given, *rest)
 
     return launch_with

@@ -34,6 +34,7 @@ from ..direct import hooked
 from ..environ import Variable
 from ..spec import AttentionSpec
 from . import configs, tma
+from .entry import Entry, entry, expansion
 
 
 class Launch(NamedTuple):
@@ -145,42 +146,93 @@ def _literal(value: object) -> bool:
     return kind in (type(None), bool, int) or (kind is float and math.isfinite(value))
 
 
-def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]) -> Callable:
-    """``launch(inputs, device, stream, enter, leave, hooked) -> outputs``: the outputs' and workspaces'
-    allocations and every recorded launch, written out."""
-    names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor, "_empty": torch.empty_strided}
-    lines = ["def launch(inputs, device, stream, enter, leave, hooked):"]
-    bases = {"in": "inputs[{}]", "out": "o{}", "work": "w{}"}
+class _Source:
+    """The text of a plan's launch function and the objects it names (``_writer``)."""
 
-    def constant(value: object) -> str:
+    _BASES = {"in": "inputs[{}]", "out": "o{}", "work": "w{}"}
+
+    def __init__(self):
+        self.names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor,
+                                         "_empty": torch.empty_strided}
+        self.maps: dict[tuple, str] = {}  # tensor maps by what they encode: the backward's kernels share k's, v's
+
+    def constant(self, value: object) -> str:
         if _literal(value):
             return repr(value)
-        name = f"c{len(names)}"
-        names[name] = value
+        name = f"c{len(self.names)}"
+        self.names[name] = value
         return name
 
-    def tensor(slot: tuple) -> str:
+    def tensor(self, slot: tuple) -> str:
         kind, index, view = slot
-        base = bases[kind].format(index)
-        return base if view is None else f"_resolve({base}, {constant(view)})"
+        base = self._BASES[kind].format(index)
+        return base if view is None else f"_resolve({base}, {self.constant(view)})"
 
-    for prefix, layouts in (("o", outputs), ("w", workspaces)):
-        lines += [f"    {prefix}{i} = _empty({shape!r}, {stride!r}, dtype={constant(dtype)}, device=device)"
-                  for i, (shape, stride, dtype) in enumerate(layouts)]
-    for compiled, grid, arguments, tensors, descriptors in launches:
-        terms = [constant(value) for value in arguments]
+    def arguments(self, arguments: tuple, tensors: tuple) -> list[str]:
+        terms = [self.constant(value) for value in arguments]
         for position, slot in tensors:
-            terms[position] = tensor(slot)
+            terms[position] = self.tensor(slot)
+        return terms
+
+    def by_launcher(self, compiled, grid, arguments, tensors, descriptors) -> list[str]:
+        """The launch by ``compiled.run``, Triton's launcher, descriptors as objects."""
+        terms = self.arguments(arguments, tensors)
         for position, (slot, fields) in descriptors:
-            terms[position] = f"_descriptor({tensor(slot)}, {constant(fields)})"
-        kernel = constant(compiled)
-        lines += [f"    args = ({', '.join(terms)},)",
-                  f"    meta = {kernel}.launch_metadata({constant(grid)}, stream, *args) if hooked else None",
-                  f"    {constant(compiled.run)}({', '.join(map(str, grid))}, stream, {constant(compiled.function)}, "
-                  f"{constant(compiled.packed_metadata)}, meta, enter, leave, *args)"]
-    lines.append(f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})")
+            terms[position] = f"_descriptor({self.tensor(slot)}, {self.constant(fields)})"
+        kernel = self.constant(compiled)
+        return [f"args = ({', '.join(terms)},)",
+                f"meta = {kernel}.launch_metadata({self.constant(grid)}, stream, *args) if hooked else None",
+                f"{self.constant(compiled.run)}({', '.join(map(str, grid))}, stream, "
+                f"{self.constant(compiled.function)}, {self.constant(compiled.packed_metadata)}, meta, enter, leave, "
+                f"*args)"]
+
+    def by_entry(self, found: Entry, compiled, grid, arguments, tensors, descriptors) -> list[str]:
+        """The launch by the kernel's C entry, each descriptor expanded as the launcher expands it."""
+        terms, body = self.arguments(arguments, tensors), []
+        for position, (slot, fields) in descriptors:
+            encode, after = expansion(fields, found.descriptors[position])
+            if encode is None:
+                terms[position] = ", ".join((self.tensor(slot), *map(self.constant, after)))
+                continue
+            same = (slot, repr(encode))
+            if same not in self.maps:
+                self.maps[same] = f"m{len(self.maps)}"
+                body.append(f"{self.maps[same]} = {self.constant(_fill())}({self.tensor(slot)}.data_ptr(), "
+                            f"{', '.join(map(self.constant, encode))})")
+            terms[position] = ", ".join((self.maps[same], *map(self.constant, after)))
+        return [*body, f"{self.constant(found.launch)}({', '.join(map(str, grid))}, stream, "
+                       f"{self.constant(compiled.function)}, {found.cooperative}, {found.pdl}, None, None, "
+                       f"{self.constant(compiled.packed_metadata)}, None, enter, leave, {', '.join(terms)})"]
+
+
+def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]) -> Callable:
+    """``launch(inputs, device, stream, enter, leave, hooked) -> outputs``: the outputs' and workspaces'
+    allocations and every recorded launch, written out: by the compiled kernel's launcher where launch hooks
+    want each launch's metadata, else by its C entry with the descriptors expanded (``entry.py``) where it has
+    one."""
+    source = _Source()
+    lines = ["def launch(inputs, device, stream, enter, leave, hooked):"]
+    for prefix, layouts in (("o", outputs), ("w", workspaces)):
+        lines += [f"    {prefix}{i} = _empty({shape!r}, {stride!r}, dtype={source.constant(dtype)}, device=device)"
+                  for i, (shape, stride, dtype) in enumerate(layouts)]
+    hooked_lines, direct_lines = [], []
+    for launch in launches:
+        found = entry(launch[0])
+        if found is not None and set(found.descriptors) != {position for position, _ in launch[4]}:
+            found = None  # descriptors where the recorded launch had none, or none where it had some
+        hooked_lines += source.by_launcher(*launch)
+        direct_lines += source.by_launcher(*launch) if found is None else source.by_entry(found, *launch)
+    lines += ["    if hooked:", *(f"        {line}" for line in hooked_lines),
+              "    else:", *(f"        {line}" for line in direct_lines),
+              f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})"]
+    names = source.names
     exec(compile("\n".join(lines) + "\n", f"<flashattn launch plan of {len(launches)} launches>", "exec"), names)
     return names["launch"]
+
+
+def _fill() -> Callable:
+    """The driver's tensor-map encoder, as Triton 3.6's launcher calls it."""
+    return driver.active.utils.fill_tma_descriptor
 
 
 class _Untraceable(Exception):

@@ -1,0 +1,76 @@
+"""A compiled kernel's C entry, below the Python of Triton 3.6's launcher, for the launch plans (``plans.py``).
+
+On Triton 3.6 every launch passes two Python layers before the C function that parses its arguments and calls
+the driver: ``CudaLauncher.__call__`` (scratch buffers), then, for a kernel that takes host TMA descriptors,
+``wrap_handle_tensordesc``'s loop over every argument (seventy-odd in the attention kernels) that expands each
+descriptor into the driver's tensor map (``fill_tma_descriptor``), its shape and its strides: about 7 us a launch
+on a server CPU before the encodes, three times in a training step. A plan knows once where its descriptors sit
+and what all but their base pointers expand to, so it calls the C entry itself with the expansion written out
+(``plans._writer``): per descriptor, one encode. Later releases pass the kernel's arguments to C as one tuple
+(their Python is already lean) and keep ``compiled.run``; so does any launcher of another shape.
+
+Example::
+
+    found = entry(compiled)    # None: launch by compiled.run
+    if found is not None:
+        found.launch(gx, gy, gz, stream, compiled.function, found.cooperative, found.pdl, None, None,
+                     compiled.packed_metadata, None, enter, leave, *expanded_arguments)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from . import installed_release
+
+
+class Entry(NamedTuple):
+    """The C entry of one compiled kernel and what a call of it needs besides the kernel's arguments."""
+
+    launch: Callable  # (gx, gy, gz, stream, function, cooperative, pdl, scratch, profile scratch, metadata,
+    #                   launch metadata, enter hook, exit hook, *arguments with each descriptor expanded)
+    cooperative: bool
+    pdl: bool
+    descriptors: dict[int, dict | None]  # argument position -> the descriptor's compiled metadata (None: unlowered)
+
+
+_WRAPPER_CELLS = {"launcher", "tensordesc_indices", "tensordesc_meta"}  # 3.6's wrap_handle_tensordesc closure
+
+
+def entry(compiled) -> Entry | None:
+    """The C entry of ``compiled`` (a Triton ``CompiledKernel`` whose handles are loaded), or None where its
+    launcher is not Triton 3.6's, or needs scratch buffers (allocated per launch by the launcher)."""
+    if installed_release() != (3, 6):
+        return None
+    launcher = compiled.run
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    wrapped = getattr(launcher, "launch", None)
+    cooperative, pdl = getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None)
+    if wrapped is None or type(cooperative) is not bool or type(pdl) is not bool:
+        return None
+    code = getattr(wrapped, "__code__", None)
+    if code is None:  # no descriptors: the launcher holds the C entry itself
+        return Entry(wrapped, cooperative, pdl, {})
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in wrapped.__closure__ or ()), strict=False))
+    if set(cells) != _WRAPPER_CELLS or len(cells["tensordesc_indices"]) != len(cells["tensordesc_meta"]):
+        return None
+    return Entry(cells["launcher"], cooperative, pdl,
+                 dict(zip(sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"], strict=True)))
+
+
+def expansion(fields: dict, meta: dict | None) -> tuple[tuple | None, tuple]:
+    """What a descriptor with ``fields`` (shape, strides, block_shape, padding) becomes among the C entry's
+    arguments, as 3.6's ``make_tensordesc_arg`` makes it: (the encode's arguments after the base pointer, or None
+    where the descriptor is passed as its base tensor; the constants after the map or the base)."""
+    shape, strides = list(fields["shape"]), list(fields["strides"])
+    if meta is None:  # the kernel reads the descriptor's fields, not a tensor map
+        return None, (*shape, *strides, fields["padding"] == "nan", *shape, *strides)
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    encoded = list(shape)
+    if meta["fp4_padded"]:
+        encoded[-1] *= 2
+    return ((meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+             encoded, strides, 1 if fields["padding"] == "nan" else 0), (*shape, *strides))
