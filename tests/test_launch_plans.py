@@ -43,6 +43,26 @@ def test_a_view_of_inputs_sharing_a_storage_is_not_planned():
 # --- the check itself, run as a script ------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_a_tensor_map_is_encoded_once_per_base_pointer():
+    """A plan's descriptor slot encodes a tensor map per base pointer (the rest of what it encodes is fixed) and
+    hands the same map back for a pointer it has seen; it keeps a bounded number."""
+    from flashattn.backends.triton import plans
+
+    encodes = []
+
+    def fill(pointer, *fields):
+        encodes.append(pointer)
+        return (pointer, fields)
+
+    maps = plans._TensorMaps(fill, (3, 2))
+    assert maps(64) == (64, (3, 2)) and maps(128) == (128, (3, 2))
+    assert maps(64) is maps(64) and encodes == [64, 128]
+    for pointer in range(1, 2 * maps.LIMIT):
+        assert maps(pointer * 16)[0] == pointer * 16
+    assert len(maps._maps) <= maps.LIMIT
+
+
 def _cases(torch, flashattn):
     """name -> a function of a seed returning (call, the tensors it reads), each call of one signature."""
     bf16, dev = torch.bfloat16, "cpu"

@@ -196,9 +196,8 @@ class _Source:
                 continue
             same = (slot, repr(encode))
             if same not in self.maps:
-                self.maps[same] = f"m{len(self.maps)}"
-                body.append(f"{self.maps[same]} = {self.constant(_fill())}({self.tensor(slot)}.data_ptr(), "
-                            f"{', '.join(map(self.constant, encode))})")
+                name = self.maps[same] = f"m{len(self.maps)}"
+                body.append(f"{name} = {self.constant(_TensorMaps(_fill(), encode))}({self.tensor(slot)}.data_ptr())")
             terms[position] = ", ".join((self.maps[same], *map(self.constant, after)))
         return [*body, f"{self.constant(found.launch)}({', '.join(map(str, grid))}, stream, "
                        f"{self.constant(compiled.function)}, {found.cooperative}, {found.pdl}, None, None, "
@@ -228,6 +227,26 @@ def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]
     names = source.names
     exec(compile("\n".join(lines) + "\n", f"<flashattn launch plan of {len(launches)} launches>", "exec"), names)
     return names["launch"]
+
+
+class _TensorMaps:
+    """One descriptor slot's tensor maps by base pointer: everything else it encodes is the plan's, so a pointer
+    seen before (the caching allocator hands a training loop's tensors the same addresses) reuses its map instead
+    of the driver's encode. Holds at most ``LIMIT`` maps (past it, starts over)."""
+
+    LIMIT = 16
+
+    def __init__(self, fill: Callable, encode: tuple):
+        self._fill, self._encode = fill, encode
+        self._maps: dict[int, object] = {}
+
+    def __call__(self, pointer: int) -> object:
+        found = self._maps.get(pointer)
+        if found is None:
+            if len(self._maps) >= self.LIMIT:
+                self._maps.clear()
+            found = self._maps[pointer] = self._fill(pointer, *self._encode)
+        return found
 
 
 def _fill() -> Callable:
