@@ -269,3 +269,19 @@ def test_the_cache_index_names_each_kernel_and_what_was_carried(tmp_path):
         ("cc33", "attention_forward_kernel", True)]
     assert index["carried_present"] == 1
     assert [p.name for p in (work / "triton-ir").iterdir()] == ["aa11.source"]
+
+
+def test_the_host_step_reads_each_budget_against_sdpa(tmp_path):
+    """gpu-check's host step: each budgeted entry point's microseconds per call beside SDPA's, and the verdict."""
+    from tools.gpu_check.headlines import headline
+    from tools.gpu_check.plan import Step, full
+
+    assert any(step.name == "host" and "--mode" in step.args for step in full(4))
+    budgets = {"fwd": {"us": 12.5, "limit_us": 20.0, "against": "sdpa", "met": True},
+               "train": {"us": 95.0, "limit_us": 80.0, "against": "sdpa", "met": False},
+               "decode": {"us": 30.0, "limit_us": None, "against": "sdpa", "met": False}}
+    (tmp_path / "host.json").write_text(json.dumps({"meta": {"budgets": budgets}, "rows": []}))
+    step = Step("host", [], 0.1, 1)
+    text = headline(tmp_path, step)
+    assert text == "fwd 12.5 us vs SDPA 20 (met); train 95 us vs SDPA 80 (not met); decode 30 us", text
+    assert step.extra["budgets"] == budgets

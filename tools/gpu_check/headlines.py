@@ -114,6 +114,15 @@ def _block_mask(work: Path, step: Step) -> str:
     return f"N={top}: " + "; ".join(parts) + " (targets <= 1.2x, <= 0.125x)"
 
 
+def _host(work: Path, step: Step) -> str:
+    data = _json(work / "host.json")
+    verdicts = data.get("meta", {}).get("budgets") or {}
+    step.extra["budgets"] = verdicts
+    parts = [f"{entry} {v['us']:.3g} us vs SDPA {v['limit_us']:.3g} ({'met' if v['met'] else 'not met'})"
+             if v.get("limit_us") is not None else f"{entry} {v['us']:.3g} us" for entry, v in verdicts.items()]
+    return "; ".join(parts) if parts else "no budgeted entry measured"
+
+
 def _cuda_kernel(work: Path, step: Step) -> str:
     data = _json(work / "cuda-kernel.json")
     accuracy = data.get("accuracy", [])
@@ -126,7 +135,7 @@ def _cuda_kernel(work: Path, step: Step) -> str:
 
 HEADLINES = {"info": _info, "smoke": _smoke, "tests": _tests, "tests-cuda": _tests, "headline": _sweep,
              "sweep-d64": _sweep, "sweep-d128": _sweep, "decode": _decode, "block-mask": _block_mask,
-             "cuda-kernel": _cuda_kernel}
+             "host": _host, "cuda-kernel": _cuda_kernel}
 
 
 def headline(work: Path, step: Step) -> str:

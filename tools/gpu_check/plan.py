@@ -9,7 +9,8 @@
    causal or not, against SDPA's flash, cuDNN and efficient backends and compiled FlexAttention (compiled last,
    so a cut-off run keeps the rest), and our forward on FP8 inputs beside it; the device's matmul rate and copy
    bandwidth measured in the same run.
-5. ``decode`` (against copy bandwidth) and ``block-mask`` (against varlen and a dense mask).
+5. ``decode`` (against copy bandwidth), ``block-mask`` (against varlen and a dense mask) and ``host`` (the host's
+   microseconds per call, queued, beside SDPA's).
 6. Whatever time remains: the CUDA C++ kernel, its tests, and the wide sweeps.
 """
 
@@ -81,6 +82,10 @@ def full(jobs: int) -> list[Step]:
                         "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),
         Step("block-mask", [*bench, "block-mask", "--seqlens", "16384", "--dtype", "bfloat16", "--repeats", "10",
                             "--quiet", "--out", "{out}", "--name", "block-mask"], 0.1, 15),
+        # Host cost per call, queued calls at tiny shapes beside SDPA (issue 44's budgets on a GPU).
+        Step("host", [*bench, "host", "--mode", "gpu", "--calls", "200", "--entries",
+                      "fwd,train,decode,decode_tensor_seqlens,sdpa,decode_append", "--out", "{out}", "--name",
+                      "host"], 0.08, 20, env=no_cpu_kernel),
         Step("cuda-kernel", [*bench, "cuda-kernel", "--out", "{out}", "--name", "cuda-kernel"], 0.2, 30),
         Step("tests-cuda", _pytest("{out}", ("test_cuda_backend.py",), min(jobs, 12), "tests-cuda.xml"), 0.3, 30,
              env={"GPU_CHECK_TEST_LOG": "{out}/tests-cuda.jsonl"}),
