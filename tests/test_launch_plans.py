@@ -63,6 +63,23 @@ def test_a_tensor_map_is_encoded_once_per_base_pointer():
     assert len(maps._maps) <= maps.LIMIT
 
 
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_a_descriptor_expands_as_the_launcher_expands_it():
+    """``entry.expansion`` writes out what Triton 3.6's ``make_tensordesc_arg`` passes for a descriptor: the encode's
+    arguments and the constants after the map (FP4-padded: the last dim doubled in both), or, unlowered, the
+    decomposed fields after the base."""
+    from flashattn.backends.triton.entry import expansion
+
+    fields = {"shape": [128, 64], "strides": [64, 1], "block_shape": [32, 64], "padding": "zero"}
+    meta = {"swizzle": 3, "elem_size": 1, "elem_type": 0, "block_size": [32, 128], "fp4_padded": False}
+    encode, after = expansion(fields, meta)
+    assert encode[-3:] == ([128, 64], [64, 1], 0) and after == (128, 64, 64, 1)
+    encode, after = expansion(fields, {**meta, "fp4_padded": True})
+    assert encode[-3] == [128, 128] and after == (128, 128, 64, 1)
+    assert fields["shape"] == [128, 64]  # the plan's own fields untouched
+    assert expansion(fields, None) == (None, (128, 64, 64, 1, False, 128, 64, 64, 1))
+
+
 def _cases(torch, flashattn):
     """name -> a function of a seed returning (call, the tensors it reads), each call of one signature."""
     bf16, dev = torch.bfloat16, "cpu"
@@ -191,9 +208,14 @@ def main() -> int:
                     if direct and launches.through_launcher and name != "training step, dropout and window":
                         print(f"FAILED {name}: {launches.through_launcher} replayed launches ran the launcher")
                         return 1
-                seen[mode] = [(n, g, _describe(torch, a, tensors)) for n, g, a in launches.arguments]
+                # With each launch's leading arguments (stream, function, cooperative, PDL, scratch, metadata,
+                # hooks) but the launch metadata, which only hooks read (the JIT's LazyDict; a plan's None).
+                seen[mode] = [(n, g, head[:7] + head[8:], _describe(torch, a, tensors))
+                              for (n, g, a), head in zip(launches.arguments, launches.heads, strict=True)]
             if seen["full"] != seen["replay"]:
-                for (n, g, a), (_, g2, b) in zip(seen["full"], seen["replay"], strict=False):
+                for (n, g, h, a), (_, g2, h2, b) in zip(seen["full"], seen["replay"], strict=False):
+                    if h != h2:
+                        print(f"{name}: {n} leading arguments {h} vs {h2}")
                     diff = [(i, x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
                     print(f"{name}: {n} grid {g} vs {g2}: {diff[:4]}")
                 print(f"FAILED {name}")

@@ -69,8 +69,7 @@ def expansion(fields: dict, meta: dict | None) -> tuple[tuple | None, tuple]:
         return None, (*shape, *strides, fields["padding"] == "nan", *shape, *strides)
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-    encoded = list(shape)
-    if meta["fp4_padded"]:
-        encoded[-1] *= 2
+    if meta["fp4_padded"]:  # the doubled shape is both encoded and passed
+        shape[-1] *= 2
     return ((meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
-             encoded, strides, 1 if fields["padding"] == "nan" else 0), (*shape, *strides))
+             shape, strides, 1 if fields["padding"] == "nan" else 0), (*shape, *strides))

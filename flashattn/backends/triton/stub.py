@@ -42,12 +42,15 @@ class Launches:
     device: StubDevice
     stamps: list[tuple[int, str]] = field(default_factory=list)
     arguments: list[tuple] | None = None  # each launch's grid and arguments, when asked for (keep_arguments)
+    heads: list[tuple] | None = None  # with arguments: each launch's stream, function, cooperative, PDL, scratch
+    #                                     buffers, metadata, launch metadata and hooks (Triton 3.6's layout)
     through_launcher: int = 0  # launches that went through the launcher's Python, not to its C entry directly
 
     def clear(self) -> None:
         self.stamps.clear()
         if self.arguments is not None:
             self.arguments.clear()
+            self.heads.clear()
         self.through_launcher = 0
 
 
@@ -79,6 +82,7 @@ def _launcher_class(launches: Launches) -> type:
         launches.stamps.append((time.perf_counter_ns(), name))
         if launches.arguments is not None:  # (grid x, y, z), then the kernel's arguments
             launches.arguments.append((name, args[:3], args[13:]))
+            launches.heads.append(args[3:13])
 
     class Launcher:
         def __init__(self, src, metadata):
@@ -157,7 +161,8 @@ def stubbed_launches(arch: int = 90, multiprocessors: int = 132, *, keep_argumen
     if interpreting():
         raise RuntimeError("stubbed_launches: TRITON_INTERPRET=1 runs the kernels in the interpreter; unset it to "
                            "compile them for a GPU and stub their launches")
-    launches = Launches(StubDevice(arch, multiprocessors), arguments=[] if keep_arguments else None)
+    launches = Launches(StubDevice(arch, multiprocessors), arguments=[] if keep_arguments else None,
+                        heads=[] if keep_arguments else None)
     previous = driver._active  # None until a driver was first needed; reset_active() would need a GPU
     driver.set_active(_driver(launches.device, launches))
     token = _stubbed.set(launches.device)
