@@ -50,11 +50,6 @@ struct ForwardScratch {
 // whole cache rows in order (a head's slice of every row, head after head, is a strided read that the memory
 // serves at half speed), and split long key ranges into pieces until the threads have work; other calls take one
 // kv head per task and the whole key range.
-#ifdef __AVX512BF16__
-constexpr bool kBf16Lanes = true;
-#else
-constexpr bool kBf16Lanes = false;
-#endif
 constexpr int64_t kStageBytes = 256 * 1024;
 constexpr int64_t kAhead = 8;  // FP8 rows asked for ahead of their widening
 
@@ -79,6 +74,11 @@ struct ForwardPlan {
 // An output row, dst = x * f rounded to dst's type: 16 lanes at a time where store_weights keeps every value (its
 // bf16 rounding without AVX512_BF16 is for finite values, and a row may hold NaN); bf16 then rounds as the weights
 // do (to nearest even, an fp32 denormal to 0). A few percent of a short bf16 forward, whose stores miss the cache.
+#ifdef __AVX512BF16__
+constexpr bool kBf16Lanes = true;
+#else
+constexpr bool kBf16Lanes = false;
+#endif
 template <typename out_t, typename acc_t>
 inline void store_scaled_row(out_t* dst, const acc_t* x, int64_t n, acc_t f) {
 #if defined(__AVX512F__)

@@ -215,12 +215,14 @@ def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]
         lines += [f"    {prefix}{i} = _empty({shape!r}, {stride!r}, dtype={source.constant(dtype)}, device=device)"
                   for i, (shape, stride, dtype) in enumerate(layouts)]
     hooked_lines, direct_lines = [], []
-    for launch in launches:
-        found = entry(launch[0])
-        if found is not None and set(found.descriptors) != {position for position, _ in launch[4]}:
+    for compiled, grid, arguments, tensors, descriptors in launches:
+        launch = compiled, grid, arguments, tensors, descriptors
+        found = entry(compiled)
+        if found is not None and set(found.descriptors) != {position for position, _ in descriptors}:
             found = None  # descriptors where the recorded launch had none, or none where it had some
-        hooked_lines += source.by_launcher(*launch)
-        direct_lines += source.by_launcher(*launch) if found is None else source.by_entry(found, *launch)
+        by_launcher = source.by_launcher(*launch)
+        hooked_lines += by_launcher
+        direct_lines += by_launcher if found is None else source.by_entry(found, *launch)
     lines += ["    if hooked:", *(f"        {line}" for line in hooked_lines),
               "    else:", *(f"        {line}" for line in direct_lines),
               f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})"]
