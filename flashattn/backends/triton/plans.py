@@ -220,8 +220,7 @@ def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]
         found = entry(compiled)
         if found is not None and set(found.descriptors) != {position for position, _ in descriptors}:
             found = None  # descriptors where the recorded launch had none, or none where it had some
-        by_launcher = source.by_launcher(*launch)
-        hooked_lines += by_launcher
+        hooked_lines += (by_launcher := source.by_launcher(*launch))
         direct_lines += by_launcher if found is None else source.by_entry(found, *launch)
     lines += ["    if hooked:", *(f"        {line}" for line in hooked_lines),
               "    else:", *(f"        {line}" for line in direct_lines),
