@@ -1,4 +1,5 @@
-"""The fast path of a repeated ``flash_attn_func`` call: a signature seen before goes straight to its launches.
+"""The fast path of a repeated ``flash_attn_func``, ``flash_attn_varlen_func`` or SDPA call: a signature seen
+before goes straight to its launches (``fastdecode.py`` does the same for ``flash_attn_with_kvcache``).
 
 What a call's checks conclude, which path runs it and what that path launches depend only on its signature: the
 tensors' shapes, strides, dtypes, devices and 16-byte alignment, the option values, whether autograd records it,
@@ -9,7 +10,9 @@ path holds a plan for it, the signature maps to an ``Entry`` holding
 everything decided (the checked spec, the forward's plan), and a later call computes its key, allocates its outputs
 and launches: no checks, choice, spec or op arguments (on a decode-sized call they cost more than the kernel). A
 training step runs through ``_Planned``, an autograd function of q, k and v alone whose backward replays the
-backward's plan, kept in the entry per gradient signature.
+backward's plan, kept in the entry per gradient signature. A varlen call's offsets are values, not part of its
+signature: each call's are checked as the full way checks them (on the device for a GPU's) and put in their
+places among the plans' inputs (``VarlenEntry``).
 
 Calls it does not serve take the full way every time, with every check and error: torch.compile (which traces
 the full way once), ``torch.func`` transforms and their tensors, tensor subclasses, the optional tensors (ALiBi,
@@ -21,16 +24,18 @@ plans dense calls with rows it reads in place; its backward takes the op's way).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from torch import Tensor
 
 from . import backends, ops
-from . import kvcache as cache_ops
-from .backends.spec import AttentionSpec, Saved, cache_launch_keys
+from .backends.spec import AttentionSpec, Saved
 from .backends.triton import stubbed_device
 from .batching import under_transform
-from .checks.kvcache import cache_bounds
-from .checks.on_device import CacheCheck
+from .checks.on_device import VarlenCheck, values_on_host
+from .checks.values import VarlenSizes, check_varlen_values
 
 _TENSORS = (Tensor, torch.nn.Parameter)
 # Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
@@ -51,14 +56,17 @@ class Entry:
         self.spec, self.path, self.forward, self.context = spec, path, forward, context
         self.backward: dict[tuple, object] = {}
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def run(self, q: Tensor, k: Tensor, v: Tensor, offsets: tuple | None = None) -> tuple[Tensor, Tensor]:
+        """(out, lse) by the forward's plan; ``offsets``: a varlen call's (cu_seqlens_q, cu_seqlens_k)."""
         self.path.FORWARD_PLANS.replays += 1
-        out, lse = self.forward.run((q, k, v), q.device)
+        out, lse = self.forward.run((q, k, v) if offsets is None else self.forward.inputs((q, k, v), offsets),
+                                    q.device)
         return out, lse
 
-    def gradients(self, dout: Tensor | None, dlse: Tensor | None, saved: Saved) -> tuple[Tensor, Tensor, Tensor]:
+    def gradients(self, dout: Tensor | None, dlse: Tensor | None, saved: Saved,
+                  offsets: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) by the backward's plan for this gradient signature, else by the op's backward (which
-        records the plan, kept here for the next step)."""
+        records the plan, kept here for the next step); ``offsets`` as ``run``'s."""
         if dout is None:  # only lse's gradient flows (gradients are not materialized: _Planned)
             dout = torch.zeros_like(saved.out)
         context = self.path.plan_context()
@@ -69,37 +77,41 @@ class Entry:
                                                     dlse.data_ptr() & 15), context)
         except RuntimeError:  # no storage: gradients batched by torch.func or gradcheck's older vmap
             signature = None
-        if signature is None or under_transform():  # the op's backward, whose batching rule takes them
-            return ops._eager_backward(dout, dlse, *saved, *self.spec.as_args(), self.path.NAME, False)[:3]
-        plan = self.backward.get(signature)
-        if plan is not None:
+        plan = None if signature is None else self.backward.get(signature)
+        if plan is not None and not under_transform():
             self.path.BACKWARD_PLANS.replays += 1
-            dq, dk, dv = plan.run((dout, dlse, *saved), saved.q.device)
+            head = (dout, dlse, *saved)
+            dq, dk, dv = plan.run(head if offsets is None else self.forward.inputs(head, offsets), saved.q.device)
             return dq, dk, dv
-        dq, dk, dv, _ = ops._gradients(dout, dlse, saved, self.spec, backend=self.path.NAME, mask_grad=False)
-        plan = self.path.backward_plan(dout, dlse, saved, self.spec) if context is not None else None
+        spec = self.spec if offsets is None else dataclasses.replace(self.spec, varlen=dataclasses.replace(
+            self.spec.varlen, cu_seqlens_q=offsets[0], cu_seqlens_k=offsets[1]))
+        if signature is None or under_transform():  # the op's backward, whose batching rule takes them
+            return ops._eager_backward(dout, dlse, *saved, *spec.as_args(), self.path.NAME, False)[:3]
+        dq, dk, dv, _ = ops._gradients(dout, dlse, saved, spec, backend=self.path.NAME, mask_grad=False)
+        plan = self.path.backward_plan(dout, dlse, saved, spec) if context is not None else None
         if plan is not None:
             self.backward[signature] = plan
         return dq, dk, dv
 
 
 class _Planned(torch.autograd.Function):
-    """A training call of an ``Entry`` that returns lse: q, k, v in, (out, lse) out, the backward by the entry's
-    plans. Gradients are not materialized: an unused lse passes None, not a tensor of zeros, to the backward.
-    Forward and context in one function: the older form, one Python call less than ``setup_context``'s."""
+    """A training call of an ``Entry`` that returns lse: q, k, v in (and a varlen call's offsets, which take no
+    gradient), (out, lse) out, the backward by the entry's plans. Gradients are not materialized: an unused lse
+    passes None, not a tensor of zeros, to the backward. Forward and context in one function: the older form, one
+    Python call less than ``setup_context``'s."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> tuple[Tensor, Tensor]:
-        out, lse = entry.run(q, k, v)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry, offsets: tuple | None) -> tuple[Tensor, Tensor]:
+        out, lse = entry.run(q, k, v, offsets)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.entry = entry
+        ctx.entry, ctx.offsets = entry, offsets
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*ctx.entry.gradients(dout, dlse, Saved(q, k, v, out, lse)), None)
+        return (*ctx.entry.gradients(dout, dlse, Saved(q, k, v, out, lse), ctx.offsets), None, None)
 
 
 class _PlannedOut(torch.autograd.Function):
@@ -107,16 +119,16 @@ class _PlannedOut(torch.autograd.Function):
     wrap and differentiate, and lse, which no one else sees, kept on the context."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry) -> Tensor:
-        out, ctx.lse = entry.run(q, k, v)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry, offsets: tuple | None) -> Tensor:
+        out, ctx.lse = entry.run(q, k, v, offsets)
         ctx.save_for_backward(q, k, v, out)
-        ctx.entry = entry
+        ctx.entry, ctx.offsets = entry, offsets
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
-        return (*ctx.entry.gradients(dout, None, Saved(q, k, v, out, ctx.lse)), None)
+        return (*ctx.entry.gradients(dout, None, Saved(q, k, v, out, ctx.lse), ctx.offsets), None, None)
 
 
 # As ops._apply_eager: the C apply, without Function.apply's binding of the arguments by inspect.signature.
@@ -142,11 +154,7 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
     stubbed = stubbed_device()
     if not (q.is_cuda or q.is_cpu or stubbed is not None) or under_transform():
         return None, None
-    dropout_p, scale, causal, window, softcap, deterministic, probs = options
-    if not (type(dropout_p) in _REALS and dropout_p == 0 and type(softcap) in _REALS  # see _REALS
-            and (scale is None or type(scale) in _REALS) and type(causal) is bool and type(deterministic) is bool
-            and type(probs) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
-            and type(window[1]) is int):
+    if not _plain_options(options):
         return None, None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
@@ -159,9 +167,19 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
     if entry is None or entry.path.plan_context() != entry.context:  # a context of other launches
         return key, None
     if not options[-1]:  # return_attn_probs=False
-        return key, (_apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0])
-    out, lse = _apply_planned(q, k, v, entry) if grad else entry.run(q, k, v)
+        return key, (_apply_planned_out(q, k, v, entry, None) if grad else entry.run(q, k, v)[0])
+    out, lse = _apply_planned(q, k, v, entry, None) if grad else entry.run(q, k, v)
     return key, (out, lse, None)
+
+
+def _plain_options(options: tuple) -> bool:
+    """Whether ``flash_attn_func``'s options (``flash``) are of the plain types the fast path keys by value, without
+    dropout."""
+    dropout_p, scale, causal, window, softcap, deterministic, probs = options
+    return (type(dropout_p) in _REALS and dropout_p == 0 and type(softcap) in _REALS  # see _REALS
+            and (scale is None or type(scale) in _REALS) and type(causal) is bool and type(deterministic) is bool
+            and type(probs) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int)
 
 
 def sdpa(query: object, key: object, value: object, attn_mask: object, options: tuple) -> tuple[tuple | None, object]:
@@ -189,7 +207,7 @@ def sdpa(query: object, key: object, value: object, attn_mask: object, options: 
     # The checks make the views with view(shape) first (``checks.sdpa``), which gives a size-1 dim the stride a
     # reshape does: a stride never multiplied by an index but 0, and the plan's strides are its record's. Skipped.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out = _apply_planned_out(q, k, v, entry) if grad else entry.run(q, k, v)[0]
+    out = _apply_planned_out(q, k, v, entry, None) if grad else entry.run(q, k, v)[0]
     return signature, out.transpose(1, 2)
 
 
@@ -222,135 +240,91 @@ def learn(key: tuple, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> N
     _ENTRIES[key] = Entry(spec, path, plan, context)
 
 
+# --- flash_attn_varlen_func ---------------------------------------------------------------------------------------
+# A packed batch: the same signature for every batch of a serving loop or a training run that packs to one total,
+# only the offsets' values move. They are checked each call as the full way checks them: by the device check
+# (``on_device.VarlenCheck``, no copy to the host) for a GPU's, on the host for a CPU's.
+
+VARLEN = "flash_attn_varlen_func"
+
+
+class VarlenEntry(Entry):
+    """An ``Entry`` whose calls bring their offsets: its forward is the path's ``varlen_plan``, and ``check``
+    checks each call's offsets against its sizes."""
+
+    __slots__ = ("check",)
+
+    def __init__(self, spec: AttentionSpec, path, forward, context: tuple, sizes: VarlenSizes, on_host: bool):
+        super().__init__(spec, path, forward, context)
+        self.check = (functools.partial(_host_offsets, sizes=sizes) if on_host
+                      else VarlenCheck(VARLEN, sizes))
+
+
+def _host_offsets(offsets: tuple, *, sizes: VarlenSizes) -> None:
+    check_varlen_values(VARLEN, *offsets, None, sizes)
+
+
+def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
+    """``flash`` for ``flash_attn_varlen_func``: ``given`` = (q, k, v, cu_seqlens_q, cu_seqlens_k), ``maxima`` =
+    (max_seqlen_q, max_seqlen_k), ``options`` as ``flash``'s, and ``absent`` what the fast path leaves to the full
+    way (ALiBi, a paged K/V's block table, sinks, FP8 scales and mode: all None or False)."""
+    if torch.compiler.is_compiling() or any(type(t) not in _TENSORS for t in given):
+        return None, None
+    for given_option in absent:
+        if given_option is not None and given_option is not False:
+            return None, None
+    q, k, v, *offsets = given
+    stubbed = stubbed_device()
+    if (not (q.is_cuda or q.is_cpu or stubbed is not None) or under_transform() or not _plain_options(options)
+            or type(maxima[0]) is not int or type(maxima[1]) is not int):
+        return None, None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    try:
+        key = ("varlen", *map(_signature, given), maxima, options, grad, backends.requested_by(), stubbed)
+    except RuntimeError:  # no strides or storage: the full way's checks say what it is
+        return None, None
+    entry = _ENTRIES.get(key)
+    if entry is None or entry.path.plan_context() != entry.context:
+        return key, None
+    entry.check(offsets)
+    offsets = tuple(offsets)
+    if not options[-1]:  # return_attn_probs=False
+        return key, (_apply_planned_out(q, k, v, entry, offsets) if grad else entry.run(q, k, v, offsets)[0])
+    out, lse = _apply_planned(q, k, v, entry, offsets) if grad else entry.run(q, k, v, offsets)
+    return key, (out, lse, None)
+
+
+def learn_varlen(key: tuple | None, call, given: tuple) -> None:
+    """``learn`` for a ``flash_attn_varlen_func`` call of ``key`` (checked: ``call``) if it holds the caller's own
+    tensors, ``given`` = (q, k, v, cu_seqlens_q, cu_seqlens_k)."""
+    spec = call.spec
+    if key is None or any(a is not b for a, b in zip(
+            (call.q, call.k, call.v, spec.varlen.cu_seqlens_q, spec.varlen.cu_seqlens_k), given, strict=True)):
+        return
+    name = backends.choose(call.q, call.k, call.v, spec)
+    if name not in PLANNED_PATHS:
+        return
+    path = backends.get(name)
+    context = path.plan_context()
+    plan = None if context is None else path.varlen_plan(call.q, call.k, call.v, spec)
+    if plan is None:
+        return
+    layout = spec.varlen
+    sizes = VarlenSizes(call.q.shape[0], call.k.shape[0], layout.max_seqlen_q, layout.max_seqlen_k,
+                        num_pages=call.k.shape[0])  # as the full way's (read by a paged call's check alone)
+    if len(_ENTRIES) >= LIMIT:
+        _ENTRIES.clear()
+    _ENTRIES[key] = VarlenEntry(spec, path, plan, context, sizes,
+                                values_on_host(layout.cu_seqlens_q, layout.cu_seqlens_k))
+
+
 def clear() -> None:
-    """Forget every entry (the next calls take the full way)."""
+    """Forget every entry, ``fastdecode``'s too (the next calls take the full way)."""
+    from . import fastdecode
+
     _ENTRIES.clear()
-    _CACHE_ENTRIES.clear()
-
-
-# --- flash_attn_with_kvcache ---------------------------------------------------------------------------------------
-# A decode step: the same signature at every step of a generation, only the lengths move. The key holds what the
-# checks and the launch depend on, an int cache_seqlens by the key count its launch is sized for
-# (``spec.cache_launch_keys``; one outside the cache goes the full way, to its error). The lengths and indices are
-# checked and turned into bounds by the full way's own ``checks.kvcache.cache_bounds``, and new keys appended.
-
-
-class CacheEntry:
-    """Everything decided for one ``flash_attn_with_kvcache`` signature: its path, the path's cache plan (``run(q,
-    k_cache, v_cache, bounds)``), the sizes the bounds' checks take, and the path's plan context it holds under."""
-
-    __slots__ = ("check", "context", "path", "plan", "sizes")
-
-    def __init__(self, path, plan, context: tuple, sizes):
-        self.path, self.plan, self.context, self.sizes = path, plan, context, sizes
-        self.check = CacheCheck("flash_attn_with_kvcache", sizes)  # the device check of a GPU's index values
-
-
-_CACHE_ENTRIES: dict[tuple, CacheEntry] = {}
+    fastdecode.clear()
 
 
 def _signature(t: Tensor | None) -> tuple | None:
     return t if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-
-
-def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
-    """(the call's key, its result) for ``flash_attn_with_kvcache``: ``given`` = (q, k_cache, v_cache, k, v),
-    ``indices`` = (cache_leftpad, cache_batch_idx, block_table), ``options`` = (softmax_scale, causal,
-    window_size, softcap, num_splits, return_softmax_lse) and ``absent`` what the fast path leaves to the full way
-    (rotary, ALiBi, sinks, FP8 scales: all must be None). As ``flash``: the result is None where the fast path does
-    not run the call, the key None where it never will."""
-    if torch.compiler.is_compiling() or any(a is not None for a in absent):
-        return None, None
-    q, k_cache, v_cache, k, _ = given
-    tensors = (*given, *indices)
-    if type(q) not in _TENSORS or type(k_cache) not in _TENSORS or type(v_cache) not in _TENSORS or any(
-            t is not None and type(t) not in _TENSORS for t in tensors[3:]):
-        return None, None
-    stubbed = stubbed_device()
-    if not (q.is_cuda or q.is_cpu or stubbed is not None) or under_transform():
-        return None, None
-    scale, causal, window, softcap, num_splits, return_lse = options
-    if not ((scale is None or type(scale) in _REALS) and type(causal) is bool and type(softcap) in _REALS
-            and type(num_splits) is int and type(return_lse) is bool and type(window) is tuple and len(window) == 2
-            and type(window[0]) is int and type(window[1]) is int):
-        return None, None
-    table = indices[2]
-    if k_cache.dim() != 4 or (k is not None and k.dim() != 4) or (table is not None and table.dim() != 2):
-        return None, None
-    new = 0 if k is None else k.shape[1]
-    capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
-    if type(cache_seqlens) is int:
-        if not 0 <= cache_seqlens <= capacity - new:
-            return None, None  # the full way says what is wrong
-        keys, lengths = cache_launch_keys(cache_seqlens + new, capacity), "int"
-    elif cache_seqlens is None or type(cache_seqlens) in _TENSORS:
-        keys, lengths = capacity, _signature(cache_seqlens)  # lengths on the device: launches sized for them all
-    else:
-        return None, None
-    try:
-        key = (*map(_signature, tensors), lengths, keys, options, backends.requested_by(), stubbed)
-    except RuntimeError:  # no strides or storage: the full way's checks say what it is
-        return None, None
-    entry = _CACHE_ENTRIES.get(key)
-    if entry is None or entry.path.plan_context() != entry.context:
-        return key, None
-    return key, _decode(entry, given, cache_seqlens, indices, return_lse)
-
-
-def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, return_lse: bool):
-    """The call of a known signature: its bounds checked as the full way checks them (``cache_bounds``: on the
-    host, or on the device), the append, the plan."""
-    q, k_cache, v_cache, k, v = given
-    lengths = _host_lengths(entry, given, cache_seqlens, indices)
-    if lengths is not None:  # on the host and in range: no tensors of them
-        if k is not None:
-            with torch.no_grad():
-                cache_ops.append_rows(k_cache, v_cache, k, v, at=lengths, batch_idx=None)
-        entry.path.FORWARD_PLANS.replays += 1
-        new = 0 if k is None else k.shape[1]
-        out, lse = entry.plan.run_lengths(q, k_cache, v_cache, [n + new for n in lengths])
-        return (out, lse) if return_lse else out
-    bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device,
-                          device_check=entry.check)
-    if k is not None:
-        with torch.no_grad():
-            cache_ops.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,
-                             block_table=bounds.block_table)
-    entry.path.FORWARD_PLANS.replays += 1
-    out, lse = entry.plan.run(q, k_cache, v_cache, bounds)
-    return (out, lse) if return_lse else out
-
-
-def _host_lengths(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple) -> list[int] | None:
-    """A cpu entry's lengths as ints where the call has no other index tensor and new keys of the cache's dtypes,
-    if each is in range (an int: checked by ``kvcache``; a CPU tensor, int32 of shape (batch,) as its signature
-    says: read here); else None: ``cache_bounds`` checks them, and says what is wrong."""
-    q, k_cache, v_cache, k, v = given
-    if (entry.path.NAME != "cpu" or indices != (None, None, None)
-            or (k is not None and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype))):
-        return None
-    if type(cache_seqlens) is int:
-        return [cache_seqlens] * q.shape[0]
-    if cache_seqlens is None:
-        return None
-    lengths = cache_seqlens.tolist()
-    room = entry.sizes.capacity - entry.sizes.new
-    return lengths if all(0 <= n <= room for n in lengths) else None
-
-
-def learn_kvcache(key: tuple, call) -> None:
-    """After the full way ran a ``flash_attn_with_kvcache`` call of ``key`` (checked: ``call``, a
-    ``checks.KVCacheCall`` of the caller's own tensors), keep an entry for its signature once its path holds a
-    plan (``cache_plan``: the triton path's recorded launches, the cpu path's kernel call)."""
-    spec = call.spec
-    name = backends.choose(call.q, call.k_cache, call.v_cache, spec)
-    if call.rotary is not None or spec.descale is not None or name not in PLANNED_PATHS:
-        return
-    path = backends.get(name)
-    context = path.plan_context()
-    plan = None if context is None else path.cache_plan(call.q, call.k_cache, call.v_cache, spec)
-    if plan is None:
-        return
-    if len(_CACHE_ENTRIES) >= LIMIT:
-        _CACHE_ENTRIES.clear()
-    _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, call.sizes)

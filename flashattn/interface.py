@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from . import checks, fastpath, kvcache
+from . import checks, fastdecode, fastpath, kvcache
 from .ops import attention
-from .rotary import apply_rotary, positions
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -216,16 +215,24 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
         >>> flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
         torch.Size([10, 4, 32])
     """
-    fn = "flash_attn_varlen_func"
+    given = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    key, result = fastpath.varlen(  # a signature seen before: its launches directly (fastpath.py)
+        given, (max_seqlen_q, max_seqlen_k),
+        (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs),
+        (alibi_slopes, block_table, learnable_sink, q_descale, k_descale, v_descale, fp8))
+    if result is not None:
+        return result
     options = checks.flash_arguments(
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     call = checks.check_varlen(
-        fn, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, block_table=block_table, **options,
+        "flash_attn_varlen_func", q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table, **options,
         learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fp8=fp8,
     )
-    return _flash_result(call, return_attn_probs)
+    result = _flash_result(call, return_attn_probs)
+    fastpath.learn_varlen(key, call, given)
+    return result
 
 
 def flash_attn_varlen_qkvpacked_func(  # noqa: PLR0913 (flash_attn's signature)
@@ -340,7 +347,7 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         >>> out.shape, bool(k_cache[0, 10].eq(k[0, 0]).all())
         (torch.Size([2, 1, 8, 32]), True)
     """
-    key, result = fastpath.kvcache(  # a signature seen before: its launches directly (fastpath.py)
+    key, result = fastdecode.kvcache(  # a signature seen before: its launches directly (fastdecode.py)
         (q, k_cache, v_cache, k, v), cache_seqlens, (cache_leftpad, cache_batch_idx, block_table),
         (softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse),
         (rotary_cos, rotary_sin, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale))
@@ -356,22 +363,10 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
     learnable = key is not None and all(a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k),
                                                                (q, k_cache, v_cache, k), strict=True))
     with torch.no_grad():
-        q, k = call.q, call.k
-        if call.rotary is not None:
-            cos, sin = call.rotary
-            at = positions(call.cache_seqlens, q.shape[1], advance=call.q_positions_advance)
-            q = apply_rotary(q, cos, sin, at, interleaved=call.rotary_interleaved)
-            if k is not None:
-                at = positions(call.cache_seqlens, k.shape[1])
-                k = apply_rotary(k, cos, sin, at, interleaved=call.rotary_interleaved)
-        cache = call.spec.cache
-        if k is not None:
-            scales = call.spec.descale
-            kvcache.append(call.k_cache, call.v_cache, k, call.v, at=call.cache_seqlens, batch_idx=cache.batch_idx,
-                           block_table=cache.block_table, descale=None if scales is None else (scales.k, scales.v))
+        q = kvcache.rotate_and_append(call)
         out, lse, _ = attention(q, call.k_cache, call.v_cache, call.spec)
     if learnable:
-        fastpath.learn_kvcache(key, call)
+        fastdecode.learn_kvcache(key, call)
     return (out, lse) if return_softmax_lse else out
 
 

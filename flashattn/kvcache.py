@@ -13,7 +13,25 @@ from torch import Tensor
 from .backends import direct
 from .backends.triton import installed, interpreting, stubbed_device
 from .quantize import to_fp8
-from .rotary import positions
+from .rotary import apply_rotary, positions
+
+
+def rotate_and_append(call) -> Tensor:
+    """A checked ``flash_attn_with_kvcache`` call's (``checks.KVCacheCall``) queries rotated (with its rotary
+    tables), after its new keys (rotated too) and values are appended to the caches in place."""
+    q, k = call.q, call.k
+    if call.rotary is not None:
+        cos, sin = call.rotary
+        at = positions(call.cache_seqlens, q.shape[1], advance=call.q_positions_advance)
+        q = apply_rotary(q, cos, sin, at, interleaved=call.rotary_interleaved)
+        if k is not None:
+            k = apply_rotary(k, cos, sin, positions(call.cache_seqlens, k.shape[1]),
+                             interleaved=call.rotary_interleaved)
+    if k is not None:
+        cache, scales = call.spec.cache, call.spec.descale
+        append(call.k_cache, call.v_cache, k, call.v, at=call.cache_seqlens, batch_idx=cache.batch_idx,
+               block_table=cache.block_table, descale=None if scales is None else (scales.k, scales.v))
+    return q
 
 
 def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor, batch_idx: Tensor | None = None,

@@ -82,6 +82,7 @@ def _calls(flashattn):
     paged_table = torch.randperm(16, generator=g)[:15].to(torch.int32).view(3, 5)
     dense = [randn(2, 100, h, 128) for h in (8, 2, 2)]
     trained = [randn(2, 100, h, 128, grad=True) for h in (8, 2, 2)]
+    packed_trained = [randn(150, h, 64, grad=True) for h in (4, 2, 2)]
     sdpa = randn(2, 8, 77, 64)
     causal = flex_attention.create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, device="cpu")
     blocked = [randn(1, 256, 4, 64) for _ in range(3)]
@@ -112,6 +113,8 @@ def _calls(flashattn):
         "varlen, paged K/V": lambda: flashattn.flash_attn_varlen_func(
             packed[0], pages_k[..., :64], pages_v[..., :64], cu, i32(0, 100, 101, 300), 99, 200, causal=True,
             block_table=paged_table),
+        "varlen training step": lambda: flashattn.flash_attn_varlen_func(*packed_trained, cu, cu, 99, 99,
+                                                                         causal=True).sum().backward(),
         "forward": lambda: flashattn.flash_attn_func(*dense, causal=True),
         "training step": lambda: flashattn.flash_attn_func(*trained, causal=True).sum().backward(),
         "SDPA": lambda: flashattn.scaled_dot_product_attention(sdpa, sdpa, sdpa, is_causal=True),

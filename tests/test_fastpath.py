@@ -106,10 +106,64 @@ def _sdpa_calls(torch, flashattn, launches, failed) -> int:
     return 0
 
 
+def _varlen_calls(torch, flashattn, launches, failed) -> int:
+    """flash_attn_varlen_func: forward and training step, fast, launch what the full path launches (the device check
+    of the offsets first) with other offsets every call; bad offsets' signatures still get their errors."""
+    from flashattn import fastpath
+    from flashattn.backends.triton import attend, plans
+
+    g = torch.Generator().manual_seed(4)
+    total = 150
+
+    def offsets(cut):
+        return torch.tensor([0, cut, total], dtype=torch.int32)
+
+    for grad, with_lse in ((False, False), (True, False), (True, True)):
+        def inputs(cut, grad=grad):
+            tensors = [torch.randn(total, h, 64, generator=g, dtype=torch.bfloat16).requires_grad_(grad)
+                       for h in (8, 2, 2)]
+            return (*tensors, offsets(cut), offsets(cut + 3), torch.randn(total, 8, 64, generator=g,
+                                                                          dtype=torch.bfloat16))
+
+        def call(q, k, v, cu_q, cu_k, dout, grad=grad, with_lse=with_lse):
+            result = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 103, causal=True,
+                                                      return_attn_probs=with_lse)
+            if grad and with_lse:
+                torch.autograd.grad(result[:2], (q, k, v), (dout, torch.ones_like(result[1])))
+            elif grad:
+                torch.autograd.grad(result, (q, k, v), dout)
+
+        for cut in (60, 61, 62):  # recorded, learned (the backward's plan too), then fast
+            call(*inputs(cut))
+        fresh = inputs(57)
+        with plans.disabled():
+            full = _launched(torch, launches, lambda fresh=fresh: call(*fresh))
+        before = attend.FORWARD_PLANS.replays + attend.BACKWARD_PLANS.replays
+        fast = _launched(torch, launches, lambda fresh=fresh: call(*fresh))
+        replays = attend.FORWARD_PLANS.replays + attend.BACKWARD_PLANS.replays - before
+        what = f"varlen (grad {grad}, lse {with_lse})"
+        if replays != 1 + grad:
+            return failed(f"{what}: {replays} replays")
+        if full[0][0] != "check_varlen_kernel" or not _same_but_fresh(torch, full, fast, fresh):
+            return failed(f"{what}: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
+    if not any(key[0] == "varlen" for key in fastpath._ENTRIES):
+        return failed("no varlen entry kept")
+    q, k, v, cu_q, cu_k, _ = inputs(50)
+    for bad, error, says in ((cu_q.long(), TypeError, "int32"), (cu_q[:2], ValueError, "batch")):
+        try:  # beside an entry of the same signature but the offsets'
+            flashattn.flash_attn_varlen_func(q, k, v, bad, cu_k, 100, 103, causal=True)
+        except error as e:
+            if says not in str(e):
+                return failed(f"bad offsets: {e}")
+        else:
+            return failed(f"bad offsets {bad.tolist()} passed")
+    return 0
+
+
 def _decode_steps(torch, flashattn, launches, failed) -> int:
     """flash_attn_with_kvcache: each kind of decode step, fast, launches what the full path launches (the device
     check of its index values included), with new lengths every step; a bad int length is still an error."""
-    from flashattn import fastpath
+    from flashattn import fastdecode
     from flashattn.backends.triton import attend, plans
 
     bf16, g = torch.bfloat16, torch.Generator().manual_seed(1)
@@ -157,7 +211,7 @@ def _decode_steps(torch, flashattn, launches, failed) -> int:
         inputs = [*fresh, table, *new]
         if not _same_but_fresh(torch, full, fast, inputs):
             return failed(f"decode, {name}: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
-    if not fastpath._CACHE_ENTRIES:
+    if not fastdecode._CACHE_ENTRIES:
         return failed("no decode entry kept")
     try:  # past the capacity, beside an entry of the same signature
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1025, causal=True)
@@ -264,7 +318,8 @@ def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
         flashattn.flash_attn_func(q, k, v)
         if attend.FORWARD_PLANS.replays != before:
             return failed("an entry replayed a forgotten plan")
-        status = _sdpa_calls(torch, flashattn, launches, failed) or _decode_steps(torch, flashattn, launches, failed)
+        status = (_sdpa_calls(torch, flashattn, launches, failed) or _varlen_calls(torch, flashattn, launches, failed)
+                  or _decode_steps(torch, flashattn, launches, failed))
         if status:
             return status
     # Outside the stub, CPU tensors never take the fast path (their path's choice may change).

@@ -30,7 +30,7 @@ def _compiled_env() -> dict:
 
 
 def test_stubbed_launches_time_every_entry_point(tmp_path):
-    entries = ["fwd", "train", "decode", "decode_tensor_seqlens", "varlen", "sdpa", "decode_paged"]
+    entries = ["fwd", "train", "decode", "decode_tensor_seqlens", "varlen", "sdpa", "decode_paged", "varlen_train"]
     medians = tmp_path / "host.json"
     done = subprocess.run(
         [sys.executable, "-m", "flashattn", "bench", "host", "--mode", "stub", "--calls", "3", "--entries",
@@ -48,11 +48,12 @@ def test_stubbed_launches_time_every_entry_point(tmp_path):
     assert rows["train"]["launches"] == ["attention_forward_kernel", "attention_backward_preprocess_kernel",
                                          "attention_backward_dkdv_kernel", "attention_backward_dq_kernel"]
     assert rows["decode"]["launches"][0] == "attention_forward_kernel"
+    assert rows["varlen"]["launches"] == ["check_varlen_kernel", "attention_forward_kernel"]  # offsets checked
     for row in rows.values():  # each launch after the one before, the last one before the call returns
         times = row["us_to_each_launch"]
         assert times == sorted(times) and row["us"] == times[-1] <= row["us_to_return"]
     meta = json.loads((tmp_path / "host-stub.json").read_text())["meta"]
-    assert set(meta["budgets"]) == {"fwd", "train", "decode", "decode_tensor_seqlens"}
+    assert set(meta["budgets"]) == {"fwd", "train", "decode", "decode_tensor_seqlens", "varlen", "varlen_train"}
     assert "fwd" in done.stdout and (tmp_path / "host-stub.png").stat().st_size > 5_000
 
 

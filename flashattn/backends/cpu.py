@@ -324,6 +324,11 @@ def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
     return CachePlan(q, k_cache, v_cache, spec)
 
 
+def varlen_plan(q, k, v, spec: AttentionSpec) -> None:
+    """None: a packed call takes ``forward`` every time (its sequences' rows are read from the offsets)."""
+    return None
+
+
 def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> None:
     """None: a training step's backward takes ``backward`` (a backward's work dwarfs its call's cost)."""
     return None

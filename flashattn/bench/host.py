@@ -42,9 +42,10 @@ from ..host import cpu_flags
 from . import options, report
 
 HELP = "host cost per call: microseconds from the Python entry to each kernel launch (stubbed on a CPU)"
-# Microseconds from the call to the last launch, stubbed (issue 44's budgets): a forward, a training step's forward
-# and backward together, a decode step.
-BUDGETS = {"fwd": 30.0, "train": 80.0, "decode": 30.0, "decode_tensor_seqlens": 30.0}
+# Microseconds from the call to the last launch, stubbed: a forward, a training step's forward and backward together,
+# a decode step; a packed (varlen) call as its dense counterpart.
+BUDGETS = {"fwd": 30.0, "train": 80.0, "decode": 30.0, "decode_tensor_seqlens": 30.0, "varlen": 30.0,
+           "varlen_train": 80.0}
 HEADS, HEADS_KV, HEAD_DIM, SEQLEN, CACHE = 32, 8, 128, 128, 4096
 
 
@@ -71,10 +72,14 @@ def _train(device):
     return step
 
 
-def _varlen(device):
-    q, k, v = (t[0] for t in _dense(device))  # two sequences of 64 tokens, packed
+def _varlen(device, *, train: bool = False):
+    q, k, v = inputs = [t[0].requires_grad_(train) for t in _dense(device)]  # two sequences of 64 tokens, packed
     cu = torch.tensor([0, SEQLEN // 2, SEQLEN], dtype=torch.int32, device=device)
-    return lambda: flashattn.flash_attn_varlen_func(q, k, v, cu, cu, SEQLEN // 2, SEQLEN // 2, causal=True)
+    if not train:
+        return lambda: flashattn.flash_attn_varlen_func(q, k, v, cu, cu, SEQLEN // 2, SEQLEN // 2, causal=True)
+    grad = torch.randn_like(q)
+    return lambda: torch.autograd.grad(
+        flashattn.flash_attn_varlen_func(q, k, v, cu, cu, SEQLEN // 2, SEQLEN // 2, causal=True), inputs, grad)
 
 
 def _cache(device, *, paged: bool = False):
@@ -125,6 +130,7 @@ ENTRIES: dict[str, tuple[str, Callable]] = {
                      lambda d: _decode(d, seqlens="tensor", paged=True)),
     "decode_append": ("flash_attn_with_kvcache appending new k, v", lambda d: _decode(d, seqlens="tensor",
                                                                                       append=True)),
+    "varlen_train": ("flash_attn_varlen_func forward + backward", lambda d: _varlen(d, train=True)),
     # Stubbed, its projections and rotary run on the CPU: more than a GPU's launches of them.
     "nn_decode": ("flashattn.nn.SelfAttention (512 wide, float32), one token with a KVCache", _module),
 }
@@ -135,6 +141,13 @@ def _sdpa_twin(entry: str, device: str) -> Callable | None:
     if entry in ("fwd", "sdpa", "train"):
         q, k, v = (t.transpose(1, 2).requires_grad_(entry == "train") for t in _dense(device))
         if entry != "train":
+            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        grad = torch.randn_like(q)
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
+    if entry.startswith("varlen"):  # the two sequences as a batch of two: what packing spares a padded batch
+        train = entry == "varlen_train"
+        q, k, v = (t.view(2, SEQLEN // 2, *t.shape[2:]).transpose(1, 2).requires_grad_(train) for t in _dense(device))
+        if not train:
             return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         grad = torch.randn_like(q)
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)

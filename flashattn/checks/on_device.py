@@ -61,8 +61,9 @@ class CacheCheck:
     compiled check's launcher with their tensors alone (a decode step's host time: 11 -> 4 us stubbed)."""
 
     __slots__ = ("fn", "run", "sizes")
+    COUNT = 4  # the arguments each call brings: cache_seqlens, cache_leftpad, cache_batch_idx, block_table
 
-    def __init__(self, fn: str, sizes: CacheSizes):
+    def __init__(self, fn: str, sizes: CacheSizes | VarlenSizes):
         self.fn, self.sizes, self.run = fn, sizes, None
 
     def __call__(self, tensors: tuple) -> None:
@@ -70,11 +71,34 @@ class CacheCheck:
             return self.run(tensors)
         from . import device_kernels
 
-        check_cache(self.fn, tensors, self.sizes)
-        self.run = prepared(device_kernels.check_cache_kernel, (1, 1, 1), _cache_args(self.fn, tensors, self.sizes,
-                                                                                      None),
-                            device=next(t for t in tensors if t is not None).device, constants=3, count=4)
+        kernel, args = self._arguments(device_kernels, tensors)
+        device = next(t for t in tensors if t is not None).device
+        launch(kernel, (1, 1, 1), args, device=device, constants=3)
+        self.run = prepared(kernel, (1, 1, 1), args, device=device, constants=3, count=self.COUNT)
         return None
+
+    def _arguments(self, kernels, tensors: tuple) -> tuple:
+        return kernels.check_cache_kernel, _cache_args(self.fn, tensors, self.sizes, None)
+
+
+class VarlenCheck(CacheCheck):
+    """``check_varlen`` for the calls of one varlen signature (no block table): ``tensors`` = (cu_seqlens_q,
+    cu_seqlens_k), whose values each call brings."""
+
+    __slots__ = ()
+    COUNT = 2
+
+    def _arguments(self, kernels, tensors: tuple) -> tuple:
+        return kernels.check_varlen_kernel, _varlen_args(self.fn, *tensors, None, self.sizes, None)
+
+
+def _varlen_args(fn: str, cu_seqlens_q, cu_seqlens_k, block_table, sizes: VarlenSizes, errors) -> tuple:
+    batch = cu_seqlens_q.numel() - 1
+    pages_per_seq = 0 if block_table is None else block_table.shape[1]
+    return (cu_seqlens_q, cu_seqlens_k, block_table, errors, batch, sizes.total_q,
+            -1 if sizes.total_k is None else sizes.total_k, sizes.max_q, sizes.max_k, sizes.num_pages,
+            sizes.page_size, pages_per_seq, 0 if block_table is None else block_table.stride(0),
+            fn, _block(batch + 1, 16, 64), _block(pages_per_seq, 16, 64))
 
 
 def check_varlen(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
@@ -82,13 +106,9 @@ def check_varlen(fn: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
     """Launch the device check of a varlen call's offsets (and a paged K/V's pages in use)."""
     from . import device_kernels
 
-    batch = cu_seqlens_q.numel() - 1
-    pages_per_seq = 0 if block_table is None else block_table.shape[1]
-    args = (cu_seqlens_q, cu_seqlens_k, block_table, errors, batch, sizes.total_q,
-            -1 if sizes.total_k is None else sizes.total_k, sizes.max_q, sizes.max_k, sizes.num_pages,
-            sizes.page_size, pages_per_seq, 0 if block_table is None else block_table.stride(0),
-            fn, _block(batch + 1, 16, 64), _block(pages_per_seq, 16, 64))
-    launch(device_kernels.check_varlen_kernel, (1, 1, 1), args, device=cu_seqlens_q.device, constants=3)
+    launch(device_kernels.check_varlen_kernel, (1, 1, 1),
+           _varlen_args(fn, cu_seqlens_q, cu_seqlens_k, block_table, sizes, errors), device=cu_seqlens_q.device,
+           constants=3)
 
 
 def describe(fn: str, record: list[int]) -> str | None:

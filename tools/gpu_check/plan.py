@@ -84,7 +84,8 @@ def full(jobs: int) -> list[Step]:
                             "--quiet", "--out", "{out}", "--name", "block-mask"], 0.1, 15),
         # Host cost per call, queued calls at tiny shapes beside SDPA (issue 44's budgets on a GPU).
         Step("host", [*bench, "host", "--mode", "gpu", "--calls", "200", "--entries",
-                      "fwd,train,decode,decode_tensor_seqlens,sdpa,decode_append", "--out", "{out}", "--name",
+                      "fwd,train,decode,decode_tensor_seqlens,sdpa,decode_append,varlen,varlen_train", "--out",
+                      "{out}", "--name",
                       "host"], 0.08, 20, env=no_cpu_kernel),
         Step("cuda-kernel", [*bench, "cuda-kernel", "--out", "{out}", "--name", "cuda-kernel"], 0.2, 30),
         Step("tests-cuda", _pytest("{out}", ("test_cuda_backend.py",), min(jobs, 12), "tests-cuda.xml"), 0.3, 30,

@@ -130,6 +130,36 @@ def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
     return None if plan is None else CachePlan(plan, spec)
 
 
+class VarlenPlan:
+    """A ``flash_attn_varlen_func`` call's forward plan: each call brings its offsets, put where the plans (the
+    forward's, and the backward's after the saved tensors) take them among the spec's tensors (``inputs``)."""
+
+    __slots__ = ("plan", "slots", "tensors")
+
+    def __init__(self, plan: plans.Plan, spec: AttentionSpec):
+        self.plan = plan
+        self.slots = tuple(map(plans.tensor_slot, ("varlen_cu_seqlens_q", "varlen_cu_seqlens_k")))
+        self.tensors = plan_tensors(spec)
+        for slot in self.slots:  # brought by each call, none kept
+            self.tensors[slot] = None
+
+    def inputs(self, head: tuple, offsets: tuple) -> tuple:
+        """A plan's inputs: ``head`` (q, k, v; or dout, dlse and the saved tensors), then the spec's tensors with
+        ``offsets`` = (cu_seqlens_q, cu_seqlens_k) in their places."""
+        tensors = self.tensors.copy()
+        tensors[self.slots[0]], tensors[self.slots[1]] = offsets
+        return (*head, *tensors)
+
+    def run(self, inputs: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.plan.run(inputs, device)
+
+
+def varlen_plan(q, k, v, spec: AttentionSpec) -> VarlenPlan | None:
+    """``forward_plan`` for a packed call (``spec.varlen`` set, no cache), as a ``VarlenPlan``."""
+    plan = forward_plan(q, k, v, spec) if spec.varlen is not None and spec.cache is None else None
+    return None if plan is None else VarlenPlan(plan, spec)
+
+
 def plan_context() -> tuple | None:
     """What besides a call's arguments decides whether it is planned and how (``plans.context``); None where no
     call is (the interpreter, ``compile_only``, plans off). A kept plan is replayed only while this is unchanged."""
