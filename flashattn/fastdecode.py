@@ -24,11 +24,12 @@ class CacheEntry:
     """Everything decided for one ``flash_attn_with_kvcache`` signature: its path, the path's cache plan (``run(q,
     k_cache, v_cache, bounds)``), the sizes the bounds' checks take, and the path's plan context it holds under."""
 
-    __slots__ = ("check", "context", "path", "plan", "sizes")
+    __slots__ = ("append", "check", "context", "path", "plan", "sizes")
 
     def __init__(self, path, plan, context: tuple, sizes):
         self.path, self.plan, self.context, self.sizes = path, plan, context, sizes
         self.check = CacheCheck("flash_attn_with_kvcache", sizes)  # the device check of a GPU's index values
+        self.append = cache_ops.Appender()  # the append of new keys, its launcher kept
 
 
 _CACHE_ENTRIES: dict[tuple, CacheEntry] = {}
@@ -94,9 +95,8 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
     bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device,
                           device_check=entry.check)
     if k is not None:
-        with torch.no_grad():
-            cache_ops.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,
-                             block_table=bounds.block_table)
+        entry.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,
+                     block_table=bounds.block_table)
     entry.path.FORWARD_PLANS.replays += 1
     out, lse = entry.plan.run(q, k_cache, v_cache, bounds)
     return (out, lse) if return_lse else out

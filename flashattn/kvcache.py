@@ -92,6 +92,13 @@ def append_by_kernel(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, 
     """``append`` as one launch of ``kvcache_kernel.append_kernel`` (k, v of the caches' dtypes)."""
     from .kvcache_kernel import append_kernel
 
+    grid, args = _append_launch(k_cache, v_cache, k, v, at, batch_idx, block_table)
+    direct.launch(append_kernel, grid, args, device=k.device, constants=3)
+
+
+def _append_launch(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, at: Tensor, batch_idx: Tensor | None,
+                   block_table: Tensor | None) -> tuple[tuple, tuple]:
+    """(grid, arguments) of the append kernel; its first ``Appender.COUNT`` arguments are the call's tensors."""
     batch, new, heads, head_dim = k.shape
     paged = block_table is not None
     capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
@@ -99,7 +106,33 @@ def append_by_kernel(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, 
             *k_cache.stride(), *v_cache.stride(), block_table.stride(0) if paged else 0, new, heads, head_dim,
             v.shape[3], capacity, k_cache.shape[0], k_cache.shape[1],
             _power_of_two(heads), _power_of_two(head_dim), _power_of_two(v.shape[3]))
-    direct.launch(append_kernel, (batch * new, 1, 1), args, device=k.device, constants=3)
+    return (batch * new, 1, 1), args
+
+
+class Appender:
+    """``append`` for the calls of one ``flash_attn_with_kvcache`` signature (``flashattn.fastdecode``: shapes,
+    strides, dtypes and devices fixed): where the kernel appends, the first call launches it as ``append`` does
+    and keeps the compiled kernel's launcher, which the next calls call with their tensors alone."""
+
+    __slots__ = ("run",)
+    COUNT = 7  # k, v, k_cache, v_cache, at, batch_idx, block_table
+
+    def __init__(self):
+        self.run = None
+
+    def __call__(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, *, at: Tensor,
+                 batch_idx: Tensor | None, block_table: Tensor | None) -> None:
+        if self.run is not None:
+            return self.run((k, v, k_cache, v_cache, at, None if block_table is not None else batch_idx,
+                             block_table))
+        with torch.no_grad():
+            append(k_cache, v_cache, k, v, at=at, batch_idx=batch_idx, block_table=block_table)
+        if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and k.numel() and _kernel_serves(k_cache):
+            from .kvcache_kernel import append_kernel
+
+            grid, args = _append_launch(k_cache, v_cache, k, v, at, batch_idx, block_table)
+            self.run = direct.prepared(append_kernel, grid, args, device=k.device, constants=3, count=self.COUNT)
+        return None
 
 
 def _power_of_two(n: int) -> int:
