@@ -24,27 +24,31 @@ class CacheEntry:
     """Everything decided for one ``flash_attn_with_kvcache`` signature: its path, the path's cache plan (``run(q,
     k_cache, v_cache, bounds)``), the sizes the bounds' checks take, and the path's plan context it holds under."""
 
-    __slots__ = ("append", "check", "context", "path", "plan", "sizes")
+    __slots__ = ("advance", "check", "context", "path", "plan", "prepare", "sizes")
 
-    def __init__(self, path, plan, context: tuple, sizes):
+    def __init__(self, path, plan, context: tuple, sizes, advance: bool):
         self.path, self.plan, self.context, self.sizes = path, plan, context, sizes
         self.check = CacheCheck("flash_attn_with_kvcache", sizes)  # the device check of a GPU's index values
-        self.append = cache_ops.Appender()  # the append of new keys, its launcher kept
+        self.prepare = cache_ops.Appender()  # rotary and the append of new keys, its launcher kept
+        self.advance = advance  # the queries' rotary positions advance (``KVCacheCall.q_positions_advance``)
 
 
 _CACHE_ENTRIES: dict[tuple, CacheEntry] = {}
 
 
-def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
+def kvcache(given: tuple, cache_seqlens, indices: tuple, rotary: tuple, options: tuple,
+            absent: tuple) -> tuple[tuple | None, object]:
     """(the call's key, its result) for ``flash_attn_with_kvcache``: ``given`` = (q, k_cache, v_cache, k, v),
-    ``indices`` = (cache_leftpad, cache_batch_idx, block_table), ``options`` = (softmax_scale, causal,
-    window_size, softcap, num_splits, return_softmax_lse) and ``absent`` what the fast path leaves to the full way
-    (rotary, ALiBi, sinks, FP8 scales: all must be None). As ``flash``: the result is None where the fast path does
-    not run the call, the key None where it never will."""
-    if torch.compiler.is_compiling() or any(a is not None for a in absent):
+    ``indices`` = (cache_leftpad, cache_batch_idx, block_table), ``rotary`` = (rotary_cos, rotary_sin,
+    rotary_interleaved), ``options`` = (softmax_scale, causal, window_size, softcap, num_splits,
+    return_softmax_lse) and ``absent`` what the fast path leaves to the full way (ALiBi, sinks, FP8 scales: all
+    must be None). As ``flash``: the result is None where the fast path does not run the call, the key None where
+    it never will."""
+    if (torch.compiler.is_compiling() or any(a is not None for a in absent) or type(rotary[2]) is not bool
+            or (rotary[0] is None) != (rotary[1] is None)):
         return None, None
     q, k_cache, v_cache, k, _ = given
-    tensors = (*given, *indices)
+    tensors = (*given, *indices, *rotary[:2])
     if type(q) not in _TENSORS or type(k_cache) not in _TENSORS or type(v_cache) not in _TENSORS or any(
             t is not None and type(t) not in _TENSORS for t in tensors[3:]):
         return None, None
@@ -70,20 +74,20 @@ def kvcache(given: tuple, cache_seqlens, indices: tuple, options: tuple, absent:
     else:
         return None, None
     try:
-        key = (*map(_signature, tensors), lengths, keys, options, backends.requested_by(), stubbed)
+        key = (*map(_signature, tensors), rotary[2], lengths, keys, options, backends.requested_by(), stubbed)
     except RuntimeError:  # no strides or storage: the full way's checks say what it is
         return None, None
     entry = _CACHE_ENTRIES.get(key)
     if entry is None or entry.path.plan_context() != entry.context:
         return key, None
-    return key, _decode(entry, given, cache_seqlens, indices, return_lse)
+    return key, _decode(entry, given, cache_seqlens, indices, rotary, return_lse)
 
 
-def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, return_lse: bool):
+def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, rotary: tuple, return_lse: bool):
     """The call of a known signature: its bounds checked as the full way checks them (``cache_bounds``: on the
-    host, or on the device), the append, the plan."""
+    host, or on the device), the rotary and the append, the plan."""
     q, k_cache, v_cache, k, v = given
-    lengths = _host_lengths(entry, given, cache_seqlens, indices)
+    lengths = None if rotary[0] is not None else _host_lengths(entry, given, cache_seqlens, indices)
     if lengths is not None:  # on the host and in range: no tensors of them
         if k is not None:
             with torch.no_grad():
@@ -94,9 +98,9 @@ def _decode(entry: CacheEntry, given: tuple, cache_seqlens, indices: tuple, retu
         return (out, lse) if return_lse else out
     bounds = cache_bounds("flash_attn_with_kvcache", cache_seqlens, indices, entry.sizes, q.device,
                           device_check=entry.check)
-    if k is not None:
-        entry.append(k_cache, v_cache, k, v, at=bounds.seqlens, batch_idx=bounds.batch_idx,
-                     block_table=bounds.block_table)
+    if k is not None or rotary[0] is not None:
+        q = entry.prepare(given, (bounds.seqlens, bounds.batch_idx, bounds.block_table),
+                          None if rotary[0] is None else cache_ops.Rotary(*rotary, entry.advance))
     entry.path.FORWARD_PLANS.replays += 1
     out, lse = entry.plan.run(q, k_cache, v_cache, bounds)
     return (out, lse) if return_lse else out
@@ -124,19 +128,20 @@ def clear() -> None:
     _CACHE_ENTRIES.clear()
 
 
-def learn_kvcache(key: tuple, call) -> None:
+def learn_kvcache(key: tuple, call, q) -> None:
     """After the full way ran a ``flash_attn_with_kvcache`` call of ``key`` (checked: ``call``, a
-    ``checks.KVCacheCall`` of the caller's own tensors), keep an entry for its signature once its path holds a
-    plan (``cache_plan``: the triton path's recorded launches, the cpu path's kernel call)."""
+    ``checks.KVCacheCall`` of the caller's own tensors; ``q`` the queries it attended, rotated with rotary), keep
+    an entry for its signature once its path holds a plan (``cache_plan``: the triton path's recorded launches,
+    the cpu path's kernel call)."""
     spec = call.spec
-    name = backends.choose(call.q, call.k_cache, call.v_cache, spec)
-    if call.rotary is not None or spec.descale is not None or name not in PLANNED_PATHS:
+    name = backends.choose(q, call.k_cache, call.v_cache, spec)
+    if spec.descale is not None or name not in PLANNED_PATHS:
         return
     path = backends.get(name)
     context = path.plan_context()
-    plan = None if context is None else path.cache_plan(call.q, call.k_cache, call.v_cache, spec)
+    plan = None if context is None else path.cache_plan(q, call.k_cache, call.v_cache, spec)
     if plan is None:
         return
     if len(_CACHE_ENTRIES) >= LIMIT:
         _CACHE_ENTRIES.clear()
-    _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, call.sizes)
+    _CACHE_ENTRIES[key] = CacheEntry(path, plan, context, call.sizes, call.q_positions_advance)

@@ -349,8 +349,9 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
     """
     key, result = fastdecode.kvcache(  # a signature seen before: its launches directly (fastdecode.py)
         (q, k_cache, v_cache, k, v), cache_seqlens, (cache_leftpad, cache_batch_idx, block_table),
+        (rotary_cos, rotary_sin, rotary_interleaved),
         (softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse),
-        (rotary_cos, rotary_sin, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale))
+        (alibi_slopes, learnable_sink, q_descale, k_descale, v_descale))
     if result is not None:
         return result
     call = checks.check_kvcache(
@@ -360,13 +361,14 @@ def flash_attn_with_kvcache(  # noqa: PLR0913 (flash_attn's signature)
         window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
         num_splits=num_splits, return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    learnable = key is not None and all(a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k),
-                                                               (q, k_cache, v_cache, k), strict=True))
+    learnable = key is not None and all(a is b for a, b in zip(
+        (call.q, call.k_cache, call.v_cache, call.k, call.v, *(call.rotary or (None, None))),
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin), strict=True))
     with torch.no_grad():
         q = kvcache.rotate_and_append(call)
         out, lse, _ = attention(q, call.k_cache, call.v_cache, call.spec)
     if learnable:
-        fastdecode.learn_kvcache(key, call)
+        fastdecode.learn_kvcache(key, call, q)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -178,6 +178,7 @@ def _decode_steps(torch, flashattn, launches, failed) -> int:
     pages_k, pages_v = randn(16, 64, 2, 128), randn(16, 64, 2, 128)
     table = torch.randperm(16, generator=g).to(torch.int32).view(2, 8)
     new = [randn(2, 1, 2, 128), randn(2, 1, 2, 128)]
+    cos, sin = torch.randn(1100, 32, generator=g), torch.randn(1100, 32, generator=g)  # rotary_dim 64 of 128
     kinds = {
         "int lengths": lambda n: {"cache_seqlens": n, "causal": True},
         "tensor lengths": lambda n: {"cache_seqlens": i32(n, n - 7)},
@@ -189,6 +190,11 @@ def _decode_steps(torch, flashattn, launches, failed) -> int:
         "paged, appending, lse": lambda n: {"cache_seqlens": i32(n, 3), "block_table": table, "new": True,
                                             "return_softmax_lse": True},
         "three splits": lambda n: {"cache_seqlens": n, "num_splits": 3},
+        "rotary, appending": lambda n: {"cache_seqlens": i32(n, n - 7), "new": True, "causal": True,
+                                        "rotary_cos": cos, "rotary_sin": sin},
+        "rotary, paged, local": lambda n: {"cache_seqlens": n, "block_table": table, "window_size": (50, 0),
+                                           "rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": False},
+        "rotary, no new keys": lambda n: {"cache_seqlens": i32(n, 4), "rotary_cos": cos, "rotary_sin": sin},
     }
     for name, arguments in kinds.items():
         def step(n, tensors, arguments=arguments):
@@ -208,7 +214,7 @@ def _decode_steps(torch, flashattn, launches, failed) -> int:
         fast = _launched(torch, launches, lambda fresh=fresh: step(302, fresh))
         if attend.FORWARD_PLANS.replays != before + 1:
             return failed(f"decode, {name}: not replayed")
-        inputs = [*fresh, table, *new]
+        inputs = [*fresh, table, *new, cos, sin]
         if not _same_but_fresh(torch, full, fast, inputs):
             return failed(f"decode, {name}: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
     if not fastdecode._CACHE_ENTRIES:

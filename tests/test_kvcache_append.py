@@ -65,3 +65,36 @@ def test_a_slot_outside_the_cache_is_not_written(bad):
     expected = {"position past the cache": [[1, 3], [2, 15]], "negative position": [[1, 3], [2, 2]],
                 "row outside the cache": [[0, 1], [1, 3]], "page id outside the cache": [[2, 1]]}[bad]
     assert written == expected
+
+
+@pytest.mark.parametrize("kind", ["dense", "paged", "interleaved", "bfloat16", "queries alone", "queries advance",
+                                  "half the dims", "strided new keys"])
+def test_the_rotary_kernel_rotates_and_appends_what_the_torch_ops_do(kind):
+    """One launch of rotary_append_kernel against apply_rotary's torch ops and the plain append: the rotated queries
+    and the caches equal (float32: to rounding; 16-bit: at most one unit in the last place, from fused products)."""
+    from flashattn.rotary import apply_rotary, positions
+
+    paged = kind == "paged"
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    g = torch.Generator().manual_seed(2)
+    k_cache, _ = _caches(paged, dtype)
+    v_cache = torch.randn(*k_cache.shape[:3], 24, generator=g, dtype=dtype)
+    k, v = _new(dtype=dtype, transposed=kind == "strided new keys")
+    q = torch.randn(3, 2, 6, 16, generator=g, dtype=dtype)
+    half = 4 if kind == "half the dims" else 8
+    cos, sin = torch.randn(20, half, generator=g), torch.randn(20, half, generator=g)
+    table = torch.tensor([[2, 5, 0, 7], [1, 3, 4, 6], [7, 6, 5, 4]], dtype=torch.int32) if paged else None
+    at, interleaved, advance = _i32(0, 5, 13), kind == "interleaved", kind == "queries advance"
+    new = (None, None) if kind.startswith("queries") else (k, v)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    if new[0] is not None:
+        kvcache.append(want_k, want_v, apply_rotary(k, cos, sin, positions(at, 2), interleaved=interleaved), v, at=at,
+                       block_table=table)
+    want_q = apply_rotary(q, cos, sin, positions(at, 2, advance=advance), interleaved=interleaved)
+    got_q = kvcache.rotary_by_kernel((q, k_cache, v_cache, *new), (at, None, table), (cos, sin),
+                                     interleaved=interleaved, advance=advance)
+    exact = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-6}
+    torch.testing.assert_close(got_q, want_q, **exact)
+    torch.testing.assert_close(k_cache, want_k, **exact)
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
+    assert got_q.is_contiguous() and got_q.shape == q.shape

@@ -90,12 +90,17 @@ def _cache(device, *, paged: bool = False):
     return q, k_cache, v_cache, table
 
 
-def _decode(device, *, seqlens: str = "int", paged: bool = False, append: bool = False):
+def _decode(device, *, seqlens: str = "int", paged: bool = False, append: bool = False, rotary: bool = False):
     q, k_cache, v_cache, table = _cache(device, paged=paged)
     lengths = CACHE // 2 if seqlens == "int" else torch.tensor([CACHE // 2], dtype=torch.int32, device=device)
     new = [_randn(1, 1, HEADS_KV, HEAD_DIM, device=device) for _ in range(2)] if append else [None, None]
+    tables = {}
+    if rotary:  # float32 tables over the cache's positions, rotary_dim = head dim (as flashattn.nn's)
+        angles = torch.outer(torch.arange(CACHE, device=device, dtype=torch.float32),
+                             torch.rand(HEAD_DIM // 2, device=device))
+        tables = {"rotary_cos": angles.cos(), "rotary_sin": angles.sin()}
     return lambda: flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=lengths,
-                                                     block_table=table, causal=True)
+                                                     block_table=table, causal=True, **tables)
 
 
 def _sdpa(device):
@@ -130,6 +135,8 @@ ENTRIES: dict[str, tuple[str, Callable]] = {
                      lambda d: _decode(d, seqlens="tensor", paged=True)),
     "decode_append": ("flash_attn_with_kvcache appending new k, v", lambda d: _decode(d, seqlens="tensor",
                                                                                       append=True)),
+    "decode_rotary": ("flash_attn_with_kvcache appending new k, v with rotary_cos/sin",
+                      lambda d: _decode(d, seqlens="tensor", append=True, rotary=True)),
     "varlen_train": ("flash_attn_varlen_func forward + backward", lambda d: _varlen(d, train=True)),
     # Stubbed, its projections and rotary run on the CPU: more than a GPU's launches of them.
     "nn_decode": ("flashattn.nn.SelfAttention (512 wide, float32), one token with a KVCache", _module),
