@@ -12,7 +12,7 @@ import torch
 
 from . import backends
 from . import kvcache as cache_ops
-from .backends.spec import cache_launch_keys
+from .backends.spec import aliases, cache_launch_keys
 from .backends.triton import stubbed_device
 from .batching import under_transform
 from .checks.kvcache import cache_bounds
@@ -74,7 +74,8 @@ def kvcache(given: tuple, cache_seqlens, indices: tuple, rotary: tuple, options:
     else:
         return None, None
     try:
-        key = (*map(_signature, tensors), rotary[2], lengths, keys, options, backends.requested_by(), stubbed)
+        key = (*map(_signature, tensors), aliases(tensors), rotary[2], lengths, keys, options,
+               backends.requested_by(), stubbed)
     except RuntimeError:  # no strides or storage: the full way's checks say what it is
         return None, None
     entry = _CACHE_ENTRIES.get(key)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .backends.spec import AttentionSpec, Saved
+from .backends.spec import AttentionSpec, Saved, aliases
 from .backends.triton import stubbed_device
 from .batching import under_transform
 from .checks.on_device import VarlenCheck, values_on_host
@@ -103,15 +103,16 @@ class _Planned(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry, offsets: tuple | None) -> tuple[Tensor, Tensor]:
         out, lse = entry.run(q, k, v, offsets)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.entry, ctx.offsets = entry, offsets
+        # The offsets saved as tensors too: changed in place before the backward, they are an error, as the op's.
+        ctx.save_for_backward(q, k, v, out, lse, *(offsets or ()))
+        ctx.entry = entry
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*ctx.entry.gradients(dout, dlse, Saved(q, k, v, out, lse), ctx.offsets), None, None)
+        q, k, v, out, lse, *offsets = ctx.saved_tensors
+        return (*ctx.entry.gradients(dout, dlse, Saved(q, k, v, out, lse), tuple(offsets) or None), None, None)
 
 
 class _PlannedOut(torch.autograd.Function):
@@ -121,14 +122,14 @@ class _PlannedOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, entry: Entry, offsets: tuple | None) -> Tensor:
         out, ctx.lse = entry.run(q, k, v, offsets)
-        ctx.save_for_backward(q, k, v, out)
-        ctx.entry, ctx.offsets = entry, offsets
+        ctx.save_for_backward(q, k, v, out, *(offsets or ()))
+        ctx.entry = entry
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out = ctx.saved_tensors
-        return (*ctx.entry.gradients(dout, None, Saved(q, k, v, out, ctx.lse), ctx.offsets), None, None)
+        q, k, v, out, *offsets = ctx.saved_tensors
+        return (*ctx.entry.gradients(dout, None, Saved(q, k, v, out, ctx.lse), tuple(offsets) or None), None, None)
 
 
 # As ops._apply_eager: the C apply, without Function.apply's binding of the arguments by inspect.signature.
@@ -159,8 +160,8 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15, k.shape, k.stride(), k.dtype, k.device,
-               k.data_ptr() & 15, v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, options, grad,
-               backends.requested_by(), stubbed)
+               k.data_ptr() & 15, v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, k is q, v is q, v is k,
+               options, grad, backends.requested_by(), stubbed)  # (is: the plans' slots, ``spec.aliases``)
     except RuntimeError:  # no strides (sparse, nested, MKL-DNN) or no storage (torch.func's wrappers, even
         return None, None  # escaped from their transform): the full way, whose checks say what it is
     entry = _ENTRIES.get(key)
@@ -198,7 +199,8 @@ def sdpa(query: object, key: object, value: object, attn_mask: object, options: 
         return None, None
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     try:
-        signature = ("sdpa", *map(_signature, (query, key, value)), options, grad, backends.requested_by(), stubbed)
+        signature = ("sdpa", *map(_signature, (query, key, value)), key is query, value is query, value is key,
+                     options, grad, backends.requested_by(), stubbed)
     except RuntimeError:
         return None, None
     entry = _ENTRIES.get(signature)
@@ -280,7 +282,8 @@ def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[
         return None, None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
-        key = ("varlen", *map(_signature, given), maxima, options, grad, backends.requested_by(), stubbed)
+        key = ("varlen", *map(_signature, given), aliases(given), maxima, options, grad, backends.requested_by(),
+               stubbed)
     except RuntimeError:  # no strides or storage: the full way's checks say what it is
         return None, None
     entry = _ENTRIES.get(key)

@@ -148,6 +148,28 @@ def _varlen_calls(torch, flashattn, launches, failed) -> int:
             return failed(f"{what}: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
     if not any(key[0] == "varlen" for key in fastpath._ENTRIES):
         return failed("no varlen entry kept")
+    # Offsets changed in place between the forward and the backward are an error, as on the full way.
+    q, k, v, cu_q, cu_k, dout = inputs(60)
+    before = attend.FORWARD_PLANS.replays
+    out = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 103, causal=True)
+    cu_k[1] = 10
+    try:
+        torch.autograd.grad(out, (q, k, v), dout)
+    except RuntimeError as e:
+        if "inplace" not in str(e) or attend.FORWARD_PLANS.replays != before + 1:
+            return failed(f"offsets changed before the backward: {e}")
+    else:
+        return failed("offsets changed before the backward: the backward ran")
+    # The offsets passed twice (self-attention's usual call), then two tensors of the same values and layout.
+    for _ in range(3):
+        q, k, v, cu_q, _, dout = inputs(70, grad=False)
+        flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 100, 103, causal=True)
+    fresh = inputs(70, grad=False)
+    with plans.disabled():
+        full = _launched(torch, launches, lambda: call(*fresh, grad=False, with_lse=False))
+    fast = _launched(torch, launches, lambda: call(*fresh, grad=False, with_lse=False))
+    if not _same_but_fresh(torch, full, fast, fresh):
+        return failed("varlen: separate offsets replayed the plan of one tensor passed twice")
     q, k, v, cu_q, cu_k, _ = inputs(50)
     for bad, error, says in ((cu_q.long(), TypeError, "int32"), (cu_q[:2], ValueError, "batch")):
         try:  # beside an entry of the same signature but the offsets'
@@ -283,6 +305,22 @@ def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
                 return failed(f"a training step (lse's gradient: {with_lse}; {replays} replays)")
             if len(full) != 4:
                 return failed(f"a training step launched {[n for n, _, _ in full]}")
+
+        # One tensor passed twice records one slot for both: a call of the same signature with separate tensors
+        # must not replay that plan (nor the reverse), by the fast path's entry or the path's plan cache.
+        for first, second in ((True, False), (False, True)):
+            def call(aliased):
+                x, y, z = qkv()[0], qkv()[0], qkv()[0]  # three (2, 100, 8, 128): q, k, v of one head count
+                return (x, x, x) if aliased else (x, y, z)
+
+            for _ in range(3):
+                flashattn.flash_attn_func(*call(first), causal=True)
+            fresh = call(second)
+            with plans.disabled():
+                full = _launched(torch, launches, lambda fresh=fresh: flashattn.flash_attn_func(*fresh, causal=True))
+            fast = _launched(torch, launches, lambda fresh=fresh: flashattn.flash_attn_func(*fresh, causal=True))
+            if not _same_but_fresh(torch, full, fast, fresh):
+                return failed(f"aliased inputs (learned aliased: {first}) replayed the other's plan")
 
         # What it must not serve: plans off, another context (forced descriptors), a bool where a number goes.
         q, k, v = qkv()

@@ -251,6 +251,23 @@ def test_cache_batch_idx_reads_the_chosen_rows(path):
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
 
 
+def test_strided_index_tensors_read_as_their_values(path):
+    """Lengths, left padding and cache rows that are strided views (every other element of a buffer) give the call
+    of their values: the kernels read them without a stride, so the checks hand them copies."""
+    device = path.device
+    q = randn(2, 1, 2, 16, dtype=torch.float32, device=device)
+    k_cache, v_cache = (randn(4, 20, 2, 16, dtype=torch.float32, device=device) for _ in range(2))
+
+    def strided(*values):
+        return torch.tensor([x for v in values for x in (v, -7)], dtype=torch.int32, device=device)[::2]
+
+    given = {"cache_seqlens": (20, 9), "cache_leftpad": (2, 0), "cache_batch_idx": (3, 1)}
+    out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, **{n: strided(*v) for n, v in given.items()})
+    want = flashattn.flash_attn_with_kvcache(
+        q, k_cache, v_cache, **{n: torch.tensor(v, dtype=torch.int32, device=device) for n, v in given.items()})
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Rotary embeddings.
 

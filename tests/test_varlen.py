@@ -95,6 +95,16 @@ def test_packed_variants_agree(path):
     torch.testing.assert_close(flashattn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 8, 8, causal=True), base)
 
 
+def test_strided_offsets_read_as_their_values(path):
+    """Offsets that are a strided view (every other element of a buffer) give the call of their values: the kernels
+    read the offsets without a stride, so the checks hand them a copy."""
+    q, k, v, cu, _ = packed([3, 8], [3, 8], 2, 2, 16, torch.float32, path.device)
+    strided = torch.stack([cu, torch.full_like(cu, 99)], dim=1).flatten()[::2]
+    assert strided.stride() == (2,) and strided.tolist() == cu.tolist()
+    torch.testing.assert_close(flashattn.flash_attn_varlen_func(q, k, v, strided, strided, 8, 8, causal=True),
+                               flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True))
+
+
 BAD = [
     ({"cu_seqlens_q": torch.tensor([0, 3, 10])}, TypeError, "cu_seqlens_q must have dtype torch.int32"),
     ({"cu_seqlens_q": torch.tensor([0, 6, 4, 10], dtype=torch.int32)}, ValueError, "must be non-decreasing"),

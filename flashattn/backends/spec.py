@@ -72,6 +72,19 @@ def cache_launch_keys(longest: int, capacity: int) -> int:
     return min(capacity, 1 << max(0, longest - 1).bit_length()) if longest > 0 else 0
 
 
+def aliases(tensors) -> tuple[int, ...]:
+    """For each of ``tensors``, the position of the first that is the same object: what a launch plan's slots
+    depend on besides each tensor's own facts. A plan recorded for ``f(x, x, x)`` reads all three from the first
+    input; a call with three tensors must not replay it, nor the reverse.
+
+        >>> x, y = object(), object()
+        >>> aliases((x, y, x)), aliases((x, y, None, None))
+        ((0, 1, 0), (0, 1, 2, 2))
+    """
+    ids = [id(t) for t in tensors]
+    return tuple(map(ids.index, ids))
+
+
 @dataclass(frozen=True, eq=False)
 class KeyCache:
     """Where each batch entry's keys and values live in a KV cache (inference; there is no backward).

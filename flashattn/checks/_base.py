@@ -44,6 +44,16 @@ def validate_tensor(fn: str, name: str, t: object, ndim: int | None, layout: str
     return t
 
 
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An index tensor (offsets, lengths, rows, a block table) as the kernels read it, its last dim at unit stride
+    (they index it without that stride): a copy where it has another (``cu[::2]``), else ``t`` itself.
+
+        >>> unit_stride(torch.arange(6, dtype=torch.int32)[::2]).stride()
+        (1,)
+    """
+    return t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 def validate_same(fn: str, named: dict[str, torch.Tensor]) -> None:
     """All tensors share the first one's dtype and device."""
     (first, t0), *rest = named.items()

@@ -12,6 +12,7 @@ from ..backends.spec import AttentionSpec, KeyCache, Varlen
 from . import fp8, on_device
 from ._base import (
     fail,
+    unit_stride,
     validate_alibi,
     validate_dropout,
     validate_flag,
@@ -142,7 +143,7 @@ def _validate_offsets(fn: str, name: str, cu: object, ref: torch.Tensor) -> torc
         raise fail(fn, f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
     if cu.device != ref.device:
         raise fail(fn, f"{name} is on {cu.device} but the inputs are on {ref.device}")
-    return cu
+    return unit_stride(cu)
 
 
 def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
@@ -181,7 +182,7 @@ def check_varlen(fn: str, q: object, k: object, v: object, *, names: tuple[str, 
                                                                      arguments["return_attn_probs"]):
             raise fail(fn, "a paged K/V (block_table) is for inference: pass dropout_p=0, fp8=False and "
                            "return_attn_probs=False")
-        validate_block_table(fn, block_table, k, batch)
+        block_table = unit_stride(validate_block_table(fn, block_table, k, batch))
         if on_host:
             check_pages(fn, block_table, lengths_k, num_pages=k.shape[0], page_size=k.shape[1])
     if not compiling and not on_host:

@@ -13,6 +13,7 @@ from ..backends.spec import AttentionSpec, KeyCache
 from . import fp8, on_device
 from ._base import (
     fail,
+    unit_stride,
     validate_count,
     validate_flag,
     validate_head_dim,
@@ -169,9 +170,9 @@ def _checked_call(fn: str, a: dict, structure: _Structure) -> KVCacheCall:
 
 def _lengths(fn: str, cache_seqlens, device: torch.device, others: tuple, sizes: CacheSizes) -> _Indices:
     """The index tensors with cache_seqlens as a tensor (an int one's value checked here, on the host)."""
-    leftpad, batch_idx, table = others
+    leftpad, batch_idx, table = map(unit_stride, others)
     if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
-        return _Indices((cache_seqlens, leftpad, batch_idx, table), None, sizes, device)
+        return _Indices((unit_stride(cache_seqlens), leftpad, batch_idx, table), None, sizes, device)
     length = validate_int(fn, "cache_seqlens", cache_seqlens)
     if length < 0:
         raise fail(fn, f"cache_seqlens must be >= 0, got {length}")

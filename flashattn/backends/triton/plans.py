@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..direct import hooked
 from ..environ import Variable
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, aliases
 from . import configs, tma
 from .entry import Entry, entry, expansion
 
@@ -379,11 +379,11 @@ def tensor_slot(field: str) -> int:
 
 
 def key(kind: str, tensors: Sequence[torch.Tensor | None], scalars: tuple, extra: tuple = ()) -> tuple:
-    """What decides every launch of a call: the tensors' shapes, strides, dtypes, devices and 16-byte alignment,
-    the options, and the context that chooses tiles (``context``)."""
+    """What decides every launch of a call: the tensors' shapes, strides, dtypes, devices, 16-byte alignment and
+    ``aliases`` (a record traces a tensor to its first input), the options, the context that chooses tiles."""
     facts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                   for t in tensors)
-    return kind, facts, scalars, extra, *context()
+    return kind, facts, aliases(tensors), scalars, extra, *context()
 
 
 def context() -> tuple:
