@@ -80,6 +80,40 @@ def test_a_descriptor_expands_as_the_launcher_expands_it():
     assert expansion(fields, None) == (None, (128, 64, 64, 1, False, 128, 64, 64, 1))
 
 
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_the_path_launches_on_its_tensors_device(monkeypatch):
+    """Triton launches on the current device: the path's forward and backward make their tensors' GPU current
+    first when it is another (a model spread over GPUs in one process), and leave it alone otherwise."""
+    import torch
+
+    from flashattn.backends.triton import attend
+
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class OnGpu:
+        is_cuda = True
+
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    step = attend.on_tensors_device(lambda first, x, *, y: (x, y, list(entered)))
+    assert step(OnGpu(0), 1, y=2) == (1, 2, [])
+    assert step(OnGpu(1), 1, y=2) == (1, 2, [torch.device("cuda", 1)])
+    assert attend.forward.__wrapped__ and attend.backward.__wrapped__  # both entry points guarded
+
+
 def _cases(torch, flashattn):
     """name -> a function of a seed returning (call, the tensors it reads), each call of one signature."""
     bf16, dev = torch.bfloat16, "cpu"

@@ -9,6 +9,7 @@ call does not use is passed as None and compiled out. What the path serves is de
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -17,6 +18,7 @@ import torch
 from ...quantize import amax_scales
 from ..spec import AttentionSpec, Saved, output_dtype, per_row
 from . import NAME, configs, interpreting, plans
+from .call_plans import CachePlan, VarlenPlan
 from .fit import launch_fitting
 from .kernels import (
     attention_backward_dkdv_kernel,
@@ -59,6 +61,23 @@ def _planned(spec: AttentionSpec, *tensors: torch.Tensor | None) -> bool:
             and all(t is None or (t.numel() > 0 and t.is_contiguous()) for t in tensors))
 
 
+def on_tensors_device(fn):
+    """``fn`` (a path entry point whose first argument is a tensor of the call) run with that tensor's GPU current:
+    Triton launches on the current device, and a model spread over GPUs in one process (``device_map="auto"``)
+    calls with tensors on the others. Plans record and replay under it (their context holds the device), so a call
+    off the current device never takes a fast path's entry, learned outside it."""
+
+    @functools.wraps(fn)
+    def run(first, *args, **kwargs):
+        if first.is_cuda and first.device.index != torch.cuda.current_device():
+            with torch.cuda.device(first.device):
+                return fn(first, *args, **kwargs)
+        return fn(first, *args, **kwargs)
+
+    return run
+
+
+@on_tensors_device
 def forward(q, k, v, spec: AttentionSpec, *, return_probs: bool = False):
     """The call's launches by its plan where it has one (``plans.py``), else ``_forward``'s."""
     planned = None if return_probs else _forward_signature(q, k, v, spec)
@@ -93,65 +112,10 @@ def backward_plan(dout, dlse, saved: Saved, spec: AttentionSpec) -> plans.Plan |
     return None if planned is None else _BACKWARD_PLANS.get(planned[0])
 
 
-def plan_tensors(spec: AttentionSpec) -> list:
-    """The spec's tensors as a forward plan takes them after q, k and v (``plans.spec_tensors``)."""
-    return plans.spec_tensors(spec)[0]
-
-
-def plan_slot(field: str) -> int:
-    """Where the spec's tensor ``field`` (e.g. "cache_k_end") sits among a forward plan's inputs."""
-    return 3 + plans.tensor_slot(field)
-
-
-class CachePlan:
-    """A KV-cache call's forward plan, each call's cache bounds (``checks.kvcache.CacheBounds``) put where the
-    plan takes them among its inputs: the same launches for every step of a generation."""
-
-    __slots__ = ("inputs", "plan", "slots")
-
-    def __init__(self, plan: plans.Plan, spec: AttentionSpec):
-        self.plan = plan
-        self.slots = tuple(map(plan_slot, ("cache_k_start", "cache_k_end", "cache_batch_idx", "cache_block_table")))
-        self.inputs = plan_tensors(spec)
-        for slot in self.slots:  # brought by each call, none kept
-            self.inputs[slot - 3] = None
-
-    def run(self, q, k_cache, v_cache, bounds) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = [q, k_cache, v_cache, *self.inputs]
-        start, end, rows, pages = self.slots
-        inputs[start], inputs[end], inputs[rows], inputs[pages] = (bounds.k_start, bounds.k_end, bounds.batch_idx,
-                                                                   bounds.block_table)
-        return self.plan.run(inputs, q.device)
-
-
 def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
     """``forward_plan`` for a ``flash_attn_with_kvcache`` call (``spec.cache`` set), as a ``CachePlan``."""
     plan = forward_plan(q, k_cache, v_cache, spec)
     return None if plan is None else CachePlan(plan, spec)
-
-
-class VarlenPlan:
-    """A ``flash_attn_varlen_func`` call's forward plan: each call brings its offsets, put where the plans (the
-    forward's, and the backward's after the saved tensors) take them among the spec's tensors (``inputs``)."""
-
-    __slots__ = ("plan", "slots", "tensors")
-
-    def __init__(self, plan: plans.Plan, spec: AttentionSpec):
-        self.plan = plan
-        self.slots = tuple(map(plans.tensor_slot, ("varlen_cu_seqlens_q", "varlen_cu_seqlens_k")))
-        self.tensors = plan_tensors(spec)
-        for slot in self.slots:  # brought by each call, none kept
-            self.tensors[slot] = None
-
-    def inputs(self, head: tuple, offsets: tuple) -> tuple:
-        """A plan's inputs: ``head`` (q, k, v; or dout, dlse and the saved tensors), then the spec's tensors with
-        ``offsets`` = (cu_seqlens_q, cu_seqlens_k) in their places."""
-        tensors = self.tensors.copy()
-        tensors[self.slots[0]], tensors[self.slots[1]] = offsets
-        return (*head, *tensors)
-
-    def run(self, inputs: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.plan.run(inputs, device)
 
 
 def varlen_plan(q, k, v, spec: AttentionSpec) -> VarlenPlan | None:
@@ -331,6 +295,7 @@ def fp8_backward(q, k, v, spec: AttentionSpec) -> bool:
     return spec.descale is not None and fp8_matmuls(q, k, v, spec) and not e4m3_as_bytes()
 
 
+@on_tensors_device
 def backward(dout, dlse, saved: Saved, spec: AttentionSpec, *, mask_grad: bool = False):
     """Same contract as every path's backward; deterministic (no atomics) in every mode. ``mask_grad`` is never
     set: ``serves`` declines the calls that would need it. e4m3 q, k, v with ``spec.descale`` (``fp8_backward``):
