@@ -251,8 +251,8 @@ VARLEN = "flash_attn_varlen_func"
 
 
 class VarlenEntry(Entry):
-    """An ``Entry`` whose calls bring their offsets: its forward is the path's ``varlen_plan``, and ``check``
-    checks each call's offsets against its sizes."""
+    """An ``Entry`` whose calls bring their offsets (and a paged K/V's block table): its forward is the path's
+    ``varlen_plan``, and ``check`` checks each call's (cu_seqlens_q, cu_seqlens_k, block_table) against its sizes."""
 
     __slots__ = ("check",)
 
@@ -262,25 +262,30 @@ class VarlenEntry(Entry):
                       else VarlenCheck(VARLEN, sizes))
 
 
-def _host_offsets(offsets: tuple, *, sizes: VarlenSizes) -> None:
-    check_varlen_values(VARLEN, *offsets, None, sizes)
+def _host_offsets(indices: tuple, *, sizes: VarlenSizes) -> None:
+    check_varlen_values(VARLEN, *indices, sizes)
 
 
 def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
-    """``flash`` for ``flash_attn_varlen_func``: ``given`` = (q, k, v, cu_seqlens_q, cu_seqlens_k), ``maxima`` =
-    (max_seqlen_q, max_seqlen_k), ``options`` as ``flash``'s, and ``absent`` what the fast path leaves to the full
-    way (ALiBi, a paged K/V's block table, sinks, FP8 scales and mode: all None or False)."""
-    if torch.compiler.is_compiling() or any(type(t) not in _TENSORS for t in given):
+    """``flash`` for ``flash_attn_varlen_func``: ``given`` = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table or
+    None), ``maxima`` = (max_seqlen_q, max_seqlen_k), ``options`` as ``flash``'s, and ``absent`` what the fast path
+    leaves to the full way (ALiBi, sinks, FP8 scales and mode: all None or False). A paged K/V (a block table) is
+    served without gradients: its key counts are worked out per call as the full way does."""
+    table = given[5]
+    if torch.compiler.is_compiling() or any(type(t) not in _TENSORS for t in given[:5]) or (
+            table is not None and type(table) not in _TENSORS):
         return None, None
     for given_option in absent:
         if given_option is not None and given_option is not False:
             return None, None
-    q, k, v, *offsets = given
+    q, k, v, cu_q, cu_k, _ = given
     stubbed = stubbed_device()
     if (not (q.is_cuda or q.is_cpu or stubbed is not None) or under_transform() or not _plain_options(options)
             or type(maxima[0]) is not int or type(maxima[1]) is not int):
         return None, None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if grad and table is not None:
+        return None, None
     try:
         key = ("varlen", *map(_signature, given), aliases(given), maxima, options, grad, backends.requested_by(),
                stubbed)
@@ -289,8 +294,9 @@ def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[
     entry = _ENTRIES.get(key)
     if entry is None or entry.path.plan_context() != entry.context:
         return key, None
-    entry.check(offsets)
-    offsets = tuple(offsets)
+    entry.check((cu_q, cu_k, table))
+    # As the full way's KeyCache: a paged sequence's keys are its cu_seqlens_k difference.
+    offsets = (cu_q, cu_k) if table is None else (cu_q, cu_k, cu_k[1:] - cu_k[:-1], table)
     if not options[-1]:  # return_attn_probs=False
         return key, (_apply_planned_out(q, k, v, entry, offsets) if grad else entry.run(q, k, v, offsets)[0])
     out, lse = _apply_planned(q, k, v, entry, offsets) if grad else entry.run(q, k, v, offsets)
@@ -299,10 +305,11 @@ def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[
 
 def learn_varlen(key: tuple | None, call, given: tuple) -> None:
     """``learn`` for a ``flash_attn_varlen_func`` call of ``key`` (checked: ``call``) if it holds the caller's own
-    tensors, ``given`` = (q, k, v, cu_seqlens_q, cu_seqlens_k)."""
+    tensors, ``given`` = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table or None)."""
     spec = call.spec
+    table = None if spec.cache is None else spec.cache.block_table
     if key is None or any(a is not b for a, b in zip(
-            (call.q, call.k, call.v, spec.varlen.cu_seqlens_q, spec.varlen.cu_seqlens_k), given, strict=True)):
+            (call.q, call.k, call.v, spec.varlen.cu_seqlens_q, spec.varlen.cu_seqlens_k, table), given, strict=True)):
         return
     name = backends.choose(call.q, call.k, call.v, spec)
     if name not in PLANNED_PATHS:
@@ -313,12 +320,14 @@ def learn_varlen(key: tuple | None, call, given: tuple) -> None:
     if plan is None:
         return
     layout = spec.varlen
-    sizes = VarlenSizes(call.q.shape[0], call.k.shape[0], layout.max_seqlen_q, layout.max_seqlen_k,
-                        num_pages=call.k.shape[0])  # as the full way's (read by a paged call's check alone)
+    paged = table is not None
+    sizes = VarlenSizes(call.q.shape[0], None if paged else call.k.shape[0], layout.max_seqlen_q,  # as the full
+                        layout.max_seqlen_k, num_pages=call.k.shape[0],  # way's (``checks.check_varlen``)
+                        page_size=call.k.shape[1] if paged else 1)
     if len(_ENTRIES) >= LIMIT:
         _ENTRIES.clear()
     _ENTRIES[key] = VarlenEntry(spec, path, plan, context, sizes,
-                                values_on_host(layout.cu_seqlens_q, layout.cu_seqlens_k))
+                                values_on_host(layout.cu_seqlens_q, layout.cu_seqlens_k, table))
 
 
 def clear() -> None:

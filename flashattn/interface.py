@@ -215,11 +215,11 @@ def flash_attn_varlen_func(  # noqa: PLR0913 (flash_attn's signature)
         >>> flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
         torch.Size([10, 4, 32])
     """
-    given = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    given = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
     key, result = fastpath.varlen(  # a signature seen before: its launches directly (fastpath.py)
         given, (max_seqlen_q, max_seqlen_k),
         (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs),
-        (alibi_slopes, block_table, learnable_sink, q_descale, k_descale, v_descale, fp8))
+        (alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, fp8))
     if result is not None:
         return result
     options = checks.flash_arguments(

@@ -170,6 +170,28 @@ def _varlen_calls(torch, flashattn, launches, failed) -> int:
     fast = _launched(torch, launches, lambda: call(*fresh, grad=False, with_lse=False))
     if not _same_but_fresh(torch, full, fast, fresh):
         return failed("varlen: separate offsets replayed the plan of one tensor passed twice")
+    # A paged K/V (chunked prefill against a block table): other key counts and pages every call.
+    pages_k, pages_v = (torch.randn(12, 32, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+
+    def paged(cut):
+        q = torch.randn(total, 8, 64, generator=g, dtype=torch.bfloat16)
+        table = torch.randperm(12, generator=g)[:10].to(torch.int32).view(2, 5)
+        return q, offsets(cut), torch.tensor([0, cut + 40, cut + 140], dtype=torch.int32), table
+
+    def prefill(q, cu_q, cu_k, table):
+        return flashattn.flash_attn_varlen_func(q, pages_k, pages_v, cu_q, cu_k, 100, 150, causal=True,
+                                                block_table=table)
+
+    for cut in (60, 61, 62):
+        prefill(*paged(cut))
+    fresh = paged(57)
+    with plans.disabled():
+        full = _launched(torch, launches, lambda: prefill(*fresh))
+    before = attend.FORWARD_PLANS.replays
+    fast = _launched(torch, launches, lambda: prefill(*fresh))
+    if attend.FORWARD_PLANS.replays != before + 1 or not _same_but_fresh(torch, full, fast,
+                                                                        (*fresh, pages_k, pages_v)):
+        return failed(f"paged varlen: {[n for n, _, _ in full]} vs {[n for n, _, _ in fast]}")
     q, k, v, cu_q, cu_k, _ = inputs(50)
     for bad, error, says in ((cu_q.long(), TypeError, "int32"), (cu_q[:2], ValueError, "batch")):
         try:  # beside an entry of the same signature but the offsets'

@@ -82,6 +82,16 @@ def _varlen(device, *, train: bool = False):
         flashattn.flash_attn_varlen_func(q, k, v, cu, cu, SEQLEN // 2, SEQLEN // 2, causal=True), inputs, grad)
 
 
+def _varlen_paged(device):
+    q = _randn(SEQLEN, HEADS, HEAD_DIM, device=device)  # two chunks of 64 queries against a paged cache
+    k_cache, v_cache = (_randn(CACHE // 128, 256, HEADS_KV, HEAD_DIM, device=device) for _ in range(2))
+    table = torch.arange(CACHE // 128, dtype=torch.int32, device=device).view(2, -1)
+    cu_q = torch.tensor([0, SEQLEN // 2, SEQLEN], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, CACHE, 2 * CACHE], dtype=torch.int32, device=device)
+    return lambda: flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, SEQLEN // 2, CACHE, causal=True,
+                                                    block_table=table)
+
+
 def _cache(device, *, paged: bool = False):
     shape = (CACHE // 256, 256) if paged else (1, CACHE)
     k_cache, v_cache = (_randn(*shape, HEADS_KV, HEAD_DIM, device=device) for _ in range(2))
@@ -138,6 +148,7 @@ ENTRIES: dict[str, tuple[str, Callable]] = {
     "decode_rotary": ("flash_attn_with_kvcache appending new k, v with rotary_cos/sin",
                       lambda d: _decode(d, seqlens="tensor", append=True, rotary=True)),
     "varlen_train": ("flash_attn_varlen_func forward + backward", lambda d: _varlen(d, train=True)),
+    "varlen_paged": ("flash_attn_varlen_func, 2 x 64 queries against a paged 4k cache each", _varlen_paged),
     # Stubbed, its projections and rotary run on the CPU: more than a GPU's launches of them.
     "nn_decode": ("flashattn.nn.SelfAttention (512 wide, float32), one token with a KVCache", _module),
 }

@@ -82,14 +82,14 @@ class CacheCheck:
 
 
 class VarlenCheck(CacheCheck):
-    """``check_varlen`` for the calls of one varlen signature (no block table): ``tensors`` = (cu_seqlens_q,
-    cu_seqlens_k), whose values each call brings."""
+    """``check_varlen`` for the calls of one varlen signature: ``tensors`` = (cu_seqlens_q, cu_seqlens_k,
+    block_table or None), whose values each call brings."""
 
     __slots__ = ()
-    COUNT = 2
+    COUNT = 3
 
     def _arguments(self, kernels, tensors: tuple) -> tuple:
-        return kernels.check_varlen_kernel, _varlen_args(self.fn, *tensors, None, self.sizes, None)
+        return kernels.check_varlen_kernel, _varlen_args(self.fn, *tensors, self.sizes, None)
 
 
 def _varlen_args(fn: str, cu_seqlens_q, cu_seqlens_k, block_table, sizes: VarlenSizes, errors) -> tuple:

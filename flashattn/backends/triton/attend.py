@@ -119,8 +119,8 @@ def cache_plan(q, k_cache, v_cache, spec: AttentionSpec) -> CachePlan | None:
 
 
 def varlen_plan(q, k, v, spec: AttentionSpec) -> VarlenPlan | None:
-    """``forward_plan`` for a packed call (``spec.varlen`` set, no cache), as a ``VarlenPlan``."""
-    plan = forward_plan(q, k, v, spec) if spec.varlen is not None and spec.cache is None else None
+    """``forward_plan`` for a packed call (``spec.varlen`` set; a paged K/V's too), as a ``VarlenPlan``."""
+    plan = forward_plan(q, k, v, spec) if spec.varlen is not None else None
     return None if plan is None else VarlenPlan(plan, spec)
 
 

@@ -44,23 +44,26 @@ class CachePlan:
 
 
 class VarlenPlan:
-    """A ``flash_attn_varlen_func`` call's forward plan: each call brings its offsets, put where the plans (the
-    forward's, and the backward's after the saved tensors) take them among the spec's tensors (``inputs``)."""
+    """A ``flash_attn_varlen_func`` call's forward plan: each call brings its offsets (and with a paged K/V its key
+    counts and block table), put where the plans (the forward's, and the backward's after the saved tensors) take
+    them among the spec's tensors (``inputs``)."""
 
     __slots__ = ("plan", "slots", "tensors")
+    FIELDS = ("varlen_cu_seqlens_q", "varlen_cu_seqlens_k", "cache_k_end", "cache_block_table")
 
     def __init__(self, plan: plans.Plan, spec: AttentionSpec):
         self.plan = plan
-        self.slots = tuple(map(plans.tensor_slot, ("varlen_cu_seqlens_q", "varlen_cu_seqlens_k")))
+        self.slots = tuple(map(plans.tensor_slot, self.FIELDS[:2 if spec.cache is None else 4]))
         self.tensors = plan_tensors(spec)
         for slot in self.slots:  # brought by each call, none kept
             self.tensors[slot] = None
 
     def inputs(self, head: tuple, offsets: tuple) -> tuple:
         """A plan's inputs: ``head`` (q, k, v; or dout, dlse and the saved tensors), then the spec's tensors with
-        ``offsets`` = (cu_seqlens_q, cu_seqlens_k) in their places."""
+        ``offsets`` = (cu_seqlens_q, cu_seqlens_k[, the key counts, block_table]) in their places."""
         tensors = self.tensors.copy()
-        tensors[self.slots[0]], tensors[self.slots[1]] = offsets
+        for slot, tensor in zip(self.slots, offsets, strict=True):
+            tensors[slot] = tensor
         return (*head, *tensors)
 
     def run(self, inputs: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
