@@ -162,7 +162,7 @@ def _sdpa_twin(entry: str, device: str) -> Callable | None:
             return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         grad = torch.randn_like(q)
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
-    if entry.startswith("varlen"):  # the two sequences as a batch of two: what packing spares a padded batch
+    if entry in ("varlen", "varlen_train"):  # the two sequences as a batch of two: what packing spares a padded batch
         train = entry == "varlen_train"
         q, k, v = (t.view(2, SEQLEN // 2, *t.shape[2:]).transpose(1, 2).requires_grad_(train) for t in _dense(device))
         if not train:
