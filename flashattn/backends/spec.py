@@ -81,8 +81,8 @@ def aliases(tensors) -> tuple[int, ...]:
         >>> aliases((x, y, x)), aliases((x, y, None, None))
         ((0, 1, 0), (0, 1, 2, 2))
     """
-    ids = [id(t) for t in tensors]
-    return tuple(map(ids.index, ids))
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
 @dataclass(frozen=True, eq=False)
