@@ -54,7 +54,7 @@ def append_kernel(k, v, k_cache, v_cache, at, batch_idx, table,
     t = pid % new
     row, slot, ok, _ = _slot(at, batch_idx, table, b, t, stride_bt, capacity, entries, page_size)
     o_h = tl.arange(0, BLOCK_H)
-    m_h = (o_h < heads) & ok
+    m_h = o_h < tl.where(ok, heads, 0)  # (a scalar & a vector mask: not a mask to Triton 3.9's interpreter)
     o_d, o_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     _copy_rows(k + b * stride_kb + t * stride_kn, k_cache + row * stride_kcb + slot * stride_kcn, o_h, o_d,
                m_h[:, None] & (o_d < head_dim)[None, :], stride_kh, stride_kd, stride_kch, stride_kcd)
@@ -111,7 +111,7 @@ def rotary_append_kernel(q, rotated, k, v, k_cache, v_cache, at, batch_idx, tabl
             b, t = pid // new, pid % new
             row, slot, ok, position = _slot(at, batch_idx, table, b, t, stride_bt, capacity, entries, page_size)
             o_h = tl.arange(0, BLOCK_H)
-            m_h = (o_h < heads) & ok
+            m_h = o_h < tl.where(ok, heads, 0)
             m = m_h[:, None] & (o_d < head_dim)[None, :]
             x = _rotated(k + b * stride_kb + t * stride_kn, o_h, o_d, m, stride_kh, stride_kd, cos, sin, position,
                          stride_c, positions, half, INTERLEAVED)
