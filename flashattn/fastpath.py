@@ -74,7 +74,7 @@ class Entry:
             # out and lse are the forward plan's own allocations: their layout and alignment never vary.
             signature = (dout.shape, dout.stride(), dout.dtype, dout.device, dout.data_ptr() & 15,
                          None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.device,
-                                                    dlse.data_ptr() & 15), context)
+                                                    dlse.data_ptr() & 15), aliases((dout, dlse, *saved)), context)
         except RuntimeError:  # no storage: gradients batched by torch.func or gradcheck's older vmap
             signature = None
         plan = None if signature is None else self.backward.get(signature)

@@ -50,7 +50,7 @@ def append_kernel(k, v, k_cache, v_cache, at, batch_idx, table,
     """Token ``program_id(0) % new`` of batch entry ``program_id(0) // new``: k, v (B, new, Hk, D) into k_cache,
     v_cache ((B_cache, capacity, Hk, D), or (pages, page_size, Hk, D) with ``table``) at ``at[b] + t``."""
     pid = tl.program_id(0)
-    b = pid // new
+    b = (pid // new).to(tl.int64)  # b x a batch stride passes 2^31 in a large q or k
     t = pid % new
     row, slot, ok, _ = _slot(at, batch_idx, table, b, t, stride_bt, capacity, entries, page_size)
     o_h = tl.arange(0, BLOCK_H)
@@ -108,7 +108,7 @@ def rotary_append_kernel(q, rotated, k, v, k_cache, v_cache, at, batch_idx, tabl
     if k is not None:  # (a None k: no program appends)
         first_query = batch * new
         if pid < first_query:
-            b, t = pid // new, pid % new
+            b, t = (pid // new).to(tl.int64), pid % new
             row, slot, ok, position = _slot(at, batch_idx, table, b, t, stride_bt, capacity, entries, page_size)
             o_h = tl.arange(0, BLOCK_H)
             m_h = o_h < tl.where(ok, heads, 0)
@@ -123,7 +123,7 @@ def rotary_append_kernel(q, rotated, k, v, k_cache, v_cache, at, batch_idx, tabl
                        m_h[:, None] & (o_dv < head_dim_v)[None, :], stride_vh, stride_vd, stride_vch, stride_vcd)
     if pid >= first_query:
         index = pid - first_query
-        b, t = index // nq, index % nq
+        b, t = (index // nq).to(tl.int64), index % nq
         position = tl.load(at + b)
         if Q_ADVANCE:
             position += t

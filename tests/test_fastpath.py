@@ -344,6 +344,21 @@ def main() -> int:  # noqa: PLR0915 (one script, its checks in order)
             if not _same_but_fresh(torch, full, fast, fresh):
                 return failed(f"aliased inputs (learned aliased: {first}) replayed the other's plan")
 
+        # The backward's plan learned with q itself as the upstream gradient is not replayed for another dout.
+        for _ in range(3):
+            q, k, v = qkv(grad=True)
+            torch.autograd.grad(flashattn.flash_attn_func(q, k, v, causal=True), (q, k, v), q)
+        q, k, v = qkv(grad=True)
+        dout = torch.randn(2, 100, 8, 128, generator=g, dtype=bf16)
+
+        def backward_step(q=q, k=k, v=v, dout=dout):
+            torch.autograd.grad(flashattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+
+        with plans.disabled():
+            full = _launched(torch, launches, backward_step)
+        if not _same_but_fresh(torch, full, _launched(torch, launches, backward_step), (q, k, v, dout)):
+            return failed("a backward plan learned with dout = q replayed for another dout")
+
         # What it must not serve: plans off, another context (forced descriptors), a bool where a number goes.
         q, k, v = qkv()
         flashattn.flash_attn_func(q, k, v)
