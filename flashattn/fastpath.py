@@ -25,7 +25,6 @@ plans dense calls with rows it reads in place; its backward takes the op's way).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import Tensor
@@ -35,7 +34,7 @@ from .backends.spec import AttentionSpec, Saved, aliases
 from .backends.triton import stubbed_device
 from .batching import under_transform
 from .checks.on_device import VarlenCheck, values_on_host
-from .checks.values import VarlenSizes, check_varlen_values
+from .checks.values import VarlenSizes
 
 _TENSORS = (Tensor, torch.nn.Parameter)
 # Options keyed by value must be of these types: a bool equals an int in a key, and the checks refuse a bool where
@@ -252,18 +251,14 @@ VARLEN = "flash_attn_varlen_func"
 
 class VarlenEntry(Entry):
     """An ``Entry`` whose calls bring their offsets (and a paged K/V's block table): its forward is the path's
-    ``varlen_plan``, and ``check`` checks each call's (cu_seqlens_q, cu_seqlens_k, block_table) against its sizes."""
+    ``varlen_plan``, and ``check`` checks each call's (cu_seqlens_q, cu_seqlens_k, block_table) on the device
+    against its sizes (only GPU calls, or stubbed ones, have entries: the cpu path plans no packed call)."""
 
     __slots__ = ("check",)
 
-    def __init__(self, spec: AttentionSpec, path, forward, context: tuple, sizes: VarlenSizes, on_host: bool):
+    def __init__(self, spec: AttentionSpec, path, forward, context: tuple, sizes: VarlenSizes):
         super().__init__(spec, path, forward, context)
-        self.check = (functools.partial(_host_offsets, sizes=sizes) if on_host
-                      else VarlenCheck(VARLEN, sizes))
-
-
-def _host_offsets(indices: tuple, *, sizes: VarlenSizes) -> None:
-    check_varlen_values(VARLEN, *indices, sizes)
+        self.check = VarlenCheck(VARLEN, sizes)
 
 
 def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[tuple | None, object]:
@@ -312,7 +307,7 @@ def learn_varlen(key: tuple | None, call, given: tuple) -> None:
             (call.q, call.k, call.v, spec.varlen.cu_seqlens_q, spec.varlen.cu_seqlens_k, table), given, strict=True)):
         return
     name = backends.choose(call.q, call.k, call.v, spec)
-    if name not in PLANNED_PATHS:
+    if name not in PLANNED_PATHS or values_on_host(*given[3:]):  # (host values: the full way checks them there)
         return
     path = backends.get(name)
     context = path.plan_context()
@@ -326,8 +321,7 @@ def learn_varlen(key: tuple | None, call, given: tuple) -> None:
                         page_size=call.k.shape[1] if paged else 1)
     if len(_ENTRIES) >= LIMIT:
         _ENTRIES.clear()
-    _ENTRIES[key] = VarlenEntry(spec, path, plan, context, sizes,
-                                values_on_host(layout.cu_seqlens_q, layout.cu_seqlens_k, table))
+    _ENTRIES[key] = VarlenEntry(spec, path, plan, context, sizes)
 
 
 def clear() -> None:
