@@ -176,6 +176,7 @@ struct Problem {
   std::vector<double> sink;  // (H,) learnable sink logits, natural units; empty without
   float dropout_p = 0;  // a float, as the Triton kernels take it: the draws are compared with 2^16 p (cpu_dropout.h)
   double dropout_scale = 1;  // 1 / (1 - p) from the caller's double p
+  uint32_t keep_threshold = 0;  // dropout_threshold(dropout_p)
   uint64_t seed = 0;
   // FP8 inputs (cpu_fp8.h): the keys' and values' format, and per (sequence, kv head) q's descale times k's,
   // applied to the scores, and v's, applied to out.
@@ -313,7 +314,13 @@ struct Problem {
     }
   }
 
-  // Row i's dropout factors for columns c0 .. c0 + cols: 0 where dropped, 1 / (1 - p) where kept.
+  // Row i's dropout draws for columns c0 .. c0 + cols, in buf (dropout_draws_room(cols) entries): the forward's.
+  KeepDraws dropout_keep(int64_t s_idx, int64_t h, int64_t i, int64_t c0, int64_t cols, uint16_t* buf) const {
+    const uint64_t row = static_cast<uint64_t>((s_idx * heads + h) * counter_rows + i);
+    return {dropout_draws(seed, row, static_cast<uint64_t>(counter_cols), static_cast<uint64_t>(c0), cols, buf),
+            keep_threshold};
+  }
+  // Row i's dropout factors for columns c0 .. c0 + cols: 0 where dropped, 1 / (1 - p) where kept (the backward's).
   template <typename acc_t>
   void dropout_row(int64_t s_idx, int64_t h, int64_t i, int64_t c0, int64_t cols, acc_t* z) const {
     const uint64_t row = static_cast<uint64_t>((s_idx * heads + h) * counter_rows + i);

@@ -60,7 +60,7 @@ inline __m512i high_word(__m512i x) { return _mm512_shuffle_epi32(x, _MM_PERM_CD
 // high 32 bits of a lane are never read as a word: every word is XORed, multiplied or stored from the low 32).
 // G groups (up to four) interleaved so that one's products run under the others'.
 template <int G>
-inline void philox_groups(uint64_t seed, uint64_t first, uint16_t* draws) {
+__attribute__((always_inline)) inline void philox_groups(uint64_t seed, uint64_t first, uint16_t* draws) {
   __m512i c0[G], c1[G], c2[G], c3[G];
   const __m512i ma = _mm512_set1_epi64(kPhiloxA), mb = _mm512_set1_epi64(kPhiloxB);
   const __m512i lanes = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
@@ -87,16 +87,16 @@ inline void philox_groups(uint64_t seed, uint64_t first, uint16_t* draws) {
     k0 += kKeyA;
     k1 += kKeyB;
   }
-  // Call c's words (c0, c1, c2, c3) side by side: (c0, c1) and (c2, c3) paired in 64-bit lanes, the pairs of a
-  // call joined in a 128-bit lane (even calls in one vector, odd in the other), then the calls put in order.
-  const __m512i first_half = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-  const __m512i second_half = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  // Call c's words (c0, c1, c2, c3) side by side: (c0, c1) and (c2, c3) paired in 64-bit lanes (c1's low word
+  // swapped into the odd dword by a masked shuffle), then the pairs of calls 0-3 and 4-7 interleaved: four uops for
+  // 64 draws.
+  const __m512i first_half = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
+  const __m512i second_half = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
   for (int g = 0; g < G; ++g) {
-    const __m512i w01 = _mm512_mask_blend_epi32(0xAAAA, c0[g], _mm512_slli_epi64(c1[g], 32));
-    const __m512i w23 = _mm512_mask_blend_epi32(0xAAAA, c2[g], _mm512_slli_epi64(c3[g], 32));
-    const __m512i even = _mm512_unpacklo_epi64(w01, w23), odd = _mm512_unpackhi_epi64(w01, w23);
-    _mm512_storeu_si512(draws + 64 * g, _mm512_permutex2var_epi64(even, first_half, odd));
-    _mm512_storeu_si512(draws + 64 * g + 32, _mm512_permutex2var_epi64(even, second_half, odd));
+    const __m512i w01 = _mm512_mask_shuffle_epi32(c0[g], 0xAAAA, c1[g], _MM_PERM_CDAB);
+    const __m512i w23 = _mm512_mask_shuffle_epi32(c2[g], 0xAAAA, c3[g], _MM_PERM_CDAB);
+    _mm512_storeu_si512(draws + 64 * g, _mm512_permutex2var_epi64(w01, first_half, w23));
+    _mm512_storeu_si512(draws + 64 * g + 32, _mm512_permutex2var_epi64(w01, second_half, w23));
   }
 }
 // The draws of at least `calls` calls from first on (up to kCalls): the groups of 8 calls they need.
@@ -178,14 +178,37 @@ inline void philox_draws(uint64_t seed, uint64_t first, uint16_t* draws, int64_t
 }
 #endif
 
-// z[j] = keep (1 / (1 - p)) where element (row, c0 + j) survives dropout p, else 0: its draw >= 2^16 p, i.e. at
-// least ceil(2^16 p) (exact: p is a float). The draws come kCalls calls (8 kCalls columns) at a time from the call
-// that holds column c0 on.
+// An element survives dropout p when its draw >= 2^16 p, i.e. at least this (exact: p is a float; 65536 where p
+// rounds up to 1: nothing survives).
+inline uint32_t dropout_threshold(float p) {
+  const double scaled = std::ceil(static_cast<double>(p) * 65536.0);
+  return scaled <= 0 ? 0u : static_cast<uint32_t>(std::min(scaled, 65536.0));
+}
+
+// Room for the draws of n columns from any first column: whole batches of kCalls calls.
+inline constexpr int64_t dropout_draws_room(int64_t n) {
+  return (n + 7 + 8 * kCalls - 1) / (8 * kCalls) * 8 * kCalls;
+}
+
+// The draws of columns c0 .. c0 + n of `row` (16-bit, in the columns' order): the calls from the one holding
+// column c0 on, written to buf (dropout_draws_room(n) entries); returns where column c0's draw lies in it. The
+// forward compares them with the threshold inside its softmax pass (no factors stored and read back).
+inline const uint16_t* dropout_draws(uint64_t seed, uint64_t row, uint64_t ncols, uint64_t c0, int64_t n,
+                                     uint16_t* buf) {
+  const uint64_t first = row * calls_per_row(ncols) + (c0 >> 3);
+  const int64_t calls = (static_cast<int64_t>(c0 & 7) + n + 7) / 8;
+  for (int64_t done = 0; done < calls; done += kCalls) {
+    philox_draws(seed, first + static_cast<uint64_t>(done), buf + 8 * done, calls - done);
+  }
+  return buf + (c0 & 7);
+}
+
+// z[j] = keep (1 / (1 - p)) where element (row, c0 + j) survives dropout p, else 0. The draws come kCalls calls
+// (8 kCalls columns) at a time from the call that holds column c0 on.
 template <typename T>
 inline void dropout_factors(uint64_t seed, uint64_t row, uint64_t ncols, uint64_t c0, int64_t n, float p, T keep,
                             T* z) {
-  const double scaled = std::ceil(static_cast<double>(p) * 65536.0);
-  const uint32_t threshold = scaled <= 0 ? 0u : static_cast<uint32_t>(std::min(scaled, 65536.0));
+  const uint32_t threshold = dropout_threshold(p);
   const uint64_t row_call = row * calls_per_row(ncols);
   alignas(64) uint16_t draws[8 * kCalls];
   int64_t j = 0;

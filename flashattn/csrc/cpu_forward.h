@@ -26,7 +26,8 @@ struct ForwardScratch {
   using scalar_t = typename Tiles::scalar_t;
   using acc_t = typename Tiles::acc_t;
   Tiles tiles;
-  Buffer<acc_t> acc, z, row_max, row_sum;  // acc, row_max, row_sum: one slab per kv head of the task
+  Buffer<acc_t> acc, row_max, row_sum;  // one slab per kv head of the task
+  Buffer<uint16_t> draws;  // dropout's, for a row of a tile
   // Each row's running sum is row_sum plus its 16 lanes (exp2_scaled_round_lanes), where the fused pass keeps it.
   Buffer<float> lanes;
   Buffer<int64_t> g, i;
@@ -36,8 +37,9 @@ struct ForwardScratch {
   std::vector<KeyRows<scalar_t>> keys_of, values_of;  // the tile's rows per kv head of the task
   std::vector<std::array<int64_t, 4>> strips;  // (first row, end row, first key, end key) of a trimmed tile
   ForwardScratch(const Problem& p, Engine engine, int64_t heads)
-      : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v), z(p.block_n),
-        row_max(heads * p.block_m), row_sum(heads * p.block_m), lanes(kLanes ? heads * p.block_m * 16 : 0),
+      : tiles(p, false, engine, heads), acc(heads * product_rows(p.block_m) * p.dim_v),
+        row_max(heads * p.block_m), row_sum(heads * p.block_m), draws(dropout_draws_room(p.block_n)),
+        lanes(kLanes ? heads * p.block_m * 16 : 0),
         g(p.block_m), i(p.block_m),
         wide_k(p.kv_format == KvFormat::same ? 0 : widened_heads(heads) * p.block_n * p.dim),
         wide_v(p.kv_format == KvFormat::same ? 0 : widened_heads(heads) * p.block_n * p.dim_v) {}
@@ -158,7 +160,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     const acc_t v_scale = p.v_descale == nullptr
                               ? acc_t(1)
                               : static_cast<acc_t>(p.v_descale[(&s - p.seqs.data()) * p.kv_heads + h / p.group]);
-    const acc_t inv = l > 0 ? kept * v_scale / l : acc_t(0);
+    // Dropout's 1 / (1 - p): the weights in acc are the kept ones as they are (KeepDraws).
+    const acc_t inv = l > 0 ? kept * v_scale * static_cast<acc_t>(p.dropout_scale) / l : acc_t(0);
     scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i) * orows.row_stride +
                     h * orows.head_stride;
     store_scaled_row(dst, ar, DV, inv);
@@ -202,24 +205,23 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     auto* prow = sc.tiles.probs(r);
     using prob_t = std::remove_pointer_t<decltype(prow)>;
     const int64_t cols_c = key_columns(cols);
-    const float* z = nullptr;
+    KeepDraws keep;
     if (p.dropout_p > 0 && j0 < j1) {  // (a row that sees none of the tile draws nothing)
-      p.dropout_row<acc_t>(seq, h, i, c0, cols, sc.z.data());
-      z = sc.z.data() + j0;
+      keep = p.dropout_keep(seq, h, i, c0, cols, sc.draws.data()) + j0;
     }
     const acc_t reference = *row_max == neg_inf && j0 < j1
                                 ? max_raw_checked(srow + j0, std::min<int64_t>(kFirstScores, j1 - j0)) * factor
                                 : *row_max;
     if (reference > neg_inf) {  // (not NaN either)
       if constexpr (kLanes) {
-        if (exp2_scaled_round_lanes(srow + j0, j1 - j0, factor, reference, z, prow + j0, lanes)) {
+        if (exp2_scaled_round_lanes(srow + j0, j1 - j0, factor, reference, keep, prow + j0, lanes)) {
           std::fill(prow, prow + j0, prob_t(0));
           std::fill(prow + j1, prow + cols_c, prob_t(0));
           *row_max = reference;
           return;
         }
       } else {
-        const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, reference, z, prow + j0);
+        const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, reference, keep, prow + j0);
         if (sum <= kLargestSum) {  // (not NaN either)
           std::fill(prow, prow + j0, prob_t(0));
           std::fill(prow + j1, prow + cols_c, prob_t(0));
@@ -238,7 +240,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     }
     const acc_t alpha = m == *row_max ? acc_t(1) : exp2_neg(*row_max - m);
     std::fill(prow, prow + j0, prob_t(0));
-    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, z, prow + j0);
+    const acc_t sum = exp2_scaled_round(srow + j0, j1 - j0, factor, m, keep, prow + j0);
     std::fill(prow + j1, prow + cols_c, prob_t(0));
     *row_sum = *row_sum * alpha + sum;  // the undropped weights: dropout acts on normalised probabilities
     *row_max = m;
@@ -375,8 +377,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           row_sum[r] = row_sum[r] * alpha + sum;
           row_max[r] = m;
           if (p.dropout_p > 0) {
-            p.dropout_row<acc_t>(task.seq, h, i[r], c0, cols, sc.z.data());
-            for (int64_t j = 0; j < cols; ++j) srow[j] *= sc.z[j];
+            const KeepDraws keep = p.dropout_keep(task.seq, h, i[r], c0, cols, sc.draws.data());
+            for (int64_t j = 0; j < cols; ++j) srow[j] = keep.kept(j) ? srow[j] : acc_t(0);
           }
           if (alpha != acc_t(1)) {
             acc_t* ar = acc + r * DV;

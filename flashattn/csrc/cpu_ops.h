@@ -90,6 +90,7 @@ inline Problem make_problem(const Options& o, const Tensor& q, const Tensor& k, 
   p.dropout_p = static_cast<float>(o.dropout_p);
   if (o.dropout_p > 0) {
     p.dropout_scale = 1.0 / (1.0 - o.dropout_p);
+    p.keep_threshold = flash_cpu::dropout_threshold(p.dropout_p);
     p.seed = static_cast<uint64_t>(o.seed);
     p.counter_rows = o.counter_rows;
     p.counter_cols = o.counter_cols;

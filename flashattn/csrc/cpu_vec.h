@@ -222,18 +222,54 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
 }
 #endif
 
+// Dropout in the forward's pass: column j of a row is kept where draws[j] >= threshold (cpu_dropout.h's 16-bit
+// draws and dropout_threshold); no draws: no dropout. The pass writes a kept weight as it is and a dropped one as
+// 0, and the forward scales its output by 1 / (1 - p) once per row: a compare and a zero-masking on the draws in
+// place of a factor per element stored, read back and multiplied (a sixth of a bf16 forward's time with dropout).
+struct KeepDraws {
+  const uint16_t* draws = nullptr;
+  uint32_t threshold = 0;
+
+  explicit operator bool() const { return draws != nullptr; }
+  bool kept(int64_t j) const { return draws[j] >= threshold; }
+  KeepDraws operator+(int64_t j) const { return draws == nullptr ? *this : KeepDraws{draws + j, threshold}; }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  // Lanes j .. j + 31 (j .. j + 15) kept; a threshold of 65536 keeps none.
+  __mmask32 kept32(int64_t j) const {
+    if (threshold > 0xFFFFu) return 0;
+    return _mm512_cmpge_epu16_mask(_mm512_loadu_si512(draws + j), _mm512_set1_epi16(static_cast<short>(threshold)));
+  }
+  __mmask16 kept16(int64_t j, __mmask16 lanes) const {
+    if (threshold > 0xFFFFu) return 0;
+    return _mm256_mask_cmpge_epu16_mask(lanes, _mm256_maskz_loadu_epi16(lanes, draws + j),
+                                        _mm256_set1_epi16(static_cast<short>(threshold)));
+  }
+#elif defined(__AVX512F__)
+  __mmask32 kept32(int64_t j) const {
+    uint32_t bits = 0;
+    for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>(kept(j + l)) << l;
+    return bits;
+  }
+  __mmask16 kept16(int64_t j, __mmask16 lanes) const {
+    uint32_t bits = 0;
+    for (int l = 0; l < 16; ++l) bits |= static_cast<uint32_t>((lanes >> l) & 1 && kept(j + l)) << l;
+    return static_cast<__mmask16>(bits);
+  }
+#endif
+};
+
 // The forward's softmax pass over a row of raw scores x whose visible columns are [0, n), when nothing transforms
 // them: e = 2^(x f - m) with f the factor into log2 units and m a reference in those units (the row's maximum, or
-// a running one below it), times the dropout factors z where given, written to out (fp32, or rounded to 16 bits);
-// returns the sum of e (undropped, unrounded: the denominator). One pass where scaling, exp-sum and rounding took
-// three over the tile.
+// a running one below it), 0 where dropout drops it, written to out (fp32, or rounded to 16 bits); returns the sum
+// of e (undropped, unrounded: the denominator). One pass where scaling, exp-sum and rounding took three over the
+// tile.
 template <typename scalar_t>
-inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+inline float exp2_scaled_round(const float* x, int64_t n, float f, float m, KeepDraws keep, scalar_t* out) {
   float sum = 0;
   for (int64_t j = 0; j < n; ++j) {
     const float e = exp2_neg(x[j] * f - m);
     sum += e;
-    out[j] = static_cast<scalar_t>(z != nullptr ? e * z[j] : e);
+    out[j] = static_cast<scalar_t>(!keep || keep.kept(j) ? e : 0.0f);
   }
   return sum;
 }
@@ -266,7 +302,7 @@ inline void store_weights(out_t* out, __m512 v, __mmask16 keep) {
 // fp32 weights take the degree-5 exp, 16-bit ones degree 4. No clamp: vscalefps gives 2^x exactly 0 far below the
 // reference, and NaN stays NaN.
 template <typename scalar_t, int kDegree = std::is_same_v<scalar_t, float> ? 5 : 4>
-inline __m512 exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+inline __m512 exp2_scaled_round_avx512(const float* x, int64_t n, float f, float m, KeepDraws keep, scalar_t* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
@@ -276,24 +312,26 @@ inline __m512 exp2_scaled_round_avx512(const float* x, int64_t n, float f, float
     const __m512 e1 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x1, factor, shift));
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
-    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e0, _mm512_loadu_ps(z + j)) : e0, 0xFFFF);
-    store_weights(out + j + 16, z != nullptr ? _mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)) : e1, 0xFFFF);
+    const __mmask32 kept = keep ? keep.kept32(j) : ~__mmask32(0);
+    store_weights(out + j, _mm512_maskz_mov_ps(static_cast<__mmask16>(kept), e0), 0xFFFF);
+    store_weights(out + j + 16, _mm512_maskz_mov_ps(static_cast<__mmask16>(kept >> 16), e1), 0xFFFF);
   }
   for (; j < n; j += 16) {
-    const __mmask16 keep = tail_mask(n - j);
-    const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift)));
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 x0 = _mm512_maskz_loadu_ps(lanes, x + j);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
-    store_weights(out + j, z != nullptr ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
+    store_weights(out + j, _mm512_maskz_mov_ps(keep ? keep.kept16(j, lanes) : lanes, e), lanes);
   }
   return _mm512_add_ps(acc0, acc1);
 }
 
 #ifdef __AVX512BF16__
-// bf16 weights: two vectors rounded by one vcvtne2ps2bf16 and stored as one (times dropout's factors z, unless
-// null: the sum is of the undropped weights).
+// bf16 weights: two vectors rounded by one vcvtne2ps2bf16 and stored as one, the dropped ones zeroed by its mask
+// (the sum is of the undropped weights).
 template <bool kDropout>
-inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, const float* z, c10::BFloat16* out) {
+inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m, KeepDraws keep,
+                                     c10::BFloat16* out) {
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
@@ -304,18 +342,17 @@ inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
     if constexpr (kDropout) {
-      _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e1, _mm512_loadu_ps(z + j + 16)),
-                                                                _mm512_mul_ps(e0, _mm512_loadu_ps(z + j))));
+      _mm512_storeu_si512(out + j, (__m512i)_mm512_maskz_cvtne2ps_pbh(keep.kept32(j), e1, e0));
     } else {
       _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
   }
   for (; j < n; j += 16) {
-    const __mmask16 keep = tail_mask(n - j);
-    const __m512 x0 = _mm512_maskz_loadu_ps(keep, x + j);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 x0 = _mm512_maskz_loadu_ps(lanes, x + j);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift)));
     acc0 = _mm512_add_ps(acc0, e);
-    store_weights(out + j, kDropout ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, z + j)) : e, keep);
+    store_weights(out + j, kDropout ? _mm512_maskz_mov_ps(keep.kept16(j, lanes), e) : e, lanes);
   }
   return _mm512_add_ps(acc0, acc1);
 }
@@ -323,28 +360,28 @@ inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m
 
 // The weights' sum in 16 lanes: exp2_scaled_round reduces them, exp2_scaled_round_lanes adds them to a row's.
 template <typename scalar_t>
-inline __m512 exp2_scaled_round_vector(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out) {
+inline __m512 exp2_scaled_round_vector(const float* x, int64_t n, float f, float m, KeepDraws keep, scalar_t* out) {
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    return z == nullptr ? exp2_scaled_round_bf16<false>(x, n, f, m, z, out)
-                        : exp2_scaled_round_bf16<true>(x, n, f, m, z, out);
+    return keep ? exp2_scaled_round_bf16<true>(x, n, f, m, keep, out)
+                : exp2_scaled_round_bf16<false>(x, n, f, m, keep, out);
   }
 #endif
-  return exp2_scaled_round_avx512(x, n, f, m, z, out);
+  return exp2_scaled_round_avx512(x, n, f, m, keep, out);
 }
 template <>
-inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, const float* z,
+inline float exp2_scaled_round<c10::BFloat16>(const float* x, int64_t n, float f, float m, KeepDraws keep,
                                               c10::BFloat16* out) {
-  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, z, out));
+  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, keep, out));
 }
 template <>
-inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, const float* z, float* out) {
-  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, z, out));
+inline float exp2_scaled_round<float>(const float* x, int64_t n, float f, float m, KeepDraws keep, float* out) {
+  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, keep, out));
 }
 template <>
-inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, const float* z,
+inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, float m, KeepDraws keep,
                                           c10::Half* out) {
-  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, z, out));
+  return _mm512_reduce_add_ps(exp2_scaled_round_vector(x, n, f, m, keep, out));
 }
 
 // A row's running sum of weights kept in 16 lanes (`lanes`, 16 floats) while its maximum holds: the horizontal
@@ -354,9 +391,9 @@ inline float exp2_scaled_round<c10::Half>(const float* x, int64_t n, float f, fl
 // false, the lanes unchanged, and the caller takes its two-pass way.
 constexpr bool kLaneSums = true;
 template <typename scalar_t>
-inline bool exp2_scaled_round_lanes(const float* x, int64_t n, float f, float m, const float* z, scalar_t* out,
+inline bool exp2_scaled_round_lanes(const float* x, int64_t n, float f, float m, KeepDraws keep, scalar_t* out,
                                     float* lanes) {
-  const __m512 sum = exp2_scaled_round_vector(x, n, f, m, z, out);
+  const __m512 sum = exp2_scaled_round_vector(x, n, f, m, keep, out);
   if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(1152921504606846976.0f), _CMP_LE_OQ) != 0xFFFF) return false;
   _mm512_storeu_ps(lanes, _mm512_add_ps(_mm512_loadu_ps(lanes), sum));
   return true;
@@ -369,7 +406,7 @@ inline float take_lanes(float* lanes) {
 #else
 constexpr bool kLaneSums = false;
 template <typename scalar_t>
-inline bool exp2_scaled_round_lanes(const float*, int64_t, float, float, const float*, scalar_t*, float*) {
+inline bool exp2_scaled_round_lanes(const float*, int64_t, float, float, KeepDraws, scalar_t*, float*) {
   return false;
 }
 inline float take_lanes(float*) { return 0; }
