@@ -248,6 +248,24 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
       for (int64_t d = 0; d < DV; ++d) acc_row[d] *= alpha;
     }
   };
+  // Rows [r0, r1) of a tile (scores at srows, ld apart). Where each of them sees the whole tile (`whole`: no
+  // column to clamp or fill) past its first tile (a reference: its maximum so far), without dropout, a row is its
+  // pass alone: fused_row's per-row work (the visible columns, the fills, the reference; a fifth of the pass at
+  // d = 64) skipped. A row whose weights pass the lanes' bound (or NaN) takes fused_row, which writes it again.
+  const auto fused_rows = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srows, int64_t ld, int64_t r0,
+                              int64_t r1, const int64_t* g, const int64_t* i, int64_t hk, int64_t c0, int64_t cols,
+                              bool whole, acc_t* acc, acc_t* row_max, acc_t* row_sum, float* lanes) {
+    const bool lean = kLanes && whole && p.dropout_p == 0 && cols == key_columns(cols);
+    for (int64_t r = r0; r < r1; ++r) {
+      const acc_t* srow = srows + r * ld;
+      if (lean && row_max[r] > neg_inf &&
+          exp2_scaled_round_lanes(srow, cols, factor, row_max[r], KeepDraws{}, sc.tiles.probs(r), lanes + 16 * r)) {
+        continue;
+      }
+      fused_row(sc, s, seq, srow, r, hk * p.group + g[r], i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r,
+                lanes + 16 * r);
+    }
+  };
   run_tasks(longest_first(cost), [&] { return Scratch(p, engine, plan.heads); }, [&](int64_t t, Scratch& sc) {
     const ForwardTask& task = tasks[t];
     const Sequence& s = p.seqs[task.seq];
@@ -260,8 +278,15 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     if constexpr (kLanes) std::fill_n(sc.lanes.data(), task.heads * p.block_m * 16, 0.0f);
     if (task.heads == 1) sc.tiles.load_queries(p, qr, s, task.hk0, g, i, n);
     const int64_t ld = sc.tiles.ld();
+    int64_t seen_lo = 0, seen_hi = s.nk;  // keys [seen_lo, seen_hi): seen by every row of the block
+    for (int64_t r = 0; r < n && (p.left >= 0 || p.right >= 0); ++r) {
+      int64_t j0, j1;
+      p.visible(s, i[r], &j0, &j1);
+      seen_lo = std::max(seen_lo, j0), seen_hi = std::min(seen_hi, j1);
+    }
     const auto visit = [&](int64_t c0, const bool* tile) {
       const int64_t cols = std::min(BN, s.nk - c0);
+      const bool whole = seen_lo <= c0 && c0 + cols <= seen_hi;
       // The tile's rows of each kv head of the task, as the tile products read them. FP8 rows are widened first,
       // row by row across the task's heads (adjacent in memory), asking for the rows ahead as the packings do.
       const auto rows_of_heads = [&](const Rows<kv_t>& rows, Buffer<scalar_t>& wide, int64_t width,
@@ -315,10 +340,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         if constexpr (Tiles::kRowMajor && Tiles::kWritesProbs) {
           if (fused && !panels.empty() && task.heads == 1) {
             const acc_t* raw = sc.tiles.panel_scores(panels.kt(task.seq, hk, c0), cols, n);
-            for (int64_t r = 0; r < n; ++r) {
-              fused_row(sc, s, task.seq, raw + r * ld, r, hk * p.group + g[r], i[r], c0, cols, acc + r * DV,
-                        row_max + r, row_sum + r, lanes + 16 * r);
-            }
+            fused_rows(sc, s, task.seq, raw, ld, 0, n, g, i, hk, c0, cols, whole, acc, row_max, row_sum, lanes);
             sc.tiles.add_panel_probs_values(panels.v(task.seq, hk, c0), cols, n, acc);
             continue;
           }
@@ -330,10 +352,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
             const scalar_t* v = keys.v(task.seq, hk, c0);
             for (const auto& [r0, r1, lo, hi] : sc.strips) {
               sc.tiles.strip_scores(kt, r0, r1 - r0, lo, hi);
-              for (int64_t r = r0; r < r1; ++r) {
-                fused_row(sc, s, task.seq, sc.tiles.s_tile.data() + r * ld, r, hk * p.group + g[r], i[r], c0, cols,
-                          acc + r * DV, row_max + r, row_sum + r, lanes + 16 * r);
-              }
+              fused_rows(sc, s, task.seq, sc.tiles.s_tile.data(), ld, r0, r1, g, i, hk, c0, cols, false, acc,
+                         row_max, row_sum, lanes);
             }
             sc.tiles.zero_probs_past(n, cols);
             for (const auto& [r0, r1, lo, hi] : sc.strips) sc.tiles.strip_probs_times(v, r0, r1 - r0, lo, hi, acc);
@@ -349,16 +369,13 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n)
                                   : sc.tiles.scores(p, sc.keys_of[slab], cols, n);
         }
-        for (int64_t r = 0; r < n; ++r) {
+        if constexpr (Tiles::kWritesProbs) {
+          if (fused) fused_rows(sc, s, task.seq, scores, ld, 0, n, g, i, hk, c0, cols, whole, acc, row_max, row_sum,
+                                lanes);
+        }
+        for (int64_t r = 0; r < n && !(Tiles::kWritesProbs && fused); ++r) {
           acc_t* srow = scores + r * ld;
           const int64_t h = hk * p.group + g[r];
-          if constexpr (Tiles::kWritesProbs) {
-            if (fused) {
-              fused_row(sc, s, task.seq, srow, r, h, i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r,
-                        lanes + 16 * r);
-              continue;
-            }
-          }
           if constexpr (std::is_same_v<acc_t, float>) {  // FP8 inputs: before any transform (q.k's own scale)
             if (p.qk_descale != nullptr) scale_row(srow, cols, p.qk_descale[task.seq * p.kv_heads + hk]);
           }
