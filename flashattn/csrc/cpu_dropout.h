@@ -203,6 +203,42 @@ inline const uint16_t* dropout_draws(uint64_t seed, uint64_t row, uint64_t ncols
   return buf + (c0 & 7);
 }
 
+// Dropout in the forward's pass: column j of a row is kept where draws[j] >= threshold (dropout_draws and
+// dropout_threshold); no draws: no dropout. The pass writes a kept weight as it is and a dropped one as
+// 0, and the forward scales its output by 1 / (1 - p) once per row: a compare and a zero-masking on the draws in
+// place of a factor per element stored, read back and multiplied (a sixth of a bf16 forward's time with dropout).
+struct KeepDraws {
+  const uint16_t* draws = nullptr;
+  uint32_t threshold = 0;
+
+  explicit operator bool() const { return draws != nullptr; }
+  bool kept(int64_t j) const { return draws[j] >= threshold; }
+  KeepDraws operator+(int64_t j) const { return draws == nullptr ? *this : KeepDraws{draws + j, threshold}; }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  // Lanes j .. j + 31 (j .. j + 15) kept; a threshold of 65536 keeps none.
+  __mmask32 kept32(int64_t j) const {
+    if (threshold > 0xFFFFu) return 0;
+    return _mm512_cmpge_epu16_mask(_mm512_loadu_si512(draws + j), _mm512_set1_epi16(static_cast<short>(threshold)));
+  }
+  __mmask16 kept16(int64_t j, __mmask16 lanes) const {
+    if (threshold > 0xFFFFu) return 0;
+    return _mm256_mask_cmpge_epu16_mask(lanes, _mm256_maskz_loadu_epi16(lanes, draws + j),
+                                        _mm256_set1_epi16(static_cast<short>(threshold)));
+  }
+#elif defined(__AVX512F__)
+  __mmask32 kept32(int64_t j) const {
+    uint32_t bits = 0;
+    for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>(kept(j + l)) << l;
+    return bits;
+  }
+  __mmask16 kept16(int64_t j, __mmask16 lanes) const {
+    uint32_t bits = 0;
+    for (int l = 0; l < 16; ++l) bits |= static_cast<uint32_t>((lanes >> l) & 1 && kept(j + l)) << l;
+    return static_cast<__mmask16>(bits);
+  }
+#endif
+};
+
 // z[j] = keep (1 / (1 - p)) where element (row, c0 + j) survives dropout p, else 0. The draws come kCalls calls
 // (8 kCalls columns) at a time from the call that holds column c0 on.
 template <typename T>

@@ -1,13 +1,16 @@
 // Row arithmetic of the CPU kernels: exp2 for the softmax, max and exp-sum passes (and the forward's fused pass),
 // tanh for softcap, scaling and rounding a row, each in a scalar form and, for float, on ATen's at::vec::Vectorized
 // (16 lanes where the build targets AVX-512, 8 on AVX2: cpu_build.py defines CPU_CAPABILITY to match the host) or
-// AVX-512 intrinsics. The dropout generator is in cpu_dropout.h.
+// AVX-512 intrinsics. The dropout generator (and KeepDraws, its draws as the forward's pass reads them) is in
+// cpu_dropout.h.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#include "cpu_dropout.h"
 
 #include <algorithm>
 #include <cmath>
@@ -221,42 +224,6 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float m) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
 }
 #endif
-
-// Dropout in the forward's pass: column j of a row is kept where draws[j] >= threshold (cpu_dropout.h's 16-bit
-// draws and dropout_threshold); no draws: no dropout. The pass writes a kept weight as it is and a dropped one as
-// 0, and the forward scales its output by 1 / (1 - p) once per row: a compare and a zero-masking on the draws in
-// place of a factor per element stored, read back and multiplied (a sixth of a bf16 forward's time with dropout).
-struct KeepDraws {
-  const uint16_t* draws = nullptr;
-  uint32_t threshold = 0;
-
-  explicit operator bool() const { return draws != nullptr; }
-  bool kept(int64_t j) const { return draws[j] >= threshold; }
-  KeepDraws operator+(int64_t j) const { return draws == nullptr ? *this : KeepDraws{draws + j, threshold}; }
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  // Lanes j .. j + 31 (j .. j + 15) kept; a threshold of 65536 keeps none.
-  __mmask32 kept32(int64_t j) const {
-    if (threshold > 0xFFFFu) return 0;
-    return _mm512_cmpge_epu16_mask(_mm512_loadu_si512(draws + j), _mm512_set1_epi16(static_cast<short>(threshold)));
-  }
-  __mmask16 kept16(int64_t j, __mmask16 lanes) const {
-    if (threshold > 0xFFFFu) return 0;
-    return _mm256_mask_cmpge_epu16_mask(lanes, _mm256_maskz_loadu_epi16(lanes, draws + j),
-                                        _mm256_set1_epi16(static_cast<short>(threshold)));
-  }
-#elif defined(__AVX512F__)
-  __mmask32 kept32(int64_t j) const {
-    uint32_t bits = 0;
-    for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>(kept(j + l)) << l;
-    return bits;
-  }
-  __mmask16 kept16(int64_t j, __mmask16 lanes) const {
-    uint32_t bits = 0;
-    for (int l = 0; l < 16; ++l) bits |= static_cast<uint32_t>((lanes >> l) & 1 && kept(j + l)) << l;
-    return static_cast<__mmask16>(bits);
-  }
-#endif
-};
 
 // The forward's softmax pass over a row of raw scores x whose visible columns are [0, n), when nothing transforms
 // them: e = 2^(x f - m) with f the factor into log2 units and m a reference in those units (the row's maximum, or
