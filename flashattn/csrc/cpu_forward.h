@@ -249,8 +249,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     }
   };
   // Rows [r0, r1) of a tile (scores at srows, ld apart). Where each of them sees the whole tile (`whole`: no
-  // column to clamp or fill) past its first tile (a reference: its maximum so far), without dropout, a row is its
-  // pass alone: fused_row's per-row work (the visible columns, the fills, the reference; a fifth of the pass at
+  // column to clamp or fill), without dropout, a row is its pass alone, against its maximum so far or on its first
+  // tile fused_row's reference: fused_row's per-row work (the visible columns, the fills; a fifth of the pass at
   // d = 64) skipped. A row whose weights pass the lanes' bound (or NaN) takes fused_row, which writes it again.
   const auto fused_rows = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srows, int64_t ld, int64_t r0,
                               int64_t r1, const int64_t* g, const int64_t* i, int64_t hk, int64_t c0, int64_t cols,
@@ -258,9 +258,14 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     const bool lean = kLanes && whole && p.dropout_p == 0 && cols == key_columns(cols);
     for (int64_t r = r0; r < r1; ++r) {
       const acc_t* srow = srows + r * ld;
-      if (lean && row_max[r] > neg_inf &&
-          exp2_scaled_round_lanes(srow, cols, factor, row_max[r], KeepDraws{}, sc.tiles.probs(r), lanes + 16 * r)) {
-        continue;
+      if (lean) {
+        const acc_t m = row_max[r] == neg_inf ? max_raw_checked(srow, std::min(kFirstScores, cols)) * factor
+                                              : row_max[r];
+        if (m > neg_inf && exp2_scaled_round_lanes(srow, cols, factor, m, KeepDraws{}, sc.tiles.probs(r),
+                                                   lanes + 16 * r)) {
+          row_max[r] = m;
+          continue;
+        }
       }
       fused_row(sc, s, seq, srow, r, hk * p.group + g[r], i[r], c0, cols, acc + r * DV, row_max + r, row_sum + r,
                 lanes + 16 * r);
@@ -347,7 +352,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
         }
         acc_t* scores;
         if constexpr (Tiles::kPacksKeys) {
-          if (prepacked && fused && trim_strips(p, s, c0, cols, n, i, sc.strips)) {
+          if (prepacked && fused && !whole && trim_strips(p, s, c0, cols, n, i, sc.strips)) {
             const scalar_t* kt = keys.kt(task.seq, hk, c0);
             const scalar_t* v = keys.v(task.seq, hk, c0);
             for (const auto& [r0, r1, lo, hi] : sc.strips) {
