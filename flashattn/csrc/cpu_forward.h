@@ -249,20 +249,23 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     }
   };
   // Rows [r0, r1) of a tile (scores at srows, ld apart). Where each of them sees the whole tile (`whole`: no
-  // column to clamp or fill), without dropout, a row is its pass alone, against its maximum so far or on its first
-  // tile fused_row's reference: fused_row's per-row work (the visible columns, the fills; a fifth of the pass at
-  // d = 64) skipped. A row whose weights pass the lanes' bound (or NaN) takes fused_row, which writes it again.
+  // column to clamp or fill), a row is its draws (with dropout) and its pass alone, against its maximum so far or
+  // on its first tile fused_row's reference: fused_row's per-row work (the visible columns, the fills; a fifth of
+  // the pass at d = 64) skipped. A row whose weights pass the lanes' bound (or NaN) takes fused_row, which writes
+  // it again.
   const auto fused_rows = [&](auto& sc, const Sequence& s, int64_t seq, const acc_t* srows, int64_t ld, int64_t r0,
                               int64_t r1, const int64_t* g, const int64_t* i, int64_t hk, int64_t c0, int64_t cols,
                               bool whole, acc_t* acc, acc_t* row_max, acc_t* row_sum, float* lanes) {
-    const bool lean = kLanes && whole && p.dropout_p == 0 && cols == key_columns(cols);
+    const bool lean = kLanes && whole && cols == key_columns(cols);
     for (int64_t r = r0; r < r1; ++r) {
       const acc_t* srow = srows + r * ld;
       if (lean) {
         const acc_t m = row_max[r] == neg_inf ? max_raw_checked(srow, std::min(kFirstScores, cols)) * factor
                                               : row_max[r];
-        if (m > neg_inf && exp2_scaled_round_lanes(srow, cols, factor, m, KeepDraws{}, sc.tiles.probs(r),
-                                                   lanes + 16 * r)) {
+        const KeepDraws keep = p.dropout_p > 0 ? p.dropout_keep(seq, hk * p.group + g[r], i[r], c0, cols,
+                                                                sc.draws.data())
+                                               : KeepDraws{};
+        if (m > neg_inf && exp2_scaled_round_lanes(srow, cols, factor, m, keep, sc.tiles.probs(r), lanes + 16 * r)) {
           row_max[r] = m;
           continue;
         }
