@@ -296,3 +296,24 @@ def test_a_gradient_into_lse_reaches_the_kernels_backward():
     for a, b in zip(*grads, strict=True):
         assert (a - b).abs().max() < 1e-12
     assert grads[0][0].abs().max() > 0 and grads[0][1].abs().max() > 0  # dv = P^T dO is 0 here
+
+
+@pytest.mark.parametrize(("softcap", "bad"), [(0.0, float("-inf")), (50.0, float("nan"))],
+                         ids=["fused pass", "softcap's pass"])
+def test_a_nan_score_dropped_by_dropout_still_makes_its_row_nan(softcap, bad):
+    """A key element of -inf gives some rows a +inf score (a NaN weight), of NaN every row a NaN score (softcap
+    would turn an infinite score finite). Where dropout drops that weight the row must still come out NaN, as on
+    the torch path, never 0 (a row that saw no key)."""
+    if not cpu_build.status()[0]:
+        pytest.skip("the C++ kernel is not built here")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 300, 2, 64), torch.randn(1, 640, 2, 64), torch.randn(1, 640, 2, 64)
+    k[0, 300, 1, 2] = bad
+    nan_rows = {}
+    for name in ("cpu", "torch"):
+        with flashattn.use_backend(name):
+            torch.manual_seed(7)
+            out = flashattn.flash_attn_func(q, k, v, dropout_p=0.3, softcap=softcap)[0, :, 1]
+        nan_rows[name] = torch.isnan(out).any(-1)
+    assert nan_rows["torch"].sum() > 0
+    assert torch.equal(nan_rows["cpu"], nan_rows["torch"])

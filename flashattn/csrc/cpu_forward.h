@@ -160,8 +160,9 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     const acc_t v_scale = p.v_descale == nullptr
                               ? acc_t(1)
                               : static_cast<acc_t>(p.v_descale[(&s - p.seqs.data()) * p.kv_heads + h / p.group]);
-    // Dropout's 1 / (1 - p): the weights in acc are the kept ones as they are (KeepDraws).
-    const acc_t inv = l > 0 ? kept * v_scale * static_cast<acc_t>(p.dropout_scale) / l : acc_t(0);
+    // Dropout's 1 / (1 - p): the weights in acc are the kept ones as they are (KeepDraws). A NaN sum passes on to
+    // the row (a dropped NaN weight left acc finite: the row must not read as one that saw no key).
+    const acc_t inv = l > 0 ? kept * v_scale * static_cast<acc_t>(p.dropout_scale) / l : std::isnan(l) ? l : acc_t(0);
     scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i) * orows.row_stride +
                     h * orows.head_stride;
     store_scaled_row(dst, ar, DV, inv);
