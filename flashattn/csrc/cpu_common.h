@@ -314,18 +314,21 @@ struct Problem {
     }
   }
 
+  // The generator's row of query row i of head h in sequence s_idx.
+  uint64_t dropout_counter_row(int64_t s_idx, int64_t h, int64_t i) const {
+    return static_cast<uint64_t>((s_idx * heads + h) * counter_rows + i);
+  }
   // Row i's dropout draws for columns c0 .. c0 + cols, in buf (dropout_draws_room(cols) entries): the forward's.
   KeepDraws dropout_keep(int64_t s_idx, int64_t h, int64_t i, int64_t c0, int64_t cols, uint16_t* buf) const {
-    const uint64_t row = static_cast<uint64_t>((s_idx * heads + h) * counter_rows + i);
-    return {dropout_draws(seed, row, static_cast<uint64_t>(counter_cols), static_cast<uint64_t>(c0), cols, buf),
+    return {dropout_draws(seed, dropout_counter_row(s_idx, h, i), static_cast<uint64_t>(counter_cols),
+                          static_cast<uint64_t>(c0), cols, buf),
             keep_threshold};
   }
   // Row i's dropout factors for columns c0 .. c0 + cols: 0 where dropped, 1 / (1 - p) where kept (the backward's).
   template <typename acc_t>
   void dropout_row(int64_t s_idx, int64_t h, int64_t i, int64_t c0, int64_t cols, acc_t* z) const {
-    const uint64_t row = static_cast<uint64_t>((s_idx * heads + h) * counter_rows + i);
-    dropout_factors(seed, row, static_cast<uint64_t>(counter_cols), static_cast<uint64_t>(c0), cols, dropout_p,
-                    static_cast<acc_t>(dropout_scale), z);
+    dropout_factors(seed, dropout_counter_row(s_idx, h, i), static_cast<uint64_t>(counter_cols),
+                    static_cast<uint64_t>(c0), cols, dropout_p, static_cast<acc_t>(dropout_scale), z);
   }
 };
 

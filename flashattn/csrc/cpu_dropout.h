@@ -239,35 +239,29 @@ struct KeepDraws {
 #endif
 };
 
-// z[j] = keep (1 / (1 - p)) where element (row, c0 + j) survives dropout p, else 0. The draws come kCalls calls
-// (8 kCalls columns) at a time from the call that holds column c0 on.
+// z[j] = keep (1 / (1 - p)) where element (row, c0 + j) survives dropout p, else 0 (the backward's factors: its
+// pass reads each twice): the draws of 8 kCalls columns at a time, compared as the forward's pass compares them.
 template <typename T>
 inline void dropout_factors(uint64_t seed, uint64_t row, uint64_t ncols, uint64_t c0, int64_t n, float p, T keep,
                             T* z) {
-  const uint32_t threshold = dropout_threshold(p);
-  const uint64_t row_call = row * calls_per_row(ncols);
-  alignas(64) uint16_t draws[8 * kCalls];
-  int64_t j = 0;
-  while (j < n) {
-    const uint64_t col = c0 + j, skip = col & 7;  // the batch's first draw is column col - skip's
-    philox_draws(seed, row_call + (col >> 3), draws, (static_cast<int64_t>(skip) + n - j + 7) / 8);
-    const int64_t count = std::min<int64_t>(n - j, 8 * kCalls - static_cast<int64_t>(skip));
+  constexpr int64_t kChunk = 8 * kCalls;
+  alignas(64) uint16_t buf[dropout_draws_room(kChunk)];
+  for (int64_t j = 0; j < n; j += kChunk) {
+    const int64_t count = std::min(kChunk, n - j);
+    const KeepDraws draws{dropout_draws(seed, row, ncols, c0 + static_cast<uint64_t>(j), count, buf),
+                          dropout_threshold(p)};
     int64_t e = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
-      if (threshold <= 0xFFFFu) {
-        const __m512i bound = _mm512_set1_epi16(static_cast<short>(threshold));
-        const __m512 kept = _mm512_set1_ps(keep);
-        for (; e + 32 <= count; e += 32) {
-          const __mmask32 survives = _mm512_cmpge_epu16_mask(_mm512_loadu_si512(draws + skip + e), bound);
-          _mm512_storeu_ps(z + j + e, _mm512_maskz_mov_ps(static_cast<__mmask16>(survives), kept));
-          _mm512_storeu_ps(z + j + e + 16, _mm512_maskz_mov_ps(static_cast<__mmask16>(survives >> 16), kept));
-        }
+      const __m512 kept = _mm512_set1_ps(keep);
+      for (; e + 32 <= count; e += 32) {
+        const __mmask32 survives = draws.kept32(e);
+        _mm512_storeu_ps(z + j + e, _mm512_maskz_mov_ps(static_cast<__mmask16>(survives), kept));
+        _mm512_storeu_ps(z + j + e + 16, _mm512_maskz_mov_ps(static_cast<__mmask16>(survives >> 16), kept));
       }
     }
 #endif
-    for (; e < count; ++e) z[j + e] = draws[skip + e] >= threshold ? keep : T(0);
-    j += count;
+    for (; e < count; ++e) z[j + e] = draws.kept(e) ? keep : T(0);
   }
 }
 

@@ -378,11 +378,12 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
           scores = task.heads > 1 ? sc.tiles.packed_scores(p, slab, cols, n)
                                   : sc.tiles.scores(p, sc.keys_of[slab], cols, n);
         }
+        const bool rows_fused = Tiles::kWritesProbs && fused;
         if constexpr (Tiles::kWritesProbs) {
-          if (fused) fused_rows(sc, s, task.seq, scores, ld, 0, n, g, i, hk, c0, cols, whole, acc, row_max, row_sum,
-                                lanes);
+          if (rows_fused) fused_rows(sc, s, task.seq, scores, ld, 0, n, g, i, hk, c0, cols, whole, acc, row_max,
+                                     row_sum, lanes);
         }
-        for (int64_t r = 0; r < n && !(Tiles::kWritesProbs && fused); ++r) {
+        for (int64_t r = 0; r < n && !rows_fused; ++r) {  // rows the fused pass does not serve
           acc_t* srow = scores + r * ld;
           const int64_t h = hk * p.group + g[r];
           if constexpr (std::is_same_v<acc_t, float>) {  // FP8 inputs: before any transform (q.k's own scale)
