@@ -273,7 +273,10 @@ inline __m512 exp2_scaled_round_avx512(const float* x, int64_t n, float f, float
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {  // two vectors a step: two sums, no chain of adds through one register
+  // Two vectors a step: two sums, no chain of adds through one register. Unrolled once more: the step alone ran
+  // ~15 % slower (its loop counter, the constants' copies for the FMAs that overwrite them).
+#pragma GCC unroll 2
+  for (; j + 32 <= n; j += 32) {
     const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
     const __m512 e0 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x0, factor, shift));
     const __m512 e1 = exp2_clamped<kDegree>(_mm512_fmadd_ps(x1, factor, shift));
@@ -302,6 +305,7 @@ inline __m512 exp2_scaled_round_bf16(const float* x, int64_t n, float f, float m
   const __m512 factor = _mm512_set1_ps(f), shift = _mm512_set1_ps(-m);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = 0;
+#pragma GCC unroll 2  // (as exp2_scaled_round_avx512's)
   for (; j + 32 <= n; j += 32) {
     const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
     const __m512 e0 = exp2_clamped<4>(_mm512_fmadd_ps(x0, factor, shift));
