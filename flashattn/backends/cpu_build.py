@@ -33,7 +33,10 @@ SOURCES = (*UNITS, *(CSRC / name for name in (
     "cpu_forward.h", "cpu_backward.h", "cpu_fp8.h")))
 # -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
 # opens its own parallel region, which a busy machine slows several times over.
-FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+# -fvisibility=hidden: the library's own functions are called directly (and may be inlined), not through the PLT
+# as symbols another library could replace; the ops register themselves when it loads, so it exports nothing.
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+         "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 ISA_ENV = "FLASHATTN_CPU_ISA"
 ISAS = {"native": "-march=native", "avx2": "-march=x86-64-v3"}  # x86-64-v3: AVX2, FMA, F16C, BMI
 # at::vec::Vectorized picks its lane width from CPU_CAPABILITY, which torch defines for its own kernels only: the
