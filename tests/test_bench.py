@@ -234,6 +234,11 @@ def test_cpu_roofline_reports_against_the_measured_ceilings_and_skips_what_would
     meta, rows = data["meta"], data["rows"]
     assert set(meta["ceilings"]["product_gflops"]) == {"float32", "bfloat16", "float16"}
     assert meta["ceilings"]["read_gbps"] > 0 and meta["cpu_flags"] == host.cpu_flags()
+    first, last = meta["ceilings"]["measured"]  # before and after the cases; each limit the higher reading
+    assert meta["ceilings"]["read_gbps"] == max(first["read_gbps"], last["read_gbps"])
+    assert meta["ceilings"]["product_gflops"] == {d: max(first["product_gflops"][d], last["product_gflops"][d])
+                                                  for d in first["product_gflops"]}
+    assert "the higher of two readings" in text
     assert meta["tiles"] == {"bfloat16": roofline.tiles_dtype("bfloat16")}
     grid = [r for r in rows if r["mode"] != "decode"]
     measured = [r for r in grid if r.get("seconds")]
@@ -246,7 +251,20 @@ def test_cpu_roofline_reports_against_the_measured_ceilings_and_skips_what_would
     assert all(r["speedup"] > 0 for r in measured if r["impl"] == OURS)
     decode_rows = [r for r in rows if r["mode"] == "decode"]
     assert {r["impl"] for r in decode_rows} == set(roofline.IMPLS)
-    assert all(r["of_read_bandwidth"] > 0 for r in decode_rows)
+    assert all(r["of_read_bandwidth"] == pytest.approx(r["gbps"] / meta["ceilings"]["read_gbps"])
+               for r in decode_rows)
+
+
+def test_cpu_roofline_ceilings_keep_the_higher_reading_and_say_how_far_they_drifted():
+    from flashattn.bench import roofline
+
+    first = {"product_gflops": {"float32": 300.0, "bfloat16": 2000.0}, "read_gbps": 20.0}
+    last = {"product_gflops": {"float32": 330.0, "bfloat16": 1500.0}, "read_gbps": 20.0}
+    limits = roofline.higher_ceilings(first, last)
+    assert limits["product_gflops"] == {"float32": 330.0, "bfloat16": 2000.0} and limits["read_gbps"] == 20.0
+    assert limits["measured"] == [first, last]
+    assert roofline.drift(limits) == pytest.approx(0.25)  # bf16: 1500 against 2000
+    assert roofline.drift(first) == 0.0
 
 
 def test_cpu_flags_names_the_instruction_sets_that_matter(monkeypatch):

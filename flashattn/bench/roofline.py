@@ -2,11 +2,12 @@
 
 First the ceilings, with the run's threads: the matrix-product rate of each dtype (``torch.mm`` of 2048 x 2048
 matrices; fp16 on a smaller one, as most CPUs have no fast fp16 product) and the read bandwidth (the sum of a
-1 GiB float32 tensor). Then every case of the grid, flashattn and torch SDPA, each in its own subprocess; each
-is reported as a fraction of the product rate its tiles run at (bf16 calls on the dot-product instructions: the
-bf16 rate; tiles computed in fp32: the fp32 rate; ``flashattn.backends.cpu_tiles`` says which) and as a speedup
-over SDPA (SDPA's time / ours). Decode (one token, batch 1, GQA, bf16) is reported as a fraction of the read
-bandwidth. Cases predicted from a smaller N of the same line to take over ``--max-case-seconds`` are skipped.
+1 GiB float32 tensor), measured again after the cases (each limit the higher reading). Then every case of the
+grid, flashattn and torch SDPA, each in its own subprocess; each is reported as a fraction of the product rate its
+tiles run at (bf16 calls on the dot-product instructions: the bf16 rate; tiles computed in fp32: the fp32 rate;
+``flashattn.backends.cpu_tiles`` says which) and as a speedup over SDPA (SDPA's time / ours). Decode (one token,
+batch 1, GQA, bf16) is reported as a fraction of the read bandwidth. Cases predicted from a smaller N of the same
+line to take over ``--max-case-seconds`` are skipped.
 
     flashattn bench cpu --roofline --out benchmarks/results
 """
@@ -59,6 +60,27 @@ def ceilings() -> dict:
             "read_gbps": read_bandwidth()}
 
 
+def higher_ceilings(first: dict, last: dict) -> dict:
+    """The ceilings measured before and after the cases, each limit the higher of the two: a shared machine's
+    speed drifts over a run, and a share of the rate read against a ceiling measured in a slow minute would
+    overstate what the kernels reach. Both readings are kept (``measured``)."""
+    return {"product_gflops": {d: max(first["product_gflops"][d], last["product_gflops"][d])
+                               for d in first["product_gflops"]},
+            "read_gbps": max(first["read_gbps"], last["read_gbps"]),
+            "measured": [first, last]}
+
+
+def drift(limits: dict) -> float:
+    """How far the lower of the two readings of a limit fell under the higher, at most over the limits (0 with a
+    single reading)."""
+    readings = limits.get("measured", [])
+    if len(readings) < 2:
+        return 0.0
+    pairs = [(r["product_gflops"][d] for r in readings) for d in limits["product_gflops"]]
+    pairs.append(r["read_gbps"] for r in readings)
+    return max(1 - min(values) / max(values) for values in map(list, pairs))
+
+
 def tiles_dtype(dtype: str) -> str:
     """The dtype the cpu path's tile products run in for ``dtype`` inputs here (its ceiling's dtype)."""
     from ..backends import cpu_tiles
@@ -69,7 +91,7 @@ def tiles_dtype(dtype: str) -> str:
 
 def run(todo: list[Case], limits: dict, *, max_case_seconds: float, progress) -> list[dict]:
     """Each case in its subprocess (skipping what a smaller N of its line predicts to be too slow), then the
-    decode case; every row annotated (``annotate``)."""
+    decode case (``limits``' read bandwidth sizes it); ``annotate`` puts them against the ceilings."""
     rows, last = [], {}
     for case in progress(todo):
         line = tuple(getattr(case, k) for k in LINE[1:]) + (case.impl,)
@@ -85,25 +107,30 @@ def run(todo: list[Case], limits: dict, *, max_case_seconds: float, progress) ->
             last[line] = (case.seqlen, row["seconds"])
         rows.append(row)
     decode = measure_case(DECODE, list(IMPLS), copy_gbps=limits["read_gbps"], headroom_gib=1.0)
-    for row in decode:  # measure_case's fraction is of the bandwidth it is given: here the read bandwidth
-        row["of_read_bandwidth"] = row.pop("bw_fraction", None)
-    return annotate(rows, limits) + [{**row, "mode": "decode"} for row in decode]
+    for row in decode:  # its fraction comes from annotate, against the run's read bandwidth
+        row.pop("bw_fraction", None)
+    return rows + [{**row, "mode": "decode"} for row in decode]
 
 
 def annotate(rows: list[dict], limits: dict) -> list[dict]:
     """Each grid row's ``ceiling`` (the dtype our tiles run in for its inputs: one ceiling for both
-    implementations, so their fractions compare) and ``of_rate``; ours gets ``speedup`` = SDPA's time / ours."""
+    implementations, so their fractions compare) and ``of_rate``; ours gets ``speedup`` = SDPA's time / ours.
+    Decode rows get ``of_read_bandwidth``."""
     rates = limits["product_gflops"]
     from ..backends import cpu_tiles
 
     for row in rows:
+        if row.get("mode") == "decode":
+            row["of_read_bandwidth"] = row["gbps"] / limits["read_gbps"] if row.get("gbps") else None
+    rows_grid = [r for r in rows if r.get("mode") != "decode"]
+    for row in rows_grid:
         row["ceiling"] = tiles_dtype(row["dtype"])
         if row["impl"] == OURS:  # which instructions multiplied our tiles (SDPA's are its own)
             row["engine"] = cpu_tiles.engine_label(getattr(torch, row["dtype"]))
         rate = rates.get(row["ceiling"])
         row["of_rate"] = row["tflops"] * 1e3 / rate if row.get("tflops") and rate else None
-    keyed = {tuple(r[k] for k in ("impl", "dtype", "headdim", "causal", "mode", "seqlen")): r for r in rows}
-    for row in rows:
+    keyed = {tuple(r[k] for k in ("impl", "dtype", "headdim", "causal", "mode", "seqlen")): r for r in rows_grid}
+    for row in rows_grid:
         sdpa = keyed.get(("sdpa", *(row[k] for k in ("dtype", "headdim", "causal", "mode", "seqlen"))))
         if row["impl"] == OURS and row.get("seconds") and sdpa and sdpa.get("seconds"):
             row["speedup"] = sdpa["seconds"] / row["seconds"]
@@ -116,6 +143,8 @@ def table(rows: list[dict], limits: dict) -> str:
     rates = limits["product_gflops"]
     head = [f"ceilings: product rate {', '.join(f'{d} {g:.0f}' for d, g in rates.items())} GFLOP/s; "
             f"read bandwidth {limits['read_gbps']:.1f} GB/s"]
+    if limits.get("measured"):
+        head[0] += f" (the higher of two readings, before and after the cases: {drift(limits):.0%} apart at most)"
     grid = [r for r in rows if r.get("mode") != "decode"]
     points = report.wide(grid, ("dtype", "headdim", "causal", "mode", "seqlen"))
     columns = ["dtype", report.Col("d", "headdim"), "causal", "mode", report.Col("N", "seqlen"),
