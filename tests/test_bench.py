@@ -265,6 +265,11 @@ def test_cpu_roofline_ceilings_keep_the_higher_reading_and_say_how_far_they_drif
     assert limits["measured"] == [first, last]
     assert roofline.drift(limits) == pytest.approx(0.25)  # bf16: 1500 against 2000
     assert roofline.drift(first) == 0.0
+    # The widest drift on any limit, wherever it sits: the first dtype, the bandwidth.
+    slow = {"product_gflops": {"float32": 150.0, "bfloat16": 2000.0}, "read_gbps": 20.0}
+    assert roofline.drift(roofline.higher_ceilings(first, slow)) == pytest.approx(0.5)
+    thin = {"product_gflops": first["product_gflops"], "read_gbps": 5.0}
+    assert roofline.drift(roofline.higher_ceilings(first, thin)) == pytest.approx(0.75)
 
 
 def test_cpu_flags_names_the_instruction_sets_that_matter(monkeypatch):

@@ -122,3 +122,12 @@ def test_tooling_is_not_shipped():
 def test_no_module_of_the_package_is_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+def test_the_cpu_build_hashes_every_source_of_the_cpu_kernel():
+    # A header left out of SOURCES would let an edit to it reuse a stale cached build.
+    from flashattn.backends import cpu_build
+
+    csrc = PACKAGE / "csrc"
+    kernel = {p.name for p in [*csrc.glob("cpu_*.h"), *csrc.glob("cpu_*.cpp")]}
+    assert {p.name for p in cpu_build.SOURCES} == kernel

@@ -76,9 +76,9 @@ def drift(limits: dict) -> float:
     readings = limits.get("measured", [])
     if len(readings) < 2:
         return 0.0
-    pairs = [(r["product_gflops"][d] for r in readings) for d in limits["product_gflops"]]
-    pairs.append(r["read_gbps"] for r in readings)
-    return max(1 - min(values) / max(values) for values in map(list, pairs))
+    pairs = [[r["product_gflops"][d] for r in readings] for d in limits["product_gflops"]]
+    pairs.append([r["read_gbps"] for r in readings])
+    return max(1 - min(values) / max(values) for values in pairs)
 
 
 def tiles_dtype(dtype: str) -> str:
