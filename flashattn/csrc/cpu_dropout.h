@@ -246,10 +246,10 @@ inline void dropout_factors(uint64_t seed, uint64_t row, uint64_t ncols, uint64_
                             T* z) {
   constexpr int64_t kChunk = 8 * kCalls;
   alignas(64) uint16_t buf[dropout_draws_room(kChunk)];
+  const uint32_t threshold = dropout_threshold(p);
   for (int64_t j = 0; j < n; j += kChunk) {
     const int64_t count = std::min(kChunk, n - j);
-    const KeepDraws draws{dropout_draws(seed, row, ncols, c0 + static_cast<uint64_t>(j), count, buf),
-                          dropout_threshold(p)};
+    const KeepDraws draws{dropout_draws(seed, row, ncols, c0 + static_cast<uint64_t>(j), count, buf), threshold};
     int64_t e = 0;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
