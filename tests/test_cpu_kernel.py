@@ -317,3 +317,39 @@ def test_a_nan_score_dropped_by_dropout_still_makes_its_row_nan(softcap, bad):
         nan_rows[name] = torch.isnan(out).any(-1)
     assert nan_rows["torch"].sum() > 0
     assert torch.equal(nan_rows["cpu"], nan_rows["torch"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["wide scores", "steep alibi"])
+def test_weights_under_2_to_the_minus_126_match_float64(dtype, case):
+    """Weights under 2^-126, which the kernel flushes to zero (``cpu_fpenv.h``): scores spread over tens of nats
+    (the plain fused pass; 1.5 % of the weights underflow) or ALiBi slopes of 1.5 and 3 over 300 keys (the other
+    forward pass and the backward's; 65-81 %). out and the gradients still match the float64 oracle under the
+    same-precision rule."""
+    if not cpu_build.status()[0]:
+        pytest.skip("the C++ kernel is not built here")
+    torch.manual_seed(0)
+    q, k, v = make_inputs(1, 300, 300, 2, 2, 64, torch.float32, requires_grad=False)
+    spread = 4.0 if case == "wide scores" else 1.0
+    q, k, v = ((t * s).to(dtype).requires_grad_() for t, s in ((q, spread), (k, spread), (v, 1.0)))
+    extra = {} if case == "wide scores" else {"alibi_slopes": torch.tensor([[1.5, 3.0]])}
+    for kwargs in ({**extra}, {**extra, "causal": True}):
+        out = flashattn.flash_attn_func(q, k, v, **kwargs)
+        check_against_oracle(q, k, v, kwargs, out)
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_a_call_leaves_the_callers_subnormal_mode_as_it_was(flush):
+    """The kernel flushes subnormals inside its parallel regions alone: after a forward and a backward the calling
+    thread computes a subnormal product as before the call, and keeps flushing it if it asked to."""
+    if not cpu_build.status()[0]:
+        pytest.skip("the C++ kernel is not built here")
+    if not torch.set_flush_denormal(flush):
+        pytest.skip("this CPU has no flush-to-zero mode for torch to set")
+    try:
+        q, k, v = make_inputs(1, 64, 64, 2, 2, 32, torch.float32)
+        flashattn.flash_attn_func(q, k, v, causal=True).sum().backward()
+        tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal
+        assert ((tiny * 0.5).item() == 0.0) == flush
+    finally:
+        torch.set_flush_denormal(False)

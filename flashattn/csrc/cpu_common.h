@@ -17,6 +17,7 @@
 
 #include "cpu_dropout.h"
 #include "cpu_fp8.h"
+#include "cpu_fpenv.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -423,6 +424,7 @@ void run_tasks(const std::vector<int64_t>& order, const MakeScratch& make_scratc
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     c10::InferenceMode inference_mode(inference);  // thread-local modes: the region's threads take the caller's
     at::NoGradGuard no_grad;
+    const FlushSubnormals flush;  // (cpu_fpenv.h)
     auto scratch = make_scratch();
     for (int64_t t = next++; t < n; t = next++) task(order[t], scratch);
   });

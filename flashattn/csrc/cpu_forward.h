@@ -374,6 +374,7 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
   // Merge the pieces: out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c, M the largest m_c.
   const int64_t rows = static_cast<int64_t>(p.seqs.size()) * p.heads;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals flush;
     std::vector<acc_t> acc(DV);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t seq = row / p.heads, h = row % p.heads;
