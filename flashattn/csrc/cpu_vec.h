@@ -385,36 +385,22 @@ inline bool exp2_scaled_round_lanes(const float*, int64_t, float, float, KeepDra
 inline float take_lanes(float*) { return 0; }
 #endif
 
-// The backward's pass over a row: P = 2^(s - lse) (lse in log2 units, +inf for a row that saw no key: P = 0),
-// then s = P z (dropped, for dV; z = nullptr: no dropout) and dp = P (dp z - delta) (dS before softcap's factor).
+// x[j] = -inf where keep[j] is false, j in [0, n): a boolean mask's row.
 template <typename T>
-inline void backward_row(T* s, T* dp, int64_t n, T lse, T delta, const T* z) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T pj = exp2_neg(s[j] - lse);
-    s[j] = z != nullptr ? pj * z[j] : pj;
-    dp[j] = pj * ((z != nullptr ? dp[j] * z[j] : dp[j]) - delta);
-  }
-}
-
-#if defined(__AVX512F__)
-template <>
-inline void backward_row<float>(float* s, float* dp, int64_t n, float lse, float delta, const float* z) {
-  const __m512 shift = _mm512_set1_ps(-lse), d = _mm512_set1_ps(delta);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = tail_mask(n - j);
-    const __m512 pj = exp2_or_zero(_mm512_add_ps(_mm512_maskz_loadu_ps(keep, s + j), shift));
-    __m512 g = _mm512_maskz_loadu_ps(keep, dp + j);
-    __m512 kept = pj;
-    if (z != nullptr) {
-      const __m512 zj = _mm512_maskz_loadu_ps(keep, z + j);
-      g = _mm512_mul_ps(g, zj);
-      kept = _mm512_mul_ps(pj, zj);
+inline void mask_row(T* x, const bool* keep, int64_t n) {
+  constexpr T kMinusInf = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j + 16 <= n; j += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keep + j));
+      const __mmask16 kept = _mm_test_epi8_mask(bytes, _mm_set1_epi8(-1));
+      _mm512_mask_storeu_ps(x + j, static_cast<__mmask16>(~kept), _mm512_set1_ps(kMinusInf));
     }
-    _mm512_mask_storeu_ps(s + j, keep, kept);
-    _mm512_mask_storeu_ps(dp + j, keep, _mm512_mul_ps(pj, _mm512_sub_ps(g, d)));
   }
-}
 #endif
+  for (; j < n; ++j) x[j] = keep[j] ? x[j] : kMinusInf;
+}
 
 // x *= factor over a row.
 inline void scale_row(float* x, int64_t n, float factor) {
