@@ -353,3 +353,21 @@ def test_a_call_leaves_the_callers_subnormal_mode_as_it_was(flush):
         assert ((tiny * 0.5).item() == 0.0) == flush
     finally:
         torch.set_flush_denormal(False)
+
+
+def test_a_row_that_sees_only_a_nan_score_is_nan():
+    """A row whose mask leaves it one key, whose score is NaN, comes out NaN, not as a row that saw nothing: the
+    maximum of a tile's -inf scores still looks for a NaN among them, in every vector of them. (torch's SDPA adds
+    the mask to the scores, so a NaN key there makes every row NaN; ours selects, so only the rows that see it.)"""
+    if not cpu_build.status()[0]:
+        pytest.skip("the C++ kernel is not built here")
+    torch.manual_seed(0)
+    n = 64
+    q, k, v = (torch.randn(1, 2, n, 32) for _ in range(3))
+    k[0, :, 35] = float("nan")  # in the third 16-key vector of the row
+    mask = torch.zeros(1, 1, n, n, dtype=torch.bool)
+    mask[0, 0, torch.arange(n), torch.arange(n) % 40] = True  # row i sees key i % 40 alone
+    nan_rows = torch.isnan(flashattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)).any(-1)
+    expected = torch.zeros(1, 2, n, dtype=torch.bool)
+    expected[..., 35] = True
+    assert torch.equal(nan_rows, expected)

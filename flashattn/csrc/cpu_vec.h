@@ -140,8 +140,16 @@ inline T max_raw_checked(const T* x, int64_t n) {
 #else
   for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
 #endif
-  if (m == -std::numeric_limits<T>::infinity()) {
-    for (int64_t j = 0; j < n; ++j) {
+  if (m == -std::numeric_limits<T>::infinity()) {  // (every score of a masked tile: a tenth of a masked forward)
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      for (; j + 16 <= n && _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), _mm512_loadu_ps(x + j), _CMP_UNORD_Q) == 0;
+           j += 16) {
+      }
+    }
+#endif
+    for (; j < n; ++j) {
       if (std::isnan(x[j])) return x[j];
     }
   }
