@@ -18,6 +18,7 @@
 #include "cpu_dropout.h"
 #include "cpu_fp8.h"
 #include "cpu_fpenv.h"
+#include "cpu_score_rows.h"
 #include "cpu_vec.h"
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 // Row arithmetic of the CPU kernels: exp2 for the softmax, max and exp-sum passes (and the forward's fused pass),
-// tanh for softcap, scaling and rounding a row, each in a scalar form and, for float, on ATen's at::vec::Vectorized
-// (16 lanes where the build targets AVX-512, 8 on AVX2: cpu_build.py defines CPU_CAPABILITY to match the host) or
-// AVX-512 intrinsics. The dropout generator (and KeepDraws, its draws as the forward's pass reads them) is in
-// cpu_dropout.h.
+// scaling and rounding a row, each in a scalar form and, for float, on ATen's at::vec::Vectorized (16 lanes where
+// the build targets AVX-512, 8 on AVX2: cpu_build.py defines CPU_CAPABILITY to match the host) or AVX-512
+// intrinsics. The dropout generator (and KeepDraws, its draws as the forward's pass reads them) is in
+// cpu_dropout.h; a mask's row and softcap's tanh in cpu_score_rows.h.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -146,6 +146,13 @@ inline T max_raw_checked(const T* x, int64_t n) {
     if constexpr (std::is_same_v<T, float>) {
       for (; j + 16 <= n && _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), _mm512_loadu_ps(x + j), _CMP_UNORD_Q) == 0;
            j += 16) {
+      }
+    }
+#elif defined(__AVX2__)
+    if constexpr (std::is_same_v<T, float>) {
+      for (; j + 8 <= n && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(x + j),
+                                                             _CMP_UNORD_Q)) == 0;
+           j += 8) {
       }
     }
 #endif
@@ -393,23 +400,6 @@ inline bool exp2_scaled_round_lanes(const float*, int64_t, float, float, KeepDra
 inline float take_lanes(float*) { return 0; }
 #endif
 
-// x[j] = -inf where keep[j] is false, j in [0, n): a boolean mask's row.
-template <typename T>
-inline void mask_row(T* x, const bool* keep, int64_t n) {
-  constexpr T kMinusInf = -std::numeric_limits<T>::infinity();
-  int64_t j = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  if constexpr (std::is_same_v<T, float>) {
-    for (; j + 16 <= n; j += 16) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keep + j));
-      const __mmask16 kept = _mm_test_epi8_mask(bytes, _mm_set1_epi8(-1));
-      _mm512_mask_storeu_ps(x + j, static_cast<__mmask16>(~kept), _mm512_set1_ps(kMinusInf));
-    }
-  }
-#endif
-  for (; j < n; ++j) x[j] = keep[j] ? x[j] : kMinusInf;
-}
-
 // x *= factor over a row.
 inline void scale_row(float* x, int64_t n, float factor) {
   at::vec::map([factor](fVec v) { return v * fVec(factor); }, x, x, n);
@@ -419,34 +409,6 @@ inline void scale_row(float* x, int64_t n, float factor) {
 template <typename scalar_t>
 inline void round_row(const float* x, int64_t n, scalar_t* out) {
   at::vec::convert(x, out, n);
-}
-
-// s = cap * tanh(s) over a row, keeping tanh in `t` (if not null) for the backward's chain rule. tanh from
-// exp2_neg: tanh|x| = (1 - e) / (1 + e), e = 2^(-2 |x| log2e), absolute error below 3e-7.
-template <typename T>
-inline void tanh_scaled(T* s, T* t, int64_t n, T cap) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T v = std::tanh(s[j]);
-    if (t != nullptr) t[j] = v;
-    s[j] = cap * v;
-  }
-}
-
-inline fVec tanh_vec(fVec x) {
-  const fVec a = x.abs();
-  const fVec e = exp2_neg(a * fVec(-2.8853900817779268f));  // -2 log2(e)
-  const fVec r = (fVec(1.0f) - e) / (fVec(1.0f) + e);
-  return fVec::blendv(r, fVec(0.0f) - r, x < fVec(0.0f));
-}
-
-template <>
-inline void tanh_scaled<float>(float* s, float* t, int64_t n, float cap) {
-  for (int64_t j = 0; j < n; j += fVec::size()) {
-    const int64_t count = std::min<int64_t>(fVec::size(), n - j);
-    const fVec v = tanh_vec(fVec::loadu(s + j, count));
-    if (t != nullptr) v.store(t + j, count);
-    (v * fVec(cap)).store(s + j, count);
-  }
 }
 
 }  // namespace flash_cpu
