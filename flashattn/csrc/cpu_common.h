@@ -305,9 +305,7 @@ struct Problem {
     if (mask != nullptr) {
       const int64_t base = s_idx * mask_stride[0] + h * mask_stride[1] + i * mask_stride[2] + c0 * mask_stride[3];
       const int64_t st = mask_stride[3];
-      // (A mask's keys one apart, its usual layout, take vector loops: scalar, they were a quarter of a masked
-      // forward's time.)
-      if (mask_is_bool) {
+      if (mask_is_bool) {  // (keys one apart, the usual layout: mask_row's vector loop)
         const bool* m = static_cast<const bool*>(mask) + base;
         if (st == 1) {
           mask_row(srow + j0, m + j0, j1 - j0);
@@ -317,16 +315,10 @@ struct Problem {
       } else {
         const acc_t* m = static_cast<const acc_t*>(mask) + base;
         const acc_t l2e = static_cast<acc_t>(kLog2e);
-        if (st == 1) {
-          for (int64_t j = j0; j < j1; ++j) srow[j] += l2e * m[j];
-        } else {
-          for (int64_t j = j0; j < j1; ++j) srow[j] += l2e * m[j * st];
-        }
+        for (int64_t j = j0; j < j1; ++j) srow[j] += l2e * m[j * st];
       }
     }
-    if (block_row != nullptr) {
-      for (int64_t j = j0; j < j1; ++j) srow[j] = block_row[j] ? srow[j] : neg_inf;
-    }
+    if (block_row != nullptr) mask_row(srow + j0, block_row + j0, j1 - j0);
     for (int64_t j = 0; j < j0; ++j) srow[j] = neg_inf;
     for (int64_t j = j1; j < cols; ++j) srow[j] = neg_inf;
     if (tanh_row != nullptr) {  // finite where P = 0, so the chain rule gives 0 there, not NaN

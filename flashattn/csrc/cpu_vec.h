@@ -29,10 +29,10 @@ using fVec = at::vec::Vectorized<float>;
 using iVec = at::vec::Vectorized<int32_t>;
 
 // 2^x for x <= 0 (a score minus its row maximum); exactly 0 below 2^-126 and for -inf. Relative error below 3e-7;
-// no calls or branches, so the loops that use it vectorize. Lanes below -126 (-inf: masked) compute 2^0, replaced
-// by 0: at -126 their 2^-126 * 0.99999994 is subnormal, an assist each where not flushed (cpu_fpenv.h).
+// no calls or branches, so the loops that use it vectorize. (At -126 the product is subnormal: the kernels run
+// with subnormals flushed, cpu_fpenv.h.)
 inline float exp2_neg(float x) {
-  const float xc = x >= -126.0f ? x : 0.0f;  // NaN too: its result is replaced below
+  const float xc = x >= -126.0f ? x : -126.0f;  // NaN too: its result is replaced below
   const float xi = std::floor(xc);
   const float f = xc - xi;
   float p = 1.8775767e-3f;
@@ -52,7 +52,7 @@ inline double exp2_neg(double x) { return std::exp2(x); }
 // exp2_neg on a vector: the same polynomial, 2^floor(x) built in the exponent bits.
 inline fVec exp2_neg(fVec x) {
   const fVec lowest(-126.0f);
-  const fVec xc = fVec::blendv(x, fVec(0.0f), x < lowest);  // (as exp2_neg's: no subnormal product)
+  const fVec xc = at::vec::maximum(x, lowest);
   const fVec xi = xc.floor();
   const fVec f = xc - xi;
   fVec p = at::vec::fmadd(f, fVec(1.8775767e-3f), fVec(8.9893397e-3f));
@@ -104,9 +104,8 @@ inline __m512 exp2_clamped(__m512 x) {
 inline __m512 exp2_or_zero(__m512 y) {
   const __m512 lowest = _mm512_set1_ps(-126.0f);
   const __mmask16 under = _mm512_cmp_ps_mask(y, lowest, _CMP_LT_OQ);
-  // Lanes below -126 compute 2^0 (as exp2_neg's); a NaN is not below -126 and stays NaN.
-  const __m512 zero = _mm512_setzero_ps();
-  return _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_mask_mov_ps(y, under, zero)), under, zero);
+  // vmaxps returns its second operand where either is NaN: a NaN stays NaN.
+  return _mm512_mask_mov_ps(exp2_clamped<5>(_mm512_max_ps(lowest, y)), under, _mm512_setzero_ps());
 }
 
 // The largest of x[0, n): four running maxima, so the loop is not one chain of dependent maxima. vmaxps drops a
