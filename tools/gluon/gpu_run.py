@@ -1,0 +1,232 @@
+"""The Gluon forward on a Hopper GPU: correctness against float64 first, then its speed beside cuDNN.
+
+    PYTHONPATH=. python -m tools.gluon.gpu_run --out DIR [--budget 240]     # on an H100 / H200
+    PYTHONPATH=. python -m tools.gluon.gpu_run --dry --out DIR              # no GPU: the harness alone
+
+Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not) first runs its correctness cases in its
+own subprocess with a timeout, since a barrier protocol that is wrong deadlocks rather than fails: odd lengths (1,
+113, 173 x 251, 1025), queries longer than keys (causal rows that see no key: out 0, lse -inf), outputs poisoned with
+NaN before the launch, judged by the tolerance rule of ``tests/oracle.py`` (at most 2x plain bf16 attention's error
+against float64). Only the variants that pass are timed, in one more subprocess: 16k tokens a batch (2048 = heads x
+d, FlashAttention-3's setting) at N = 1024 and 8192, beside SDPA's cuDNN and flash backends and the ``triton`` path
+of flashattn (``flash_attn_func``), CUDA events, L2 flushed, median of 20. ``gluon.json`` holds everything; the
+table is printed last.
+
+``--dry`` replaces the kernel by plain attention on the CPU, so the harness itself can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# (batch, seqlen_q, seqlen_k, heads): lengths 1, odd, crossing the 128-row tile; one with more queries than keys.
+SHAPES = ((1, 1, 1, 2), (2, 113, 113, 3), (2, 173, 251, 3), (1, 1025, 1025, 2), (1, 300, 100, 2), (2, 1024, 1024, 2))
+SPEED_SEQLENS = (1024, 8192)
+TOKENS = 16384
+REPEATS = 20
+
+
+def _variants():
+    from tools.gluon.forward import VARIANTS
+    return VARIANTS
+
+
+def _case_name(d: int, causal: bool, index: int) -> str:
+    return f"d{d}-{'causal' if causal else 'full'}-{_variants()[index]}"
+
+
+def _kernel(dry: bool):
+    """forward(q, k, v, causal, schedule) -> (out, lse), out poisoned first; --dry: plain attention on the CPU."""
+    import torch
+
+    if dry:
+        from tests.oracle import attention_ref
+
+        def plain(q, k, v, causal, schedule):
+            out, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, upcast=False)
+            return out.to(q.dtype), lse.float()
+        return plain
+    from tools.gluon.forward import _arguments, attention_forward_ws_kernel
+
+    def launch(q, k, v, causal, schedule):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
+        grid, args, options = _arguments(q, k, v, out, lse, causal, q.shape[-1] ** -0.5, schedule)
+        attention_forward_ws_kernel[grid](*args, **options)
+        return out, lse
+    return launch
+
+
+def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
+    """One variant's correctness cases, in this process: {'ok', 'cases': [...]}."""
+    import torch
+
+    from tests.oracle import attention_ref, max_err
+
+    device = "cpu" if dry else "cuda"
+    schedule = _variants()[index]
+    kernel = _kernel(dry)
+    torch.manual_seed(0)
+    cases = []
+    for b, nq, nk, h in SHAPES:
+        q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device=device) for n in (nq, nk, nk))
+        out, lse = kernel(q, k, v, causal, schedule)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ref, ref_lse = attention_ref(q, k, v, causal=causal)
+        base, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+        err, base_err = max_err(out, ref), max_err(base, ref)
+        bound = 2 * base_err + torch.finfo(torch.bfloat16).eps * (1 + ref.abs().max().item())
+        seen = torch.isfinite(ref_lse)  # causal rows with no key: lse -inf, out 0
+        lse_err = max_err(lse[seen], ref_lse[seen]) if seen.any() else 0.0
+        unseen_ok = bool((out.transpose(1, 2)[~seen] == 0).all() and (lse[~seen] == -math.inf).all())
+        nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+        ok = err <= bound and lse_err <= 1e-3 and unseen_ok and not nan
+        cases.append(dict(shape=[b, nq, nk, h], ok=ok, err=err, bound=bound, lse_err=lse_err, nan=nan,
+                          unseen_rows=int((~seen).sum()), unseen_ok=unseen_ok))
+    return {"ok": all(c["ok"] for c in cases), "cases": cases}
+
+
+def _tflops(b, h, n, d, causal, seconds):
+    return 4 * b * h * n * n * d / (2 if causal else 1) / seconds / 1e12
+
+
+def _implementations(kernel, q, k, v, *, causal: bool, indices: list[int]) -> dict:
+    """name -> a call of it on (q, k, v): the Gluon variants, SDPA's cuDNN and flash backends, flashattn."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashattn
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return run
+
+    impls = {f"gluon {_variants()[i]}": (lambda i=i: kernel(q, k, v, causal, _variants()[i])) for i in indices}
+    impls["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    impls["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    impls["flashattn"] = lambda: flashattn.flash_attn_func(q, k, v, causal=causal)
+    return impls
+
+
+def speed(passing: list[tuple[int, bool, int]], dry: bool, log: Path) -> None:
+    """Median seconds and TFLOP/s of each passing variant beside SDPA's backends and flashattn's triton path, a
+    JSON line each appended to ``log`` as it is measured (a run stopped part way keeps its rows)."""
+    import torch
+
+    from flashattn.bench.measure import _time_cpu, _time_cuda
+
+    device = "cpu" if dry else "cuda"
+    kernel = _kernel(dry)
+    for d, causal in sorted({(d, c) for d, c, _ in passing}, reverse=True):
+        for n in (128,) if dry else SPEED_SEQLENS:
+            b, h = max(1, TOKENS // n), 2048 // d
+            q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device=device) for _ in range(3))
+            indices = [i for dd, cc, i in passing if (dd, cc) == (d, causal)]
+            impls = _implementations(kernel, q, k, v, causal=causal, indices=indices)
+            for name, step in impls.items():
+                row = dict(impl=name, d=d, causal=causal, seqlen=n, batch=b, heads=h)
+                try:
+                    times = _time_cpu(step, 2) if dry else _time_cuda(step, REPEATS)
+                    row["seconds"] = sorted(times)[len(times) // 2]
+                    row["tflops"] = _tflops(b, h, n, d, causal, row["seconds"])
+                except Exception as e:  # a backend this GPU lacks is a row, not a crash
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                with log.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+def _child(args: list[str], timeout: float) -> tuple[dict | None, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tools.gluon.gpu_run", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s (a deadlock?)"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()
+        return None, f"exit {done.returncode}: {tail[-1][:300] if tail else ''}"
+    return json.loads(lines[-1]), ""
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'d':>4} {'mask':>6} {'N':>5} {'impl':>24} {'TFLOP/s':>8} {'vs cudnn':>8}"]
+    cudnn = {(r["d"], r["causal"], r["seqlen"]): r.get("tflops") for r in rows if r["impl"] == "sdpa-cudnn"}
+    for r in rows:
+        ref = cudnn.get((r["d"], r["causal"], r["seqlen"]))
+        t = r.get("tflops")
+        ratio = f"{t / ref:8.2f}" if t and ref else f"{'-':>8}"
+        shown = f"{t:8.1f}" if t else f"{r.get('error', '-')[:40]}"
+        lines.append(f"{r['d']:>4} {'causal' if r['causal'] else 'full':>6} {r['seqlen']:>5} {r['impl']:>24} "
+                     f"{shown} {ratio}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gluon-gpu"))
+    p.add_argument("--budget", type=float, default=240.0, help="seconds for the whole run (default %(default)s)")
+    p.add_argument("--jobs", type=int, default=8, help="correctness subprocesses at once")
+    p.add_argument("--dry", action="store_true", help="plain attention on the CPU in place of the kernel")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # d:causal:variant, run in a child
+    p.add_argument("--speed", help=argparse.SUPPRESS)  # JSON list of passing cases, run in a child
+    p.add_argument("--log", type=Path, help=argparse.SUPPRESS)  # where the child appends its rows
+    a = p.parse_args(argv)
+    if a.case:
+        d, causal, index = (int(x) for x in a.case.split(":"))
+        print(json.dumps(check_case(d, bool(causal), index, a.dry)))
+        return 0
+    if a.speed:
+        speed([tuple(c) for c in json.loads(a.speed)], a.dry, a.log)
+        print("{}")
+        return 0
+    start = time.monotonic()
+    a.out.mkdir(parents=True, exist_ok=True)
+    dry = ["--dry"] if a.dry else []
+    todo = [(d, causal, i) for d in (128, 64) for causal in (False, True) for i in range(len(_variants()))]
+    if a.dry:
+        todo = todo[:2]
+    check_timeout = max(30.0, 0.4 * a.budget)
+
+    def run(case):
+        result, why = _child([*dry, "--case", ":".join(str(int(x)) for x in case)], check_timeout)
+        return case, result, why
+    results = {}
+    with ThreadPoolExecutor(a.jobs) as pool:
+        for (d, causal, i), result, why in pool.map(run, todo):
+            name = _case_name(d, causal, i)
+            results[name] = result or {"ok": False, "error": why}
+            bad = [c for c in (result or {}).get("cases", []) if not c["ok"]]
+            print(f"[gluon] {name}: {'ok' if result and result['ok'] else 'FAILED'} {why} "
+                  f"{json.dumps(bad)[:240] if bad else ''}", flush=True)
+    passing = [c for c in todo if results[_case_name(*c)].get("ok")]
+    why, log = "no variant passed", a.out / "gluon-speed.jsonl"
+    log.unlink(missing_ok=True)
+    left = a.budget - (time.monotonic() - start) - 5
+    if passing and left > 20:
+        why = _child([*dry, "--speed", json.dumps(passing), "--log", str(log)], left)[1]
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    report = {"correctness": results, "speed": rows, "speed_error": why, "seconds": time.monotonic() - start}
+    (a.out / "gluon.json").write_text(json.dumps(report, indent=1))
+    print(f"[gluon] correctness: {len(passing)} of {len(todo)} variants passed; speed: {why or 'ok'}")
+    print(_table(rows))
+    return 0 if len(passing) == len(todo) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
