@@ -195,8 +195,46 @@ def main(argv: list[str] | None = None) -> int:
         speed([tuple(c) for c in json.loads(a.speed)], a.dry, a.log)
         print("{}")
         return 0
-    start = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
+    report = {"correctness": {}, "speed": [], "speed_error": "not run", "seconds": 0.0}
+    elsewhere = None if a.dry else _not_hopper()
+    if elsewhere:
+        report["skipped"] = elsewhere
+        (a.out / "gluon.json").write_text(json.dumps(report, indent=1))
+        print(f"[gluon] skipped: {elsewhere}")
+        return 0
+    try:
+        _checked_then_timed(a, report)
+    except KeyboardInterrupt:  # gpu-check's budget ran out: keep what was measured
+        report["speed_error"] = report["speed_error"] or "stopped (budget)"
+    finally:
+        _write(a.out, report, a.out / "gluon-speed.jsonl")
+    passed = sum(r.get("ok", False) for r in report["correctness"].values())
+    print(f"[gluon] correctness: {passed} of {len(report['correctness'])} variants passed; "
+          f"speed: {report['speed_error'] or 'ok'}")
+    print(_table(report["speed"]))
+    return 0 if report["correctness"] and passed == len(report["correctness"]) else 1
+
+
+def _not_hopper() -> str | None:
+    """Why this machine cannot run the kernel (wgmma and setmaxnreg are sm_90's alone), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device (--dry runs the harness on the CPU)"
+    major, minor = torch.cuda.get_device_capability()
+    return None if (major, minor) == (9, 0) else f"{torch.cuda.get_device_name()} is sm_{major}{minor}, not sm_90"
+
+
+def _write(out: Path, report: dict, log: Path) -> None:
+    report["speed"] = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    (out / "gluon.json").write_text(json.dumps(report, indent=1))
+
+
+def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
+    """Correctness of every variant (``report["correctness"]``, written to gluon.json at once), then the speed of
+    those that passed (appended to gluon-speed.jsonl row by row)."""
+    start = time.monotonic()
     dry = ["--dry"] if a.dry else []
     todo = [(d, causal, i) for d in (128, 64) for causal in (False, True) for i in range(len(_variants()))]
     if a.dry:
@@ -206,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     def run(case):
         result, why = _child([*dry, "--case", ":".join(str(int(x)) for x in case)], check_timeout)
         return case, result, why
-    results = {}
+    results, log = report["correctness"], a.out / "gluon-speed.jsonl"
+    log.unlink(missing_ok=True)
     with ThreadPoolExecutor(a.jobs) as pool:
         for (d, causal, i), result, why in pool.map(run, todo):
             name = _case_name(d, causal, i)
@@ -215,18 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gluon] {name}: {'ok' if result and result['ok'] else 'FAILED'} {why} "
                   f"{json.dumps(bad)[:240] if bad else ''}", flush=True)
     passing = [c for c in todo if results[_case_name(*c)].get("ok")]
-    why, log = "no variant passed", a.out / "gluon-speed.jsonl"
-    log.unlink(missing_ok=True)
+    report["seconds"] = time.monotonic() - start
+    _write(a.out, report, log)
     left = a.budget - (time.monotonic() - start) - 5
-    if passing and left > 20:
-        why = _child([*dry, "--speed", json.dumps(passing), "--log", str(log)], left)[1]
-    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    report = {"correctness": results, "speed": rows, "speed_error": why, "seconds": time.monotonic() - start}
-    (a.out / "gluon.json").write_text(json.dumps(report, indent=1))
-    print(f"[gluon] correctness: {len(passing)} of {len(todo)} variants passed; speed: {why or 'ok'}")
-    print(_table(rows))
-    return 0 if len(passing) == len(todo) else 1
-
+    report["speed_error"] = "no variant passed" if not passing else "no time left" if left <= 20 else ""
+    if not report["speed_error"]:
+        report["speed_error"] = _child([*dry, "--speed", json.dumps(passing), "--log", str(log)], left)[1]
+    report["seconds"] = time.monotonic() - start
 
 if __name__ == "__main__":
     sys.exit(main())

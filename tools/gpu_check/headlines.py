@@ -133,9 +133,33 @@ def _cuda_kernel(work: Path, step: Step) -> str:
     return f"compiled; {len(accuracy) - len(bad)}/{len(accuracy)} accuracy checks within 2x SDPA's error"
 
 
+def _gluon(work: Path, step: Step) -> str:
+    data = _json(work / "gluon.json")
+    if data.get("skipped"):
+        return f"skipped: {data['skipped']}"
+    checked = data["correctness"]
+    passed = sum(r.get("ok", False) for r in checked.values())
+    step.extra["failed"] = {n: r.get("error") or [c for c in r.get("cases", []) if not c["ok"]]
+                            for n, r in checked.items() if not r.get("ok")}
+    rows = [r for r in data["speed"] if r.get("tflops")]
+    line = f"{passed}/{len(checked)} variants correct"
+    if not rows:
+        return f"{line}; speed: {data.get('speed_error') or 'no rows'}"
+    top = max(r["seqlen"] for r in rows)
+    parts = []
+    for d, causal in sorted({(r["d"], r["causal"]) for r in rows}, reverse=True):
+        at = {r["impl"]: r["tflops"] for r in rows if (r["d"], r["causal"], r["seqlen"]) == (d, causal, top)}
+        best = max((t for name, t in at.items() if name.startswith("gluon")), default=None)
+        if best is None:
+            continue
+        vs = [f"{best / at[name]:.2f}x {name}" for name in ("sdpa-cudnn", OURS) if at.get(name)]
+        parts.append(f"d{d} {'causal' if causal else 'full'} {best:.0f} ({', '.join(vs)})")
+    return f"{line}; best at N={top}: " + "; ".join(parts)
+
+
 HEADLINES = {"info": _info, "smoke": _smoke, "tests": _tests, "tests-cuda": _tests, "headline": _sweep,
              "sweep-d64": _sweep, "sweep-d128": _sweep, "decode": _decode, "block-mask": _block_mask,
-             "host": _host, "cuda-kernel": _cuda_kernel}
+             "host": _host, "cuda-kernel": _cuda_kernel, "gluon": _gluon}
 
 
 def headline(work: Path, step: Step) -> str:

@@ -38,7 +38,7 @@ def _environment(step: Step, work: Path) -> dict[str, str]:
 def run_step(step: Step, work: Path, allowed: float) -> None:
     """Run ``step`` for at most ``allowed`` seconds (its whole process group), its output into ``<name>.log``."""
     step.allowed = allowed
-    args = [a.format(out=work) for a in step.args]
+    args = [a.format(out=work, allowed=int(allowed)) for a in step.args]  # {allowed}: a step's own budget
     log = (work / f"{step.name}.log").open("w")
     stdout = (work / step.stdout_to).open("w") if step.stdout_to else log
     start = time.perf_counter()

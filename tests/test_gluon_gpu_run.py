@@ -1,0 +1,83 @@
+"""``python -m tools.gluon.gpu_run``, gpu-check's ``gluon`` step: the Gluon forward's correctness on a Hopper GPU
+before its timing. Without a GPU its harness runs with plain attention in the kernel's place (``--dry``): a wrong
+kernel must be reported wrong, a stopped run must keep what it measured, gpu-check must summarise it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triton_versions import needs_triton, recorded_on_oldest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def needs_gluon(test):
+    """The harness reads the kernel's schedules from tools/gluon/forward.py, written against Gluon's 3.6 API."""
+    recorded = recorded_on_oldest("the experimental Gluon forward (Gluon's API changes between releases)")
+    return needs_triton(recorded(test))
+
+
+def _dry_run(out: Path) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "tools.gluon.gpu_run", "--dry", "--jobs", "2", "--out", str(out),
+                           "--budget", "120"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+
+
+@needs_gluon
+def test_dry_run_checks_then_times_and_writes_its_results(tmp_path):
+    done = _dry_run(tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "gluon.json").read_text())
+    assert len(report["correctness"]) == 2 and all(r["ok"] for r in report["correctness"].values())
+    shapes = [c["shape"] for c in next(iter(report["correctness"].values()))["cases"]]
+    assert [1, 1, 1, 2] in shapes and [1, 300, 100, 2] in shapes  # seqlen 1; more queries than keys
+    impls = {r["impl"] for r in report["speed"]}
+    assert {"sdpa-cudnn", "sdpa-flash", "flashattn"} <= impls and any(i.startswith("gluon") for i in impls)
+    assert done.stdout.strip().splitlines()[-1].split()[3] in impls  # the table comes last
+
+
+@needs_gluon
+@pytest.mark.parametrize("fault", ["off by 0.05", "nan", "lse"])
+def test_a_wrong_kernel_fails_its_case(fault, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tools.gluon import gpu_run
+
+    plain = gpu_run._kernel(True)
+
+    def wrong(q, k, v, causal, schedule):
+        out, lse = plain(q, k, v, causal, schedule)
+        out, lse = out.clone(), lse.clone()
+        if fault == "lse":
+            lse[0, 0, -1] += 0.01
+        else:
+            out[0, -1, 0, 0] = float("nan") if fault == "nan" else out[0, -1, 0, 0] + 0.05
+        return out, lse
+
+    monkeypatch.setattr(gpu_run, "_kernel", lambda dry: wrong)
+    report = gpu_run.check_case(64, False, 0, dry=True)
+    assert not report["ok"]
+    assert sum(not c["ok"] for c in report["cases"]) >= len(gpu_run.SHAPES) - 1
+
+
+def test_gpu_check_runs_it_within_its_share_and_summarises_it(tmp_path):
+    from tools.gpu_check.headlines import headline
+    from tools.gpu_check.plan import Step, full
+
+    step = next(s for s in full(4) if s.name == "gluon")
+    assert step.args[0] == "tools.gluon.gpu_run" and "{allowed}" in step.args
+    rows = [dict(impl=impl, d=64, causal=True, seqlen=8192, tflops=t)
+            for impl, t in (("gluon pv", 300.0), ("gluon qk", 360.0), ("sdpa-cudnn", 450.0), ("flashattn", 240.0))]
+    data = {"correctness": {"a": {"ok": True}, "b": {"ok": False, "error": "timed out after 34 s (a deadlock?)"}},
+            "speed": rows, "speed_error": ""}
+    (tmp_path / "gluon.json").write_text(json.dumps(data))
+    probe = Step("gluon", [], 0.2, 1)
+    assert headline(tmp_path, probe) == "1/2 variants correct; best at N=8192: d64 causal 360 (0.80x sdpa-cudnn, " \
+                                       "1.50x flashattn)"
+    assert probe.extra["failed"] == {"b": "timed out after 34 s (a deadlock?)"}
+    (tmp_path / "gluon.json").write_text(json.dumps({**data, "skipped": "NVIDIA A100 is sm_80, not sm_90"}))
+    assert headline(tmp_path, Step("gluon", [], 0.2, 1)) == "skipped: NVIDIA A100 is sm_80, not sm_90"
