@@ -87,3 +87,26 @@ def test_budgets_are_judged_stubbed_against_the_issue_and_on_a_gpu_against_sdpa(
     assert stub["fwd"]["met"] and not stub["decode"]["met"] and stub["decode"]["limit_us"] == 30.0
     gpu = host.budgets_met(rows, "gpu")
     assert gpu["decode"]["met"] and gpu["decode"]["against"] == "sdpa" and not gpu["fwd"]["met"]
+
+
+def test_gpu_mode_says_where_a_queued_calls_time_goes(monkeypatch):
+    """Beside the wall time per queued call: how long a call took to return and how many ran by their launch plan,
+    so that a GPU's figure can be read (host-bound or kernel-bound; planned or the full Python). The GPU's queue
+    is played by a no-op synchronize and a call that replays a plan every other time."""
+    from flashattn.backends.triton import attend
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(attend.FORWARD_PLANS, "replays", 0)
+    made = [0]
+
+    def call():
+        made[0] += 1
+        attend.FORWARD_PLANS.replays += made[0] % 2
+
+    row = host.measure_queued(call, 10)
+    assert row["calls"] == 10 and row["plan_replays"] == 5  # the 3 warm-up calls are not counted
+    assert 0 < row["us_to_return"] <= row["us"] * 1.5
+    rows = [{"entry": "decode", "impl": "flashattn", **row}, {"entry": "decode", "impl": "sdpa", "us": 1e6,
+                                                            "us_to_return": 2.0}]
+    text = host.table(rows, "gpu")
+    assert "returns  plans" in text.splitlines()[0] and "5/10" in text.splitlines()[1]

@@ -230,16 +230,29 @@ def measure_autograd_floor(calls: int) -> dict:
     return {"entry": "train", "impl": "autograd", "us": round(statistics.median(times), 2)}
 
 
-def measure_queued(call: Callable, calls: int) -> float:
-    """Wall microseconds per call of ``calls`` calls queued back to back (GPU), after a warm-up."""
+def measure_queued(call: Callable, calls: int) -> dict:
+    """``us``: wall microseconds per call of ``calls`` calls queued back to back (GPU), after a warm-up; beside
+    it, what says where that time goes: ``us_to_return``, the median time a call takes to return (its host cost
+    while the GPU keeps up; ``us`` well above it means the kernels are the bound), and ``plan_replays``, how many
+    of our calls (forward and backward counted apart) ran by their launch plan rather than the full Python."""
+    from ..backends.triton import attend
+
+    def replays() -> int:
+        return attend.FORWARD_PLANS.replays + attend.BACKWARD_PLANS.replays
+
     for _ in range(3):
         call()
     torch.cuda.synchronize()
+    returns, before = [], replays()
     start = time.perf_counter_ns()
     for _ in range(calls):
+        begun = time.perf_counter_ns()
         call()
+        returns.append(time.perf_counter_ns() - begun)
     torch.cuda.synchronize()
-    return (time.perf_counter_ns() - start) / 1e3 / calls
+    wall = (time.perf_counter_ns() - start) / 1e3 / calls
+    return {"us": round(wall, 2), "us_to_return": round(statistics.median(returns) / 1e3, 2),
+            "plan_replays": replays() - before, "calls": calls}
 
 
 def run(entries: list[str], *, mode: str, calls: int, arch: int = 90) -> list[dict]:
@@ -259,11 +272,11 @@ def run(entries: list[str], *, mode: str, calls: int, arch: int = 90) -> list[di
                     rows.append(measure_autograd_floor(calls))
         return rows
     for entry in entries:
-        rows.append({"entry": entry, "impl": "flashattn", "us": round(measure_queued(ENTRIES[entry][1]("cuda"),
-                                                                                     calls), 2)})
+        rows.append({"entry": entry, "impl": "flashattn", **measure_queued(ENTRIES[entry][1]("cuda"), calls)})
         twin = _sdpa_twin(entry, "cuda")
         if twin is not None:
-            rows.append({"entry": entry, "impl": "sdpa", "us": round(measure_queued(twin, calls), 2)})
+            sdpa = measure_queued(twin, calls)
+            rows.append({"entry": entry, "impl": "sdpa", "us": sdpa["us"], "us_to_return": sdpa["us_to_return"]})
     return rows
 
 
@@ -288,13 +301,17 @@ def budgets_met(rows: list[dict], mode: str) -> dict[str, dict]:
 
 def table(rows: list[dict], mode: str) -> str:
     verdicts = budgets_met(rows, mode)
-    lines = [f"{'entry point':24} {'impl':9} {'us':>8}  {'limit':>7}  launches"]
+    queued = mode != "stub"
+    lines = [f"{'entry point':24} {'impl':9} {'us':>8}  {'limit':>7}  " + ("returns  plans" if queued else "launches")]
     for r in rows:
         verdict = verdicts.get(r["entry"]) if r["impl"] == "flashattn" else None
         limit = "" if verdict is None or verdict["limit_us"] is None else f"{verdict['limit_us']:.0f}"
         mark = "" if verdict is None else ("  met" if verdict["met"] else "  over")
         each = ", ".join(f"{n.removesuffix('_kernel')} {t:.0f}" for n, t in
                          zip(r.get("launches", []), r.get("us_to_each_launch", []), strict=True))
+        if queued:  # where a queued call's time goes: its own return, and the calls its launch plan ran
+            plans = f"{r['plan_replays']}/{r['calls']}" if "plan_replays" in r else ""
+            each = f"{r.get('us_to_return', float('nan')):7.1f}  {plans}"
         lines.append(f"{r['entry']:24} {r['impl']:9} {r['us']:8.1f}  {limit:>7}{mark:5}  {each}")
     return "\n".join(lines)
 
