@@ -40,6 +40,31 @@ def test_a_view_of_inputs_sharing_a_storage_is_not_planned():
     assert apart(v2[None])[:2] == ("in", 1)  # on their own storages, a view is traced to its input
 
 
+
+@pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
+def test_an_argument_of_unknown_type_is_not_baked_into_a_plan():
+    """A kernel argument that is neither a tensor, a traced descriptor nor a plain value (a Gluon TMA descriptor,
+    which holds its tensor's address) would launch every replay on the first call's memory: no plan is made."""
+    import inspect
+    from types import SimpleNamespace
+
+    import torch
+
+    from flashattn.backends.triton import plans
+
+    q, out = torch.randn(4, 8), torch.empty(4, 8)
+    kernel = SimpleNamespace(signature=inspect.signature(lambda q_desc, o_ptr, n, modes: None))
+
+    def recorded(q_desc) -> plans.Recording:
+        kwargs = dict(q_desc=q_desc, o_ptr=out, n=4, modes=(1, "x", None, 2.0))
+        return plans.Recording([(kernel, None, (1,), kwargs)], {plans._storage_of(out)})
+
+    assert plans._constant((1, "x", None, 2.0, (True,))) and not plans._constant((1, q))
+    foreign = SimpleNamespace(base=q, shape=[4, 8], strides=[8, 1], block_shape=[4, 8])
+    assert plans.build(recorded(foreign), [q], [out]) is None
+    assert plans.build(recorded((q,)), [q], [out]) is None  # a bundle of tensors, as before
+    # (that every kind of call the path makes is still planned: test_replayed_launches_equal_the_full_path)
+
 # --- the check itself, run as a script ------------------------------------------------------------------------------
 
 

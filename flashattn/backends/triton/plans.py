@@ -1,19 +1,16 @@
 """Launch plans: a call's launches worked out once per signature, then replayed at a few microseconds.
 
 Building a launch in Python costs more than a short call's kernel: shapes, strides, tiles, TMA descriptors and
-about seventy keyword arguments per kernel, then Triton's binding of them (specializing each argument to find the
-compiled kernel). None of it changes between calls of one signature: the same shapes, strides, dtypes, devices,
-pointer alignment and options give the same kernels, grids and arguments but for the tensors themselves. So the
-first call of a signature runs the path's Python and records what it launches (``recording``): each kernel's
-compiled binary, grid and arguments in order, every tensor among them traced to where it comes from (an input, a
-view of one, an output, or a workspace the call allocates). Later calls with that signature (``key``) replay the
-record (``Plan.run``): allocate the outputs and workspaces, put the new tensors in their places, and call each
-compiled kernel's launcher directly.
+about seventy keyword arguments per kernel, then Triton's binding of them. None of it changes between calls of one
+signature (shapes, strides, dtypes, devices, pointer alignment, options). So the first call of a signature runs the
+path's Python and records what it launches (``recording``): each kernel's compiled binary, grid and arguments, every
+tensor among them traced to where it comes from (an input, a view of one, an output, or a workspace the call
+allocates). Later calls with that signature (``key``) replay the record (``Plan.run``): allocate the outputs and
+workspaces, put the new tensors in their places, and call each compiled kernel's launcher directly.
 
-A call that does other work on the host besides launching (FP8 scales, block-mask lists, returned probabilities,
-empty inputs) is never planned (``plannable``), and a record in which a tensor cannot be traced is dropped: such
-calls keep the path's full Python every time. Plans apply to compiled kernels on a GPU (or stubbed launches,
-``stub.py``), never to the interpreter.
+Calls that do other host work besides launching (FP8 scales, block-mask lists, returned probabilities, empty
+inputs) are never planned (``plannable``), and a record with an argument it cannot trace is dropped: those calls
+keep the path's full Python. Plans apply to compiled kernels on a GPU (or stubbed launches, ``stub.py``).
 """
 
 from __future__ import annotations
@@ -297,6 +294,12 @@ def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tenso
     return slot, workspaces
 
 
+def _constant(value) -> bool:
+    """None, a number, a string or tuples of them: what a plan may keep (no tensor, no descriptor of unknown type)."""
+    plain = (bool, int, float, str, type(None))
+    return all(map(_constant, value)) if isinstance(value, tuple) else isinstance(value, plain)
+
+
 def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
     """The plan of a recorded call, or None when a tensor argument cannot be traced."""
     slot, workspaces = _tracer(inputs, outputs, recording.scratch)
@@ -313,8 +316,8 @@ def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: 
                     fields = {k: v for k, v in vars(value).items() if k != "base"}
                     descriptors.append((position, (slot(value.base), fields)))
                     value = None
-                elif isinstance(value, tuple) and any(isinstance(x, torch.Tensor) for x in value):
-                    raise _Untraceable  # a bundle of tensors (block-mask lists): not planned
+                elif not _constant(value):
+                    raise _Untraceable  # a bundle of tensors (block-mask lists), another kind of descriptor
                 arguments.append(value)
             grid3 = (*grid, 1, 1)[:3]
             launches.append((compiled, grid3, tuple(arguments), tuple(tensors), tuple(descriptors)))
@@ -351,8 +354,7 @@ _PLANS = Variable(PLANS_ENV)
 
 
 def plannable(spec: AttentionSpec) -> bool:
-    """Calls whose host work is launches only: no FP8, no block mask (their lists are built on the host); plans
-    on (``enabled``)."""
+    """Calls whose host work is launches only (no FP8, no block mask: its lists are built on the host), plans on."""
     return spec.descale is None and not spec.fp8_training and spec.block_sparse is None and enabled()
 
 
@@ -393,8 +395,7 @@ def context() -> tuple:
 
 
 def context_if_enabled() -> tuple | None:
-    """``context()`` where plans are ``enabled``, else None: in one function, as a kept plan checks it on every
-    call (``flashattn.fastpath``)."""
+    """``context()`` where plans are ``enabled``, else None: inlined, as kept plans check it every call (fastpath)."""
     if not _enabled.get() or _PLANS.get("1") == "0":
         return None
     return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
@@ -434,8 +435,7 @@ class PlanCache:
         return outputs
 
     def get(self, signature: tuple) -> Plan | None:
-        """The plan recorded for ``signature``, if any (for callers that replay it themselves: count them in
-        ``replays``)."""
+        """The plan recorded for ``signature``, if any (a caller that replays it itself counts ``replays``)."""
         return self._plans.get(signature)
 
     def clear(self) -> None:
