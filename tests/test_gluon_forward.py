@@ -1,4 +1,4 @@
-"""The Gluon FlashAttention-3-style forward (``tools/gluon/forward.py``) compiled
+"""The Hopper tier's Gluon FlashAttention-3-style forward (``flashattn/backends/triton/hopper/forward.py``) compiled
 offline for sm_90 (no GPU): the Hopper techniques it was written to express are in the SASS.
 
 Two variants of the shipped schedule are compiled (head dim 128 non-causal, head dim 64 causal) in a subprocess

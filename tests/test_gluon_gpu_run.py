@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def needs_gluon(test):
-    """The harness reads the kernel's schedules from tools/gluon/forward.py, written against Gluon's 3.6 API."""
+    """The harness reads the schedules from the Hopper tier's kernel module, written against Gluon's 3.6 API."""
     recorded = recorded_on_oldest("the experimental Gluon forward (Gluon's API changes between releases)")
     return needs_triton(recorded(test))
 

@@ -192,6 +192,9 @@ def test_the_kernel_smoke_passes_the_real_kernels_and_poisons_their_outputs(monk
 
     for kernel in smoke.KERNELS:
         row = smoke.run_case(smoke.Case(kernel, "bfloat16", 16, False), smoke.TINY, "cpu")
+        if kernel in smoke.GPU_ONLY:  # the Hopper tier under the interpreter: declined, and why
+            assert row["status"] == "declined" and "head dims" in row["reason"], row
+            continue
         assert row["status"] == "ok", row
     with smoke.poisoned():
         assert torch.empty(3).isnan().all() and torch.empty_like(torch.ones(2)).isnan().all()

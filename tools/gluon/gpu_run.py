@@ -36,7 +36,7 @@ REPEATS = 20
 
 
 def _variants():
-    from tools.gluon.forward import VARIANTS
+    from flashattn.backends.triton.hopper.forward import VARIANTS
     return VARIANTS
 
 
@@ -55,13 +55,14 @@ def _kernel(dry: bool):
             out, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, upcast=False)
             return out.to(q.dtype), lse.float()
         return plain
-    from tools.gluon.forward import _arguments, attention_forward_ws_kernel
+    from flashattn.backends.triton.hopper.forward import attention_forward_ws_kernel, launch_arguments
 
     def launch(q, k, v, causal, schedule):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
-        grid, args, options = _arguments(q, k, v, out, lse, causal, q.shape[-1] ** -0.5, schedule)
-        attention_forward_ws_kernel[grid](*args, **options)
+        grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=q.shape[-1] ** -0.5,
+                                        schedule=schedule)
+        attention_forward_ws_kernel[grid](**kwargs)
         return out, lse
     return launch
 

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import torch
 
-from .forward import BLOCK_M, BLOCK_N, SCHEDULES, VARIANTS, Schedule, _arguments, attention_forward_ws_kernel
+from flashattn.backends.triton.hopper.forward import (
+    BLOCK_M,
+    BLOCK_N,
+    SCHEDULES,
+    VARIANTS,
+    Schedule,
+    attention_forward_ws_kernel,
+    launch_arguments,
+)
 
 # The shape the tl kernels are profiled at (tools.offline.profile): batch 2, 2048 tokens, 4 heads.
 PROFILE_SHAPE = (2, 2048, 4)
@@ -34,9 +42,9 @@ def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, 
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen)
     schedule = schedule or SCHEDULES[head_dim]
-    grid, args, options = _arguments(q, k, v, out, lse, causal, head_dim**-0.5, schedule)
+    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, schedule=schedule)
     with _offline(90):
-        return attention_forward_ws_kernel.warmup(*args, grid=grid, **options)
+        return attention_forward_ws_kernel.warmup(grid=grid, **kwargs)
 
 
 @dataclass

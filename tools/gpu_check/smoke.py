@@ -37,9 +37,11 @@ from pathlib import Path
 
 from .graph_case import check_decode_graph
 from .plan import ROOT, TESTS
+from .tier_case import check_tier
 
-KERNELS = ("fwd+bwd", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train",
+KERNELS = ("fwd+bwd", "tier", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train",
            "fp8-backward", "decode-graph")
+GPU_ONLY = {"tier"}  # the Hopper tier's Gluon kernel: compiled kernels on sm_90 alone, never the interpreter
 # Cases whose inputs are FP8 (or bf16 quantized to FP8) whatever the dtype, or that test no dtype: under this one.
 ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16", "fp8-backward": "bfloat16", "decode-graph": "bfloat16"}
 DTYPES = ("bfloat16", "float16", "float32")
@@ -79,7 +81,7 @@ def cases(tiny: bool) -> list[Case]:
     dtypes, dims = (("float32", "bfloat16"), (16,)) if tiny else (DTYPES, HEAD_DIMS)
     return [Case(kernel, dtype, d, causal) for dtype in dtypes for d in dims for causal in (True, False)
             for kernel in KERNELS if not (kernel == "fp8-cache" and dtype == "float32")  # 16-bit q reads FP8
-            and ONCE.get(kernel, dtype) == dtype]
+            and ONCE.get(kernel, dtype) == dtype and not (tiny and kernel in GPU_ONLY)]
 
 
 @contextmanager
@@ -305,7 +307,8 @@ def check_fp8_train(case: Case, sizes: Sizes, device: str, fp8_backward: bool = 
     return {name: float(f"{e:.3g}") for name, e in errors.items()}
 
 
-CHECKS = {"fwd+bwd": check_fwd_bwd, "dropout": check_dropout, "block-mask": check_block_mask,
+CHECKS = {"fwd+bwd": check_fwd_bwd, "tier": lambda c, s, dev: check_tier(c, s, dev, check_fwd_bwd),
+          "dropout": check_dropout, "block-mask": check_block_mask,
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),
           "fp8-cache": lambda c, s, dev: _check_decode(c, s, dev, splits=0, fp8_cache=True),

@@ -17,7 +17,7 @@ import torch
 
 from ...quantize import amax_scales
 from ..spec import AttentionSpec, Saved, output_dtype, per_row
-from . import NAME, configs, interpreting, plans
+from . import NAME, configs, hopper, interpreting, plans
 from .call_plans import CachePlan, VarlenPlan
 from .fit import launch_fitting
 from .kernels import (
@@ -246,6 +246,9 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape, *, values_i
     """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs);
     ``values_interleaved``: v is ``interleaved_values``'s."""
     out, lse, probs = results
+    if hopper.declines(q, k, v, spec, probs=probs is not None) is None:
+        hopper.launch_forward(q, k, v, out, lse, causal=spec.window_right == 0, scale=spec.scale)
+        return
     plain = (spec.alibi_slopes is None and spec.attn_mask is None and spec.block_sparse is None and probs is None
              and spec.dropout_p == 0)
     rows = QueryRows(q, out, lse, shape, spec, plain=plain)

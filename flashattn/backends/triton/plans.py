@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..direct import hooked
 from ..environ import Variable
 from ..spec import AttentionSpec, aliases
-from . import configs, tma
+from . import configs, hopper, tma
 from .entry import Entry, entry, expansion
 
 
@@ -389,16 +389,16 @@ def key(kind: str, tensors: Sequence[torch.Tensor | None], scalars: tuple, extra
 
 
 def context() -> tuple:
-    """What besides a call's arguments decides its launches: the forced tiles and descriptors and the current
+    """What besides a call's arguments decides its launches: the forced tiles, descriptors and tier and the current
     device; with the plans' generation (``PlanCache.clear``), so that a plan handed out is known to be current."""
-    return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
+    return configs.context(), tma.forced(), hopper.TIER.get(), driver.active.get_current_device(), _generation
 
 
 def context_if_enabled() -> tuple | None:
     """``context()`` where plans are ``enabled``, else None: inlined, as kept plans check it every call (fastpath)."""
     if not _enabled.get() or _PLANS.get("1") == "0":
         return None
-    return configs.context(), tma.forced(), driver.active.get_current_device(), _generation
+    return configs.context(), tma.forced(), hopper.TIER.get(), driver.active.get_current_device(), _generation
 
 
 _generation = 0  # bumped whenever a cache forgets its plans

@@ -1,0 +1,108 @@
+"""The ``triton`` path's Hopper tier: kernels for sm_90 alone (a TMA producer warp, consumer warpgroups with
+register reallocation, async wgmma under the softmax; written in Gluon), chosen call by call over the portable
+kernels where they serve the call and were measured faster.
+
+Today one kernel, the forward (``forward.py``), and one rule (``declines``): bf16 with head dim 64, dense
+(batch, seqlen, heads, d) q, k and v with as many key as query heads, causal (bottom-right) or not, and nothing else
+(no window, softcap, ALiBi, mask, block mask, dropout, sink, FP8, KV cache or packed sequences). There, on an H200,
+its schedule ran 1.36-1.40x the portable forward at 8k tokens, 1.26x at 1k (level when causal), correct against
+float64 in every case tried (``benchmarks/NOTES.md``); at head dim 128 it was level, so the portable kernel keeps
+it. Its backward is the portable one, from the same out and lse.
+
+``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
+``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128 and fp16 too).
+
+Example::
+
+    >>> import torch
+    >>> q = torch.empty(2, 1024, 16, 64, dtype=torch.bfloat16)
+    >>> declines(q, q, q, AttentionSpec(scale=0.125, window_right=0), probs=False, arch=90)
+    >>> declines(q, q, q, AttentionSpec(scale=0.125, softcap=30.0), probs=False, arch=90)
+    'softcap'
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...environ import Variable
+from ...spec import AttentionSpec
+
+TIER = Variable("FLASHATTN_TRITON_TIER")
+TIERS = ("auto", "portable", "hopper")
+MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above)
+RUNS = {torch.bfloat16, torch.float16}, {64, 128}  # what the kernel can run (``hopper``)
+INT32 = 2**31 - 1  # the kernel's row and lse offsets are 32-bit
+GRID_Y = 65535  # batch x heads is the grid's second axis
+GLUON_RELEASE = (3, 6)  # the Triton release the kernel is written and checked for
+
+
+def tier() -> str:
+    value = TIER.get("auto")
+    if value not in TIERS:
+        raise ValueError(f"FLASHATTN_TRITON_TIER={value!r} is not one of {', '.join(TIERS)}")
+    return value
+
+
+def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | None = None) -> str | None:
+    """Why the tier does not run this forward (None: it does). q (B, Nq, H, D), k and v (B, Nk, Hk, D) as the
+    call's; ``probs``: the call returns its probabilities; ``arch`` the target (default ``launch.target_arch()``,
+    asked last: the cheap tests decline most calls first)."""
+    chosen = tier()
+    if chosen == "portable":
+        return "FLASHATTN_TRITON_TIER=portable"
+    dtypes, dims = RUNS
+    if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype or q.ndim != 4 or spec.packed:
+        return "dtype or layout"
+    b, nq, h, d = q.shape
+    if d not in dims or tuple(k.shape) != (b, k.shape[1], h, d) or v.shape != k.shape:
+        return "head dims or grouped heads"
+    if chosen == "auto" and (q.dtype, d) not in MEASURED_FASTER:
+        return "not measured faster than the portable forward"
+    why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
+    if why:
+        return why
+    from .. import installed_release
+
+    if installed_release() != GLUON_RELEASE:  # Gluon's API changes between releases; the kernel is 3.6's
+        return f"triton {installed_release()}, not {GLUON_RELEASE}"
+    if arch is None:
+        from ..launch import target_arch
+
+        arch = target_arch()
+    return None if arch == 90 else f"not sm_90 ({arch or 'the interpreter'})"
+
+
+def _options_decline(spec: AttentionSpec, causal_alignment: bool) -> str | None:
+    features = {"softcap": spec.softcap > 0, "dropout": spec.dropout_p > 0, "alibi": spec.alibi_slopes is not None,
+                "sink": spec.sink is not None, "mask": spec.attn_mask is not None or spec.block_sparse is not None,
+                "cache": spec.cache is not None, "fp8": spec.descale is not None or spec.fp8_training,
+                "scale": not spec.scale > 0}
+    used = next((name for name, on in features.items() if on), None)
+    if used:
+        return used
+    full = (spec.window_left, spec.window_right) == (-1, -1)
+    causal = (spec.window_left, spec.window_right) == (-1, 0) and (spec.bottom_right or causal_alignment)
+    return None if (full or causal) and spec.diagonal_offset == 0 else "window"
+
+
+def _memory_declines(q, k, v) -> str | None:
+    b, nq, h, _ = q.shape
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+        return "not contiguous or not 16-byte aligned (TMA)"
+    if b * h > GRID_Y or b * h * nq > INT32 or b * max(nq, k.shape[1]) > INT32:
+        return "too large for 32-bit offsets"
+    return None
+
+
+def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
+    """Run the tier's forward into ``out`` (q's shape) and ``lse`` (B, H, Nq) float32, through the path's
+    ``launch`` (compile-only runs and launch plans see it as any other kernel)."""
+    from ..launch import launch
+    from .forward import Schedule, attention_forward_ws_kernel, launch_arguments
+
+    # The fastest correct schedule on an H200 at 1k and 8k tokens (benchmarks/NOTES.md): FlashAttention-3's (P V
+    # under the softmax), with ping-pong at d=64 (1.36-1.40x the portable forward at 8k), without at d=128.
+    schedule = Schedule("pv", pingpong=q.shape[-1] == 64)
+    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule)
+    launch(attention_forward_ws_kernel, grid, **kwargs)

@@ -1,0 +1,242 @@
+"""The Hopper tier's forward: FlashAttention-3's structure for sm_90, written in Gluon (``triton.experimental.gluon``,
+Triton 3.6), which expresses what ``tl`` cannot there (on sm_90 ``tl`` waits for each QK^T at once). One program
+(CTA) owns 128 query rows of one (batch, head) and runs three partitions (``gl.warp_specialize``):
+
+- **producer**, 1 warp (its warpgroup padded to 4 by the compiler), ``setmaxnreg`` down to 24 registers: TMA loads
+  of the two 64-row Q tiles once, then K_j and V_j into two rings (``STAGES``); every stage has a "ready" mbarrier
+  (completed by the TMA transaction count) and an "empty" one both consumers arrive on;
+- **two consumer warpgroups**, 4 warps each, ``setmaxnreg`` up to 240: each owns 64 of the 128 rows and walks every
+  key tile with async wgmma so that a matmul runs under each softmax. Two schedules (``Schedule.overlap``):
+
+  "qk"  issue S_{j+1} = Q K_{j+1}^T; softmax of S_j under it; O *= alpha; issue O += P_j V_j; retire both
+  "pv"  issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; retire S_j; softmax of S_j under PV_{j-1}; retire PV_{j-1}
+        (FlashAttention-3's Algorithm 2)
+
+  With ``pingpong`` the two consumers take turns issuing their wgmmas (two mbarriers pass the turn).
+
+Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)``. Keys past the sequence and (``causal``) keys right of
+the bottom-right-aligned diagonal are masked only in the tiles that need it (an unmasked loop, then a masked one).
+
+Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads, d), contiguous, d in (64, 128), bf16 or
+fp16, read through 2-D TMA descriptors over the (batch * seqlen, heads * d) view: a tile is rows x d at column
+h * d. A tile running past a sequence reads the next sequence's rows; those keys are masked and those queries never
+stored. out has q's shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serves: the tier's
+``__init__.py``. Its correctness and speed on a GPU: ``python -m tools.gluon.gpu_run``; its SASS offline:
+``python -m tools.gluon.profile`` (``benchmarks/NOTES.md`` has both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .steps import _mma_layout, _pass_turn, _pv_schedule, _qk, _qk_schedule, _ready, _release, _take_turn, _tile_count
+
+LOG2E = 1.4426950408889634
+WG_M = 64  # query rows per consumer warpgroup: S (64 x 128 fp32) is 64 registers a thread, so two fit
+BLOCK_M = 2 * WG_M  # query rows per program: two consumer warpgroups
+BLOCK_N = 128
+# (K, V) ring depths: at d=128 a tile is 32 KiB, and Q 32 KiB + 2 K + 3 V tiles = 192 KiB of the 227 KiB. V gets the
+# deeper ring because schedule "pv" frees V_{j-1} late (see _pv_step).
+STAGES = {64: (4, 4), 128: (2, 3)}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a consumer warpgroup overlaps its matmuls with its softmax: ``overlap`` "qk" (S_{j+1} = Q K_{j+1}^T runs
+    under the softmax of S_j) or "pv" (FlashAttention-3's Algorithm 2: O += P_{j-1} V_{j-1} runs under it);
+    ``pingpong``: the two consumers take turns issuing; ``unroll`` (schedule "qk"): 2 saves S's 64-register copy."""
+
+    overlap: str = "qk"
+    pingpong: bool = True
+    unroll: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.overlap}{'+pingpong' if self.pingpong else ''}{f' x{self.unroll}' if self.unroll > 1 else ''}"
+
+
+CONSUMER_REGS = 240  # FA3's split of 64K registers over 3 warpgroups: 240 + 240 + 24 (x 128 threads) <= 65536
+PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scalars
+# What forward launches: the fewest instructions per score with a QK^T under every softmax (see NOTES.md). One H200
+# run timed every variant (NOTES.md): the best differs by head dim, mask and length; kept until a second confirms.
+SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2)}
+VARIANTS = (Schedule("qk", False), Schedule("qk", True), Schedule("qk", True, 2), Schedule("pv", False),
+            Schedule("pv", True))
+
+
+@gluon.jit
+def _store(o, m, l, out, rows, limits):
+    o_ptr, lse_ptr, o_row0, o_col0, o_pitch, lse_row0 = out
+    seqlen_q, seqlen_k, qk_scale = limits
+    HEAD_D: gl.constexpr = o.shape[1]
+    o_layout: gl.constexpr = _mma_layout(HEAD_D)
+    lse = (m + gl.log2(l)) * 0.6931471805599453  # log2 units back to natural log; -inf for a row with no key
+    gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
+
+    inv = 1.0 / gl.where(l == 0.0, 1.0, l)
+    o = o * gl.convert_layout(inv, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    offsets = (o_row0 + o_rows).to(gl.int64)[:, None] * o_pitch + (o_col0 + o_cols)[None, :]
+    # Pointer stores, not TMA: a tile's last rows may belong to the next sequence of the flat view.
+    gl.store(o_ptr + offsets, o.to(o_ptr.dtype.element_ty), mask=o_rows[:, None] < seqlen_q)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- see the docstring
+              CAUSAL: gl.constexpr, QK_AHEAD: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile; O and lse stored.
+    The switches are arguments of their own: inside a tuple, warp_specialize hands constexprs over as tensors."""
+    q_smem, k_bufs, v_bufs = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+    m0, seqlen_q, seqlen_k, qk_scale = geometry
+    WG_M: gl.constexpr = q_smem.shape[1]
+    HEAD_D: gl.constexpr = q_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+    limits = (seqlen_q, seqlen_k, qk_scale)
+    rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)  # never read: use_acc=False
+    ctx = (q_smem.index(WG), k_bufs, v_bufs, zero_s, cols, rows, limits)
+    loop_bars = (k_ready, v_ready, k_empty, v_empty, turn)
+
+    if PINGPONG and WG == 1:
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 takes the first turn
+    mbarrier.wait(q_bar, 0)
+    _ready(k_ready, 0)
+    _take_turn(turn, WG, 0, PINGPONG)
+    s = _qk(ctx, 0)
+    _pass_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    _release(k_empty, 0)
+    m = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+    o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D))
+    if QK_AHEAD:
+        o, m, l = _qk_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG, UNROLL)
+    else:
+        o, m, l = _pv_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG)
+    _store(o, m, l, out, rows, limits)
+
+
+@gluon.jit
+def _load(desc, bufs, ready, empty, j, row, col):
+    """Tile j into its stage of a ring once both consumers have released the stage's previous tile."""
+    STAGES: gl.constexpr = bufs.shape[0]
+    stage = j % STAGES
+    # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
+    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], ready.index(stage), bufs.index(stage))
+
+
+@gluon.jit
+def _producer(descs, smem, bars, coords, tiles):
+    """One warp: Q once, then K_j and V_j for every key tile into the rings; a K or V stage is refilled once both
+    consumers have released it (count 2)."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_bufs, v_bufs = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+    q_row, kv_row, col = coords
+    WG_M: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, col], q_bar, q_smem.index(1))
+    for j in range(tiles):
+        row = kv_row + j * BLOCK_N
+        _load(k_desc, k_bufs, k_ready, k_empty, j, row, col)
+        _load(v_desc, v_bufs, v_ready, v_empty, j, row, col)
+
+
+@gluon.jit
+def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
+        q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads, qk_scale,
+        CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
+        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(seqlen_q, 128), batch * heads); num_warps=4 (the default partition, consumer 0). OVERLAP is "qk"
+    or "pv" (the schedule), UNROLL 1 or 2 (schedule "qk" only)."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    m0 = pid_m * (2 * WG_M)
+    tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+
+    smem = (q_smem, k_bufs, v_bufs)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
+    geometry = (m0, seqlen_q, seqlen_k, qk_scale)
+    out = (o_ptr, lse_ptr, b * seqlen_q, h * HEAD_D, heads * HEAD_D, pid_bh * seqlen_q)
+    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D)
+    gl.warp_specialize([
+        (_consumer, (0, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_consumer, (1, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, tiles)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """2-D TMA descriptors over the (batch * seqlen, heads * d) views; Q tiles are 64 rows, K and V tiles 128."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    d = q.shape[-1]
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+
+    return desc(q, WG_M), desc(k, BLOCK_N), desc(v, BLOCK_N)
+
+
+def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule) -> tuple[tuple, dict]:
+    """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v
+    (batch, seqlen_k, heads, d), out (q's shape) and lse (batch, heads, seqlen_q) float32: ``kernel[grid](**kwargs)``.
+    The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another way."""
+    batch, seqlen_q, heads, d = q.shape
+    if d not in STAGES:
+        raise ValueError(f"head dim {d} not supported (64 or 128)")
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k, v must share one dtype, bf16 or fp16")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:]:
+        raise ValueError("k and v must be (batch, seqlen_k, heads, d) with q's batch, heads and d")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("q, k, v must be contiguous (batch, seqlen, heads, d)")
+    if not scale > 0:
+        raise ValueError("scale must be positive (the row max is taken before scaling)")
+    q_desc, k_desc, v_desc = _descriptors(q, k, v)
+    kwargs = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_ptr=out, lse_ptr=lse, seqlen_q=seqlen_q,
+                  seqlen_k=k.shape[1], heads=heads, qk_scale=scale * LOG2E, CAUSAL=causal, OVERLAP=schedule.overlap,
+                  PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1],
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return (triton.cdiv(seqlen_q, BLOCK_M), batch * heads), kwargs

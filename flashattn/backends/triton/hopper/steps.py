@@ -1,0 +1,219 @@
+"""The consumer warpgroups' steps in the Hopper forward (``forward.py``): the key ring's barriers, the ping-pong
+turn, the two matmuls, the online softmax, and the two schedules that put a matmul under each softmax."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """The wgmma accumulator layout of a 64 x n tile over one warpgroup (instructions 64 x n x 16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _tile_count(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(key tiles the rows [m0, m0 + BLOCK_M) visit, how many leading ones need no mask): at least one tile."""
+    hi = seqlen_k
+    full = seqlen_k // BLOCK_N
+    if CAUSAL:
+        shift = seqlen_k - seqlen_q  # bottom-right aligned: row i sees keys <= i + shift
+        hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + shift, 0))
+        full = gl.minimum(full, gl.maximum(m0 + shift + 1, 0) // BLOCK_N)
+    tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a program with no visible key still writes zeros and -inf
+    return tiles, gl.minimum(full, tiles)
+
+
+@gluon.jit
+def _take_turn(turn, WG: gl.constexpr, parity, PINGPONG: gl.constexpr):
+    # Turn k of a warpgroup waits for the k-th completion of its own barrier; the two alternate strictly, so a
+    # barrier never completes twice ahead of its waiter and the parity alone names the completion.
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), parity)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG))
+
+
+@gluon.jit
+def _ready(ring, j):
+    """Wait until tile j's stage of a K or V ring has landed (the TMA transaction count completes the barrier)."""
+    STAGES: gl.constexpr = ring.shape[0]
+    mbarrier.wait(ring.index(j % STAGES), (j // STAGES) & 1)
+
+
+@gluon.jit
+def _release(ring, j):
+    STAGES: gl.constexpr = ring.shape[0]
+    mbarrier.arrive(ring.index(j % STAGES))
+
+
+@gluon.jit
+def _qk(ctx, j):
+    """S_j = Q K_j^T issued (async): 64 x BLOCK_N fp32, both operands in shared memory."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    return warpgroup_mma(q, k_bufs.index(j % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv(ctx, o, p, j):
+    """O += P_j V_j issued (async): P from registers (bf16/fp16, wgmma operand A layout), V from shared memory."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    return warpgroup_mma(p, v_bufs.index(j % STAGES), o, is_async=True)
+
+
+@gluon.jit
+def _to_p(p, dtype: gl.constexpr, HEAD_D: gl.constexpr):
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_D), k_width=2))
+
+
+@gluon.jit
+def _rescale(o, alpha):
+    HEAD_D: gl.constexpr = o.shape[1]
+    return o * gl.convert_layout(alpha, gl.SliceLayout(1, _mma_layout(HEAD_D)))[:, None]
+
+
+@gluon.jit
+def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of score tile j (``s`` = raw QK^T, 64 x BLOCK_N): (P fp32, alpha, new row max, new row sum),
+    the row max in log2 units of the scaled scores."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    seqlen_q, seqlen_k, qk_scale = limits
+    BLOCK_N: gl.constexpr = s.shape[1]
+    if MASK:
+        key = j * BLOCK_N + cols
+        keep = key[None, :] < seqlen_k
+        if CAUSAL:
+            keep = keep & (key[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)  # scale > 0: the max commutes with it
+    # A row with no key yet gets p = 0, not NaN; an unmasked tile gives every row a finite score.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new) if MASK else m_new
+    alpha = gl.exp2(m - m_use)
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    return p, alpha, m_new, l * alpha + gl.sum(p, axis=1)
+
+
+# --- schedule "qk": S_{j+1} = Q K_{j+1}^T runs while the softmax of S_j does ------------------------------------
+
+
+@gluon.jit
+def _softmax_pv(s, o, m, l, j, ctx, bars, WG: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr,  # noqa: PLR0913
+                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """The softmax of S_j, then O += P_j V_j issued in this warpgroup's ``TURN`` (left in flight)."""
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    o = _rescale(o, alpha)
+    _ready(v_ready, j)
+    _take_turn(turn, WG, TURN, PINGPONG)
+    o = _pv(ctx, o, _to_p(p, ctx[2].dtype, o.shape[1]), j)
+    _pass_turn(turn, WG, PINGPONG)
+    return o, m, l
+
+
+@gluon.jit
+def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             PINGPONG: gl.constexpr):
+    """Tile j, state (S_j retired, O, m, l): S_{j+1} issued, softmax of S_j under it, PV_j issued, both retired."""
+    s, o, m, l = state
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    _ready(k_ready, j + 1)
+    _take_turn(turn, WG, 1, PINGPONG)
+    s_next = _qk(ctx, j + 1)
+    _pass_turn(turn, WG, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, j, ctx, bars, WG, 0, MASK, CAUSAL, PINGPONG)
+    # Nothing stays in flight across the back edge: with PV_j still in flight there (retired after the next
+    # softmax), ptxas serialised every wgmma of the kernel (C7514, "non wgmma instructions reading accumulator
+    # registers of a wgmma between start and end of the pipeline stage").
+    s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, o))
+    _release(k_empty, j + 1)
+    _release(v_empty, j)
+    return s, o, m, l
+
+
+@gluon.jit
+def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                 UNROLL: gl.constexpr):
+    """Schedule "qk" from state (S_0 retired, O, m, l) over span (tiles, leading unmasked tiles); the last tile is
+    peeled: no S_{j+1} to issue."""
+    s, o, m, l = state
+    tiles, full = span
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    plain = gl.minimum(full, tiles - 1)
+    if UNROLL == 2:
+        # S_j and S_{j+1} swap register sets instead of a 64-register copy closing every trip (the wgmma result
+        # lands in the same registers each time). An odd plain tile goes to the masked loop.
+        start = plain // 2 * 2
+        for j in range(0, start, 2):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+            s, o, m, l = _qk_step(j + 1, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+    else:
+        start = plain
+        for j in range(plain):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+    for j in range(start, tiles - 1):
+        s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, tiles - 1, ctx, bars, WG, 1, True, CAUSAL, PINGPONG)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    return o, m, l
+
+
+# --- schedule "pv" (FlashAttention-3's Algorithm 2): O += P_{j-1} V_{j-1} runs while the softmax of S_j does ------
+
+
+@gluon.jit
+def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             PINGPONG: gl.constexpr):
+    """Tile j, state (P_{j-1} in operand registers, its alpha, O retired, m, l): S_j and PV_{j-1} issued back to
+    back (one turn), S_j retired, its softmax under PV_{j-1}, then PV_{j-1} retired and P_j converted."""
+    p, alpha, o, m, l = state
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    STAGES: gl.constexpr = v_empty.shape[0]
+    _ready(k_ready, j)
+    _take_turn(turn, WG, j & 1, PINGPONG)
+    s = _qk(ctx, j)
+    o = _rescale(o, alpha)
+    _ready(v_ready, j - 1)
+    o = _pv(ctx, o, p, j - 1)
+    _pass_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    _release(k_empty, j)
+    # V_{j-2}, not V_{j-1}: an arrive that must follow PV_{j-1}'s retirement lets ptxas hoist that wait above the
+    # softmax (measured: 33 instructions left under PV instead of about 200). Hence V's deeper ring.
+    mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), pred=j >= 2)
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    # Converted only now: P_{j-1}'s registers are wgmma inputs until PV_{j-1} retires.
+    return _to_p(p, ctx[2].dtype, o.shape[1]), alpha, o, m, l
+
+
+@gluon.jit
+def _pv_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Schedule "pv" from state (S_0 retired, O, m, l) over span (tiles, leading unmasked tiles); the last PV is
+    issued after the loops."""
+    s, o, m, l = state
+    tiles, full = span
+    k_ready, v_ready, k_empty, v_empty, turn = bars
+    p, alpha, m, l = _softmax(s, m, l, 0, ctx, True, CAUSAL)
+    p = _to_p(p, ctx[2].dtype, o.shape[1])
+    plain = gl.minimum(full, tiles)
+    for j in range(1, plain):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+    for j in range(gl.maximum(plain, 1), tiles):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
+    last = tiles - 1
+    o = _rescale(o, alpha)
+    _ready(v_ready, last)
+    _take_turn(turn, WG, tiles & 1, PINGPONG)
+    o = _pv(ctx, o, p, last)
+    _pass_turn(turn, WG, PINGPONG)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    return o, m, l

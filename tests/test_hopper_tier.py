@@ -1,0 +1,182 @@
+"""The triton path's Hopper tier (``flashattn.backends.triton.hopper``): which forwards it takes (``declines``), and,
+with the kernels compiled for sm_90 and their launches stubbed (a process without Triton's interpreter), that a call
+it takes launches the warp-specialized kernel on that call's own tensors (never a previous call's: its Gluon
+descriptors are not baked into a launch plan), that its backward is the portable one, and that every other call,
+GPU or setting keeps the portable forward. Its results on a GPU: gpu-check (the kernel smoke and the ``gluon`` step).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from triton_versions import needs_triton, recorded_on_oldest
+
+from conftest import run_compiled
+from flashattn.backends.spec import AttentionSpec, KeyCache
+from flashattn.backends.triton import hopper
+
+BF16 = torch.bfloat16
+
+
+def _qkv(b=2, nq=300, nk=300, h=4, hk=4, d=64, dtype=BF16):
+    q = torch.empty(b, nq, h, d, dtype=dtype)
+    k, v = (torch.empty(b, nk, hk, d, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.fixture(autouse=True)
+def _any_triton(monkeypatch):
+    """The routing rule's tests hold on any Triton: the release the kernel needs is taken to be the one here."""
+    from flashattn.backends.triton import installed_release
+
+    monkeypatch.setattr(hopper, "GLUON_RELEASE", installed_release())
+
+
+CAUSAL = AttentionSpec(scale=0.125, window_right=0)
+FULL = AttentionSpec(scale=0.125)
+
+
+@pytest.mark.parametrize("case, why", [
+    ((_qkv(), CAUSAL), None),
+    ((_qkv(), FULL), None),
+    ((_qkv(nq=1, nk=1025), FULL), None),
+    ((_qkv(nq=300, nk=100), CAUSAL), None),  # bottom-right, as the kernel aligns it
+    ((_qkv(nq=300, nk=100), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), "window"),
+    ((_qkv(), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), None),  # the same diagonal
+    ((_qkv(), AttentionSpec(scale=0.125, window_left=64, window_right=0)), "window"),
+    ((_qkv(), AttentionSpec(scale=0.125, window_right=0, diagonal_offset=128)), "window"),
+    ((_qkv(), AttentionSpec(scale=0.125, softcap=30.0)), "softcap"),
+    ((_qkv(), AttentionSpec(scale=0.125, dropout_p=0.1)), "dropout"),
+    ((_qkv(), AttentionSpec(scale=0.125, alibi_slopes=torch.ones(4))), "alibi"),
+    ((_qkv(), AttentionSpec(scale=0.125, sink=torch.zeros(4))), "sink"),
+    ((_qkv(), AttentionSpec(scale=0.125, attn_mask=torch.ones(1, 1, 300, 300, dtype=torch.bool))), "mask"),
+    ((_qkv(), AttentionSpec(scale=-0.125)), "scale"),
+    ((_qkv(hk=2), FULL), "head dims or grouped heads"),
+    ((_qkv(d=128), FULL), "not measured faster than the portable forward"),
+    ((_qkv(d=96), FULL), "head dims or grouped heads"),
+    ((_qkv(dtype=torch.float16), FULL), "not measured faster than the portable forward"),
+    ((_qkv(dtype=torch.float32), FULL), "dtype or layout"),
+])
+def test_which_forwards_the_tier_takes(case, why):
+    (q, k, v), spec = case
+    assert hopper.declines(q, k, v, spec, probs=False, arch=90) == why
+
+
+def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
+    q, k, v = _qkv()
+    assert hopper.declines(q, k, v, FULL, probs=True, arch=90) == "probabilities"
+    assert hopper.declines(q, k, v, FULL, probs=False, arch=80) == "not sm_90 (80)"
+    assert hopper.declines(q, k, v, FULL, probs=False, arch=0) == "not sm_90 (the interpreter)"
+    assert hopper.declines(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, FULL, probs=False,
+                           arch=90).startswith("not contiguous")
+    shifted = torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape)  # 2 bytes past an aligned start
+    assert hopper.declines(shifted, k, v, FULL, probs=False, arch=90).startswith("not contiguous or not 16-byte")
+    wide = torch.empty(70_000, 1, 1, 64, dtype=BF16)  # batch x heads past the grid's second axis
+    assert hopper.declines(wide, wide, wide, FULL, probs=False, arch=90) == "too large for 32-bit offsets"
+    with monkeypatch.context() as patch:
+        patch.setattr(hopper, "GLUON_RELEASE", (0, 1))  # another Triton: its Gluon is another API
+        assert hopper.declines(q, k, v, FULL, probs=False, arch=90).endswith(", not (0, 1)")
+    cache = AttentionSpec(scale=0.125, cache=KeyCache(None, torch.ones(2, dtype=torch.int32), max_seqlen_k=300))
+    assert hopper.declines(q, k, v, cache, probs=False, arch=90) == "cache"
+
+
+def test_the_environment_variable_chooses(monkeypatch):
+    q, k, v = _qkv(d=128, dtype=torch.float16)
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert hopper.declines(q, k, v, FULL, probs=False, arch=90) is None  # wherever it can run
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "portable")
+    assert hopper.declines(*_qkv(), FULL, probs=False, arch=90) == "FLASHATTN_TRITON_TIER=portable"
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "fast")
+    with pytest.raises(ValueError, match="FLASHATTN_TRITON_TIER='fast' is not one of auto, portable, hopper"):
+        hopper.declines(*_qkv(), FULL, probs=False, arch=90)
+
+
+
+def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
+    """gpu-check's ``tier`` case: FLASHATTN_TRITON_TIER=hopper while it runs (restored after), as many key as
+    query heads, and a case the tier declines is reported as declined, not run on the portable kernel."""
+    import os
+
+    from tools.gpu_check import smoke
+    from tools.gpu_check.tier_case import check_tier
+
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "auto")
+    seen = []
+
+    def fwd_bwd(case, sizes, device):
+        seen.append((sizes.heads_k, os.environ["FLASHATTN_TRITON_TIER"]))
+        return {"out": 0.0}
+
+    monkeypatch.setattr(hopper, "declines", lambda *a, **kw: None)
+    case = smoke.Case("tier", "bfloat16", 64, True)
+    assert check_tier(case, smoke.FULL, "cpu", fwd_bwd) == {"out": 0.0}
+    assert seen == [(smoke.FULL.heads, "hopper")] and os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+    monkeypatch.setattr(hopper, "declines", lambda *a, **kw: "not sm_90 (80)")
+    with pytest.raises(Exception, match="cannot run this call: not sm_90"):
+        check_tier(case, smoke.FULL, "cpu", fwd_bwd)
+    assert len(seen) == 1 and os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+
+# --- compiled for sm_90, launches stubbed: run as a script --------------------------------------------------------
+
+
+@needs_triton
+@recorded_on_oldest("the Hopper tier's Gluon kernel (Gluon's API changes between releases)")
+def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
+    seen = json.loads(run_compiled(__file__).strip().splitlines()[-1])
+    assert seen["causal d64"] == [["attention_forward_ws_kernel", [3, 8]]]
+    assert seen["second call's q"] == "its own"
+    assert seen["training step"][0] == ["attention_forward_ws_kernel", [3, 8]]
+    assert all("backward" in name for name, _ in seen["training step"][1:]) and len(seen["training step"]) > 1
+    for portable in ("d128", "fp16", "GQA", "sm_80", "tier=portable d64"):
+        assert [name for name, _ in seen[portable]] == ["attention_forward_kernel"], portable
+    assert seen["tier=hopper d128"] == [["attention_forward_ws_kernel", [3, 8]]]
+
+
+def _script() -> dict:
+    import os
+
+    import flashattn
+    from flashattn.backends.triton.stub import stubbed_launches
+
+    def run(arch: int, make, **kw) -> tuple[list, list]:
+        with stubbed_launches(arch, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+            launches.clear()
+            tensors = make()
+            flashattn.flash_attn_func(*tensors, **kw)
+            return [[name, list(grid[:2])] for name, grid, _ in launches.arguments], launches, tensors
+
+    def dense(d=64, dtype=BF16, hk=4, grad=False):
+        return lambda: [torch.randn(2, 300, h, d, dtype=dtype, requires_grad=grad) for h in (4, hk, hk)]
+
+    seen = {"causal d64": run(90, dense(), causal=True)[0]}
+    with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+        for _ in range(2):  # the second call of a signature: a plan would replay the first's launch
+            launches.clear()
+            q, k, v = dense()()
+            flashattn.flash_attn_func(q, k, v)
+        maps = [a for a in launches.arguments[0][2] if type(a).__name__ == "StubTensorMap"]
+        seen["second call's q"] = "its own" if maps and maps[0].pointer == q.data_ptr() else "another's"
+    with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+        q, k, v = dense(grad=True)()
+        out = flashattn.flash_attn_func(q, k, v, causal=True)
+        launches.clear()
+        out.backward(torch.ones_like(out))
+        backward = [name for _, name in launches.stamps]
+    seen["training step"] = seen["causal d64"] + [[name, []] for name in backward]
+    seen["d128"] = run(90, dense(d=128))[0]
+    seen["fp16"] = run(90, dense(dtype=torch.float16))[0]
+    seen["GQA"] = run(90, dense(hk=2))[0]
+    seen["sm_80"] = run(80, dense())[0]
+    os.environ["FLASHATTN_TRITON_TIER"] = "portable"
+    seen["tier=portable d64"] = run(90, dense())[0]
+    os.environ["FLASHATTN_TRITON_TIER"] = "hopper"
+    seen["tier=hopper d128"] = run(90, dense(d=128))[0]
+    return seen
+
+
+if __name__ == "__main__":
+    print(json.dumps(_script()))
+    sys.exit(0)

@@ -1,0 +1,38 @@
+"""gpu-check's ``tier`` smoke case: a forward and backward through ``flash_attn_func`` whose forward the triton path's
+Hopper tier runs (``flashattn/backends/triton/hopper/``), judged against float64 like every other case: the tier's
+routing, its out and lse as the portable backward reads them, on the GPU.
+
+``FLASHATTN_TRITON_TIER=hopper`` for the case, so every dtype and head dim its kernel can run is checked (by default
+it takes bf16 at head dim 64 alone), with as many key as query heads; ``declined`` (and why) where it cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
+    import torch
+
+    from flashattn.backends.spec import AttentionSpec
+    from flashattn.backends.triton import hopper
+    from flashattn.errors import ArgumentError
+
+    sizes = dataclasses.replace(sizes, heads_k=sizes.heads)
+    dtype, d = getattr(torch, case.dtype), case.head_dim
+    q = torch.empty(sizes.batch, sizes.nq, sizes.heads, d, dtype=dtype, device=device)
+    k = torch.empty(sizes.batch, sizes.nk, sizes.heads, d, dtype=dtype, device=device)
+    saved = os.environ.get("FLASHATTN_TRITON_TIER")
+    os.environ["FLASHATTN_TRITON_TIER"] = "hopper"
+    try:
+        why = hopper.declines(q, k, k, AttentionSpec(scale=d**-0.5, window_right=0 if case.causal else -1),
+                              probs=False)
+        if why:
+            raise ArgumentError(f"tier: the Hopper tier's path cannot run this call: {why}")
+        return check_fwd_bwd(case, sizes, device)
+    finally:
+        if saved is None:
+            del os.environ["FLASHATTN_TRITON_TIER"]
+        else:
+            os.environ["FLASHATTN_TRITON_TIER"] = saved
