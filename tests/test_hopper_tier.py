@@ -42,7 +42,8 @@ FULL = AttentionSpec(scale=0.125)
 @pytest.mark.parametrize("case, why", [
     ((_qkv(), CAUSAL), None),
     ((_qkv(), FULL), None),
-    ((_qkv(nq=1, nk=1025), FULL), None),
+    ((_qkv(nq=1, nk=1025), FULL), "decode-shaped (the portable decode kernel)"),
+    ((_qkv(nq=17, nk=1025), FULL), None),
     ((_qkv(nq=300, nk=100), CAUSAL), None),  # bottom-right, as the kernel aligns it
     ((_qkv(nq=300, nk=100), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), "window"),
     ((_qkv(), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), None),  # the same diagonal
@@ -74,7 +75,7 @@ def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
                            arch=90).startswith("not contiguous")
     shifted = torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape)  # 2 bytes past an aligned start
     assert hopper.declines(shifted, k, v, FULL, probs=False, arch=90).startswith("not contiguous or not 16-byte")
-    wide = torch.empty(70_000, 1, 1, 64, dtype=BF16)  # batch x heads past the grid's second axis
+    wide = torch.empty(70_000, 32, 1, 64, dtype=BF16)  # batch x heads past the grid's second axis
     assert hopper.declines(wide, wide, wide, FULL, probs=False, arch=90) == "too large for 32-bit offsets"
     with monkeypatch.context() as patch:
         patch.setattr(hopper, "GLUON_RELEASE", (0, 1))  # another Triton: its Gluon is another API

@@ -27,6 +27,7 @@ import torch
 
 from ...environ import Variable
 from ...spec import AttentionSpec
+from ..configs import DECODE_MAX_ROWS
 
 TIER = Variable("FLASHATTN_TRITON_TIER")
 TIERS = ("auto", "portable", "hopper")
@@ -59,6 +60,8 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
         return "head dims or grouped heads"
     if chosen == "auto" and (q.dtype, d) not in MEASURED_FASTER:
         return "not measured faster than the portable forward"
+    if nq <= DECODE_MAX_ROWS:  # the tier's 128-row programs would idle where the decode kernel is shaped for it
+        return "decode-shaped (the portable decode kernel)"
     why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
     if why:
         return why
