@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import attention_ref, check_against_oracle, feature_kwargs, make_inputs
+from oracle import assert_close, attention_ref, check_against_oracle, feature_kwargs, make_inputs
 
 import flashattn
 from flashattn.backends import Request, cpu, cpu_build, explain, tiled
@@ -371,3 +371,43 @@ def test_a_row_that_sees_only_a_nan_score_is_nan():
     expected = torch.zeros(1, 2, n, dtype=torch.bool)
     expected[..., 35] = True
     assert torch.equal(nan_rows, expected)
+
+
+def _hiding_mask(case: str) -> tuple[tuple[int, int, int, int, int], torch.Tensor]:
+    """((B, Nq, Nk, H, Hk), a boolean mask) that hides whole 256-key tiles from some query blocks but not others."""
+    if case == "key padding":  # sequence 0 sees 200 keys, sequence 1 600: tiles past them hidden
+        b, nq, nk, h, hk = 2, 300, 700, 2, 2
+        mask = torch.arange(nk)[None, None, None, :] < torch.tensor([200, 600])[:, None, None, None]
+    elif case == "first row of each block":  # row i sees every key unless i % 128 == 0 (which sees none)
+        b, nq, nk, h, hk = 1, 300, 700, 2, 2
+        mask = (torch.arange(nq) % 128 != 0)[None, None, :, None].expand(1, 1, nq, nk)
+    else:  # "per head, decode": kv head 0's query heads see keys < 256 only, kv head 1's all of them
+        b, nq, nk, h, hk = 2, 2, 1000, 4, 2
+        mask = torch.ones(1, h, nq, nk, dtype=torch.bool)
+        mask[:, :2, :, 256:] = False
+    return (b, nq, nk, h, hk), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["key padding", "first row of each block", "per head, decode"])
+def test_key_tiles_a_boolean_mask_hides_are_skipped_exactly(case, dtype):
+    """The forward skips a key tile that a boolean mask hides from every row of a query block (mask_hides in
+    cpu_forward.h): out, lse and the gradients stay those of float64 attention, also where only the block's other
+    rows, or another kv head of a decode task, see the tile; rows that see no key give 0."""
+    if not cpu_build.status()[0]:
+        pytest.skip("the C++ kernel is not built here")
+    torch.manual_seed(0)
+    (b, nq, nk, h, hk), mask = _hiding_mask(case)
+    q, k, v = make_inputs(b, nq, nk, h, hk, 64, dtype)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out = flashattn.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    ref, _ = attention_ref(q, k, v, mask=mask)
+    base, _ = attention_ref(q, k, v, mask=mask, upcast=False)
+    assert_close("out", out, ref, base)
+    g = torch.randn_like(out)
+    ours, want, plain = (torch.autograd.grad(o, (q, k, v), g.to(o.dtype)) for o in (out, ref, base))
+    magnitude = max(w.abs().max().item() for w in want)
+    for name, x, w, bl in zip(("dq", "dk", "dv"), ours, want, plain, strict=True):
+        assert_close(name, x, w, bl, factor=3.0, magnitude=magnitude, precision=dtype)
+    if case == "first row of each block":
+        assert (out[0, ::128] == 0).all()
