@@ -142,6 +142,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
       std::fill_n(sc.dq.data(), n * D, acc_t(0));
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
+        if (mask_hides(p, task.seq, hk, 1, g, i, n, std::max(c0, lo), std::min(c0 + cols, hi))) return;
         bool prepacked = false;
         if constexpr (Tiles::kRowMajor) {
           sc.tiles.panel_scores_and_dp(panels.kt(task.seq, hk, c0), panels.vt(task.seq, hk, c0),
