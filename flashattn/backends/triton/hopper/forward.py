@@ -63,8 +63,8 @@ class Schedule:
 
 CONSUMER_REGS = 240  # FA3's split of 64K registers over 3 warpgroups: 240 + 240 + 24 (x 128 threads) <= 65536
 PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scalars
-# What forward launches: the fewest instructions per score with a QK^T under every softmax (see NOTES.md). One H200
-# run timed every variant (NOTES.md): the best differs by head dim, mask and length; kept until a second confirms.
+# The schedule tools/gluon/profile.py measures by default: the fewest instructions per score with a QK^T under every
+# softmax (offline, NOTES.md). What the tier launches was chosen on an H200 instead (``launch_forward``).
 SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2)}
 VARIANTS = (Schedule("qk", False), Schedule("qk", True), Schedule("qk", True, 2), Schedule("pv", False),
             Schedule("pv", True))
