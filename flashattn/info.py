@@ -43,8 +43,7 @@ ENVIRONMENT = (
     ("FLASHATTN_TRITON_MEASURED", "a JSON file of measured Triton configs (tools.gpu_tune's) used first", "unset"),
     ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward has S and dP on FP8 tensor cores", "0"),
     ("FLASHATTN_LAUNCH_PLANS", "0: every Triton call runs its full launch code (no launch plans)", "1"),
-    ("FLASHATTN_TRITON_TIER", "the Triton path's Hopper kernels: auto (where measured faster), portable (never) or "
-                              "hopper (wherever they run)", "auto"),
+    ("FLASHATTN_TRITON_TIER", "Hopper kernels: auto (where faster), portable (never), hopper (where they run)", "auto"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
@@ -55,8 +54,7 @@ ENVIRONMENT = (
                          "imported; slow, for tests)", "unset"),
     ("CUDA_HOME", "CUDA toolkit searched for libnvrtc.so (lib64/) after torch's own", "/usr/local/cuda"),
     ("CUDA_PATH", "the same, when CUDA_HOME is not set", "/usr/local/cuda"),
-    ("CXX", "the C++ compiler flashattn info (and torch's build of the CPU kernel) tries first",
-     "c++, g++, clang++, cc on PATH"),
+    ("CXX", "the C++ compiler flashattn info (and torch's build of the CPU kernel) tries first", "c++, g++... on PATH"),
     ("PATH", "searched for a C++ compiler and ninja; the ninja package's copy is put first when none is found",
      "the system's"),
     ("LOCAL_RANK", "set by torchrun: flashattn bench context-parallel then runs as one rank", "unset"),
