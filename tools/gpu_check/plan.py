@@ -72,11 +72,11 @@ def full(jobs: int) -> list[Step]:
         Step("headline", [*bench, "sweep", "--seqlens", "8192", "--headdims", "64,128", "--modes", "fwd,fwd+bwd",
                           "--baselines", f"{SDPA_BASELINES},flashattn-fp8,flashattn-fp8-train", "--tokens", "16384",
                           "--repeats", "20", "--ceilings", "--quiet", "--out", "{out}", "--name", "headline"], 0.3, 30),
-        # The training mode with FP8 matmuls in the backward too (opt-in until this step has timed it), beside
-        # ours in bf16 in the same run: headline's flashattn-fp8-train has the 16-bit backward.
         # The Gluon (Hopper) forward: every schedule against float64 in its own subprocess, then beside cuDNN.
         Step("gluon", ["tools.gluon.gpu_run", "--out", "{out}", "--budget", "{allowed}", "--jobs", str(jobs)], 0.25,
              60, env=no_cpu_kernel),
+        # The training mode with FP8 matmuls in the backward too (opt-in until this step has timed it), beside
+        # ours in bf16 in the same run: headline's flashattn-fp8-train has the 16-bit backward.
         Step("fp8-backward", [*bench, "sweep", "--seqlens", "8192", "--headdims", "128", "--modes", "fwd+bwd",
                               "--baselines", "flashattn-fp8-train", "--tokens", "16384", "--repeats", "20", "--quiet",
                               "--out", "{out}", "--name", "fp8-backward"], 0.1, 15,
