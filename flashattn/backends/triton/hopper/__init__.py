@@ -16,9 +16,10 @@ Example::
 
     >>> import torch
     >>> q = torch.empty(2, 1024, 16, 64, dtype=torch.bfloat16)
-    >>> declines(q, q, q, AttentionSpec(scale=0.125, window_right=0), probs=False, arch=90)
     >>> declines(q, q, q, AttentionSpec(scale=0.125, softcap=30.0), probs=False, arch=90)
     'softcap'
+    >>> declines(q.half(), q.half(), q.half(), AttentionSpec(scale=0.125), probs=False, arch=90)
+    'not measured faster than the portable forward'
 """
 
 from __future__ import annotations
