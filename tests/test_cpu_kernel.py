@@ -391,9 +391,9 @@ def _hiding_mask(case: str) -> tuple[tuple[int, int, int, int, int], torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["key padding", "first row of each block", "per head, decode"])
 def test_key_tiles_a_boolean_mask_hides_are_skipped_exactly(case, dtype):
-    """The forward skips a key tile that a boolean mask hides from every row of a query block (mask_hides in
-    cpu_forward.h): out, lse and the gradients stay those of float64 attention, also where only the block's other
-    rows, or another kv head of a decode task, see the tile; rows that see no key give 0."""
+    """The forward and the backward skip a key tile that a boolean mask hides from every row of a query block
+    (Problem::for_each_tile, mask_hides): out, lse and the gradients stay those of float64 attention, also where
+    only the block's other rows, or another kv head of a decode task, see the tile; rows that see no key give 0."""
     if not cpu_build.status()[0]:
         pytest.skip("the C++ kernel is not built here")
     torch.manual_seed(0)

@@ -90,6 +90,11 @@ def test_the_environment_variable_chooses(monkeypatch):
     assert hopper.declines(q, k, v, FULL, probs=False, arch=90) is None  # wherever it can run
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "portable")
     assert hopper.declines(*_qkv(), FULL, probs=False, arch=90) == "FLASHATTN_TRITON_TIER=portable"
+    with hopper.using("auto"):  # a tool's block: the variable set inside, the caller's back after
+        assert hopper.declines(*_qkv(), FULL, probs=False, arch=90) is None
+    assert hopper.tier() == "portable"
+    with pytest.raises(ValueError, match="chosen='fast' is not one of"), hopper.using("fast"):
+        pass
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "fast")
     with pytest.raises(ValueError, match="FLASHATTN_TRITON_TIER='fast' is not one of auto, portable, hopper"):
         hopper.declines(*_qkv(), FULL, probs=False, arch=90)

@@ -307,11 +307,12 @@ def table(rows: list[dict], mode: str) -> str:
         verdict = verdicts.get(r["entry"]) if r["impl"] == "flashattn" else None
         limit = "" if verdict is None or verdict["limit_us"] is None else f"{verdict['limit_us']:.0f}"
         mark = "" if verdict is None else ("  met" if verdict["met"] else "  over")
-        each = ", ".join(f"{n.removesuffix('_kernel')} {t:.0f}" for n, t in
-                         zip(r.get("launches", []), r.get("us_to_each_launch", []), strict=True))
         if queued:  # where a queued call's time goes: its own return, and the calls its launch plan ran
             plans = f"{r['plan_replays']}/{r['calls']}" if "plan_replays" in r else ""
             each = f"{r.get('us_to_return', float('nan')):7.1f}  {plans}"
+        else:
+            each = ", ".join(f"{n.removesuffix('_kernel')} {t:.0f}" for n, t in
+                             zip(r.get("launches", []), r.get("us_to_each_launch", []), strict=True))
         lines.append(f"{r['entry']:24} {r['impl']:9} {r['us']:8.1f}  {limit:>7}{mark:5}  {each}")
     return "\n".join(lines)
 

@@ -140,9 +140,9 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
         sc.lse[r] = lse_p[at] == -inf ? inf : lse_p[at] * l2e;
       }
       std::fill_n(sc.dq.data(), n * D, acc_t(0));
+      const BlockRows rows{hk, 1, g, i, n};
       p.for_each_tile(task.seq, hk * p.group + g[0], i[0], lo, hi, [&](int64_t c0, const bool* tile) {
         const int64_t cols = std::min(BN, s.nk - c0);
-        if (mask_hides(p, task.seq, hk, 1, g, i, n, std::max(c0, lo), std::min(c0 + cols, hi))) return;
         bool prepacked = false;
         if constexpr (Tiles::kRowMajor) {
           sc.tiles.panel_scores_and_dp(panels.kt(task.seq, hk, c0), panels.vt(task.seq, hk, c0),
@@ -184,7 +184,7 @@ void backward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const
           sc.tiles.add_gradients(cols, n, sc.dq.data(), dk_seq + c0 * part_row, part_row, dv_seq + c0 * vpart_row,
                                  vpart_row);
         }
-      });
+      }, &rows);
       for (int64_t r = 0; r < n; ++r) {
         scalar_t* dst = const_cast<scalar_t*>(query_row(p, dqrows, s, hk, g[r], i[r]));
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(sc.dq[r * D + d] * dq_factor);

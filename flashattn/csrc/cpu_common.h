@@ -257,9 +257,12 @@ struct Problem {
 
   // Calls fn(c0, tile mask or nullptr) for each key tile [c0, c0 + block_n) among columns [lo, hi) that the query
   // block of head h starting at row i0 visits: every tile, or with a block mask its non-empty ones (a full tile
-  // has no mask of its own). The one tile walk of the forward and the backward.
+  // has no mask of its own); given the block's `rows`, not the tiles a boolean mask hides from all of them (a
+  // key-padding mask's padded tiles). The one tile walk of the forward and the backward.
   template <typename Fn>
-  void for_each_tile(int64_t s_idx, int64_t h, int64_t i0, int64_t lo, int64_t hi, const Fn& fn) const {
+  void for_each_tile(int64_t s_idx, int64_t h, int64_t i0, int64_t lo, int64_t hi, const Fn& fn,
+                     const BlockRows* rows = nullptr) const {
+    const bool dense_mask = rows != nullptr && mask != nullptr && mask_is_bool;
     for (int64_t kj = std::max<int64_t>(lo, 0) / block_n; kj * block_n < hi; ++kj) {
       const bool* tile = nullptr;
       if (tile_kind != nullptr) {
@@ -267,6 +270,11 @@ struct Problem {
                            kj * tile_stride[3];
         if (tile_kind[at] == 0) continue;
         if (tile_kind[at] == 1) tile = partial_masks + static_cast<int64_t>(partial_id[at]) * tile_rows * tile_cols;
+      }
+      const int64_t c_lo = std::max(kj * block_n, lo), c_hi = std::min((kj + 1) * block_n, hi);
+      if (dense_mask && mask_hides(static_cast<const unsigned char*>(mask), mask_stride, group, s_idx, *rows, c_lo,
+                                   c_hi)) {
+        continue;
       }
       fn(kj * block_n, tile);
     }

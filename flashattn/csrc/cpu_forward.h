@@ -210,8 +210,6 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     }
     const auto visit = [&](int64_t c0, const bool* tile) {
       const int64_t cols = std::min(BN, s.nk - c0);
-      if (mask_hides(p, task.seq, task.hk0, task.heads, g, i, n, std::max(c0, task.lo), std::min(c0 + cols, task.hi)))
-        return;
       const bool whole = seen_lo <= c0 && c0 + cols <= seen_hi;
       // The tile's rows of each kv head of the task, as the tile products read them. FP8 rows are widened first,
       // row by row across the task's heads (adjacent in memory), asking for the rows ahead as the packings do.
@@ -353,7 +351,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
       }
     };
     // An empty piece walks no tile (a walk starts at the tile holding lo, which the piece owning lo visits).
-    if (task.lo < task.hi) p.for_each_tile(task.seq, task.hk0 * p.group + g[0], i[0], task.lo, task.hi, visit);
+    const BlockRows rows{task.hk0, task.heads, g, i, n};
+    if (task.lo < task.hi) p.for_each_tile(task.seq, task.hk0 * p.group + g[0], i[0], task.lo, task.hi, visit, &rows);
     for (int64_t slab = 0; slab < task.heads; ++slab) {
       const int64_t hk = task.hk0 + slab;
       for (int64_t r = 0; r < n; ++r) {

@@ -1,9 +1,7 @@
 // The CPU forward's tasks: what a task is (and the backward's unit of work), the scratch each thread keeps for
-// its tasks, how a call is cut into tasks (ForwardPlan), the store of a finished output row, and which key tiles a
-// boolean mask hides from a query block (both walks skip them). The task loop itself is cpu_forward.h.
+// its tasks, how a call is cut into tasks (ForwardPlan), and the store of a finished output row. The task loop
+// itself is cpu_forward.h.
 #pragma once
-
-#include <cstring>
 
 #include "cpu_wide_tiles.h"
 
@@ -14,39 +12,6 @@ namespace flash_cpu {
 struct ForwardTask {
   int64_t seq, block, hk0, heads, lo, hi, piece;
 };
-
-// Whether a boolean mask hides every key of columns [c_lo, c_hi) from every row of a query block (kv heads
-// hk0 .. hk0 + heads - 1, rows (g[r], i[r])). Such a tile adds nothing (P = 0 wherever the mask is false: a row's
-// max, sum and acc stay as they were, and dS = P (dP - delta) = 0), so the forward's and the backward's walks skip
-// its products and passes: a key-padding mask hides its padded tiles whole. Consecutive rows reading one mask row (broadcast over queries or heads) test it once;
-// a row stops at its first visible key, so a tile the mask leaves visible costs a few bytes' test.
-inline bool mask_hides(const Problem& p, int64_t s_idx, int64_t hk0, int64_t heads, const int64_t* g,
-                       const int64_t* i, int64_t n, int64_t c_lo, int64_t c_hi) {
-  if (p.mask == nullptr || !p.mask_is_bool || c_lo >= c_hi) return false;
-  const auto* bytes = static_cast<const unsigned char*>(p.mask);  // any nonzero byte is true, as mask_row reads it
-  const int64_t* st = p.mask_stride;
-  int64_t last = -1;
-  for (int64_t slab = 0; slab < heads; ++slab) {
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t base = s_idx * st[0] + ((hk0 + slab) * p.group + g[r]) * st[1] + i[r] * st[2];
-      if (base == last) continue;
-      last = base;
-      const unsigned char* row = bytes + base + c_lo * st[3];
-      const int64_t len = c_hi - c_lo;
-      int64_t j = 0;
-      if (st[3] == 1) {
-        for (uint64_t word; j + 8 <= len; j += 8) {
-          std::memcpy(&word, row + j, 8);
-          if (word != 0) return false;
-        }
-      }
-      for (; j < len; ++j) {
-        if (row[j * st[3]] != 0) return false;
-      }
-    }
-  }
-  return true;
-}
 
 // Unit of work of the backward: (sequence, kv head, split).
 struct Task {

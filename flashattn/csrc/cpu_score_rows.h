@@ -1,10 +1,49 @@
 // Row helpers of the score transform (Problem::transform_row, cpu_common.h): a boolean mask's row and softcap's
-// tanh, each in a scalar form and on vectors where the build targets them.
+// tanh, each in a scalar form and on vectors where the build targets them; and whether a boolean mask hides a key
+// tile from a whole query block (Problem::for_each_tile).
 #pragma once
+
+#include <cstring>
 
 #include "cpu_vec.h"
 
 namespace flash_cpu {
+
+// A query block's rows as a tile walk sees them: kv heads [hk0, hk0 + heads), rows (group member g[r], query i[r]).
+struct BlockRows {
+  int64_t hk0, heads;
+  const int64_t* g;
+  const int64_t* i;
+  int64_t n;
+};
+
+// Whether a boolean mask (bytes at `mask`, strides st over sequence, head, query and key) hides every key of
+// columns [c_lo, c_hi) from every row of the block: such a tile adds nothing (P = 0 wherever the mask is false: a
+// row's max, sum and acc stay as they were, and dS = P (dP - delta) = 0). Consecutive rows reading one mask row
+// (broadcast over queries or heads) test it once; a row stops at its first visible key.
+inline bool mask_hides(const unsigned char* mask, const int64_t* st, int64_t group, int64_t s_idx,
+                       const BlockRows& rows, int64_t c_lo, int64_t c_hi) {
+  int64_t last = -1;
+  for (int64_t slab = 0; slab < rows.heads; ++slab) {
+    for (int64_t r = 0; r < rows.n; ++r) {
+      const int64_t base = s_idx * st[0] + ((rows.hk0 + slab) * group + rows.g[r]) * st[1] + rows.i[r] * st[2];
+      if (base == last) continue;
+      last = base;
+      const unsigned char* row = mask + base + c_lo * st[3];  // any nonzero byte is true, as mask_row reads it
+      int64_t j = 0;
+      if (st[3] == 1) {
+        for (uint64_t word; j + 8 <= c_hi - c_lo; j += 8) {
+          std::memcpy(&word, row + j, 8);
+          if (word != 0) return false;
+        }
+      }
+      for (; j < c_hi - c_lo; ++j) {
+        if (row[j * st[3]] != 0) return false;
+      }
+    }
+  }
+  return true;
+}
 
 // x[j] = -inf where keep[j] is false, j in [0, n): a boolean mask's row.
 template <typename T>

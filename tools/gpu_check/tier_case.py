@@ -9,7 +9,6 @@ it takes bf16 at head dim 64 alone), with as many key as query heads; ``declined
 from __future__ import annotations
 
 import dataclasses
-import os
 
 
 def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
@@ -23,16 +22,9 @@ def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
     dtype, d = getattr(torch, case.dtype), case.head_dim
     q = torch.empty(sizes.batch, sizes.nq, sizes.heads, d, dtype=dtype, device=device)
     k = torch.empty(sizes.batch, sizes.nk, sizes.heads, d, dtype=dtype, device=device)
-    saved = os.environ.get("FLASHATTN_TRITON_TIER")
-    os.environ["FLASHATTN_TRITON_TIER"] = "hopper"
-    try:
+    with hopper.using("hopper"):
         why = hopper.declines(q, k, k, AttentionSpec(scale=d**-0.5, window_right=0 if case.causal else -1),
                               probs=False)
         if why:
             raise ArgumentError(f"tier: the Hopper tier's path cannot run this call: {why}")
         return check_fwd_bwd(case, sizes, device)
-    finally:
-        if saved is None:
-            del os.environ["FLASHATTN_TRITON_TIER"]
-        else:
-            os.environ["FLASHATTN_TRITON_TIER"] = saved

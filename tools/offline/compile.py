@@ -11,7 +11,6 @@ the kernel profile are built on these."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import tempfile
@@ -27,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
+from flashattn.backends.triton import hopper
 from flashattn.backends.triton.families import ARCHITECTURES, CHECKED_OFFLINE, Arch, family, vendor
 from flashattn.backends.triton.launch import Compiled, compile_only
 
@@ -99,24 +99,12 @@ def _offline(arch: Arch, max_shared: int = 2**31):
 def compiled_launches(arch: Arch, call: Callable[[], object], *, max_shared: int = 2**31) -> list[Compiled]:
     """The launches ``call`` makes, each compiled for ``arch`` (10 x major + minor, or a gfx name) instead of run,
     on a device with ``max_shared`` bytes of shared memory per block."""
-    with _offline(arch, max_shared), compile_only() as launches, _portable():
+    # The portable kernels, whose tables these tools judge, also for calls the Hopper tier would take (the tier's
+    # own kernel: tools/gluon/profile.py).
+    with _offline(arch, max_shared), compile_only() as launches, hopper.using("portable"):
         call()
     return launches
 
-
-@contextmanager
-def _portable():
-    """The portable kernels, whose tables these tools judge: a call the Hopper tier would take compiles them too
-    (the tier's own kernel: tools/gluon/profile.py)."""
-    saved = os.environ.get("FLASHATTN_TRITON_TIER")
-    os.environ["FLASHATTN_TRITON_TIER"] = "portable"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["FLASHATTN_TRITON_TIER"]
-        else:
-            os.environ["FLASHATTN_TRITON_TIER"] = saved
 
 
 class CubinReport(NamedTuple):

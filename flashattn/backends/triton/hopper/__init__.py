@@ -24,6 +24,10 @@ Example::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from ...environ import Variable
@@ -44,6 +48,23 @@ def tier() -> str:
     if value not in TIERS:
         raise ValueError(f"FLASHATTN_TRITON_TIER={value!r} is not one of {', '.join(TIERS)}")
     return value
+
+
+@contextmanager
+def using(chosen: str) -> Iterator[None]:
+    """``FLASHATTN_TRITON_TIER=chosen`` inside the block, the caller's value after (the variable, so that launch
+    plans, which hold it in their context, follow): for tools whose subject is one tier's kernels."""
+    if chosen not in TIERS:
+        raise ValueError(f"using: chosen={chosen!r} is not one of {', '.join(TIERS)}")
+    saved = os.environ.get(TIER.name)
+    os.environ[TIER.name] = chosen
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[TIER.name]
+        else:
+            os.environ[TIER.name] = saved
 
 
 def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | None = None) -> str | None:
