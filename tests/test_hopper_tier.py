@@ -1,8 +1,9 @@
 """The triton path's Hopper tier (``flashattn.backends.triton.hopper``): which forwards it takes (``declines``), and,
 with the kernels compiled for sm_90 and their launches stubbed (a process without Triton's interpreter), that a call
-it takes launches the warp-specialized kernel on that call's own tensors (never a previous call's: its Gluon
-descriptors are not baked into a launch plan), that its backward is the portable one, and that every other call,
-GPU or setting keeps the portable forward. Its results on a GPU: gpu-check (the kernel smoke and the ``gluon`` step).
+it takes launches the warp-specialized kernel on that call's own tensors (a launch plan replays it with its Gluon
+descriptors rebuilt around each call's q, k and v, never a previous call's), that its backward is the portable
+one, and that every other call, GPU or setting keeps the portable forward. Its results on a GPU: gpu-check (the
+kernel smoke and the ``gluon`` step).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
 def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     seen = json.loads(run_compiled(__file__).strip().splitlines()[-1])
     assert seen["causal d64"] == [["attention_forward_ws_kernel", [3, 8]]]
-    assert seen["second call's q"] == "its own"
+    assert seen["each call's tensors"] == [["its own", "run"], ["its own", "replayed"], ["its own", "replayed"]]
     assert seen["training step"][0] == ["attention_forward_ws_kernel", [3, 8]]
     assert all("backward" in name for name, _ in seen["training step"][1:]) and len(seen["training step"]) > 1
     for portable in ("d128", "fp16", "GQA", "sm_80", "tier=portable d64"):
@@ -159,12 +160,16 @@ def _script() -> dict:
 
     seen = {"causal d64": run(90, dense(), causal=True)[0]}
     with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
-        for _ in range(2):  # the second call of a signature: a plan would replay the first's launch
+        calls = []
+        for _ in range(3):  # the first call of a signature records its plan, the later ones replay it
             launches.clear()
             q, k, v = dense()()
-            flashattn.flash_attn_func(q, k, v)
-        maps = [a for a in launches.arguments[0][2] if type(a).__name__ == "StubTensorMap"]
-        seen["second call's q"] = "its own" if maps and maps[0].pointer == q.data_ptr() else "another's"
+            out = flashattn.flash_attn_func(q, k, v)
+            maps = [a.pointer for a in launches.arguments[0][2] if type(a).__name__ == "StubTensorMap"]
+            pointers = [a.data_ptr() for a in launches.arguments[0][2] if isinstance(a, torch.Tensor)]
+            own = maps == [t.data_ptr() for t in (q, k, v)] and out.data_ptr() in pointers
+            calls.append(["its own" if own else "another's", "replayed" if launches.through_launcher == 0 else "run"])
+        seen["each call's tensors"] = calls
     with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
         q, k, v = dense(grad=True)()
         out = flashattn.flash_attn_func(q, k, v, causal=True)

@@ -43,8 +43,9 @@ def test_a_view_of_inputs_sharing_a_storage_is_not_planned():
 
 @pytest.mark.skipif(bool(TRITON_MISSING), reason=TRITON_MISSING or "")
 def test_an_argument_of_unknown_type_is_not_baked_into_a_plan():
-    """A kernel argument that is neither a tensor, a traced descriptor nor a plain value (a Gluon TMA descriptor,
-    which holds its tensor's address) would launch every replay on the first call's memory: no plan is made."""
+    """A kernel argument that is neither a tensor, a traced descriptor nor a plain value (here an object shaped as a
+    TMA descriptor, which holds its tensor's address) would launch every replay on the first call's memory: no plan
+    is made."""
     import inspect
     from types import SimpleNamespace
 
@@ -72,7 +73,7 @@ def test_an_argument_of_unknown_type_is_not_baked_into_a_plan():
 def test_a_tensor_map_is_encoded_once_per_base_pointer():
     """A plan's descriptor slot encodes a tensor map per base pointer (the rest of what it encodes is fixed) and
     hands the same map back for a pointer it has seen; it keeps a bounded number."""
-    from flashattn.backends.triton import plans
+    from flashattn.backends.triton import entry
 
     encodes = []
 
@@ -80,7 +81,7 @@ def test_a_tensor_map_is_encoded_once_per_base_pointer():
         encodes.append(pointer)
         return (pointer, fields)
 
-    maps = plans._TensorMaps(fill, (3, 2))
+    maps = entry.TensorMaps(fill, (3, 2))
     assert maps(64) == (64, (3, 2)) and maps(128) == (128, (3, 2))
     assert maps(64) is maps(64) and encodes == [64, 128]
     for pointer in range(1, 2 * maps.LIMIT):

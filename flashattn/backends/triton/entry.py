@@ -73,3 +73,30 @@ def expansion(fields: dict, meta: dict | None) -> tuple[tuple | None, tuple]:
         shape[-1] *= 2
     return ((meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
              shape, strides, 1 if fields["padding"] == "nan" else 0), (*shape, *strides))
+
+
+class TensorMaps:
+    """One descriptor slot's tensor maps by base pointer: everything else it encodes is the plan's, so a pointer
+    seen before (the caching allocator hands a training loop's tensors the same addresses) reuses its map instead
+    of the driver's encode. Holds at most ``LIMIT`` maps (past it, starts over)."""
+
+    LIMIT = 16
+
+    def __init__(self, fill: Callable, encode: tuple):
+        self._fill, self._encode = fill, encode
+        self._maps: dict[int, object] = {}
+
+    def __call__(self, pointer: int) -> object:
+        found = self._maps.get(pointer)
+        if found is None:
+            if len(self._maps) >= self.LIMIT:
+                self._maps.clear()
+            found = self._maps[pointer] = self._fill(pointer, *self._encode)
+        return found
+
+
+def fill_tma_descriptor() -> Callable:
+    """The driver's tensor-map encoder, as Triton 3.6's launcher calls it."""
+    from triton.runtime import driver
+
+    return driver.active.utils.fill_tma_descriptor

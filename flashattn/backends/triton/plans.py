@@ -16,6 +16,7 @@ keep the path's full Python. Plans apply to compiled kernels on a GPU (or stubbe
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -31,7 +32,7 @@ from ..direct import hooked
 from ..environ import Variable
 from ..spec import AttentionSpec, aliases
 from . import configs, hopper, tma
-from .entry import Entry, entry, expansion
+from .entry import Entry, TensorMaps, entry, expansion, fill_tma_descriptor
 
 
 class Launch(NamedTuple):
@@ -109,12 +110,20 @@ def _resolve(base: torch.Tensor, view) -> torch.Tensor:
     return typed.as_strided(shape, stride, base.storage_offset() + offset)
 
 
-def _descriptor(base: torch.Tensor, fields: dict, _new=TensorDescriptor.__new__):
-    """A TMA descriptor with a recorded one's fields (shape, strides, tile) around ``base``: built without its
-    checks (alignment, strides), which held when it was recorded and hold for every call of the key."""
-    desc = _new(TensorDescriptor)
+def _descriptor(base: torch.Tensor, fields: dict, kind: type = TensorDescriptor):
+    """A TMA descriptor of class ``kind`` with a recorded one's fields (shape, strides, tile, a Gluon one's shared
+    layout) around ``base``: built without its checks (alignment, strides), which held when it was recorded and
+    hold for every call of the key."""
+    desc = kind.__new__(kind)
     desc.__dict__.update(fields, base=base)
     return desc
+
+
+def _descriptor_kinds() -> tuple[type, ...]:
+    """The host TMA descriptor classes a launch may take: ``tl``'s, and Gluon's (the Hopper tier's) once its module
+    is loaded (before, no argument can be one; looked up here so that plans never import Gluon)."""
+    gluon = sys.modules.get("triton.experimental.gluon.nvidia.hopper")
+    return (TensorDescriptor,) if gluon is None else (TensorDescriptor, gluon.TensorDescriptor)
 
 
 class Plan:
@@ -174,8 +183,8 @@ class _Source:
     def by_launcher(self, compiled, grid, arguments, tensors, descriptors) -> list[str]:
         """The launch by ``compiled.run``, Triton's launcher, descriptors as objects."""
         terms = self.arguments(arguments, tensors)
-        for position, (slot, fields) in descriptors:
-            terms[position] = f"_descriptor({self.tensor(slot)}, {self.constant(fields)})"
+        for position, (slot, fields, kind) in descriptors:
+            terms[position] = f"_descriptor({self.tensor(slot)}, {self.constant(fields)}, {self.constant(kind)})"
         kernel = self.constant(compiled)
         return [f"args = ({', '.join(terms)},)",
                 f"meta = {kernel}.launch_metadata({self.constant(grid)}, stream, *args) if hooked else None",
@@ -186,7 +195,7 @@ class _Source:
     def by_entry(self, found: Entry, compiled, grid, arguments, tensors, descriptors) -> list[str]:
         """The launch by the kernel's C entry, each descriptor expanded as the launcher expands it."""
         terms, body = self.arguments(arguments, tensors), []
-        for position, (slot, fields) in descriptors:
+        for position, (slot, fields, _) in descriptors:
             encode, after = expansion(fields, found.descriptors[position])
             if encode is None:
                 terms[position] = ", ".join((self.tensor(slot), *map(self.constant, after)))
@@ -194,7 +203,8 @@ class _Source:
             same = (slot, repr(encode))
             if same not in self.maps:
                 name = self.maps[same] = f"m{len(self.maps)}"
-                body.append(f"{name} = {self.constant(_TensorMaps(_fill(), encode))}({self.tensor(slot)}.data_ptr())")
+                maps = self.constant(TensorMaps(fill_tma_descriptor(), encode))
+                body.append(f"{name} = {maps}({self.tensor(slot)}.data_ptr())")
             terms[position] = ", ".join((self.maps[same], *map(self.constant, after)))
         return [*body, f"{self.constant(found.launch)}({', '.join(map(str, grid))}, stream, "
                        f"{self.constant(compiled.function)}, {found.cooperative}, {found.pdl}, None, None, "
@@ -225,31 +235,6 @@ def _writer(outputs: list[tuple], workspaces: list[tuple], launches: list[tuple]
     names = source.names
     exec(compile("\n".join(lines) + "\n", f"<flashattn launch plan of {len(launches)} launches>", "exec"), names)
     return names["launch"]
-
-
-class _TensorMaps:
-    """One descriptor slot's tensor maps by base pointer: everything else it encodes is the plan's, so a pointer
-    seen before (the caching allocator hands a training loop's tensors the same addresses) reuses its map instead
-    of the driver's encode. Holds at most ``LIMIT`` maps (past it, starts over)."""
-
-    LIMIT = 16
-
-    def __init__(self, fill: Callable, encode: tuple):
-        self._fill, self._encode = fill, encode
-        self._maps: dict[int, object] = {}
-
-    def __call__(self, pointer: int) -> object:
-        found = self._maps.get(pointer)
-        if found is None:
-            if len(self._maps) >= self.LIMIT:
-                self._maps.clear()
-            found = self._maps[pointer] = self._fill(pointer, *self._encode)
-        return found
-
-
-def _fill() -> Callable:
-    """The driver's tensor-map encoder, as Triton 3.6's launcher calls it."""
-    return driver.active.utils.fill_tma_descriptor
 
 
 class _Untraceable(Exception):
@@ -303,6 +288,7 @@ def _constant(value) -> bool:
 def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
     """The plan of a recorded call, or None when a tensor argument cannot be traced."""
     slot, workspaces = _tracer(inputs, outputs, recording.scratch)
+    descriptor_kinds = _descriptor_kinds()
     launches = []
     try:
         for kernel, compiled, grid, kwargs in recording.launches:
@@ -312,9 +298,9 @@ def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: 
                 if isinstance(value, torch.Tensor):
                     tensors.append((position, slot(value)))
                     value = None
-                elif isinstance(value, TensorDescriptor):
+                elif type(value) in descriptor_kinds:
                     fields = {k: v for k, v in vars(value).items() if k != "base"}
-                    descriptors.append((position, (slot(value.base), fields)))
+                    descriptors.append((position, (slot(value.base), fields, type(value))))
                     value = None
                 elif not _constant(value):
                     raise _Untraceable  # a bundle of tensors (block-mask lists), another kind of descriptor

@@ -122,8 +122,8 @@ def _memory_declines(q, k, v) -> str | None:
 
 def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     """Run the tier's forward into ``out`` (q's shape) and ``lse`` (B, H, Nq) float32, through the path's
-    ``launch`` (compile-only runs see it as any other kernel; launch plans leave the call unplanned, as its Gluon
-    descriptors hold the call's addresses)."""
+    ``launch`` (compile-only runs and launch plans see it as any other kernel: a plan rebuilds its Gluon descriptors
+    around each call's tensors)."""
     from ..launch import launch
     from .forward import Schedule, attention_forward_ws_kernel, launch_arguments
 
