@@ -102,26 +102,36 @@ def forced(kernel: str) -> KernelConfig | None:
     return found[0] if found is not None and kernel in found[1] else None
 
 
-def split_heuristic(programs: int, multiprocessors: int, key_blocks: int, max_splits: int = 128) -> int:
+PROGRAMS_PER_MULTIPROCESSOR = 2  # what ``split_heuristic`` fills: FlashAttention-2's rule for its 128-thread programs
+
+
+def split_heuristic(programs: int, multiprocessors: int, key_blocks: int, max_splits: int = 128,
+                    programs_each: int = PROGRAMS_PER_MULTIPROCESSOR) -> int:
     """How many key splits (flash-decoding) a forward launch of ``programs`` programs should use.
 
-    Splitting helps only when the launch cannot fill the GPU: then pick the fewest splits whose waves of programs
-    fill the multiprocessors within 85% of the best achievable, skipping counts that leave the keys per split
-    unchanged (the same work, more merging). The rule of flash_attn's ``num_splits_heuristic``.
+    Splitting helps only when the launch cannot fill the GPU's ``multiprocessors`` x ``programs_each`` program
+    slots: a decode program (16 rows, 4 warps, its K/V pipeline under 100 KiB) leaves room for a second on its
+    multiprocessor, whose loads then overlap the first's, so one program per multiprocessor leaves half the loads
+    a decode step could have in flight. Then pick the fewest splits whose waves of programs fill the slots within
+    85% of the best achievable, skipping counts that leave the keys per split unchanged (the same work, more
+    merging). The rule of flash_attn's ``num_splits_heuristic`` (which also counts two programs a multiprocessor).
 
     Example::
 
-        >>> split_heuristic(programs=4, multiprocessors=132, key_blocks=512)  # batch 1, 4 kv heads
-        29
+        >>> split_heuristic(programs=4, multiprocessors=132, key_blocks=1024)  # batch 1, 4 kv heads, 64k keys
+        57
+        >>> split_heuristic(programs=4, multiprocessors=132, key_blocks=1024, programs_each=1)
+        28
         >>> split_heuristic(programs=512, multiprocessors=132, key_blocks=512)
         1
     """
-    if programs >= 0.8 * multiprocessors:
+    slots = multiprocessors * programs_each
+    if programs >= 0.8 * slots:
         return 1
-    max_splits = max(1, min(max_splits, multiprocessors, key_blocks))
+    max_splits = max(1, min(max_splits, slots, key_blocks))
 
     def efficiency(splits: int) -> float:
-        waves = programs * splits / multiprocessors
+        waves = programs * splits / slots
         return waves / math.ceil(waves)
 
     def useful(splits: int) -> bool:
