@@ -129,6 +129,19 @@ def test_decode_passes_cache_seqlens_as_a_tensor_and_num_splits(tmp_path):
     assert rows[0]["max_abs_diff"] < 1e-4
 
 
+def test_decode_profile_lists_each_calls_kernels(tmp_path, capsys):
+    """``--profile`` splits a call's time by kernel (on a CPU its operators): ours runs the CPU kernel's forward."""
+    out = tmp_path / "decode"
+    assert main(["bench", "decode", "--device", "cpu", "--quiet", "--out", str(out), "--name", "t", "--batches", "1",
+                 "--cache-lens", "64", "--repeats", "1", "--profile"]) == 0
+    text = capsys.readouterr().out
+    assert "where a call's device time goes" in text and "batch 1, cache 64, flashattn: " in text
+    rows = {r["impl"]: r for r in json.loads((out / "t.json").read_text())["rows"]}
+    ours = rows["flashattn"]["kernels"]
+    assert any("forward" in t["name"] for t in ours) and all(t["seconds"] >= 0 and t["launches"] > 0 for t in ours)
+    assert rows["sdpa"]["kernels"]
+
+
 def test_decode_times_an_fp8_cache_beside_the_same_cache_in_16_bits(tmp_path, capsys):
     out = tmp_path / "decode"
     assert main(["bench", "decode", "--device", "cpu", "--quiet", "--out", str(out), "--name", "t", "--batches", "1",

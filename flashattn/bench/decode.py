@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import flashattn
 
-from . import options, report
+from . import anatomy, options, report
 from .measure import L2_FLUSH_BYTES, OURS, time_calls
 
 HELP = "one new token per sequence attending a KV cache: flash_attn_with_kvcache vs SDPA, GB/s"
@@ -152,6 +152,7 @@ class DecodeSweep:
     copy_repeats: int = 10
     headroom_gib: float = 2.0  # left free for workspaces, split-KV partials, the allocator and the L2 flush
     impls: list[str] = field(default_factory=lambda: [OURS, BASELINE])
+    profile: bool = False  # each row also gets its call's kernels and their device time (``anatomy``)
 
     @classmethod
     def for_device(cls, device: str) -> DecodeSweep:
@@ -237,9 +238,11 @@ def _timed(case: DecodeCase, impl: str, step: Callable[[], torch.Tensor], copy_g
     return _row(case, impl, seconds=seconds, host_seconds=host, gbps=gbps, bw_fraction=gbps / copy_gbps)
 
 
-def measure_case(case: DecodeCase, impls: list[str], copy_gbps: float, headroom_gib: float) -> list[dict]:
+def measure_case(case: DecodeCase, impls: list[str], copy_gbps: float, headroom_gib: float,
+                 profile: bool = False) -> list[dict]:
     """One row per implementation: seconds, GB/s, fraction of ``copy_gbps``; ours also gets ``speedup`` over the
-    baseline and the largest difference from its output. A case that does not fit in memory gives rows with
+    baseline and the largest difference from its output; with ``profile``, ``kernels``: the call's longest kernels
+    (name, seconds and launches per call). A case that does not fit in memory gives rows with
     ``error`` = "skipped: needs X GiB" without allocating anything."""
     need = case.memory_bytes + headroom_gib * 2**30 + (L2_FLUSH_BYTES if case.device.startswith("cuda") else 0)
     free = _free_bytes(case.device)
@@ -259,6 +262,8 @@ def measure_case(case: DecodeCase, impls: list[str], copy_gbps: float, headroom_
                 outs[impl] = step()  # warm-up (compilation, autotuning), and the output for the cross-check
                 rows[impl] = _timed(replace(case, cache_dtype="") if impl == OURS_16BIT else case, impl, step,
                                     copy_gbps)
+                if profile:
+                    rows[impl]["kernels"] = [t._asdict() for t in anatomy.kernel_times(step, case.device)]
         except Exception as e:  # e.g. a baseline that runs out of memory at this size: a row, not a crash
             rows[impl] = _row(case, impl, seconds=None, gbps=None, bw_fraction=None, error=_error(e))
     ours, base = rows.get(OURS), rows.get(BASELINE)
@@ -280,7 +285,7 @@ def run(sweep: DecodeSweep, progress: bool = True) -> tuple[list[dict], dict]:
     rows = [{"impl": impl, "error": f"unavailable: {why}"} for impl, why in reasons.items() if why]
     impls = [impl for impl, why in reasons.items() if why is None]
     for case in tqdm(sweep.cases(), desc="decode", unit="case", disable=not progress, file=sys.stdout):
-        rows += measure_case(case, impls, copy["gbps"], sweep.headroom_gib)
+        rows += measure_case(case, impls, copy["gbps"], sweep.headroom_gib, sweep.profile)
     return rows, copy
 
 
@@ -315,6 +320,11 @@ def table(rows: list[dict], copy: dict) -> str:
     if backends:
         lines.append(f"  {BASELINE} ran on SDPA's {', '.join(backends)} backend")
     lines += sorted(set(report.errors(measured, "batch", "cache_len")))
+    profiled = [r for r in measured if "kernels" in r]
+    if profiled:
+        lines.append("\nwhere a call's device time goes (per call, the longest kernels first):")
+        lines += [f"  batch {r['batch']}, cache {r['cache_len']}, {r['impl']}: "
+                  f"{anatomy.summary([anatomy.KernelTime(**t) for t in r['kernels']])}" for r in profiled]
     return "\n".join(lines)
 
 
@@ -351,6 +361,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="store the KV cache in FP8 (descale 1); the baseline, and ours a second time, read it widened "
                         "to --dtype in the same run")
     options.add_per_device(p, "--repeats", "timed runs per case, the median is reported", DecodeSweep)
+    p.add_argument("--profile", action="store_true",
+                   help="also list each call's kernels and their device time per call (torch.profiler)")
     options.add_output(p, "decode-<device>")
 
 
@@ -358,7 +370,7 @@ def from_args(args: argparse.Namespace) -> DecodeSweep:
     """The device's default decode sweep with the options given on the command line."""
     sweep = DecodeSweep.for_device(args.device or options.default_device())
     for name in ("batches", "cache_lens", "heads_q", "heads_kv", "headdim", "num_splits", "cache_seqlens", "dtype",
-                 "repeats", "cache_dtype"):
+                 "repeats", "cache_dtype", "profile"):
         if getattr(args, name) is not None:
             setattr(sweep, name, getattr(args, name))
     return sweep

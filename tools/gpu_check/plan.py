@@ -82,7 +82,7 @@ def full(jobs: int) -> list[Step]:
                               "--out", "{out}", "--name", "fp8-backward"], 0.1, 15,
              env={"FLASHATTN_FP8_BACKWARD": "1"}),
         Step("decode", [*bench, "decode", "--batches", "1,16", "--cache-lens", "4096,65536", "--repeats", "20",
-                        "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),
+                        "--profile", "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),
         Step("block-mask", [*bench, "block-mask", "--seqlens", "16384", "--dtype", "bfloat16", "--repeats", "10",
                             "--quiet", "--out", "{out}", "--name", "block-mask"], 0.1, 15),
         # Host cost per call, queued calls at tiny shapes beside SDPA (issue 44's budgets on a GPU).
