@@ -35,7 +35,8 @@ def test_dry_run_checks_then_times_and_writes_its_results(tmp_path):
     report = json.loads((tmp_path / "gluon.json").read_text())
     assert len(report["correctness"]) == 2 and all(r["ok"] for r in report["correctness"].values())
     shapes = [c["shape"] for c in next(iter(report["correctness"].values()))["cases"]]
-    assert [1, 1, 1, 2] in shapes and [1, 300, 100, 2] in shapes  # seqlen 1; more queries than keys
+    assert [1, 1, 1, 2, 2] in shapes and [1, 300, 100, 2, 2] in shapes  # seqlen 1; more queries than keys
+    assert [2, 173, 251, 6, 2] in shapes and [1, 300, 100, 3, 1] in shapes  # GQA, MQA
     impls = {r["impl"] for r in report["speed"]}
     assert {"sdpa-cudnn", "sdpa-flash", "flashattn"} <= impls and any(i.startswith("gluon") for i in impls)
     assert done.stdout.strip().splitlines()[-1].split()[3] in impls  # the table comes last

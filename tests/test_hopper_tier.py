@@ -56,7 +56,8 @@ FULL = AttentionSpec(scale=0.125)
     ((_qkv(), AttentionSpec(scale=0.125, sink=torch.zeros(4))), "sink"),
     ((_qkv(), AttentionSpec(scale=0.125, attn_mask=torch.ones(1, 1, 300, 300, dtype=torch.bool))), "mask"),
     ((_qkv(), AttentionSpec(scale=-0.125)), "scale"),
-    ((_qkv(hk=2), FULL), "head dims or grouped heads"),
+    ((_qkv(hk=2), FULL), "grouped heads (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"),
+    ((_qkv(hk=3), FULL), "head dims or grouped heads"),  # 3 kv heads for 4 query heads
     ((_qkv(d=128), FULL), "not measured faster than the portable forward"),
     ((_qkv(d=96), FULL), "head dims or grouped heads"),
     ((_qkv(dtype=torch.float16), FULL), "not measured faster than the portable forward"),
@@ -65,6 +66,13 @@ FULL = AttentionSpec(scale=0.125)
 def test_which_forwards_the_tier_takes(case, why):
     (q, k, v), spec = case
     assert hopper.declines(q, k, v, spec, probs=False, arch=90) == why
+
+
+def test_forced_it_takes_grouped_heads(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    for hk in (1, 2):  # MQA, GQA
+        assert hopper.declines(*_qkv(hk=hk), FULL, probs=False, arch=90) is None
+    assert hopper.declines(*_qkv(hk=3), FULL, probs=False, arch=90) == "head dims or grouped heads"
 
 
 def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
@@ -103,8 +111,8 @@ def test_the_environment_variable_chooses(monkeypatch):
 
 
 def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
-    """gpu-check's ``tier`` case: FLASHATTN_TRITON_TIER=hopper while it runs (restored after), as many key as
-    query heads, and a case the tier declines is reported as declined, not run on the portable kernel."""
+    """gpu-check's ``tier`` case: FLASHATTN_TRITON_TIER=hopper while it runs (restored after), the smoke's grouped
+    key/value heads, and a case the tier declines is reported as declined, not run on the portable kernel."""
     import os
 
     from tools.gpu_check import smoke
@@ -120,7 +128,8 @@ def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
     monkeypatch.setattr(hopper, "declines", lambda *a, **kw: None)
     case = smoke.Case("tier", "bfloat16", 64, True)
     assert check_tier(case, smoke.FULL, "cpu", fwd_bwd) == {"out": 0.0}
-    assert seen == [(smoke.FULL.heads, "hopper")] and os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+    assert seen == [(smoke.FULL.heads_k, "hopper")] and smoke.FULL.heads_k < smoke.FULL.heads
+    assert os.environ["FLASHATTN_TRITON_TIER"] == "auto"
     monkeypatch.setattr(hopper, "declines", lambda *a, **kw: "not sm_90 (80)")
     with pytest.raises(Exception, match="cannot run this call: not sm_90"):
         check_tier(case, smoke.FULL, "cpu", fwd_bwd)
@@ -140,6 +149,8 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     for portable in ("d128", "fp16", "GQA", "sm_80", "tier=portable d64"):
         assert [name for name, _ in seen[portable]] == ["attention_forward_kernel"], portable
     assert seen["tier=hopper d128"] == [["attention_forward_ws_kernel", [3, 8]]]
+    # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
+    assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [3, 8]], [600, 128], 2]
 
 
 def _script() -> dict:
@@ -185,6 +196,11 @@ def _script() -> dict:
     seen["tier=portable d64"] = run(90, dense())[0]
     os.environ["FLASHATTN_TRITON_TIER"] = "hopper"
     seen["tier=hopper d128"] = run(90, dense(d=128))[0]
+    names, launches, _ = run(90, dense(hk=2))
+    arguments = launches.arguments[0][2]
+    k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]
+    last_tensor = max(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))  # lse: then the sizes
+    seen["tier=hopper GQA"] = [*names, k_map.shape, arguments[last_tensor + 4]]  # seqlens, heads, group
     return seen
 
 

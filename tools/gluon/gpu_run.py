@@ -28,8 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# (batch, seqlen_q, seqlen_k, heads): lengths 1, odd, crossing the 128-row tile; one with more queries than keys.
-SHAPES = ((1, 1, 1, 2), (2, 113, 113, 3), (2, 173, 251, 3), (1, 1025, 1025, 2), (1, 300, 100, 2), (2, 1024, 1024, 2))
+# (batch, seqlen_q, seqlen_k, heads, kv_heads): lengths 1, odd, crossing the 128-row tile; one with more queries than
+# keys; grouped key/value heads (GQA 6:2, MQA 3:1).
+SHAPES = ((1, 1, 1, 2, 2), (2, 113, 113, 3, 3), (2, 173, 251, 3, 3), (1, 1025, 1025, 2, 2), (1, 300, 100, 2, 2),
+          (2, 1024, 1024, 2, 2), (2, 173, 251, 6, 2), (1, 300, 100, 3, 1))
 SPEED_SEQLENS = (1024, 8192)
 TOKENS = 16384
 REPEATS = 20
@@ -78,8 +80,9 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
     kernel = _kernel(dry)
     torch.manual_seed(0)
     cases = []
-    for b, nq, nk, h in SHAPES:
-        q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device=device) for n in (nq, nk, nk))
+    for b, nq, nk, h, hk in SHAPES:
+        q, k, v = (torch.randn(b, n, heads, d, dtype=torch.bfloat16, device=device)
+                   for n, heads in ((nq, h), (nk, hk), (nk, hk)))
         out, lse = kernel(q, k, v, causal, schedule)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -92,7 +95,7 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
         unseen_ok = bool((out.transpose(1, 2)[~seen] == 0).all() and (lse[~seen] == -math.inf).all())
         nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
         ok = err <= bound and lse_err <= 1e-3 and unseen_ok and not nan
-        cases.append(dict(shape=[b, nq, nk, h], ok=ok, err=err, bound=bound, lse_err=lse_err, nan=nan,
+        cases.append(dict(shape=[b, nq, nk, h, hk], ok=ok, err=err, bound=bound, lse_err=lse_err, nan=nan,
                           unseen_rows=int((~seen).sum()), unseen_ok=unseen_ok))
     return {"ok": all(c["ok"] for c in cases), "cases": cases}
 

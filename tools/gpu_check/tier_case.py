@@ -3,12 +3,11 @@ Hopper tier runs (``flashattn/backends/triton/hopper/``), judged against float64
 routing, its out and lse as the portable backward reads them, on the GPU.
 
 ``FLASHATTN_TRITON_TIER=hopper`` for the case, so every dtype and head dim its kernel can run is checked (by default
-it takes bf16 at head dim 64 alone), with as many key as query heads; ``declined`` (and why) where it cannot run.
+it takes bf16 at head dim 64 alone), with the smoke's grouped key/value heads (the kernel's own step, ``gluon``,
+checks as many key as query heads too); ``declined`` (and why) where it cannot run.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 
 def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
@@ -18,10 +17,9 @@ def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
     from flashattn.backends.triton import hopper
     from flashattn.errors import ArgumentError
 
-    sizes = dataclasses.replace(sizes, heads_k=sizes.heads)
     dtype, d = getattr(torch, case.dtype), case.head_dim
     q = torch.empty(sizes.batch, sizes.nq, sizes.heads, d, dtype=dtype, device=device)
-    k = torch.empty(sizes.batch, sizes.nk, sizes.heads, d, dtype=dtype, device=device)
+    k = torch.empty(sizes.batch, sizes.nk, sizes.heads_k, d, dtype=dtype, device=device)
     with hopper.using("hopper"):
         why = hopper.declines(q, k, k, AttentionSpec(scale=d**-0.5, window_right=0 if case.causal else -1),
                               probs=False)

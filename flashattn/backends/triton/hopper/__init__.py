@@ -10,7 +10,8 @@ float64 in every case tried (``benchmarks/NOTES.md``); at head dim 128 it was le
 it. Its backward is the portable one, from the same out and lse.
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
-``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128 and fp16 too).
+``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and grouped key/value
+heads (GQA, MQA), which the kernel reads but no GPU has yet checked).
 
 Example::
 
@@ -78,10 +79,13 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
     if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype or q.ndim != 4 or spec.packed:
         return "dtype or layout"
     b, nq, h, d = q.shape
-    if d not in dims or tuple(k.shape) != (b, k.shape[1], h, d) or v.shape != k.shape:
+    hk = k.shape[2] if k.ndim == 4 else 0
+    if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or v.shape != k.shape or not hk or h % hk:
         return "head dims or grouped heads"
     if chosen == "auto" and (q.dtype, d) not in MEASURED_FASTER:
         return "not measured faster than the portable forward"
+    if chosen == "auto" and hk != h:
+        return "grouped heads (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
     if nq <= DECODE_MAX_ROWS:  # the tier's 128-row programs would idle where the decode kernel is shaped for it
         return "decode-shaped (the portable decode kernel)"
     why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)

@@ -17,10 +17,11 @@ Triton 3.6), which expresses what ``tl`` cannot there (on sm_90 ``tl`` waits for
 Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)``. Keys past the sequence and (``causal``) keys right of
 the bottom-right-aligned diagonal are masked only in the tiles that need it (an unmasked loop, then a masked one).
 
-Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads, d), contiguous, d in (64, 128), bf16 or
-fp16, read through 2-D TMA descriptors over the (batch * seqlen, heads * d) view: a tile is rows x d at column
-h * d. A tile running past a sequence reads the next sequence's rows; those keys are masked and those queries never
-stored. out has q's shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serves: the tier's
+Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads (GQA,
+MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128), bf16 or fp16, read through 2-D
+TMA descriptors over the (batch * seqlen, heads * d) views: a tile is rows x d at column head * d. A tile running
+past a sequence reads the next sequence's rows; those keys are masked and those queries never stored. out has q's
+shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serves: the tier's
 ``__init__.py``. Its correctness and speed on a GPU: ``python -m tools.gluon.gpu_run``; its SASS offline:
 ``python -m tools.gluon.profile`` (``benchmarks/NOTES.md`` has both).
 """
@@ -145,25 +146,26 @@ def _producer(descs, smem, bars, coords, tiles):
     q_desc, k_desc, v_desc = descs
     q_smem, k_bufs, v_bufs = smem
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
-    q_row, kv_row, col = coords
+    q_row, kv_row, q_col, kv_col = coords
     WG_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, col], q_bar, q_smem.index(1))
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
     for j in range(tiles):
         row = kv_row + j * BLOCK_N
-        _load(k_desc, k_bufs, k_ready, k_empty, j, row, col)
-        _load(v_desc, v_bufs, v_ready, v_empty, j, row, col)
+        _load(k_desc, k_bufs, k_ready, k_empty, j, row, kv_col)
+        _load(v_desc, v_bufs, v_ready, v_empty, j, row, kv_col)
 
 
 @gluon.jit
 def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
-        q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads, qk_scale,
+        q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads, group, qk_scale,
         CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
         K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (cdiv(seqlen_q, 128), batch * heads); num_warps=4 (the default partition, consumer 0). OVERLAP is "qk"
-    or "pv" (the schedule), UNROLL 1 or 2 (schedule "qk" only)."""
+    """Grid (cdiv(seqlen_q, 128), batch * heads); num_warps=4 (the default partition, consumer 0). ``group``: query
+    heads per key/value head (query head h reads kv head h // group). OVERLAP is "qk" or "pv" (the schedule), UNROLL
+    1 or 2 (schedule "qk" only)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -198,7 +200,7 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
     geometry = (m0, seqlen_q, seqlen_k, qk_scale)
     out = (o_ptr, lse_ptr, b * seqlen_q, h * HEAD_D, heads * HEAD_D, pid_bh * seqlen_q)
-    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D)
+    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D, (h // group) * HEAD_D)
     gl.warp_specialize([
         (_consumer, (0, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
         (_consumer, (1, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
@@ -221,22 +223,25 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule) -> tuple[tuple, dict]:
     """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v
-    (batch, seqlen_k, heads, d), out (q's shape) and lse (batch, heads, seqlen_q) float32: ``kernel[grid](**kwargs)``.
-    The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another way."""
+    (batch, seqlen_k, kv_heads, d), kv_heads dividing heads, out (q's shape) and lse (batch, heads, seqlen_q)
+    float32: ``kernel[grid](**kwargs)``. The tier's ``declines`` says which calls may come here; this refuses the rest,
+    in case one comes another way."""
     batch, seqlen_q, heads, d = q.shape
     if d not in STAGES:
         raise ValueError(f"head dim {d} not supported (64 or 128)")
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k, v must share one dtype, bf16 or fp16")
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:]:
-        raise ValueError("k and v must be (batch, seqlen_k, heads, d) with q's batch, heads and d")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d or not k.shape[2] or heads % k.shape[2]:
+        raise ValueError("k and v must be (batch, seqlen_k, kv_heads, d) with q's batch and d, kv_heads dividing "
+                         "q's heads")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         raise ValueError("q, k, v must be contiguous (batch, seqlen, heads, d)")
     if not scale > 0:
         raise ValueError("scale must be positive (the row max is taken before scaling)")
     q_desc, k_desc, v_desc = _descriptors(q, k, v)
     kwargs = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_ptr=out, lse_ptr=lse, seqlen_q=seqlen_q,
-                  seqlen_k=k.shape[1], heads=heads, qk_scale=scale * LOG2E, CAUSAL=causal, OVERLAP=schedule.overlap,
-                  PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1],
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                  seqlen_k=k.shape[1], heads=heads, group=heads // k.shape[2], qk_scale=scale * LOG2E,
+                  CAUSAL=causal, OVERLAP=schedule.overlap, PINGPONG=schedule.pingpong, UNROLL=schedule.unroll,
+                  K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1], CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return (triton.cdiv(seqlen_q, BLOCK_M), batch * heads), kwargs
