@@ -379,6 +379,20 @@ def test_num_splits_low_precision(path):
         run_and_check(q, k_cache.clone(), v_cache.clone(), k, v, num_splits=splits, **kwargs)
 
 
+@pytest.mark.parametrize("path", ["triton"], indirect=True)
+def test_a_split_launch_merges_in_place_and_leaves_its_counters_at_zero(path):
+    """Split-KV merges in the forward launch itself: the program of each query block that finishes last merges the
+    splits and sets the block's arrival counter back to zero, so the next launch in the stream finds them all zero
+    (a counter left behind would leave that block unmerged in every later launch)."""
+    from flashattn.backends.triton.tickets import tickets
+
+    q, k_cache, v_cache, k, v, kwargs = build("prefill_append_window_softcap_alibi", torch.float32, path.device)
+    for splits in (3, 3, 5):  # the same launch twice, then another grid
+        run_and_check(q, k_cache.clone(), v_cache.clone(), k, v, num_splits=splits, **kwargs)
+        counters = tickets(torch.device(path.device), 1)
+        assert counters.numel() >= 1024 and not counters.any()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 6./7. softmax_lse, and sequences that see no key.
 

@@ -144,7 +144,7 @@ def test_batch_times_heads_past_the_grid_axis_limit(monkeypatch):
 
 def test_a_grid_past_cuda_limits_is_a_value_error():
     from flashattn.backends.triton import launch
-    from flashattn.backends.triton.kernels import merge_splits_kernel
+    from flashattn.backends.triton.kernels import attention_backward_preprocess_kernel
 
     with pytest.raises(ValueError, match=r"grid \(1, 70000\) exceeds"):
-        launch.launch(merge_splits_kernel, (1, 70000))
+        launch.launch(attention_backward_preprocess_kernel, (1, 70000))

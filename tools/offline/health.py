@@ -132,9 +132,11 @@ def _inputs(table: str, weight: str, head_dim: HeadDims, block_mask: bool = Fals
         "seed": torch.zeros(1, dtype=torch.int64),
         "mask": torch.zeros(b, h, nq, n, dtype=dtype),
         "varlen": Varlen(cu_q, cu_q, nq, n),
+        # num_splits=0 as flash_attn_with_kvcache's default: a decode call splits its keys (the merge in the launch).
         "cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n,
-                          block_table=torch.arange(b * n // page, dtype=torch.int32).view(b, -1)),
-        "dense_cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n),
+                          block_table=torch.arange(b * n // page, dtype=torch.int32).view(b, -1), num_splits=0),
+        "dense_cache": KeyCache(torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32), n,
+                                num_splits=0),
         "blocks": _causal_blocks(nq, n),
     }
     spec = _spec(table, weight, tensors, block_mask, call)

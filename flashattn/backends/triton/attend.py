@@ -39,12 +39,12 @@ from .launch import (
     forward_kwargs,
     fp8_dout_strides,
     launch,
-    merge_splits,
     sparse_blocks,
     sparse_tiles,
     split_count,
     target_arch,
 )
+from .tickets import tickets
 
 __all__ = ["NAME", "backward", "forward", "fp8_backward"]
 
@@ -243,8 +243,8 @@ def fp8_matmuls(q, k, v, spec: AttentionSpec) -> bool:
 
 
 def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape, *, values_interleaved: bool) -> None:
-    """Launch the forward kernel (and, with split-KV, the merge kernel) writing ``results`` = (out, lse, probs);
-    ``values_interleaved``: v is ``interleaved_values``'s."""
+    """Launch the forward kernel writing ``results`` = (out, lse, probs) (with split-KV, through workspaces its last
+    split's programs merge); ``values_interleaved``: v is ``interleaved_values``'s."""
     out, lse, probs = results
     if hopper.declines(q, k, v, spec, probs=probs is not None) is None:
         hopper.launch_forward(q, k, v, out, lse, causal=spec.window_right == 0, scale=spec.scale)
@@ -260,21 +260,20 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape, *, values_i
     def launch_forward(cfg: configs.KernelConfig) -> None:
         cfg = sparse_tiles(cfg, spec)
         splits, split_keys = split_count(shape, rows, cfg, q.device)
-        if splits == 1:
-            targets = (out, lse)
-        else:
+        grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
+        targets, merged = (out, lse), None
+        if splits > 1:
             # Partial results in fp32, laid out as the kernel walks the rows (the merge writes the real layout).
             batch, rows_total = (1, q.shape[0]) if shape.q_packed else (shape.b, rows.nq)
             targets = (plans.scratch(torch.empty(splits, batch, rows_total, rows.h, shape.dv, dtype=torch.float32,
                                                  device=q.device)),
                        plans.scratch(torch.empty(splits, batch, rows.h, rows_total, dtype=torch.float32,
                                                  device=q.device)))
-        kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg)
-        grid = (-(-rows.nq // cfg.block_m) * shape.b * rows.h, 1, splits)
+            merged = (out, lse, plans.counters(tickets(q.device, grid[0]), grid[0]))
+        kwargs = forward_kwargs(q, k, v, (*targets, probs), spec=rows.spec, shape=shape, rows=rows, cfg=cfg,
+                                merged=merged)
         launch(attention_forward_kernel, grid, **kwargs, split_keys=split_keys, VALUES_INTERLEAVED=values_interleaved,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if splits > 1:
-            merge_splits(targets, (out, lse), shape=shape, rows=rows)
 
     launch_fitting(config(kernel, q, shape, rows.spec, heavy=heavy), launch_forward, kernel=kernel,
                    what=_what(kernel, q, shape))

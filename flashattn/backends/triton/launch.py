@@ -21,7 +21,7 @@ from ...errors import ArgumentError
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse, cache_launch_keys
 from . import configs, interpreting, plans, stubbed_device, tma
-from .kernels import BlockLists, merge_splits_kernel
+from .kernels import BlockLists
 
 
 class Compiled(NamedTuple):
@@ -327,25 +327,33 @@ def _sizes(q, shape: CallShape, rows: QueryRows | None = None) -> dict:
                 UPCAST=interpreting() and q.dtype != torch.float32)
 
 
-def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, rows: QueryRows,
-                   cfg: configs.KernelConfig) -> dict:
+def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, rows: QueryRows,  # noqa: PLR0913
+                   cfg: configs.KernelConfig, merged: tuple | None = None) -> dict:  # (keywords after targets)
     """Every argument of ``attention_forward_kernel`` but the tile sizes and ``split_keys``. ``targets`` = (out,
-    lse, probs or None) with split stride 0, or the split workspaces (splits, batch, rows, heads, dv) and (splits,
-    batch, heads, rows) of a split-KV launch, whose batch stride is 0 for a packed q (rows are found through the
-    offsets). FP8 q and k multiplied as they are keep ``spec.descale``: the kernel scales their scores."""
+    lse, probs or None) with split stride 0; or, for a split-KV launch, the split workspaces (splits, batch, rows,
+    heads, dv) and (splits, batch, heads, rows), whose batch stride is 0 for a packed q (rows are found through the
+    offsets), and ``merged`` = (out, lse, the ``tickets`` counters) that the last split of each query block merges
+    them into. FP8 q and k multiplied as they are keep ``spec.descale``: the kernel scales their scores."""
     out, lse, probs = targets
-    split = out.shape != shape.out_shape
-    if split:
+    merged_out, merged_lse, counters = (None, None, None) if merged is None else merged
+    merged_strides = dict.fromkeys(("stride_mob", "stride_mon", "stride_moh", "stride_mod", "stride_mlb",
+                                    "stride_mlh"), 0)
+    if merged is not None:
         out_strides = CallShape.strides("o", out, "sbnhd")
         lse_strides = dict(zip(("stride_ls", "stride_lb", "stride_lh"), lse.stride()[:3], strict=True))
         if shape.q_packed:
             out_strides["stride_ob"] = lse_strides["stride_lb"] = 0
+        merged_strides = {**{name.replace("stride_o", "stride_mo"): n for name, n in rows.out.items()},
+                          **{name.replace("stride_l", "stride_ml"): n for name, n in rows.lse.items()}}
+        if shape.q_packed:
+            merged_strides["stride_mob"] = 0
     else:
         out_strides, lse_strides = {"stride_os": 0, **rows.out}, {"stride_ls": 0, **rows.lse}
     return dict(
         q=q, k=k, v=v, out=out, lse=lse, probs=probs, cu_seqlens_q=shape.cu_seqlens_q, **shape.keys,
+        merged_out=merged_out, merged_lse=merged_lse, tickets=counters, **merged_strides,
         descale=None if spec.descale is None else spec.descale.score_scales(),
-        **rows.sink(None if split else spec.sink), blocks=sparse_blocks(spec, by_keys=False),
+        **rows.sink(spec.sink), blocks=sparse_blocks(spec, by_keys=False),
         **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
         **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),
         **_descriptors(q, k, v, shape=shape, rows=rows, blocks=(cfg.block_m, cfg.block_n)),
@@ -420,22 +428,4 @@ def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) ->
         cu_seqlens_k=shape.cu_seqlens_k, **CallShape.strides("q", q), **CallShape.strides("k", k),
         **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(neg_lse2),
         **_optional_tensors(spec), **_options(spec), **_sizes(q, shape), PLAIN=plain_scores(spec),
-    )
-
-
-def merge_splits(partials, results, *, shape: CallShape, rows: QueryRows) -> None:
-    """Merge the split workspaces ``partials`` into ``results`` = (out, lse), row by row (a packed q is one
-    batch entry of total_q rows)."""
-    out_acc, lse_acc = partials
-    out, lse = results
-    batch, nq = out_acc.shape[1], out_acc.shape[2]
-    out_strides = dict(rows.out, stride_ob=0) if shape.q_packed else rows.out
-    launch(
-        merge_splits_kernel, (-(-nq // configs.MERGE_BLOCK_M) * batch * rows.h,),
-        out_splits=out_acc, lse_splits=lse_acc, out=out, lse=lse, **rows.sink(rows.spec.sink),
-        **CallShape.strides("po", out_acc, "sbnhd"),
-        **dict(zip(("stride_pls", "stride_plb", "stride_plh"), lse_acc.stride()[:3], strict=True)),
-        **out_strides, **rows.lse,
-        num_heads=rows.h, seqlen_q=nq, head_dim_v=shape.dv, n_splits=out_acc.shape[0],
-        BLOCK_M=configs.MERGE_BLOCK_M, BLOCK_DV=configs.padded_head_dim(shape.dv),
     )

@@ -33,6 +33,7 @@ from ..environ import Variable
 from ..spec import AttentionSpec, aliases
 from . import configs, hopper, tma
 from .entry import Entry, TensorMaps, entry, expansion, fill_tma_descriptor
+from .tickets import tickets
 
 
 class Launch(NamedTuple):
@@ -48,6 +49,7 @@ class Launch(NamedTuple):
 class Recording:
     launches: list[Launch] = field(default_factory=list)
     scratch: set[int] = field(default_factory=set)  # storages the call allocated for its kernels to fill
+    counters: dict[int, tuple] = field(default_factory=dict)  # storage -> (count, the ``tickets`` counters)
 
 
 _recording: ContextVar[Recording | None] = ContextVar("flashattn_triton_recording", default=None)
@@ -74,6 +76,14 @@ def scratch(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def counters(t: torch.Tensor, count: int) -> torch.Tensor:
+    """``t``, ``tickets.tickets(device, count)``'s counters: a replay asks ``tickets`` again, for its own stream."""
+    recording = _recording.get()
+    if recording is not None:
+        recording.counters[_storage_of(t)] = count, t
+    return t
+
+
 def record(kernel, compiled, grid: tuple[int, ...], kwargs: dict) -> None:
     """Called by ``launch.launch`` after each launch; kept when a recording is active."""
     recording = _recording.get()
@@ -82,8 +92,9 @@ def record(kernel, compiled, grid: tuple[int, ...], kwargs: dict) -> None:
 
 
 # --- where a tensor argument comes from, and how a replay finds it -------------------------------------------------
-# A slot is (kind, index, view): kind "in" (an input), "out" (an output) or "work" (a workspace), and view None (the
-# tensor itself) or (dtype, shape, stride, offset from the base's storage offset).
+# A slot is (kind, index, view): kind "in" (an input), "out" (an output), "work" (a workspace) or "tickets" (index:
+# the count of ``tickets`` counters), and view None (the tensor itself) or (dtype, shape, stride, offset from the
+# base's storage offset).
 
 
 class _Storage(NamedTuple):
@@ -155,11 +166,11 @@ def _literal(value: object) -> bool:
 class _Source:
     """The text of a plan's launch function and the objects it names (``_writer``)."""
 
-    _BASES = {"in": "inputs[{}]", "out": "o{}", "work": "w{}"}
+    _BASES = {"in": "inputs[{}]", "out": "o{}", "work": "w{}", "tickets": "_tickets(device, {}, stream)"}
 
     def __init__(self):
         self.names: dict[str, object] = {"_resolve": _resolve, "_descriptor": _descriptor,
-                                         "_empty": torch.empty_strided}
+                                         "_empty": torch.empty_strided, "_tickets": tickets}
         self.maps: dict[tuple, str] = {}  # tensor maps by what they encode: the backward's kernels share k's, v's
 
     def constant(self, value: object) -> str:
@@ -241,10 +252,11 @@ class _Untraceable(Exception):
     """A tensor argument that is neither an input, an output, a workspace nor a view of one."""
 
 
-def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor], scratch: set[int]):
+def _tracer(inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor], scratch: set[int],
+            counters: dict[int, tuple] | None = None):
     """Slots for tensor arguments: inputs and outputs by storage; a buffer the call allocated (``scratch``) a
-    workspace, allocated anew per call."""
-    storages: dict[int, _Storage] = {}
+    workspace, allocated anew per call; ``counters`` (storage -> (count, tensor)) the ``tickets`` counters."""
+    storages = {storage: _Storage("tickets", count, t) for storage, (count, t) in (counters or {}).items()}
     shared: set[int] = set()  # storages of two or more inputs (k and v unbound from one kv tensor)
     for kind, tensors in (("in", inputs), ("out", outputs)):
         for i, t in enumerate(tensors):
@@ -287,7 +299,7 @@ def _constant(value) -> bool:
 
 def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
     """The plan of a recorded call, or None when a tensor argument cannot be traced."""
-    slot, workspaces = _tracer(inputs, outputs, recording.scratch)
+    slot, workspaces = _tracer(inputs, outputs, recording.scratch, recording.counters)
     descriptor_kinds = _descriptor_kinds()
     launches = []
     try:

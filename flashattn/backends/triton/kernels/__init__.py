@@ -15,7 +15,7 @@ lists, is the one the launcher builds.
 
 from .backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, attention_backward_preprocess_kernel
 from .bundles import BlockLists
-from .forward import attention_forward_kernel, merge_splits_kernel
+from .forward import attention_forward_kernel
 
 __all__ = [
     "BlockLists",
@@ -23,5 +23,4 @@ __all__ = [
     "attention_backward_dq_kernel",
     "attention_backward_preprocess_kernel",
     "attention_forward_kernel",
-    "merge_splits_kernel",
 ]

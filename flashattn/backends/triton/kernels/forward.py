@@ -1,4 +1,4 @@
-"""The FlashAttention-2 forward kernel and the merge of split-KV partial results.
+"""The FlashAttention-2 forward kernel, with split-KV's merge of partial results in its last split's programs.
 
 One program owns one (query block, batch x head) pair and, with split-KV (flash-decoding), one split of the keys.
 Keys come from dense K/V, a packed varlen batch, or a KV cache (per-sequence bounds, a cache row index, or a
@@ -121,12 +121,13 @@ def _attend(state, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.conste
 @triton.jit
 def attention_forward_kernel(
     q, k, v, out, lse, probs, descale, alibi, mask, seed, sink, blocks, cu_seqlens_q, cu_seqlens_k, k_start, k_end,
-    k_batch, block_table, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma,
+    k_batch, block_table, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, merged_out, merged_lse, tickets,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_os, stride_ob, stride_on, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh,
+    stride_mob, stride_mon, stride_moh, stride_mod, stride_mlb, stride_mlh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sh, stride_sm,
@@ -140,13 +141,16 @@ def attention_forward_kernel(
 
     ``seqlen_q``/``seqlen_k`` lay out the dropout counters and ``probs`` (the maxima with varlen); the lengths of this
     program's sequence come from ``sequence``. With split-KV, split s sees only keys [s * split_keys, (s + 1) *
-    split_keys) and writes its partial O and lse at ``s * stride_os``/``stride_ls`` for ``merge_splits_kernel``; one
-    split (``split_keys`` >= seqlen_k) is plain FlashAttention-2. ``probs`` (None unless asked for) receives P = exp(S -
-    lse), dropped entries negated: a testing aid, never with a cache or splits. ``sink`` (None without): the learnable
-    sink logit of query head ``h * stride_sh + row * stride_sm`` joins the denominator in the epilogue (never with
-    splits: the merge adds it). ``blocks`` (None without): a block mask's lists (``BlockLists``). ``descale`` (None
-    without): (B, Hk), what multiplies the scores of FP8 q and k multiplied as they are; P is then rounded to v's
-    FP8 type for P V, as FlashAttention-3 does. ``VALUES_INTERLEAVED``: v's keys permuted within groups of 32 and
+    split_keys) and writes its partial O and lse at ``s * stride_os``/``stride_ls``; then it takes a ticket
+    (``tickets``, one counter per query block, zero before the launch) and the program that arrives last merges every
+    split's partials into ``merged_out``/``merged_lse`` (strides ``stride_mo*``, ``stride_ml*``) and sets the counter
+    back to zero (``_last_split_merges``). One split (``split_keys`` >= seqlen_k, ``tickets`` None) is plain
+    FlashAttention-2. ``probs`` (None unless asked for) receives P = exp(S - lse), dropped entries negated: a testing
+    aid, never with a cache or splits. ``sink`` (None without): the learnable sink logit of query head ``h *
+    stride_sh + row * stride_sm`` joins the denominator in the epilogue (with splits, in the merge). ``blocks``
+    (None without): a block mask's lists (``BlockLists``). ``descale`` (None without): (B, Hk), what multiplies
+    the scores of FP8 q and k multiplied as they are; P is then rounded to v's FP8 type for P V, as
+    FlashAttention-3 does. ``VALUES_INTERLEAVED``: v's keys permuted within groups of 32 and
     padded with zero keys to whole groups (``attend.interleaved_values``), P's columns permuted alike.
     ``PLAIN``: no softcap, ALiBi or user mask and a positive scale (see ``score_tile``).
     ``*_desc`` are TMA descriptors (None: pointer loads), ``*_tma`` where a head's rows are in them
@@ -209,7 +213,7 @@ def attention_forward_kernel(
     # Deferred normalisation: one division per row; a row that saw no key outputs 0 with lse = -inf (the sink
     # with one: it is one more score in the denominator, with no value, so only l and the output's scale move).
     b_kept = tl.full([BLOCK_M], 1.0, tl.float32)
-    if sink is not None:
+    if sink is not None and tickets is None:
         b_sink = tl.load(sink + h * stride_sh + o_m * stride_sm, mask=o_m < nq, other=0.0) * LOG2E
         b_top = tl.maximum(b_m, b_sink)
         b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
@@ -226,6 +230,14 @@ def attention_forward_kernel(
              + h * stride_oh + o_dv[None, :] * stride_od)
     tl.store(p_out, b_out.to(out.dtype.element_ty), mask=(o_m[:, None] < nq) & (o_dv[None, :] < head_dim_v))
     tl.store(lse + split.to(tl.int64) * stride_ls + b * stride_lb + h * stride_lh + q0 + o_m, b_lse, mask=o_m < nq)
+
+    if tickets is not None:  # split-KV: the last of the query block's splits to arrive merges them
+        p_merged = (merged_out + b * stride_mob + (q0 + o_m[:, None].to(tl.int64)) * stride_mon + h * stride_moh
+                    + o_dv[None, :] * stride_mod)
+        _last_split_merges(tickets + tl.program_id(0), p_out - split.to(tl.int64) * stride_os,
+                           lse + b * stride_lb + h * stride_lh + q0 + o_m, stride_os, stride_ls, p_merged,
+                           merged_lse + b * stride_mlb + h * stride_mlh + q0 + o_m, sink,
+                           h * stride_sh + o_m * stride_sm, o_m < nq, o_dv < head_dim_v)
 
     if probs is not None:
         # P = exp(S - lse) recomputed, dropped entries negated. probs was zero-filled by the launcher, so hidden
@@ -261,56 +273,57 @@ def _store_probs(b_lse2, args, span, scoring, BLOCK_N: tl.constexpr, UPCAST: tl.
 
 
 @triton.jit
-def merge_splits_kernel(
-    out_splits, lse_splits, out, lse, sink,
-    stride_pos, stride_pob, stride_pon, stride_poh, stride_pod,
-    stride_pls, stride_plb, stride_plh,
-    stride_ob, stride_on, stride_oh, stride_od,
-    stride_lb, stride_lh, stride_sh, stride_sm,
-    num_heads, seqlen_q, head_dim_v, n_splits,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Merge the partial (O_s, lse_s) of every split (strides ``stride_po*`` and ``stride_pl*`` of the partials,
-    ``stride_o*`` and ``stride_l*`` of the results): lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s.
+def _last_split_merges(p_ticket, p_out, p_lse, stride_os, stride_ls, p_merged, p_merged_lse, sink, o_sink, m_rows,
+                       m_cols):
+    """Take this program's ticket at ``p_ticket``; the program that takes the last of the query block's splits
+    merges every split's partials (``_merge_splits``: ``p_out``, ``p_lse`` at split 0) into ``p_merged`` and
+    ``p_merged_lse`` (the sink, None without, at ``sink + o_sink``) and sets the counter back to zero."""
+    # Each thread's partial stores come before the CTA barrier, which comes before the ticket's release: the program
+    # that takes the last ticket (an acquire) reads every split's partials.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(p_ticket, 1, sem="acq_rel")
+    if arrived == tl.num_programs(2) - 1:
+        tl.atomic_xchg(p_ticket, 0)  # zero again for the stream's next launch
+        b_sink = None
+        if sink is not None:
+            b_sink = tl.load(sink + o_sink, mask=m_rows, other=float("-inf"))
+        b_out, b_lse = _merge_splits(p_out, p_lse, stride_os, stride_ls, tl.num_programs(2), m_rows, m_cols, b_sink)
+        tl.store(p_merged, b_out.to(p_merged.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+        tl.store(p_merged_lse, b_lse, mask=m_rows)
+
+
+@triton.jit
+def _merge_splits(p_out, p_lse, stride_os, stride_ls, splits, m_rows, m_cols, b_sink):
+    """(O, lse) of a query block over every split's partial (O_s, lse_s), read at ``p_out`` (a block of pointers to
+    split 0's rows) and ``p_lse`` plus s x ``stride_os``/``stride_ls``: lse = log sum_s exp(lse_s), O = sum_s
+    exp(lse_s - lse) O_s.
 
     Weights are taken relative to the largest lse_s, so nothing overflows; splits that saw no key (lse_s = -inf)
-    weigh 0, and a row no split saw gets O = 0, lse = -inf. Query positions have unit stride in ``lse_splits``
-    and ``lse``. A learnable ``sink`` (None without; indexed as in the forward kernel) is one more split, of
-    value 0 and lse the sink.
+    weigh 0, and a row no split saw gets O = 0, lse = -inf. ``b_sink`` (None without: the rows' learnable sink
+    logits) is one more split, of value 0 and lse the sink. The partials come from other programs of the launch:
+    read past L1 (``.cg``), which is not coherent across multiprocessors.
     """
-    start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    o_dv = tl.arange(0, BLOCK_DV)
-    m_rows = o_m < seqlen_q
-    p_lse = lse_splits + b * stride_plb + h * stride_plh + o_m
-    b_top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_top = tl.full(m_rows.shape, float("-inf"), tl.float32)
     # Pointers step split by split (64-bit), where split x stride could pass 2^31.
     p_lse_s = p_lse
-    for _ in range(0, n_splits):
-        b_top = tl.maximum(b_top, tl.load(p_lse_s, mask=m_rows, other=float("-inf")))
-        p_lse_s += stride_pls
-    if sink is not None:
-        b_sink = tl.load(sink + h * stride_sh + o_m * stride_sm, mask=m_rows, other=float("-inf"))
+    for _ in range(0, splits):
+        b_top = tl.maximum(b_top, tl.load(p_lse_s, mask=m_rows, other=float("-inf"), cache_modifier=".cg"))
+        p_lse_s += stride_ls
+    if b_sink is not None:
         b_top = tl.maximum(b_top, b_sink)
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
-    b_total = tl.zeros([BLOCK_M], tl.float32)
-    if sink is not None:
+    b_total = tl.zeros(m_rows.shape, tl.float32)
+    if b_sink is not None:
         b_total = tl.exp(b_sink - b_top)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    o_rows = o_m[:, None].to(tl.int64)
-    p_tile = out_splits + b * stride_pob + h * stride_poh + o_rows * stride_pon + o_dv[None, :] * stride_pod
-    m_inside = m_rows[:, None] & (o_dv[None, :] < head_dim_v)
-    for _ in range(0, n_splits):
-        b_w = tl.exp(tl.load(p_lse, mask=m_rows, other=float("-inf")) - b_top)
+    b_acc = tl.zeros(p_out.shape, tl.float32)
+    m_inside = m_rows[:, None] & m_cols[None, :]
+    for _ in range(0, splits):
+        b_w = tl.exp(tl.load(p_lse, mask=m_rows, other=float("-inf"), cache_modifier=".cg") - b_top)
         b_total += b_w
-        b_acc += b_w[:, None] * tl.load(p_tile, mask=m_inside, other=0.0)
-        p_lse += stride_pls
-        p_tile += stride_pos
+        b_acc += b_w[:, None] * tl.load(p_out, mask=m_inside, other=0.0, cache_modifier=".cg")
+        p_lse += stride_ls
+        p_out += stride_os
     m_empty = b_total == 0.0
     b_out = b_acc * fast_div(1.0, tl.where(m_empty, 1.0, b_total))[:, None]
     b_lse = tl.where(m_empty, float("-inf"), b_top + tl.log(tl.where(m_empty, 1.0, b_total)))
-    tl.store(out + b * stride_ob + o_rows * stride_on + h * stride_oh + o_dv[None, :] * stride_od,
-             b_out.to(out.dtype.element_ty), mask=m_inside)
-    tl.store(lse + b * stride_lb + h * stride_lh + o_m, b_lse, mask=m_rows)
+    return b_out, b_lse
