@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -100,3 +101,12 @@ def fill_tma_descriptor() -> Callable:
     from triton.runtime import driver
 
     return driver.active.utils.fill_tma_descriptor
+
+
+def descriptor_kinds() -> tuple[type, ...]:
+    """The host TMA descriptor classes a launch may take: ``tl``'s, and Gluon's (the Hopper tier's) once its module
+    is loaded (before, no argument can be one; looked up here so that plans never import Gluon)."""
+    gluon = sys.modules.get("triton.experimental.gluon.nvidia.hopper")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor,) if gluon is None else (TensorDescriptor, gluon.TensorDescriptor)

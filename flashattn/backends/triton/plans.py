@@ -16,7 +16,6 @@ keep the path's full Python. Plans apply to compiled kernels on a GPU (or stubbe
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,7 +31,7 @@ from ..direct import hooked
 from ..environ import Variable
 from ..spec import AttentionSpec, aliases
 from . import configs, hopper, tma
-from .entry import Entry, TensorMaps, entry, expansion, fill_tma_descriptor
+from .entry import Entry, TensorMaps, descriptor_kinds, entry, expansion, fill_tma_descriptor
 from .tickets import tickets
 
 
@@ -130,13 +129,6 @@ def _descriptor(base: torch.Tensor, fields: dict, kind: type = TensorDescriptor)
     return desc
 
 
-def _descriptor_kinds() -> tuple[type, ...]:
-    """The host TMA descriptor classes a launch may take: ``tl``'s, and Gluon's (the Hopper tier's) once its module
-    is loaded (before, no argument can be one; looked up here so that plans never import Gluon)."""
-    gluon = sys.modules.get("triton.experimental.gluon.nvidia.hopper")
-    return (TensorDescriptor,) if gluon is None else (TensorDescriptor, gluon.TensorDescriptor)
-
-
 class Plan:
     """A signature's launches: the outputs and workspaces to allocate, then each compiled kernel launched with
     its recorded arguments and the call's tensors in their places, by one function written for the plan (a
@@ -194,7 +186,7 @@ class _Source:
     def by_launcher(self, compiled, grid, arguments, tensors, descriptors) -> list[str]:
         """The launch by ``compiled.run``, Triton's launcher, descriptors as objects."""
         terms = self.arguments(arguments, tensors)
-        for position, (slot, fields, kind) in descriptors:
+        for position, (slot, fields, kind, _) in descriptors:
             terms[position] = f"_descriptor({self.tensor(slot)}, {self.constant(fields)}, {self.constant(kind)})"
         kernel = self.constant(compiled)
         return [f"args = ({', '.join(terms)},)",
@@ -206,7 +198,7 @@ class _Source:
     def by_entry(self, found: Entry, compiled, grid, arguments, tensors, descriptors) -> list[str]:
         """The launch by the kernel's C entry, each descriptor expanded as the launcher expands it."""
         terms, body = self.arguments(arguments, tensors), []
-        for position, (slot, fields, _) in descriptors:
+        for position, (slot, fields, _, offset) in descriptors:
             encode, after = expansion(fields, found.descriptors[position])
             if encode is None:
                 terms[position] = ", ".join((self.tensor(slot), *map(self.constant, after)))
@@ -215,7 +207,10 @@ class _Source:
             if same not in self.maps:
                 name = self.maps[same] = f"m{len(self.maps)}"
                 maps = self.constant(TensorMaps(fill_tma_descriptor(), encode))
-                body.append(f"{name} = {maps}({self.tensor(slot)}.data_ptr())")
+                # The map needs the view's address alone: its base's plus the bytes between them (fixed by the
+                # key), without building the view.
+                base = self.tensor((*slot[:2], None))
+                body.append(f"{name} = {maps}({base}.data_ptr(){f' + {offset}' if offset else ''})")
             terms[position] = ", ".join((self.maps[same], *map(self.constant, after)))
         return [*body, f"{self.constant(found.launch)}({', '.join(map(str, grid))}, stream, "
                        f"{self.constant(compiled.function)}, {found.cooperative}, {found.pdl}, None, None, "
@@ -300,7 +295,8 @@ def _constant(value) -> bool:
 def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> Plan | None:
     """The plan of a recorded call, or None when a tensor argument cannot be traced."""
     slot, workspaces = _tracer(inputs, outputs, recording.scratch, recording.counters)
-    descriptor_kinds = _descriptor_kinds()
+    kinds = descriptor_kinds()
+    bases = {"in": inputs, "out": outputs, "work": workspaces}
     launches = []
     try:
         for kernel, compiled, grid, kwargs in recording.launches:
@@ -310,9 +306,11 @@ def build(recording: Recording, inputs: Sequence[torch.Tensor | None], outputs: 
                 if isinstance(value, torch.Tensor):
                     tensors.append((position, slot(value)))
                     value = None
-                elif type(value) in descriptor_kinds:
+                elif type(value) in kinds:
                     fields = {k: v for k, v in vars(value).items() if k != "base"}
-                    descriptors.append((position, (slot(value.base), fields, type(value))))
+                    where = slot(value.base)
+                    offset = value.base.data_ptr() - bases[where[0]][where[1]].data_ptr()
+                    descriptors.append((position, (where, fields, type(value), offset)))
                     value = None
                 elif not _constant(value):
                     raise _Untraceable  # a bundle of tensors (block-mask lists), another kind of descriptor
