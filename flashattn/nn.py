@@ -253,6 +253,14 @@ class KVCache:
     k_descale: Tensor | None = None
     v_descale: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # Fixed addresses for torch.compile, as Hugging Face's StaticCache marks its own: a compiled decode step
+        # that appends to the cache in place is then captured in a CUDA graph (mode="reduce-overhead") instead of
+        # skipped for mutating its inputs.
+        for t in (self.k, self.v, self.seqlens, self.k_descale, self.v_descale):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+
     def reset(self) -> None:
         """Forget the stored tokens (the memory is reused)."""
         self.seqlens.zero_()

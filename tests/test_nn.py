@@ -447,3 +447,33 @@ def test_self_attention_errors():
     m = SelfAttention(24, 4)
     with pytest.raises(RuntimeError, match="no_grad"):
         m(torch.randn(1, 2, 24), cache=m.new_cache(1, 8))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a CUDA graph needs a CUDA GPU"))])
+def test_a_compiled_decode_step_equals_eager(device):
+    """A decode step of ``SelfAttention`` under ``torch.compile(mode="reduce-overhead", fullgraph=True)``: one graph
+    serves every step (the cache's lengths are a tensor) and equals the eager step, cache included; on a GPU it is
+    captured in a CUDA graph, none skipped (the cache's tensors have static addresses, as Hugging Face's StaticCache
+    marks its own: a graph that appends to its inputs is otherwise skipped)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    attn = SelfAttention(dim=64, num_heads=4, num_kv_heads=2, causal=True).to(device, dtype).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, cache: attn(x, cache=cache), mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        eager_cache, compiled_cache = (attn.new_cache(batch_size=2, max_seqlen=32) for _ in range(2))
+        assert all(getattr(t, "_dynamo_static_input_type", None) for t in (compiled_cache.k, compiled_cache.seqlens))
+        prompt = torch.randn(2, 10, 64, device=device, dtype=dtype)
+        attn(prompt, cache=eager_cache), attn(prompt, cache=compiled_cache)
+        for _ in range(4):
+            x = torch.randn(2, 1, 64, device=device, dtype=dtype)
+            torch.testing.assert_close(compiled(x, compiled_cache), attn(x, cache=eager_cache))
+        assert compiled_cache.seqlens.tolist() == eager_cache.seqlens.tolist() == [14, 14]
+        torch.testing.assert_close(compiled_cache.k, eager_cache.k)
+    assert counters["stats"]["unique_graphs"] == 1
+    if device == "cuda":
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
