@@ -208,6 +208,32 @@ def test_generation_with_transformers_fp8_cache_matches():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])  # mistral: a sliding window of 5 keys
+def test_compiled_static_cache_generation_matches(kind):
+    """transformers' static cache with the model's forward under torch.compile(mode="reduce-overhead",
+    fullgraph=True), as its docs compile generation: no graph break (the padding mask is applied as a boolean mask,
+    whose shapes do not depend on its values, instead of unpadding), the same tokens and logits as eager sdpa, with
+    left padding."""
+    from torch._dynamo.utils import counters
+
+    models = _models(kind, dtypes=(torch.float32,))
+    ids = torch.randint(1, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    expected = models["base", torch.float32].generate(ids, **kwargs)
+    model = models[NAME, torch.float32]
+    torch._dynamo.reset()
+    counters.clear()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] >= 1
+
+
 def test_custom_4d_mask_is_honoured():
     models = _models("llama", dtypes=(torch.float64,))
     ids = torch.randint(0, VOCAB, (2, 12))

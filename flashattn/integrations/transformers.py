@@ -139,13 +139,15 @@ def padding_mask(
     """transformers' mask hook: the (batch, kv_length) boolean padding mask, or None if no token is padding.
 
     Causal, sliding-window and packed-sequence structure is not materialised: the attention function applies it
-    from ``is_causal``, ``sliding_window`` and the packing arguments, so no (q, kv) mask is ever built.
+    from ``is_causal``, ``sliding_window`` and the packing arguments, so no (q, kv) mask is built (except under
+    ``torch.compile``, where padding is applied as a boolean mask: ``_masked``).
     """
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:].bool()
-    # A mask shorter than kv_length (a static cache) still says which cache slots are valid, so it is kept.
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+    # A mask shorter than kv_length (a static cache) still says which cache slots are valid, so it is kept. A
+    # compiled graph keeps it too: whether it is all True is a value, not a shape.
+    if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None
     return attention_mask
 
@@ -194,6 +196,23 @@ def _unpadded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options) -> Tensor:
     return pad_input(out, q_index, b, nq)
 
 
+def _masked(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, *, causal: bool, window: int, dropout: float,
+            scale: float | None) -> Tensor:
+    """``_unpadded``'s attention for a compiled graph, whose shapes cannot depend on the mask's values: the padding
+    mask (batch, kv_len) as a boolean mask over the keys, with the causal band (the queries are the last q_len
+    positions) and the window (``window`` keys left of a query, -1: none) folded in; query (batch, heads, q_len,
+    dim) -> the same layout. A static cache's slots past the mask are unused."""
+    nq, nk = query.shape[2], mask.shape[1]
+    position = torch.arange(nk - nq, nk, device=mask.device)[:, None]  # each query's position among the keys
+    keys = torch.arange(nk, device=mask.device)[None, :]
+    band = (keys <= position) if causal else (keys <= position + window if window >= 0 else keys >= 0)
+    if window >= 0:
+        band = band & (keys >= position - window)
+    return scaled_dot_product_attention(query, key[:, :, :nk], value[:, :, :nk],
+                                        attn_mask=mask[:, None, None, :] & band, dropout_p=dropout, scale=scale,
+                                        enable_gqa=True)
+
+
 def attention_forward(  # noqa: PLR0913 (transformers' attention-interface signature)
     module: torch.nn.Module,
     query: Tensor,
@@ -232,7 +251,10 @@ def attention_forward(  # noqa: PLR0913 (transformers' attention-interface signa
                    softcap=float(softcap or 0.0), deterministic=bool(kwargs.get("deterministic") or False),
                    learnable_sink=kwargs.get("s_aux"))
 
-    if attention_mask is not None:
+    if attention_mask is not None and torch.compiler.is_compiling() and not softcap and kwargs.get("s_aux") is None:
+        out = _masked(query, key, value, attention_mask.bool(), causal=causal, window=window[0], dropout=dropout,
+                      scale=scaling).transpose(1, 2)
+    elif attention_mask is not None:
         out = _unpadded(q, k, v, attention_mask.bool(), options)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         out = _varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, options)
