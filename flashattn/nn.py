@@ -257,9 +257,12 @@ class KVCache:
         # Fixed addresses for torch.compile, as Hugging Face's StaticCache marks its own: a compiled decode step
         # that appends to the cache in place is then captured in a CUDA graph (mode="reduce-overhead") instead of
         # skipped for mutating its inputs.
+        # Unguarded: a new cache must not recompile the step (guarded marks are torch < 2.10's default).
+        if torch.compiler.is_compiling():
+            return
         for t in (self.k, self.v, self.seqlens, self.k_descale, self.v_descale):
             if t is not None:
-                torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static_address(t, guard=False)
 
     def reset(self) -> None:
         """Forget the stored tokens (the memory is reused)."""

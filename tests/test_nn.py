@@ -474,6 +474,9 @@ def test_a_compiled_decode_step_equals_eager(device):
             torch.testing.assert_close(compiled(x, compiled_cache), attn(x, cache=eager_cache))
         assert compiled_cache.seqlens.tolist() == eager_cache.seqlens.tolist() == [14, 14]
         torch.testing.assert_close(compiled_cache.k, eager_cache.k)
+        another, reference = (attn.new_cache(batch_size=2, max_seqlen=32) for _ in range(2))
+        attn(prompt, cache=another), attn(prompt, cache=reference)
+        torch.testing.assert_close(compiled(x, another), attn(x, cache=reference))  # a new cache: the same graph
     assert counters["stats"]["unique_graphs"] == 1
     if device == "cuda":
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

@@ -24,7 +24,6 @@ DECODE_MAX_ROWS = 16
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
 INTERPRETER = KernelConfig(32, 32, 1, 1)
 PREPROCESS_BLOCK_M = 64
-MERGE_BLOCK_M = 16
 MEASURED = _load_measured()  # family -> kernel -> (head dim, weight) -> config timed fastest on a GPU (measured.py)
 
 

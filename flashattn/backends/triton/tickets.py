@@ -29,6 +29,8 @@ def tickets(device: torch.device, count: int, stream: int | None = None) -> torc
     the device's current stream by default), every launch leaving them at zero."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(count, dtype=torch.int32, device=device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device, two keys
+        device = torch.device("cuda", torch.cuda.current_device())
     if stream is None:
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     found = _COUNTERS.get((device, stream))
