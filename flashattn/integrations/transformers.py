@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checks
+from ..backends.masking import Band
 from ..backends.memo import PerTensor
 from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, scaled_dot_product_attention
 from ..padding import pad_input, plan_unpad, unpad_input
@@ -203,13 +204,10 @@ def _masked(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, *, causal: 
     positions) and the window (``window`` keys left of a query, -1: none) folded in; query (batch, heads, q_len,
     dim) -> the same layout. A static cache's slots past the mask are unused."""
     nq, nk = query.shape[2], mask.shape[1]
-    position = torch.arange(nk - nq, nk, device=mask.device)[:, None]  # each query's position among the keys
-    keys = torch.arange(nk, device=mask.device)[None, :]
-    band = (keys <= position) if causal else (keys <= position + window if window >= 0 else keys >= 0)
-    if window >= 0:
-        band = band & (keys >= position - window)
+    band = Band.of(nq, nk, left=window, right=0 if causal else window, bottom_right=True)
+    visible = band.visible(torch.arange(nq, device=mask.device), torch.arange(nk, device=mask.device))
     return scaled_dot_product_attention(query, key[:, :, :nk], value[:, :, :nk],
-                                        attn_mask=mask[:, None, None, :] & band, dropout_p=dropout, scale=scale,
+                                        attn_mask=mask[:, None, None, :] & visible, dropout_p=dropout, scale=scale,
                                         enable_gqa=True)
 
 
