@@ -44,6 +44,9 @@ ENVIRONMENT = (
     ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward has S and dP on FP8 tensor cores", "0"),
     ("FLASHATTN_LAUNCH_PLANS", "0: every Triton call runs its full launch code (no launch plans)", "1"),
     ("FLASHATTN_TRITON_TIER", "Hopper kernels: auto (where faster), portable (never), hopper (where they run)", "auto"),
+    ("FLASHATTN_TRITON_BACKWARD", "the Triton backward's dQ: two-pass (its own kernel, deterministic), one-pass "
+                                  "(atomics in the dK/dV kernel; sm_80/sm_90 families), auto (two-pass until measured)",
+     "auto"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),

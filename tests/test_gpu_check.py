@@ -55,7 +55,7 @@ def test_smoke_run_fits_its_budget_and_returns_three_files(tmp_path):
     assert list(steps) == STEPS
     assert all(s["status"] in STATUSES for s in steps.values()), {n: s["status"] for n, s in steps.items()}
     assert steps["smoke"]["status"] == "ok", (out / "summary.md").read_text()
-    assert steps["smoke"]["headline"] == "30 cases: 30 ok"
+    assert steps["smoke"]["headline"] == "34 cases: 34 ok"
     archive = _archive(out)
     for name in ("summary.md", "gpu-check.json", "info.json", "smoke.json", "smoke.log"):
         assert archive.get(name), name

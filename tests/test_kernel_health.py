@@ -41,14 +41,21 @@ def _health(tmp_path, *args: str) -> list[dict]:
     return rows
 
 
-# Each head dim compiles 40 kernels for sm_80 and sm_90, 3-4 CPU-minutes from a cold Triton cache: make test checks
-# the most used (the kernel profile and block-mask tests compile d=64 for sm_90 too), `make health` and gpu-check's
-# health step every shipped table, the MLA-style q/k:v pairs included.
+# Each head dim compiles 40 kernels for sm_80 and sm_90 and the one-pass dK/dV's (7 at d=128), 3-4 CPU-minutes from
+# a cold Triton cache: make test checks the most used (the kernel profile and block-mask tests compile d=64 for
+# sm_90 too), `make health` and gpu-check's health step every shipped table, the MLA-style q/k:v pairs included.
 @pytest.mark.parametrize("head_dim", [128, *(pytest.param(d, marks=pytest.mark.health) for d in HEAD_DIMS
                                              if d != 128)])
 def test_shipped_configs_are_healthy(head_dim, tmp_path):
+    from flashattn.backends.triton.configs import WEIGHTS
+    from tools.offline.health import TABLES, served
+
     rows = _health(tmp_path, "--head-dims", str(head_dim), "--archs", "80,90", "--calls", "laden")
-    assert len(rows) == 4 * 5 * 2  # three kernels (the forward with two tables) x five weights x two targets
+    dims = tuple(map(int, head_dim.split(":"))) if isinstance(head_dim, str) else head_dim
+    # three kernels (the forward with two tables) x five weights x two targets, and the one-pass dK/dV's entries
+    assert len(rows) >= 4 * 5 * 2
+    assert len(rows) == sum(served(table, dims, arch, weight) for table in TABLES for weight in WEIGHTS
+                            for arch in (80, 90))
     hopper = [r for r in rows
               if r["arch"] == 90 and not r["variant"].startswith("fp32") and "decode" not in r["kernel"]]
     # Every fp16/bf16 matmul on wgmma but dK/dV's with dropout and a mask at d=128 (16 x 16 tiles).

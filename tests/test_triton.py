@@ -1,4 +1,5 @@
-"""What only the triton path has: determinism of its backward, TMA descriptor loads, every shipped tile, grid limits.
+"""What only the triton path has: determinism of its backward, its one-pass backward, TMA descriptor loads, every
+shipped tile, grid limits.
 On a GPU when there is one, else under TRITON_INTERPRET=1 on CPU tensors (the root conftest.py); small shapes: the
 interpreter runs every program in Python. Every feature on every path is in the feature files (the ``path``
 fixture)."""
@@ -14,6 +15,7 @@ from oracle import attention_ref, check_against_oracle, feature_kwargs, make_inp
 from triton_versions import needs_triton
 
 import flashattn
+from conftest import with_dropout_mask
 
 pytestmark = needs_triton
 GPU = torch.cuda.is_available()
@@ -50,6 +52,81 @@ def test_backward_is_deterministic():
         first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
         second = torch.autograd.grad(out, (q, k, v), g)
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+ONE_PASS_CASES = {
+    # (dtype, batch, nq, nk, heads, kv heads, head dim, features): fp16 sums in an accumulator then rounded, fp32
+    # into dq itself; bf16 (fp32 outputs under the interpreter) as fp32
+    "fp16_gqa_causal": (torch.float16, 2, 37, 45, 4, 2, 40, {"causal": True}),
+    "fp16_mqa_window_softcap_alibi": (torch.float16, 1, 50, 19, 3, 1, 59, {"window_size": (9, 4), "softcap": 2.0,
+                                                                          "alibi": True}),
+    "fp32_dropout": (torch.float32, 1, 33, 70, 2, 1, 32, {"dropout_p": 0.2, "causal": True}),
+    "bf16_plain": (torch.bfloat16, 1, 1, 1, 1, 1, 16, {}),
+}
+
+
+@pytest.mark.parametrize("case", ONE_PASS_CASES)
+def test_the_one_pass_backward(case, monkeypatch, poisoned):
+    """``FLASHATTN_TRITON_BACKWARD=one-pass``: dQ summed by the dK/dV kernel's atomics (into a NaN-poisoned
+    accumulator the preprocess zeroes), gradients against float64 as the two-pass backward's."""
+    dtype, b, nq, nk, h, hk, d, features = ONE_PASS_CASES[case]
+    monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "one-pass")
+    torch.manual_seed(0)
+    q, k, v = on_device(*make_inputs(b, nq, nk, h, hk, d, dtype))
+    kwargs = feature_kwargs(features, b, h)
+    if "alibi_slopes" in kwargs:
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(DEVICE)
+    with flashattn.use_backend("triton"):
+        if "dropout_p" in kwargs:
+            p = kwargs.pop("dropout_p")
+            out, dropped = with_dropout_mask(q, k, v, p, kwargs)
+            check_against_oracle(q, k, v, kwargs, out, dropped=dropped, dropout_p=p)
+        else:
+            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+
+
+def test_the_one_pass_backward_on_packed_sequences(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "one-pass")
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 15, 37], dtype=torch.int32, device=DEVICE)
+    q, k, v = on_device(*(t[0] for t in make_inputs(1, 37, 37, 4, 2, 32, torch.float16)))
+    with flashattn.use_backend("triton"):
+        out = flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 22, 22, causal=True)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+    for lo, hi in ((0, 15), (15, 37)):
+        piece = [t.detach()[None, lo:hi].double().requires_grad_() for t in (q, k, v)]
+        ref, _ = attention_ref(*piece, causal=True)
+        ref_grads = torch.autograd.grad(ref, piece, g[None, lo:hi].double())
+        for ours, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(ours[lo:hi].double(), r[0], rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("setting,deterministic,launched", [
+    ("one-pass", False, ["preprocess", "dkdv", "dq_convert"]),
+    ("one-pass", True, ["preprocess", "dkdv", "dq"]),  # deterministic calls keep the two passes
+    ("two-pass", False, ["preprocess", "dkdv", "dq"]),
+    ("auto", False, ["preprocess", "dkdv", "dq"]),
+])
+def test_which_backward_runs(setting, deterministic, launched, monkeypatch):
+    """The kernels each setting launches (recorded, not run); an unknown setting is an error that names it."""
+    from flashattn.backends.spec import AttentionSpec, Saved
+    from flashattn.backends.triton import attend as backend
+    from flashattn.backends.triton import launch
+
+    names = []
+    record = lambda kernel, grid, **kwargs: names.append(kernel.fn.__name__)  # noqa: E731
+    monkeypatch.setattr(backend, "launch", record)
+    monkeypatch.setattr(launch, "launch", record)
+    monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", setting)
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
+    spec = AttentionSpec(scale=0.25, deterministic=deterministic)
+    with backend.plans.disabled():
+        backend.backward(torch.zeros_like(q), None, Saved(q, q, q, q, torch.zeros(1, 2, 8)), spec)
+    assert names == [f"attention_backward_{name}_kernel" for name in launched]
+    monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "fused")
+    with pytest.raises(ValueError, match="FLASHATTN_TRITON_BACKWARD='fused' is not one of auto, one-pass, two-pass"):
+        backend.backward(torch.zeros_like(q), None, Saved(q, q, q, q, torch.zeros(1, 2, 8)), spec)
 
 
 TMA_CASES = {

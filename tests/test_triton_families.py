@@ -58,6 +58,27 @@ def test_an_unlisted_architecture_gets_its_vendors_conservative_family_once(capl
     assert len(caplog.records) == 1 and families.arch_name(arch) in caplog.records[0].getMessage()
 
 
+def test_where_the_one_pass_backward_runs_and_on_which_tiles(monkeypatch):
+    """``FLASHATTN_TRITON_BACKWARD=one-pass`` on the families with one-pass entries, not for entries declined there
+    (sm_90's 16-bit head dims 128 and 256), deterministic calls or special ones; its own tile where dK/dV's spills,
+    else dK/dV's table entry (not a measured one: those timed the two-pass kernel)."""
+    from flashattn.backends.triton import configs
+
+    def runs(arch, entry=(64, "plain"), **kwargs):
+        return configs.one_pass_backward(arch, **{"deterministic": False, "special": False, **kwargs}, entry=entry)
+
+    assert not runs(90)  # auto: two passes
+    monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "one-pass")
+    assert runs(90) and runs(80) and runs(0) and runs(90, (32, "plain")) and runs(90, (128, "fp32-light"))
+    assert not runs(90, (128, "plain")) and not runs(90, (256, "heavy")) and not runs(90, ((128, 64), "light"))
+    assert not runs(86) and not runs(100) and not runs("gfx942")  # families whose one-pass tiles are unchecked
+    assert not runs(90, deterministic=True) and not runs(90, special=True)
+    assert configs.lookup("dkdv_one_pass", 90, 64, "heavy") == configs.ONE_PASS["sm90"][64, "heavy"]
+    assert configs.lookup("dkdv_one_pass", 90, 64, "plain") == configs.lookup("dkdv", 90, 64, "plain", measured=False)
+    monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "two-pass")
+    assert not runs(90)
+
+
 def test_a_rocm_gpu_is_keyed_by_its_gfx_name(monkeypatch):
     from types import SimpleNamespace
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -161,7 +162,10 @@ OURS = "flashattn"
 OURS_CUDA = "flashattn-cuda"  # our CUDA C++ kernel: timed beside the others, never a baseline for the ratio
 OURS_FP8 = "flashattn-fp8"  # ours on FP8 inputs (FlashAttention-3's FP8 forward): beside ours, never a baseline
 OURS_FP8_TRAIN = "flashattn-fp8-train"  # ours in the FP8 training mode: beside ours, never a baseline
-OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN)  # never the baseline our ratios are taken against
+OURS_ONE_PASS = "flashattn-one-pass"  # ours with the one-pass backward (dQ by atomics): beside ours
+OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN, OURS_ONE_PASS)  # never the baseline of our ratios
+# The environment an implementation's measurement runs in (set for the case, the caller's restored after).
+ENVIRONMENT = {OURS_ONE_PASS: {"FLASHATTN_TRITON_BACKWARD": "one-pass"}}
 FEATURES = ("dropout", "softcap", "alibi", "window", "gqa8")
 IMPLEMENTATIONS: dict[str, Callable] = {
     OURS: ours,
@@ -169,6 +173,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     OURS_CUDA: ours_cuda,
     OURS_FP8: ours_fp8,
     OURS_FP8_TRAIN: ours_fp8_train,
+    OURS_ONE_PASS: ours,
     "sdpa": _sdpa(None),
     "sdpa-math": _sdpa("MATH"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),
@@ -245,10 +250,31 @@ def _make_step(fn, q, k, v, causal: bool, mode: str) -> Callable[[], None]:
     return step
 
 
+@contextlib.contextmanager
+def _environment(impl: str):
+    """``ENVIRONMENT[impl]`` set inside the block, the variables' values before restored after."""
+    changes = ENVIRONMENT.get(impl, {})
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_here(case: Case) -> dict:
     """Measure in this process: median seconds of ``repeats`` calls after warm-up, TFLOP/s, peak extra bytes."""
     if case.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {case.mode!r}")
+    with _environment(case.impl):
+        return _measure(case)
+
+
+def _measure(case: Case) -> dict:
     fn = IMPLEMENTATIONS[case.impl]
     dtype = getattr(torch, case.dtype)
     shape = (case.batch, case.seqlen, case.heads, case.headdim)

@@ -2,13 +2,13 @@
 outputs poisoned first, each result judged against float64 by the same-precision rule (``tests/oracle.py``: at most
 2x the error of plain PyTorch attention in the same precision, 3x for gradients; fp32 near 1e-5 relative).
 
-Kernels: ``fwd+bwd`` (forward, then dK/dV and dQ), ``dropout`` (the same with dropout, its mask read from the torch
-path at the same seed), ``block-mask`` (the three kernels walking a FlexAttention ``BlockMask`` of documents),
-``decode`` (one query token against a KV cache of uneven lengths), ``split-kv`` (the same split in four and merged)
-``fp8-cache`` (the decode step on an e4m3fn cache with descales, 16-bit queries) and ``fp8-matmul`` (q, k, v in
-e4m3fn: FP8 tensor-core matmuls with P rounded, judged against float64 with P rounded alike), ``fp8-train`` (the
-training mode, fp8=True: bf16 inputs quantized by the call, forward and backward) and ``fp8-backward`` (the same
-with ``FLASHATTN_FP8_BACKWARD=1``: S and dP on FP8 tensor cores, dO in e4m3), ``decode-graph`` (``graph_case.py``).
+Kernels: ``fwd+bwd`` (forward, then dK/dV and dQ), ``one-pass`` (the same, dQ summed by atomics in the dK/dV
+kernel: ``one_pass_case.py``), ``dropout`` (its mask read from the torch path at the same seed), ``block-mask``
+(the three kernels walking a FlexAttention ``BlockMask`` of documents), ``decode`` (one query token against a KV
+cache of uneven lengths), ``split-kv`` (split in four and merged), ``fp8-cache`` (an e4m3fn cache with descales,
+16-bit queries), ``fp8-matmul`` (q, k, v in e4m3fn on FP8 tensor cores, judged with P rounded alike),
+``fp8-train`` (fp8=True: bf16 quantized by the call, forward and backward), ``fp8-backward`` (the same with
+``FLASHATTN_FP8_BACKWARD=1``), ``tier`` (``tier_case.py``), ``decode-graph`` (``graph_case.py``).
 Shapes are odd on purpose (173 queries, 251 keys, GQA 4:2), so every tile edge is crossed.
 
 Each case ends ``ok``, ``wrong`` (which tensor, its error and the bound), ``fault`` (the launch raised: a CUDA
@@ -25,22 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 import zlib
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .graph_case import check_decode_graph
+from .one_pass_case import check_one_pass
 from .plan import ROOT, TESTS
+from .poison import poisoned
 from .tier_case import check_tier
 
-KERNELS = ("fwd+bwd", "tier", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul", "fp8-train",
-           "fp8-backward", "decode-graph")
+KERNELS = ("fwd+bwd", "one-pass", "tier", "decode", "split-kv", "block-mask", "dropout", "fp8-cache", "fp8-matmul",
+           "fp8-train", "fp8-backward", "decode-graph")
 GPU_ONLY = {"tier"}  # the Hopper tier's Gluon kernel: compiled kernels on sm_90 alone, never the interpreter
 # Cases whose inputs are FP8 (or bf16 quantized to FP8) whatever the dtype, or that test no dtype: under this one.
 ONCE = {"fp8-matmul": "bfloat16", "fp8-train": "bfloat16", "fp8-backward": "bfloat16", "decode-graph": "bfloat16"}
@@ -82,31 +82,6 @@ def cases(tiny: bool) -> list[Case]:
     return [Case(kernel, dtype, d, causal) for dtype in dtypes for d in dims for causal in (True, False)
             for kernel in KERNELS if not (kernel == "fp8-cache" and dtype == "float32")  # 16-bit q reads FP8
             and ONCE.get(kernel, dtype) == dtype and not (tiny and kernel in GPU_ONLY)]
-
-
-@contextmanager
-def poisoned():
-    """``torch.empty``, ``empty_like`` and ``Tensor.new_empty`` hand out NaN-filled float tensors meanwhile: an
-    output element a kernel forgets to write shows up as NaN."""
-    import torch
-
-    saved = [(torch, "empty", torch.empty), (torch, "empty_like", torch.empty_like),
-             (torch.Tensor, "new_empty", torch.Tensor.new_empty)]
-
-    def poison(make):
-        def made(*args, **kwargs):
-            t = make(*args, **kwargs)
-            return t.fill_(math.nan) if t.is_floating_point() else t
-
-        return made
-
-    for owner, name, make in saved:
-        setattr(owner, name, poison(make))
-    try:
-        yield
-    finally:
-        for owner, name, make in saved:
-            setattr(owner, name, make)
 
 
 def _oracle():
@@ -307,7 +282,8 @@ def check_fp8_train(case: Case, sizes: Sizes, device: str, fp8_backward: bool = 
     return {name: float(f"{e:.3g}") for name, e in errors.items()}
 
 
-CHECKS = {"fwd+bwd": check_fwd_bwd, "tier": lambda c, s, dev: check_tier(c, s, dev, check_fwd_bwd),
+CHECKS = {"fwd+bwd": check_fwd_bwd, "one-pass": lambda c, s, dev: check_one_pass(c, s, dev, check_fwd_bwd),
+          "tier": lambda c, s, dev: check_tier(c, s, dev, check_fwd_bwd),
           "dropout": check_dropout, "block-mask": check_block_mask,
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),

@@ -36,16 +36,18 @@ from flashattn.backends.triton.launch import takes_measured
 
 from .compile import SHARED_LIMIT, TARGETS, KernelCounts, compiled_launches, kernel_counts
 
-TABLES = ("forward", "decode", "dkdv", "dq")
+# dkdv_one_pass: the dK/dV kernel as the one-pass backward compiles it (configs.one_pass_backward)
+TABLES = ("forward", "decode", "dkdv", "dq", "dkdv_one_pass")
 KERNEL_OF = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel[decode]",
-             "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel"}
+             "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel",
+             "dkdv_one_pass": "attention_backward_dkdv_kernel[one-pass]"}
 # wgmma and tcgen05 work on 64-row (and larger) tiles; these configs fit only smaller tiles without spilling, so
 # they run on mma.sync (HMMA): decode's 16-row tiles, and head dim 256 in the backward (dK and dV of 64 keys x 256
 # dims are 256 fp32 registers a thread in one warpgroup; 8 warps split them but compute S^T twice).
 WARPGROUP_EXEMPT = {
     *(("decode", d, w) for d in (16, 32, 64, 128, 256) for w in configs.WEIGHTS),
-    *(("dkdv", 256, w) for w in configs.WEIGHTS),
-    ("dkdv", 128, "heavy"),  # dropout's bits and a mask tile on top: only 16 x 16 fits
+    *((table, 256, w) for w in configs.WEIGHTS for table in ("dkdv", "dkdv_one_pass")),
+    *((table, 128, "heavy") for table in ("dkdv", "dkdv_one_pass")),  # dropout's bits and a mask tile: 16 x 16
     ("dq", 256, "heavy"),
 }
 # The warpgroup-wide tensor-core instruction of a family, as KernelCounts counts it.
@@ -70,7 +72,8 @@ class Health(KernelCounts):
 # dense forward's contiguous loads stream through more shared memory than a paged one's): "dense" (no band),
 # "causal" (a band), "varlen" (packed sequences), "paged" (keys in a paged KV cache).
 CALLS = {"forward": ("laden", "dense", "causal", "varlen", "paged"), "decode": ("laden", "dense"),
-         "dkdv": ("laden", "dense", "varlen"), "dq": ("laden", "dense", "varlen")}
+         "dkdv": ("laden", "dense", "varlen"), "dq": ("laden", "dense", "varlen"),
+         "dkdv_one_pass": ("laden", "dense", "varlen")}
 
 
 def _spec(table: str, weight: str, tensors: dict, block_mask: bool, call: str = "laden") -> AttentionSpec:
@@ -165,8 +168,9 @@ def _compile(table: str, weight: str, head_dim: HeadDims, arch: Arch, block_mask
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
         return backend.backward(torch.empty_like(out), None, Saved(q, k, v, out, lse), spec)
 
-    name = KERNEL_OF[table].removesuffix("[decode]")
-    return next(c for c in compiled_launches(arch, call) if c.name == name)
+    name = KERNEL_OF[table].split("[")[0]
+    with configs.backward_passes("one-pass" if table == "dkdv_one_pass" else "two-pass"):
+        return next(c for c in compiled_launches(arch, call) if c.name == name)
 
 
 def _table_of(kernel: str) -> str:
@@ -301,7 +305,12 @@ def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain", b
     declined = config_tables.DECLINED.get(fam.name, set())  # no tile compiles on the installed Triton
     if (table, configs.padded_head_dim(largest), variant) in declined:
         return False
-    return table not in ("dkdv", "dq") or largest <= fam.max_grad_head_dim
+    if table == "dkdv_one_pass":  # where the one-pass backward runs (configs.one_pass_backward)
+        entries = configs.ONE_PASS.get(fam.name)
+        padded = configs.padded_head_dim(largest)
+        if entries is None or block_mask or ((padded, variant) in entries and entries[padded, variant] is None):
+            return False
+    return table not in ("dkdv", "dq", "dkdv_one_pass") or largest <= fam.max_grad_head_dim
 
 
 def report(head_dims: tuple[HeadDims, ...] = (16, 32, 64, 128, 256), *, tables=TABLES, variants=configs.WEIGHTS,

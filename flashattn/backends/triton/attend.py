@@ -22,6 +22,7 @@ from .call_plans import CachePlan, VarlenPlan
 from .fit import launch_fitting
 from .kernels import (
     attention_backward_dkdv_kernel,
+    attention_backward_dq_convert_kernel,
     attention_backward_dq_kernel,
     attention_backward_preprocess_kernel,
     attention_forward_kernel,
@@ -43,6 +44,7 @@ from .launch import (
     sparse_tiles,
     split_count,
     target_arch,
+    weight_of,
 )
 from .tickets import tickets
 
@@ -340,15 +342,22 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
     # FP8: dO in e4m3 (written by the preprocess) with its descale per (sequence, head), for the kernels' dP.
     fp8_dout = (torch.empty(dout.shape, dtype=torch.float8_e4m3fn, device=dout.device),
                 _dout_scales(dout, lse, spec)) if fp8 else None
-    delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dv=shape.dv, fp8_dout=fp8_dout)
+    # One pass: dQ summed in fp32 by the dK/dV kernel's atomics, into dq itself where it is fp32.
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
+    one_pass = configs.one_pass_backward(target_arch(), deterministic=spec.deterministic,
+                                         special=fp8 or spec.block_sparse is not None,
+                                         entry=(configs.table_key(shape.d, shape.dv), weight_of(q, spec, heavy=heavy)))
+    dq_sum = None if not one_pass else dq if dq.dtype == torch.float32 else plans.scratch(
+        torch.empty(dq.shape, dtype=torch.float32, device=dq.device))
+    delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dims=(shape.d, shape.dv),
+                             fp8_dout=fp8_dout, dq_sum=dq_sum)
     common = backward_kwargs(q, k, v, (dout, neg_lse2, delta, fp8_dout), spec=spec, shape=shape)
 
     def launch_dkdv(cfg: configs.KernelConfig) -> None:
         cfg = sparse_tiles(cfg, spec)
         launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
                **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
-               **shape.strides("dv", dv), num_heads_k=shape.hk,
+               **shape.strides("dv", dv), num_heads_k=shape.hk, dq=dq_sum, **_dq_strides(dq_sum, shape),
                **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
                                       matmul_rows=cfg.block_n),
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -361,9 +370,13 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
                                       matmul_rows=cfg.block_m),
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    launch_fitting(config("dkdv", q, shape, spec, heavy=heavy), launch_dkdv, kernel="dkdv",
-                   what=_what("dkdv", q, shape))
-    launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dq", q, shape))
+    dkdv = "dkdv_one_pass" if one_pass else "dkdv"
+    launch_fitting(config(dkdv, q, shape, spec, heavy=heavy), launch_dkdv, kernel=dkdv, what=_what(dkdv, q, shape))
+    if not one_pass:
+        launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dq", q, shape))
+    elif dq_sum is not dq:
+        launch(attention_backward_dq_convert_kernel, (-(-dq.numel() // configs.CONVERT_BLOCK),), dq_sum=dq_sum,
+               dq=dq, numel=dq.numel(), BLOCK=configs.CONVERT_BLOCK)
     return (*(as_dtype(g, dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True)), None)
 
 
@@ -378,13 +391,22 @@ def _dout_scales(dout, lse, spec: AttentionSpec) -> torch.Tensor:
     return rows[:, 0, :, :].expand(lse.shape).contiguous()
 
 
-def _delta(dout, dlse, out, lse, *, packed: bool, dv: int,
-           fp8_dout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _dq_strides(dq_sum: torch.Tensor | None, shape: CallShape) -> dict:
+    """The dK/dV kernel's strides of the one-pass backward's dQ sums (q's shape, dense), None without them."""
+    if dq_sum is None:
+        return dict(stride_dqb=None, stride_dqn=None, stride_dqh=None, stride_dqd=None)
+    return shape.strides("dq", dq_sum)
+
+
+def _delta(dout, dlse, out, lse, *, packed: bool, dims: tuple[int, int], fp8_dout: tuple | None = None,
+           dq_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(delta, neg_lse2) in lse's layout (dense): delta_i = rowsum(dO_i * O_i) - dlse_i, and -lse in log2 units as
     the backward kernels read it (``attention_backward_preprocess_kernel``). With ``fp8_dout`` = (dout8, its
     descale in lse's layout), dO is quantized into dout8 and delta taken from it, as the FP8 backward's dP sees it.
-    A packed varlen batch is one long sequence to it."""
+    A packed varlen batch is one long sequence to it. ``dq_sum`` (the one-pass backward's fp32 dQ, q's shape, dense)
+    is zeroed by the same launch. ``dims``: q's and v's head dims."""
     dout8, do_descale = fp8_dout if fp8_dout is not None else (None, None)
+    d, dv = dims
     delta, neg_lse2 = plans.scratch(torch.empty_like(lse)), plans.scratch(torch.empty_like(lse))
     dense = (lambda t: t[None]) if packed else (lambda t: t)
     out4, dout4 = dense(out), dense(dout)
@@ -395,10 +417,12 @@ def _delta(dout, dlse, out, lse, *, packed: bool, dv: int,
         # dlse is read as a dense array; it is small, and autograd may hand it over expanded.
         dlse=None if dlse is None else dense(dlse.contiguous()), lse=dense(lse), delta=dense(delta),
         neg_lse2=dense(neg_lse2), do_descale=None if do_descale is None else dense(do_descale), dout8=dout8,
-        **fp8_dout_strides(dout8),
+        **fp8_dout_strides(dout8), dq=None if dq_sum is None else dense(dq_sum),
+        **(dict(stride_dqb=None, stride_dqn=None, stride_dqh=None) if dq_sum is None else
+           CallShape.strides("dq", dense(dq_sum)[..., 0], "bnh")),
         **CallShape.strides("o", out4, "bnhd"), **CallShape.strides("do", dout4, "bnhd"),
-        num_heads=heads, seqlen_q=rows, head_dim_v=dv,
-        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_DV=configs.padded_head_dim(dv),
+        num_heads=heads, seqlen_q=rows, head_dim=d, head_dim_v=dv,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=configs.padded_head_dim(d), BLOCK_DV=configs.padded_head_dim(dv),
         UPCAST=interpreting() and dout.dtype != torch.float32,
     )
     return delta, neg_lse2

@@ -8,22 +8,25 @@ sizes the launcher derives (padded head dims, split-KV counts).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from ..environ import Variable
 from .families import FAMILIES, Family, family
 from .measured import load as _load_measured
-from .tables import KERNELS, OVERRIDES, TABLES, WEIGHTS, KernelConfig
+from .tables import KERNELS, ONE_PASS, OVERRIDES, TABLES, WEIGHTS, KernelConfig
 
-__all__ = ["FAMILIES", "KERNELS", "MEASURED", "OVERRIDES", "TABLES", "WEIGHTS", "Family", "KernelConfig",
+__all__ = ["FAMILIES", "KERNELS", "MEASURED", "ONE_PASS", "OVERRIDES", "TABLES", "WEIGHTS", "Family", "KernelConfig",
            "family", "lookup", "shipped", "use", "forced", "tables_only", "split_heuristic", "padded_head_dim",
-           "table_key"]
+           "table_key", "one_pass_backward", "backward_passes"]
 
 DECODE_MAX_ROWS = 16
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
 INTERPRETER = KernelConfig(32, 32, 1, 1)
 PREPROCESS_BLOCK_M = 64
+CONVERT_BLOCK = 1024  # elements a program of the one-pass backward's dQ rounding
 MEASURED = _load_measured()  # family -> kernel -> (head dim, weight) -> config timed fastest on a GPU (measured.py)
 
 
@@ -45,6 +48,11 @@ def lookup(kernel: str, arch: int | str, head_dim: int | tuple[int, int], weight
     ``measured=False`` for them and they keep the table's health-checked entry."""
     fam = family(arch).name
     largest = max(head_dim) if isinstance(head_dim, tuple) else head_dim
+    if kernel == "dkdv_one_pass":  # its own entry where dkdv's spills, else dkdv's table entry (timed: two-pass)
+        found = ONE_PASS.get(fam, {}).get((largest, weight)) if not block_mask else None
+        if found is not None:
+            return found
+        kernel, measured = "dkdv", False
     for key in ((head_dim, weight, block_mask), (head_dim, weight, False), (largest, weight, block_mask)):
         found = OVERRIDES[fam].get(kernel, {}).get(key)
         if found is not None:
@@ -91,8 +99,59 @@ def tables_only() -> Iterator[None]:
 
 
 def context() -> tuple:
-    """What ``use`` and ``tables_only`` set, as one hashable value (part of a launch plan's key)."""
-    return _forced.get(), _tables_only.get()
+    """What ``use``, ``tables_only`` and ``FLASHATTN_TRITON_BACKWARD`` set, as one hashable value (part of a launch
+    plan's key)."""
+    return _forced.get(), _tables_only.get(), BACKWARD.get()
+
+
+BACKWARD = Variable("FLASHATTN_TRITON_BACKWARD")
+BACKWARDS = ("auto", "one-pass", "two-pass")
+
+
+def one_pass_backward(arch: int | str, *, deterministic: bool, special: bool,
+                      entry: tuple[int | tuple[int, int], str] | None = None) -> bool:
+    """Whether a backward on ``arch`` (0: the interpreter) adds dQ up with atomics in its dK/dV kernel (one pass: 5
+    matmuls a tile) instead of a dQ kernel of its own (two passes: 7, bitwise reproducible; ``kernels/backward.py``).
+    ``FLASHATTN_TRITON_BACKWARD`` chooses: ``two-pass``; ``one-pass``, on the families whose one-pass configs are
+    checked (``ONE_PASS``) and for their table ``entry`` (head dims, weight) unless it has no healthy one, never for
+    ``deterministic`` calls nor ``special`` ones (FP8 q/k/v, a block mask); or ``auto`` (the default): two passes,
+    until a GPU's timing of both decides where one pays.
+
+        >>> one_pass_backward(90, deterministic=False, special=False)  # FLASHATTN_TRITON_BACKWARD unset
+        False
+    """
+    value = BACKWARD.get("auto")
+    if value not in BACKWARDS:
+        raise ValueError(f"FLASHATTN_TRITON_BACKWARD={value!r} is not one of {', '.join(BACKWARDS)}")
+    if value != "one-pass" or deterministic or special:
+        return False
+    if arch == 0:
+        return True
+    table = ONE_PASS.get(family(arch).name)
+    if table is None:
+        return False
+    if entry is None:
+        return True
+    head_dim, weight = entry
+    largest = max(head_dim) if isinstance(head_dim, tuple) else head_dim
+    return table.get((largest, weight), KernelConfig(0, 0, 0, 0)) is not None
+
+
+@contextmanager
+def backward_passes(chosen: str) -> Iterator[None]:
+    """``FLASHATTN_TRITON_BACKWARD=chosen`` inside the block, the caller's value after (the variable, so that
+    launch plans, which hold it in their context, follow): for tools that compile or time one backward."""
+    if chosen not in BACKWARDS:
+        raise ValueError(f"backward_passes: chosen={chosen!r} is not one of {', '.join(BACKWARDS)}")
+    saved = os.environ.get(BACKWARD.name)
+    os.environ[BACKWARD.name] = chosen
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[BACKWARD.name]
+        else:
+            os.environ[BACKWARD.name] = saved
 
 
 def forced(kernel: str) -> KernelConfig | None:

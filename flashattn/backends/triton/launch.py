@@ -210,14 +210,17 @@ def config(kernel: str, q: torch.Tensor, shape: CallShape, spec: AttentionSpec, 
         return forced
     if interpreting():
         return configs.INTERPRETER
-    if q.dtype == torch.float32:
-        weight = "fp32-heavy" if heavy else "fp32-light"
-    else:
-        weight = "heavy" if heavy else "plain" if plain_scores(spec) else "light"
     # Measured entries time 16-bit q, k and v: FP8 inputs hold other registers and shared memory.
-    return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight,
+    return configs.lookup(kernel, target_arch(), configs.table_key(shape.d, shape.dv), weight_of(q, spec, heavy=heavy),
                           block_mask=spec.block_sparse is not None,
                           measured=takes_measured(spec) and q.dtype.itemsize == 2)
+
+
+def weight_of(q: torch.Tensor, spec: AttentionSpec, *, heavy: bool) -> str:
+    """The table weight of a call (``configs.WEIGHTS``), as ``config`` describes it."""
+    if q.dtype == torch.float32:
+        return "fp32-heavy" if heavy else "fp32-light"
+    return "heavy" if heavy else "plain" if plain_scores(spec) else "light"
 
 
 def takes_measured(spec: AttentionSpec) -> bool:

@@ -35,7 +35,7 @@ class KernelConfig:
 
 
 WEIGHTS = ("plain", "light", "heavy", "fp32-light", "fp32-heavy")
-KERNELS = ("forward", "decode", "dkdv", "dq")
+KERNELS = ("forward", "decode", "dkdv", "dq", "dkdv_one_pass")
 
 def _table(rows: dict[int, tuple[KernelConfig, ...]]) -> dict[tuple[int, str], KernelConfig]:
     """{head_dim: (plain, light, heavy, fp32-light, fp32-heavy)} -> {(head_dim, weight): config}."""
@@ -128,6 +128,22 @@ _SM75_ROWS = {  # head dim: (fp16/bf16 weights, fp32 weights)
 _SM75 = {kernel: _table({d: (half,) * 3 + (single,) * 2 for d, (half, single) in rows.items()})
          for kernel, rows in _SM75_ROWS.items()}
 TABLES: dict[str, Table] = {"sm75": _SM75, "sm80": _SM80, "sm90": _SM90}
+# The one-pass backward's dK/dV kernel (``dkdv_one_pass``: dQ's sums by atomics on top of dK and dV) takes the
+# family's dkdv entry but where that spills with the sums' registers: the health report's first healthy config
+# (``--tables dkdv_one_pass --search``); None where no tile is healthy, or where every healthy one leaves wgmma for
+# mma.sync (sm_90, 16-bit, head dims 128 and 256: 1.75 main-loop instructions a score at best, against 0.85 for
+# the two passes' kernels together), so those calls keep two passes. (sm_90 d=64 plain: 64 x 64 on 4 warps would
+# run 0.45 instructions a score to dkdv's 32 x 64's 0.58, and puts dQ's product on wgmma, but spills 8 bytes in the
+# packed-sequence loop.) Families without an entry here run the two-pass backward.
+_TWO_PASSES = dict.fromkeys((d, w) for d in (128, 256) for w in ("plain", "light", "heavy"))
+ONE_PASS: dict[str, dict[tuple[int, str], KernelConfig | None]] = {
+    "sm80": {(16, "plain"): C(64, 64, 8, 2), (128, "light"): C(32, 32, 8, 3), (128, "heavy"): C(16, 16, 8, 3),
+             (128, "fp32-heavy"): C(16, 32, 8, 2), (256, "plain"): C(32, 16, 8, 1), (256, "light"): C(16, 32, 8, 3),
+             (256, "heavy"): None, (256, "fp32-heavy"): None},
+    "sm90": {(16, "heavy"): C(16, 128, 8, 2), (16, "fp32-heavy"): C(32, 32, 8, 3), (32, "heavy"): C(64, 16, 8, 3),
+             (64, "heavy"): C(64, 16, 8, 2), (64, "fp32-heavy"): C(32, 32, 8, 1),
+             (128, "fp32-heavy"): C(16, 32, 8, 1), (256, "fp32-heavy"): C(16, 16, 8, 1), **_TWO_PASSES},
+}
 # Entries that differ from their family's table, per kernel, by (head dims, weight, walks a block mask):
 # - a (q/k, v) pair whose padded head dims differ (MLA's 192/128, 96/64) uses the entry of the larger one, except
 #   where that config spills with the pair's shapes: the health report's first healthy config for the pair;

@@ -13,13 +13,19 @@ Values travel between the kernels' helpers in named bundles (``bundles``); ``Blo
 lists, is the one the launcher builds.
 """
 
-from .backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, attention_backward_preprocess_kernel
+from .backward import (
+    attention_backward_dkdv_kernel,
+    attention_backward_dq_convert_kernel,
+    attention_backward_dq_kernel,
+    attention_backward_preprocess_kernel,
+)
 from .bundles import BlockLists
 from .forward import attention_forward_kernel
 
 __all__ = [
     "BlockLists",
     "attention_backward_dkdv_kernel",
+    "attention_backward_dq_convert_kernel",
     "attention_backward_dq_kernel",
     "attention_backward_preprocess_kernel",
     "attention_forward_kernel",

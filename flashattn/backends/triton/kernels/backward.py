@@ -1,7 +1,11 @@
 """The FlashAttention-2 backward: a preprocess (delta), dK/dV per key block, dQ per query block.
 
-No atomics: the dK/dV program of a key block sums over the query heads of its GQA group itself, and dQ is its own
-pass over the keys, so gradients are bitwise reproducible.
+Two ways to dQ. The two-pass backward (the default, and every ``deterministic=True`` call) uses no atomics: the
+dK/dV program of a key block sums over the query heads of its GQA group itself, and dQ is its own pass over the
+keys, so gradients are bitwise reproducible, at the cost of S, P and dP computed twice (7 matmuls a tile). The
+one-pass backward (``dq`` given to the dK/dV kernel: an fp32 accumulator the preprocess zeroes) adds each tile's
+dS K into it with atomics, as FlashAttention-2's CUDA backward does: 5 matmuls a tile, dQ summed in an order the
+scheduler picks (then rounded by ``attention_backward_dq_convert_kernel`` for 16-bit q).
 
 FP8 inputs (the training mode's e4m3 q, k, v; ``descale`` their (B, Hk, 3) scales): the two matmuls of the scores'
 side, S = Q K^T and dP = dO V^T, run on FP8 tensor cores, dO quantized to e4m3 (``dout8``) by the preprocess with
@@ -63,6 +67,8 @@ class KeyBlock(NamedTuple):
     do8: Any  # FP8 inputs: Operand, dO in e4m3 at this head; else None
     p_do_scale: Any  # FP8 inputs: dO's descale at this head's first query, as p_neg_lse2; else None
     dp_scale: Any  # FP8 inputs: v's descale (dP's factor besides dO's); else None
+    dq: Any  # one-pass: Operand, the fp32 dQ accumulator at this head, and the factor of its sums; else None
+    dq_scale: Any  # (both None otherwise; the compiler tests the scalar, not the tuple)
 
 
 class QueryBlock(NamedTuple):
@@ -81,18 +87,20 @@ class QueryBlock(NamedTuple):
 
 @triton.jit
 def attention_backward_preprocess_kernel(
-    out, dout, dlse, lse, delta, neg_lse2, do_descale, dout8,
+    out, dout, dlse, lse, delta, neg_lse2, do_descale, dout8, dq,
     stride_ob, stride_on, stride_oh, stride_od,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_d8b, stride_d8n, stride_d8h,
-    num_heads, seqlen_q, head_dim_v,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
+    stride_dqb, stride_dqn, stride_dqh,
+    num_heads, seqlen_q, head_dim, head_dim_v,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """delta_i = rowsum(dO_i * O_i) - dlse_i, in fp32 (the dlse term is the gradient of the returned lse; ``dlse``
     None when it has none; with ``do_descale``, in lse's layout, dO as the FP8 kernels see it: in e4m3, written to
     ``dout8``, (B, Nq, H, Dv) with unit last stride, for them), and
     neg_lse2_i: -lse_i in log2 units, -inf where a row sees no key (lse -inf), so that 2^(s + neg_lse2) is P, and 0
-    for such rows, with one FFMA and no select or negation in the backward's loops."""
+    for such rows, with one FFMA and no select or negation in the backward's loops. ``dq`` (the one-pass backward's
+    fp32 accumulator, unit column stride): its rows zeroed, so that a replayed call allocates it uninitialized."""
     start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -116,6 +124,17 @@ def attention_backward_preprocess_kernel(
     b_lse = tl.load(lse + o_rows, mask=o_m < seqlen_q, other=0.0)
     b_neg_lse2 = tl.where(b_lse == float("-inf"), float("-inf"), -b_lse * LOG2E)
     tl.store(neg_lse2 + o_rows, b_neg_lse2, mask=o_m < seqlen_q)
+    if dq is not None:
+        o_d = tl.arange(0, BLOCK_D)
+        tl.store(dq + b * stride_dqb + o_m[:, None].to(tl.int64) * stride_dqn + h * stride_dqh + o_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=(o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim))
+
+
+@triton.jit
+def attention_backward_dq_convert_kernel(dq_sum, dq, numel, BLOCK: tl.constexpr):
+    """dq = dq_sum rounded to dq's dtype, both dense and of one shape: the one-pass backward's last step."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dq + o, tl.load(dq_sum + o, mask=o < numel).to(dq.dtype.element_ty), mask=o < numel)
 
 
 @triton.jit
@@ -159,13 +178,18 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
             b_dpt = dropped(b_dpt, m_keep, dropout.p)
         b_dst = score_grads(b_pt, b_dpt, b_delta[None, :], b_tt, scoring.softcap)
         b_dv = dot_acc(b_pt_kept.to(b_do.dtype), b_do, b_dv)
-        b_dk = dot_acc(b_dst.to(b_qt.dtype), tl.trans(b_qt), b_dk)
+        b_dst = b_dst.to(b_qt.dtype)
+        b_dk = dot_acc(b_dst, tl.trans(b_qt), b_dk)
+        if args.dq_scale is not None:  # one pass: this tile's dS K into the queries' dQ (rows past nq are dropped)
+            b_dq = dot(tl.trans(b_dst), b_k) * args.dq_scale
+            p_dq = args.dq.base + o_m[:, None].to(tl.int64) * args.dq.stride_row + o_d[None, :] * args.dq.stride_col
+            tl.atomic_add(p_dq, b_dq, mask=(o_m[:, None] < nq) & (o_d[None, :] < args.dq.n_cols), sem="relaxed")
     return Grads(b_dk, b_dv)
 
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    q, k, v, dout, neg_lse2, delta, dk, dv, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k, descale,
+    q, k, v, dout, neg_lse2, delta, dk, dv, dq, alibi, mask, seed, blocks, cu_seqlens_q, cu_seqlens_k, descale,
     do_descale, dout8, q_desc, q_tma, k_desc, k_tma, v_desc, v_tma, do_desc, do_tma,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -174,6 +198,7 @@ def attention_backward_dkdv_kernel(
     stride_d8b, stride_d8n, stride_d8h,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mq, stride_mk,
@@ -184,11 +209,14 @@ def attention_backward_dkdv_kernel(
 ):
     """dK_j, dV_j for one key block of one key/value head, summed over the G query heads of its group inside
     the program (no atomics, so the result is deterministic). The query tiles that see the whole key block run
-    without mask code; those on the band's edges apply it. FP8 inputs: see the module's docstring."""
+    without mask code; those on the band's edges apply it. ``dq`` (the one-pass backward, 16-bit inputs only): each
+    tile's dS K, times the scale, added into this fp32 accumulator of q's shape. FP8 inputs: see the module's
+    docstring."""
     start_n, bhk = program_tile(seqlen_k, BLOCK_N, False)  # the first key blocks see the most queries (causal)
     b = (bhk // num_heads_k).to(tl.int64)
     hk = (bhk % num_heads_k).to(tl.int64)
     dk_scale = scale
+    dq_scale = scale
     v_scale = None
     if descale is not None:  # (B, Hk, 3): q's, k's and v's descales
         q_scale = tl.load(descale + bhk * 3)
@@ -227,9 +255,14 @@ def attention_backward_dkdv_kernel(
         p_mask = mask + b * stride_mb + h * stride_mh if mask is not None else None
         scoring = Scoring(nq, nk, band, scale, softcap, b_slope, p_mask, stride_mq, stride_mk)
         dropout = Dropout(b_seed, dropout_p, (b * num_heads + h) * seqlen_q, seqlen_k)
+        dq_at, dq_factor = None, None
+        if dq is not None:
+            dq_at = Operand(None, None, dq + b * stride_dqb + q0 * stride_dqn + h * stride_dqh, stride_dqn, stride_dqd,
+                            head_dim, None)
+            dq_factor = dq_scale
         args = KeyBlock(b_k, b_v, o_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
                         Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_neg_lse2, p_delta,
-                        dropout, do8, p_do_scale, v_scale)
+                        dropout, do8, p_do_scale, v_scale, dq_at, dq_factor)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
             grads = walk_listed(_key_grads, grads, args, span, start_n // blocks.kv_block, b, h, blocks, scoring,
                                 True, BLOCK_M, UPCAST, PLAIN)
