@@ -1,7 +1,7 @@
 """The Hopper tier's Gluon FlashAttention-3-style forward (``flashattn/backends/triton/hopper/forward.py``) compiled
 offline for sm_90 (no GPU): the Hopper techniques it was written to express are in the SASS.
 
-Two variants of the shipped schedule are compiled (head dim 128 non-causal, head dim 64 causal) in a subprocess
+Three variants of the shipped schedule are compiled (head dim 128 non-causal, 64 causal, 256 causal) in a subprocess
 without ``TRITON_INTERPRET`` (the suite's conftest sets it; Gluon kernels compile only without it).
 """
 
@@ -36,7 +36,7 @@ def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("gluon") / "measured.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "tools.gluon.profile", "--cases", "128:0,64:1",
+        [sys.executable, "-m", "tools.gluon.profile", "--cases", "128:0,64:1,256:1",
          "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )
@@ -63,3 +63,14 @@ def test_fa3_techniques_in_sass(rows, case):
     assert sum(kind == "qk" and gap >= 100 for kind, gap in r["retired"]) >= 2
     assert max(r["overlap"]) >= 100  # as sass.hgmma_overlap() sees it
     assert 0 < r["per_score"] < TL_PER_SCORE[head_dim]
+
+
+def test_head_dim_256_fits_with_pv_under_the_softmax(rows):
+    """d=256: 64-key tiles, O's 128 registers a thread beside S without spills, Q and two K and two V stages in
+    192 KiB, and FlashAttention-3's schedule: each P V group stays in flight under the next softmax."""
+    r = rows[256, True]
+    assert r["spill_bytes"] == 0 and r["shared_bytes"] <= SHARED_LIMIT_SM90 and r["shared_bytes"] >= 192 * 1024
+    assert r["warps"] == 12 and {24, 240} <= set(r["setmaxnreg"])
+    assert r["hgmma"] > 0 and r["tma_loads"] >= 4
+    assert r["schedule"]["overlap"] == "pv"
+    assert sum(kind == "pv" and gap >= 100 for kind, gap in r["retired"]) >= 2

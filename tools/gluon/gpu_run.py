@@ -3,7 +3,8 @@
     PYTHONPATH=. python -m tools.gluon.gpu_run --out DIR [--budget 240]     # on an H100 / H200
     PYTHONPATH=. python -m tools.gluon.gpu_run --dry --out DIR              # no GPU: the harness alone
 
-Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not) first runs its correctness cases in its
+Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not; at head dim 256 the schedule the tier
+launches) first runs its correctness cases in its
 own subprocess with a timeout, since a barrier protocol that is wrong deadlocks rather than fails: odd lengths (1,
 113, 173 x 251, 1025), queries longer than keys (causal rows that see no key: out 0, lse -inf), outputs poisoned with
 NaN before the launch, judged by the tolerance rule of ``tests/oracle.py`` (at most 2x plain bf16 attention's error
@@ -40,6 +41,11 @@ REPEATS = 20
 def _variants():
     from flashattn.backends.triton.hopper.forward import VARIANTS
     return VARIANTS
+
+
+def _launched_at_256():
+    from flashattn.backends.triton.hopper.forward import SCHEDULES
+    return SCHEDULES[256]
 
 
 def _case_name(d: int, causal: bool, index: int) -> str:
@@ -241,6 +247,7 @@ def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
     start = time.monotonic()
     dry = ["--dry"] if a.dry else []
     todo = [(d, causal, i) for d in (128, 64) for causal in (False, True) for i in range(len(_variants()))]
+    todo += [(256, causal, _variants().index(_launched_at_256())) for causal in (False, True)]  # the one launched
     if a.dry:
         todo = todo[:2]
     check_timeout = max(30.0, 0.4 * a.budget)

@@ -114,7 +114,8 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None) -> Me
     return Measured(
         head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
         kernel.metadata.num_warps, sass.count("HGMMA"), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
-        sass.count("UTMALDG"), round(per_tile), round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N), 3),
+        sass.count("UTMALDG"), round(per_tile),
+        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3),
     )
 
 

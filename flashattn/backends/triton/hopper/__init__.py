@@ -10,8 +10,8 @@ float64 in every case tried (``benchmarks/NOTES.md``); at head dim 128 it was le
 it. Its backward is the portable one, from the same out and lse.
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
-``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and grouped key/value
-heads (GQA, MQA), which the kernel reads but no GPU has yet checked).
+``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
+reads but no GPU has yet checked, head dim 256 and grouped key/value heads (GQA, MQA)).
 
 Example::
 
@@ -38,7 +38,7 @@ from ..configs import DECODE_MAX_ROWS
 TIER = Variable("FLASHATTN_TRITON_TIER")
 TIERS = ("auto", "portable", "hopper")
 MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above)
-RUNS = {torch.bfloat16, torch.float16}, {64, 128}  # what the kernel can run (``hopper``)
+RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}  # what the kernel can run (``hopper``)
 INT32 = 2**31 - 1  # the kernel's row and lse offsets are 32-bit
 GRID_Y = 65535  # batch x heads is the grid's second axis
 GLUON_RELEASE = (3, 6)  # the Triton release the kernel is written and checked for
@@ -132,7 +132,8 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     from .forward import Schedule, attention_forward_ws_kernel, launch_arguments
 
     # The fastest correct schedule on an H200 at 1k and 8k tokens (benchmarks/NOTES.md): FlashAttention-3's (P V
-    # under the softmax), with ping-pong at d=64 (1.36-1.40x the portable forward at 8k), without at d=128.
+    # under the softmax), with ping-pong at d=64 (1.36-1.40x the portable forward at 8k), without at d=128 (and at
+    # d=256, not yet timed: the fewest instructions a score offline without spills).
     schedule = Schedule("pv", pingpong=q.shape[-1] == 64)
     grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule)
     launch(attention_forward_ws_kernel, grid, **kwargs)

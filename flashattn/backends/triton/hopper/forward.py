@@ -18,7 +18,7 @@ Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)``. Keys past the se
 the bottom-right-aligned diagonal are masked only in the tiles that need it (an unmasked loop, then a masked one).
 
 Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads (GQA,
-MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128), bf16 or fp16, read through 2-D
+MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128, 256), bf16 or fp16, read through 2-D
 TMA descriptors over the (batch * seqlen, heads * d) views: a tile is rows x d at column head * d. A tile running
 past a sequence reads the next sequence's rows; those keys are masked and those queries never stored. out has q's
 shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serves: the tier's
@@ -42,10 +42,13 @@ from .steps import _mma_layout, _pass_turn, _pv_schedule, _qk, _qk_schedule, _re
 LOG2E = 1.4426950408889634
 WG_M = 64  # query rows per consumer warpgroup: S (64 x 128 fp32) is 64 registers a thread, so two fit
 BLOCK_M = 2 * WG_M  # query rows per program: two consumer warpgroups
-BLOCK_N = 128
-# (K, V) ring depths: at d=128 a tile is 32 KiB, and Q 32 KiB + 2 K + 3 V tiles = 192 KiB of the 227 KiB. V gets the
-# deeper ring because schedule "pv" frees V_{j-1} late (see _pv_step).
-STAGES = {64: (4, 4), 128: (2, 3)}
+# Keys per tile by head dim. At d=256 O alone is 128 registers a thread (64 x 256 fp32 over a warpgroup), so S
+# takes 64 keys (32 registers), as FlashAttention-3 narrows its key tile there (to 80).
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+# (K, V) ring depths: at d=128 a tile is 32 KiB, and Q 32 KiB + 2 K + 3 V tiles = 192 KiB of the 227 KiB; at d=256
+# Q is 64 KiB and a 64-key tile 32 KiB: 2 + 2 make 192 KiB. V gets the deeper ring where it fits because schedule
+# "pv" frees V_{j-1} late (see _pv_step).
+STAGES = {64: (4, 4), 128: (2, 3), 256: (2, 2)}
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ CONSUMER_REGS = 240  # FA3's split of 64K registers over 3 warpgroups: 240 + 240
 PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scalars
 # The schedule tools/gluon/profile.py measures by default: the fewest instructions per score with a QK^T under every
 # softmax (offline, NOTES.md). What the tier launches was chosen on an H200 instead (``launch_forward``).
-SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2)}
+# At d=256 the unrolled "qk" spills (O's 128 registers beside two S tiles): FlashAttention-3's "pv", 0.41.
+SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2), 256: Schedule("pv", False)}
 VARIANTS = (Schedule("qk", False), Schedule("qk", True), Schedule("qk", True, 2), Schedule("pv", False),
             Schedule("pv", True))
 
@@ -209,7 +213,8 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
 
 
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """2-D TMA descriptors over the (batch * seqlen, heads * d) views; Q tiles are 64 rows, K and V tiles 128."""
+    """2-D TMA descriptors over the (batch * seqlen, heads * d) views; Q tiles are 64 rows, K and V tiles
+    ``BLOCK_N[d]``."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
     d = q.shape[-1]
 
@@ -218,7 +223,7 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
 
-    return desc(q, WG_M), desc(k, BLOCK_N), desc(v, BLOCK_N)
+    return desc(q, WG_M), desc(k, BLOCK_N[d]), desc(v, BLOCK_N[d])
 
 
 def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule) -> tuple[tuple, dict]:
@@ -228,7 +233,7 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
     in case one comes another way."""
     batch, seqlen_q, heads, d = q.shape
     if d not in STAGES:
-        raise ValueError(f"head dim {d} not supported (64 or 128)")
+        raise ValueError(f"head dim {d} not supported ({', '.join(map(str, STAGES))})")
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k, v must share one dtype, bf16 or fp16")
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d or not k.shape[2] or heads % k.shape[2]:
