@@ -18,8 +18,8 @@ Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)``. Keys past the se
 the bottom-right-aligned diagonal are masked only in the tiles that need it (an unmasked loop, then a masked one).
 
 Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads (GQA,
-MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128, 256), bf16 or fp16, read through 2-D
-TMA descriptors over the (batch * seqlen, heads * d) views: a tile is rows x d at column head * d. A tile running
+MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128, 256), bf16 or fp16, read through
+2-D TMA descriptors over the (batch * seqlen, heads * d) views: a tile is rows x d at column head * d. A tile running
 past a sequence reads the next sequence's rows; those keys are masked and those queries never stored. out has q's
 shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serves: the tier's
 ``__init__.py``. Its correctness and speed on a GPU: ``python -m tools.gluon.gpu_run``; its SASS offline:
