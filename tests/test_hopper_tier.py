@@ -84,8 +84,10 @@ def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
                            arch=90).startswith("not contiguous")
     shifted = torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape)  # 2 bytes past an aligned start
     assert hopper.declines(shifted, k, v, FULL, probs=False, arch=90).startswith("not contiguous or not 16-byte")
-    wide = torch.empty(70_000, 32, 1, 64, dtype=BF16)  # batch x heads past the grid's second axis
-    assert hopper.declines(wide, wide, wide, FULL, probs=False, arch=90) == "too large for 32-bit offsets"
+    wide = torch.empty(70_000, 32, 1, 64, dtype=BF16)  # batch x heads on the grid's first axis: no 65535 limit
+    assert hopper.declines(wide, wide, wide, FULL, probs=False, arch=90) is None
+    tall = torch.empty(1, 65535 * 128 + 1, 1, 64, dtype=BF16)  # query blocks past the second axis (never touched)
+    assert hopper.declines(tall, tall, tall, FULL, probs=False, arch=90) == "too large for the grid or 32-bit offsets"
     with monkeypatch.context() as patch:
         patch.setattr(hopper, "GLUON_RELEASE", (0, 1))  # another Triton: its Gluon is another API
         assert hopper.declines(q, k, v, FULL, probs=False, arch=90).endswith(", not (0, 1)")
@@ -142,15 +144,15 @@ def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
 @recorded_on_oldest("the Hopper tier's Gluon kernel (Gluon's API changes between releases)")
 def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     seen = json.loads(run_compiled(__file__).strip().splitlines()[-1])
-    assert seen["causal d64"] == [["attention_forward_ws_kernel", [3, 8]]]
+    assert seen["causal d64"] == [["attention_forward_ws_kernel", [8, 3]]]
     assert seen["each call's tensors"] == [["its own", "run"], ["its own", "replayed"], ["its own", "replayed"]]
-    assert seen["training step"][0] == ["attention_forward_ws_kernel", [3, 8]]
+    assert seen["training step"][0] == ["attention_forward_ws_kernel", [8, 3]]
     assert all("backward" in name for name, _ in seen["training step"][1:]) and len(seen["training step"]) > 1
     for portable in ("d128", "fp16", "GQA", "sm_80", "tier=portable d64"):
         assert [name for name, _ in seen[portable]] == ["attention_forward_kernel"], portable
-    assert seen["tier=hopper d128"] == [["attention_forward_ws_kernel", [3, 8]]]
+    assert seen["tier=hopper d128"] == [["attention_forward_ws_kernel", [8, 3]]]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
-    assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [3, 8]], [600, 128], 2]
+    assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
 
 
 def _script() -> dict:

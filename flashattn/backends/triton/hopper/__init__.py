@@ -40,7 +40,7 @@ TIERS = ("auto", "portable", "hopper")
 MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above)
 RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}  # what the kernel can run (``hopper``)
 INT32 = 2**31 - 1  # the kernel's row and lse offsets are 32-bit
-GRID_Y = 65535  # batch x heads is the grid's second axis
+GRID_Y = 65535  # the query blocks are the grid's second axis
 GLUON_RELEASE = (3, 6)  # the Triton release the kernel is written and checked for
 
 
@@ -119,8 +119,8 @@ def _memory_declines(q, k, v) -> str | None:
     b, nq, h, _ = q.shape
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
         return "not contiguous or not 16-byte aligned (TMA)"
-    if b * h > GRID_Y or b * h * nq > INT32 or b * max(nq, k.shape[1]) > INT32:
-        return "too large for 32-bit offsets"
+    if -(-nq // 128) > GRID_Y or b * h * nq > INT32 or b * max(nq, k.shape[1]) > INT32:
+        return "too large for the grid or 32-bit offsets"
     return None
 
 

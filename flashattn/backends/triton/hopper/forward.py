@@ -167,15 +167,19 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
         q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads, group, qk_scale,
         CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
         K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (cdiv(seqlen_q, 128), batch * heads); num_warps=4 (the default partition, consumer 0). ``group``: query
+    """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``group``: query
     heads per key/value head (query head h reads kv head h // group). OVERLAP is "qk" or "pv" (the schedule), UNROLL
-    1 or 2 (schedule "qk" only)."""
+    1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row before the next row's:
+    causal, the row order is reversed, so the query blocks that see the most keys start first and the short ones
+    fill the last wave."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_bh = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    if CAUSAL:
+        pid_m = gl.num_programs(1) - 1 - pid_m
     b = pid_bh // heads
     h = pid_bh % heads
     m0 = pid_m * (2 * WG_M)
@@ -249,4 +253,4 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
                   CAUSAL=causal, OVERLAP=schedule.overlap, PINGPONG=schedule.pingpong, UNROLL=schedule.unroll,
                   K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1], CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    return (triton.cdiv(seqlen_q, BLOCK_M), batch * heads), kwargs
+    return (batch * heads, triton.cdiv(seqlen_q, BLOCK_M)), kwargs
