@@ -88,6 +88,19 @@ def test_speedup_is_against_the_best_baseline_of_the_same_point():
             {"impl": "plain", "tflops": None, "error": "skipped", **point}]
     sweep.add_ratios(rows)
     assert rows[0]["best_baseline"] == "sdpa-cudnn" and rows[0]["speedup"] == pytest.approx(1.2)
+    assert "device_speedup" not in rows[0] and "kernels" not in sweep.table(rows)  # the CPU: no queued timing
+
+
+def test_a_gpu_row_also_compares_the_kernels_alone():
+    """With the GPU's time alone (calls queued ahead), a short call's host time drops out of the ratio: here ours
+    is slower end to end (host-bound) but faster on the device."""
+    point = {"seqlen": 1024, "headdim": 64, "causal": False, "mode": "fwd"}
+    rows = [{"impl": OURS, "tflops": 100.0, "device_tflops": 400.0, "seconds": 1e-3, **point},
+            {"impl": "sdpa-cudnn", "tflops": 200.0, "device_tflops": 320.0, "seconds": 5e-4, **point},
+            {"impl": "sdpa-flash", "tflops": 150.0, "device_tflops": 160.0, "seconds": 7e-4, **point}]
+    sweep.add_ratios(rows)
+    assert rows[0]["speedup"] == pytest.approx(0.5) and rows[0]["device_speedup"] == pytest.approx(1.25)
+    assert "kernels" in sweep.table(rows) and "1.25" in sweep.table(rows)
 
 
 def test_decode_bytes_are_the_cache_rows_read_plus_q_and_out():
