@@ -37,16 +37,13 @@ __all__ = ["ENVIRONMENT", "backend_choices", "collect", "compiler", "cuda_device
 
 # Every environment variable the package reads: (name, meaning, default).
 ENVIRONMENT = (
-    ("FLASHATTN_BACKEND", "force a path for every call: auto, triton, cpu, torch or cuda (flashattn.use_backend() "
-                          "takes precedence)", "auto"),
+    ("FLASHATTN_BACKEND", "force a path for every call: auto, triton, cpu, torch or cuda (use_backend() wins)", "auto"),
     ("FLASHATTN_NVRTC", "libnvrtc.so for the cuda backend, tried before torch's and the toolkit's", "searched"),
     ("FLASHATTN_TRITON_MEASURED", "a JSON file of measured Triton configs (tools.gpu_tune's) used first", "unset"),
     ("FLASHATTN_FP8_BACKWARD", "1: the FP8 training mode's backward has S and dP on FP8 tensor cores", "0"),
     ("FLASHATTN_LAUNCH_PLANS", "0: every Triton call runs its full launch code (no launch plans)", "1"),
     ("FLASHATTN_TRITON_TIER", "Hopper kernels: auto (where faster), portable (never), hopper (where they run)", "auto"),
-    ("FLASHATTN_TRITON_BACKWARD", "the Triton backward's dQ: two-pass (its own kernel, deterministic), one-pass "
-                                  "(atomics in the dK/dV kernel; sm_80/sm_90 families), auto (two-pass until measured)",
-     "auto"),
+    ("FLASHATTN_TRITON_BACKWARD", "Triton backward's dQ: two-pass (deterministic), one-pass (atomics), auto", "auto"),
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
