@@ -70,6 +70,7 @@ def test_a_measured_entry_wins_over_the_table_and_yields_to_overrides(tmp_path, 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"kernel": "fwd", "head_dim": 64, "weight": "plain", "config": [64, 64, 4, 2]}, "names kernel 'fwd'"),
     ({"kernel": "dq", "head_dim": 64, "weight": "plain", "config": [64, 64, 4]}, r"must be \[block_m"),
+    ({"kernel": "dq", "head_dim": 256, "weight": "plain", "config": [64, 64, 4, 1, 2]}, "optionally split_d"),
 ])
 def test_a_bad_measured_file_is_an_error_naming_it(tmp_path, entry, message):
     path = tmp_path / "bad.json"
@@ -88,6 +89,24 @@ def test_the_candidates_start_with_the_table_config_and_stay_plausible():
     for cfg in found:  # dK and dV of BLOCK_N keys at d = 128 in fp32, over the program's threads
         assert cfg.block_n * 128 * 2 // (32 * cfg.num_warps) <= 160, cfg
     assert candidates("forward", 64, "sm90", shipped=KernelConfig(128, 128, 8, 2), smoke=True)[0].block_m == 128
+    assert all(c.split_d == 1 for c in found)  # below head dim 256 dK and dV are never split
+
+
+def test_head_dim_256_tries_split_dkdv_programs_and_a_measured_file_keeps_them(tmp_path):
+    from tools.gpu_tune.space import candidates
+    from tools.gpu_tune.sweep import config_list
+
+    found = candidates("dkdv", 256, "sm90", shipped=KernelConfig(32, 16, 4, 1), limit=64)
+    split = [c for c in found if c.split_d == 2]
+    assert split and KernelConfig(16, 64, 4, 1, 2) in found  # a 64-key block, wgmma-sized, in two programs
+    assert all(max(c.block_m, c.block_n) < 128 for c in found if c.split_d == 1)
+    assert config_list(KernelConfig(16, 128, 8, 1, 2)) == [16, 128, 8, 1, 2]
+    assert config_list(KernelConfig(16, 128, 8, 1)) == [16, 128, 8, 1]
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"family": "sm90", "entries": [
+        {"kernel": "dkdv", "head_dim": 256, "weight": "plain", "config": [16, 128, 8, 1, 2]}]}))
+    loaded = measured.load(folder=tmp_path / "none", extra=str(path))
+    assert loaded["sm90"]["dkdv"][256, "plain"] == KernelConfig(16, 128, 8, 1, 2)
 
 
 @needs_triton

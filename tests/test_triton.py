@@ -102,6 +102,31 @@ def test_the_one_pass_backward_on_packed_sequences(monkeypatch):
             torch.testing.assert_close(ours[lo:hi].double(), r[0], rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.parametrize("features", [{"causal": True}, {"window_size": (9, 4), "softcap": 2.0, "alibi": True},
+                                      {"dropout_p": 0.2, "causal": True}])
+def test_dkdv_split_over_the_head_dim(features, monkeypatch):
+    """``KernelConfig.split_d`` = 2: two dK/dV programs per key block, each summing half the head dim's columns
+    (96 = 64 + 32: the second half's columns past the head dim read 0), GQA, against float64; the one-pass
+    backward, whose dQ needs each tile's dS once, runs unsplit under such a config."""
+    from flashattn.backends.triton import configs
+
+    torch.manual_seed(2)
+    b, nq, nk, h, hk, d = 1, 50, 39, 4, 2, 96
+    q, k, v = on_device(*make_inputs(b, nq, nk, h, hk, d, torch.float16))
+    kwargs = feature_kwargs(features, b, h)
+    if "alibi_slopes" in kwargs:
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(DEVICE)
+    with flashattn.use_backend("triton"), configs.use(configs.KernelConfig(32, 32, 4, 1, 2), ("dkdv", "dkdv_one_pass")):
+        if "dropout_p" in kwargs:
+            p = kwargs.pop("dropout_p")
+            out, dropped = with_dropout_mask(q, k, v, p, kwargs)
+            check_against_oracle(q, k, v, kwargs, out, dropped=dropped, dropout_p=p)
+        else:
+            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+            monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "one-pass")
+            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+
+
 @pytest.mark.parametrize("setting,deterministic,launched", [
     ("one-pass", False, ["preprocess", "dkdv", "dq_convert"]),
     ("one-pass", True, ["preprocess", "dkdv", "dq"]),  # deterministic calls keep the two passes

@@ -18,11 +18,13 @@ import itertools
 
 from flashattn.backends.triton.tables import KernelConfig
 
-# kernel -> (BLOCK_M values, BLOCK_N values, warps, stages). Forward and dQ: BLOCK_M queries per program by BLOCK_N
-# keys per step; dK/dV: BLOCK_N keys per program by BLOCK_M queries per step; decode: 16 query rows.
+# kernel -> (BLOCK_M values, BLOCK_N values, warps, stages[, head-dim splits]). Forward and dQ: BLOCK_M queries per
+# program by BLOCK_N keys per step; dK/dV: BLOCK_N keys per program by BLOCK_M queries per step, its head dim split
+# over 1 or 2 programs (``KernelConfig.split_d``: at 256, 64 and 128 keys fit that way, and spill a little, which
+# only a GPU can weigh against the recomputed S^T and dP^T); decode: 16 query rows.
 GRIDS = {
     "forward": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
-    "dkdv": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)),
+    "dkdv": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3), (1, 2)),
     "dq": ((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)),
     "decode": ((16,), (32, 64, 128, 256), (2, 4, 8), (2, 3, 4)),
 }
@@ -37,11 +39,13 @@ def _plausible(kernel: str, cfg: KernelConfig, head_dim: int) -> bool:
     registers at this head dim, and 8 warps on tiles too small to give each warp a tensor-core tile."""
     if cfg.num_warps == 8 and cfg.block_m * cfg.block_n < 64 * 64:
         return False
-    if head_dim >= 256 and max(cfg.block_m, cfg.block_n) >= 128 and kernel != "decode":
+    if cfg.split_d > 1 and head_dim < 256:  # below 256 the whole head dim's dK and dV fit one program
         return False
-    # fp32 accumulators of the program's outputs: (BLOCK_M or BLOCK_N) x head dim, twice for dK/dV, over its threads
+    if head_dim >= 256 and max(cfg.block_m, cfg.block_n) >= 128 and kernel != "decode" and cfg.split_d == 1:
+        return False
+    # fp32 accumulators of the program's outputs: (BLOCK_M or BLOCK_N) x its columns, twice for dK/dV, over its threads
     rows = cfg.block_n if kernel == "dkdv" else cfg.block_m
-    accumulators = rows * head_dim * (2 if kernel == "dkdv" else 1) // (32 * cfg.num_warps)
+    accumulators = rows * head_dim * (2 if kernel == "dkdv" else 1) // (32 * cfg.num_warps * cfg.split_d)
     return accumulators <= 160
 
 

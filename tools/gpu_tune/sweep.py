@@ -24,11 +24,16 @@ from pathlib import Path
 import torch
 
 from .problems import GROUPS, Problem
-from .space import candidates, compiled, compiled_health
+from .space import KernelConfig, candidates, compiled, compiled_health
 
 KERNEL_NAMES = {"forward": "attention_forward_kernel", "decode": "attention_forward_kernel",
                 "dkdv": "attention_backward_dkdv_kernel", "dq": "attention_backward_dq_kernel"}
 AGREEMENT = 0.02  # a candidate's results may differ from the table config's by this much of their largest value
+
+
+def config_list(cfg: KernelConfig) -> list[int]:
+    """A config as the measured files write it: four integers, a fifth where dK/dV's head dim is split."""
+    return [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, *([cfg.split_d] if cfg.split_d > 1 else [])]
 
 
 def _arch(smoke: bool):
@@ -144,7 +149,7 @@ class Sweep:
         reference = {c: _results(self.problem, {**fixed, kernel: shipped}, c, self.sets[0]) for c in (False, True)}
         base = None
         for cfg, health in zip(todo, healths, strict=True):
-            row = {"kernel": kernel, "config": [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
+            row = {"kernel": kernel, "config": config_list(cfg),
                    "shipped": cfg == shipped, "health": health, "ms": {}}
             self.data["rows"].append(row)
             if health.get("problems"):

@@ -355,12 +355,15 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
 
     def launch_dkdv(cfg: configs.KernelConfig) -> None:
         cfg = sparse_tiles(cfg, spec)
-        launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk,),
+        if one_pass and cfg.split_d > 1:  # dQ's sums need each tile's dS once: one program per key block
+            cfg = dataclasses.replace(cfg, split_d=1)
+        launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk * cfg.split_d,),
                **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
                **shape.strides("dv", dv), num_heads_k=shape.hk, dq=dq_sum, **_dq_strides(dq_sum, shape),
                **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
                                       matmul_rows=cfg.block_n),
-               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_D=cfg.split_d, num_warps=cfg.num_warps,
+               num_stages=cfg.num_stages)
 
     def launch_dq(cfg: configs.KernelConfig) -> None:
         cfg = sparse_tiles(cfg, spec)

@@ -30,15 +30,18 @@ Measured = dict[str, dict[tuple[int, str], KernelConfig]]  # kernel -> (padded h
 
 def parse(data: dict) -> Measured:
     """A measured file's entries by kernel and (head dim, weight); an entry that names no known kernel or weight,
-    or a config that is not four positive integers, is an error naming it."""
+    or a config that is not four positive integers (five for dkdv, the last its ``split_d``), is an error naming
+    it."""
     out: Measured = {}
     for entry in data.get("entries", []):
         kernel, weight, config = entry.get("kernel"), entry.get("weight"), entry.get("config")
         if kernel not in KERNELS or weight not in WEIGHTS:
             raise ValueError(f"a measured config names kernel {kernel!r} and weight {weight!r}; the kernels are "
                              f"{', '.join(KERNELS)}, the weights {', '.join(WEIGHTS)}")
-        if not (isinstance(config, list) and len(config) == 4 and all(isinstance(x, int) and x > 0 for x in config)):
-            raise ValueError(f"a measured config must be [block_m, block_n, num_warps, num_stages], got {config!r}")
+        if not (isinstance(config, list) and len(config) in (4, 5) and all(isinstance(x, int) and x > 0 for x in config)
+                and (len(config) == 4 or kernel == "dkdv")):
+            raise ValueError(f"a measured config must be [block_m, block_n, num_warps, num_stages] (dkdv: and "
+                             f"optionally split_d), got {config!r}")
         out.setdefault(kernel, {})[(int(entry["head_dim"]), weight)] = KernelConfig(*config)
     return out
 

@@ -32,6 +32,7 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    split_d: int = 1  # dK/dV: programs a key block's head dim is split over (each sums dK, dV of its columns)
 
 
 WEIGHTS = ("plain", "light", "heavy", "fp32-light", "fp32-heavy")

@@ -69,6 +69,9 @@ class KeyBlock(NamedTuple):
     dp_scale: Any  # FP8 inputs: v's descale (dP's factor besides dO's); else None
     dq: Any  # one-pass: Operand, the fp32 dQ accumulator at this head, and the factor of its sums; else None
     dq_scale: Any  # (both None otherwise; the compiler tests the scalar, not the tuple)
+    q_cols: Any  # split head dim: Operands, the queries' and dO's columns this program's dK and dV cover, and
+    do_cols: Any  # the first of them (``first_col``); else all three None
+    first_col: Any
 
 
 class QueryBlock(NamedTuple):
@@ -151,6 +154,8 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
     s_scale = scoring.scale * LOG2E if PLAIN else 1.0
     o_d = tl.arange(0, b_k.shape[1])
     o_dv = tl.arange(0, b_v.shape[1])
+    o_dk_cols = tl.arange(0, b_dk.shape[1])  # the columns of dK and dV this program sums (all, unless split)
+    o_dv_cols = tl.arange(0, b_dv.shape[1])
     for start_m in range(span.lo, span.hi, BLOCK_M):
         o_m = start_m + tl.arange(0, BLOCK_M)
         # With a descriptor, rows past the sequence read another's queries: their -lse is -inf, so P = 0.
@@ -177,9 +182,17 @@ def _key_grads(grads, args, span, scoring, BLOCK_M: tl.constexpr, UPCAST: tl.con
             b_pt_kept = dropped(b_pt, m_keep, dropout.p)
             b_dpt = dropped(b_dpt, m_keep, dropout.p)
         b_dst = score_grads(b_pt, b_dpt, b_delta[None, :], b_tt, scoring.softcap)
-        b_dv = dot_acc(b_pt_kept.to(b_do.dtype), b_do, b_dv)
         b_dst = b_dst.to(b_qt.dtype)
-        b_dk = dot_acc(b_dst, tl.trans(b_qt), b_dk)
+        if args.first_col is not None:  # split head dim: S^T and dP^T over every column, dK and dV over some
+            b_dv = dot_acc(b_pt_kept.to(b_do.dtype), load_block(args.do_cols, start_m, o_m, nq, o_dv_cols, UPCAST),
+                           b_dv)
+            b_q_cols = load_block(args.q_cols, start_m, o_m, nq, o_dk_cols, UPCAST)
+            if args.dp_scale is not None:  # FP8 q: widened for dK, as b_qt is
+                b_q_cols = widened(b_q_cols, tl.float32 if UPCAST else tl.bfloat16)
+            b_dk = dot_acc(b_dst, b_q_cols, b_dk)
+        else:
+            b_dv = dot_acc(b_pt_kept.to(b_do.dtype), b_do, b_dv)
+            b_dk = dot_acc(b_dst, tl.trans(b_qt), b_dk)
         if args.dq_scale is not None:  # one pass: this tile's dS K into the queries' dQ (rows past nq are dropped)
             b_dq = dot(tl.trans(b_dst), b_k) * args.dq_scale
             p_dq = args.dq.base + o_m[:, None].to(tl.int64) * args.dq.stride_row + o_d[None, :] * args.dq.stride_col
@@ -205,14 +218,23 @@ def attention_backward_dkdv_kernel(
     num_heads, num_heads_k, group_size, seqlen_q, seqlen_k, rows_q, rows_k, head_dim, head_dim_v,
     bottom_right, diagonal_offset, window_left, window_right, scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, PLAIN: tl.constexpr,
+    UPCAST: tl.constexpr, PLAIN: tl.constexpr, SPLIT_D: tl.constexpr = 1,
 ):
     """dK_j, dV_j for one key block of one key/value head, summed over the G query heads of its group inside
     the program (no atomics, so the result is deterministic). The query tiles that see the whole key block run
     without mask code; those on the band's edges apply it. ``dq`` (the one-pass backward, 16-bit inputs only): each
-    tile's dS K, times the scale, added into this fp32 accumulator of q's shape. FP8 inputs: see the module's
-    docstring."""
+    tile's dS K, times the scale, added into this fp32 accumulator of q's shape. ``SPLIT_D`` > 1: SPLIT_D programs
+    per key block, each summing dK and dV over 1 / SPLIT_D of the head dim (S^T and dP^T, over all of it, computed by
+    each): at head dim 256 a 64-key block's dK and dV no longer fit one warpgroup's registers, its halves do. FP8
+    inputs: see the module's docstring."""
     start_n, bhk = program_tile(seqlen_k, BLOCK_N, False)  # the first key blocks see the most queries (causal)
+    BLOCK_DK_OUT: tl.constexpr = BLOCK_D // SPLIT_D
+    BLOCK_DV_OUT: tl.constexpr = BLOCK_DV // SPLIT_D
+    col = 0
+    if SPLIT_D > 1:
+        tl.static_assert(dq is None, "the one-pass backward's dQ needs each tile's dS once")
+        col = bhk % SPLIT_D
+        bhk = bhk // SPLIT_D
     b = (bhk // num_heads_k).to(tl.int64)
     hk = (bhk % num_heads_k).to(tl.int64)
     dk_scale = scale
@@ -234,7 +256,7 @@ def attention_backward_dkdv_kernel(
                       + hk * stride_vh, stride_vn, stride_vd, head_dim_v, None)
     b_v = load_block(v_block, 0, o_n, nk, o_dv, UPCAST)
     b_seed = tl.load(seed) if seed is not None else None
-    grads = Grads(tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_DV], tl.float32))
+    grads = Grads(tl.zeros([BLOCK_N, BLOCK_DK_OUT], tl.float32), tl.zeros([BLOCK_N, BLOCK_DV_OUT], tl.float32))
     lo, hi = query_range(start_n, nq, band, BLOCK_M, BLOCK_N)
     hi = tl.where(start_n < nk, hi, 0)  # a varlen program past its sequence's keys has nothing to do
     span = Span(lo, hi)
@@ -260,9 +282,16 @@ def attention_backward_dkdv_kernel(
             dq_at = Operand(None, None, dq + b * stride_dqb + q0 * stride_dqn + h * stride_dqh, stride_dqn, stride_dqd,
                             head_dim, None)
             dq_factor = dq_scale
+        q_cols, do_cols, first_col = None, None, None
+        if SPLIT_D > 1:
+            first_col = col * BLOCK_DK_OUT
+            q_cols = Operand(None, None, p_q + first_col * stride_qd, stride_qn, stride_qd, head_dim - first_col, None)
+            first_v = col * BLOCK_DV_OUT
+            do_cols = Operand(None, None, p_do + first_v * stride_dod, stride_don, stride_dod, head_dim_v - first_v,
+                              None)
         args = KeyBlock(b_k, b_v, o_n, Operand(q_desc, q_at, p_q, stride_qn, stride_qd, head_dim, None),
                         Operand(do_desc, do_at, p_do, stride_don, stride_dod, head_dim_v, None), p_neg_lse2, p_delta,
-                        dropout, do8, p_do_scale, v_scale, dq_at, dq_factor)
+                        dropout, do8, p_do_scale, v_scale, dq_at, dq_factor, q_cols, do_cols, first_col)
         if blocks is not None:  # a block mask (BLOCK_N divides its key block): its listed query blocks only
             grads = walk_listed(_key_grads, grads, args, span, start_n // blocks.kv_block, b, h, blocks, scoring,
                                 True, BLOCK_M, UPCAST, PLAIN)
@@ -270,6 +299,8 @@ def attention_backward_dkdv_kernel(
             grads = walk_band(_key_grads, grads, args, span, full, scoring, True, BLOCK_M, UPCAST, PLAIN, True)
     b_dk = grads.b_dk * dk_scale
     b_dv = grads.b_dv
+    o_d = col * BLOCK_DK_OUT + tl.arange(0, BLOCK_DK_OUT)  # the columns this program sums
+    o_dv = col * BLOCK_DV_OUT + tl.arange(0, BLOCK_DV_OUT)
     o_rows = k0 + o_n[:, None].to(tl.int64)
     m_rows = o_n[:, None] < nk
     tl.store(dk + b * stride_dkb + o_rows * stride_dkn + hk * stride_dkh + o_d[None, :] * stride_dkd,
