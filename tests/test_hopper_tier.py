@@ -2,7 +2,8 @@
 with the kernels compiled for sm_90 and their launches stubbed (a process without Triton's interpreter), that a call
 it takes launches the warp-specialized kernel on that call's own tensors (a launch plan replays it with its Gluon
 descriptors rebuilt around each call's q, k and v, never a previous call's), that its backward is the portable
-one, and that every other call, GPU or setting keeps the portable forward. Its results on a GPU: gpu-check (the
+one unless forced (then its own one-pass kernel), and that every other call, GPU or setting keeps the portable
+forward. Its results on a GPU: gpu-check (the
 kernel smoke and the ``gluon`` step).
 """
 
@@ -66,6 +67,74 @@ FULL = AttentionSpec(scale=0.125)
 def test_which_forwards_the_tier_takes(case, why):
     (q, k, v), spec = case
     assert hopper.declines(q, k, v, spec, probs=False, arch=90) == why
+
+
+def test_which_backwards_the_tier_takes(monkeypatch):
+    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64, as many key as query heads,
+    full or causal, never deterministic (its dQ is summed with atomics)."""
+    q, k, v = _qkv()
+    assert hopper.backward_declines(q, k, v, q, CAUSAL, arch=90).startswith("the tier's backward runs under")
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert hopper.backward_declines(q, k, v, q, CAUSAL, arch=90) is None
+    assert hopper.backward_declines(q, k, v, q, FULL, arch=90) is None
+    assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, deterministic=True), arch=90) == (
+        "deterministic (the tier's dQ is summed with atomics)")
+    assert hopper.backward_declines(*_qkv(d=128), _qkv(d=128)[0], FULL, arch=90) == "head dims or grouped heads"
+    assert hopper.backward_declines(*_qkv(hk=2), q, FULL, arch=90) == "head dims or grouped heads"
+    assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, dropout_p=0.1), arch=90) == "dropout"
+    assert hopper.backward_declines(q, k, v, q.transpose(1, 2).contiguous().transpose(1, 2), FULL,
+                                    arch=90).startswith("dout not contiguous")
+    assert hopper.backward_declines(q, k, v, q, FULL, arch=80) == "not sm_90 (80)"
+
+
+def test_the_backward_ring_protocol_never_deadlocks_or_serves_a_stale_tile():
+    """A model of the backward's barriers (``hopper/backward.py``): the producer fills ring slot i % STAGES after
+    waiting on its "empty" barrier (count 2) with parity ((i // STAGES) & 1) ^ 1; each consumer waits on the slot's
+    "ready" barrier with parity (i // STAGES) & 1, reads it, and arrives on "empty". mbarrier semantics: a wait on
+    parity p passes once the phase of that parity has completed (a fresh barrier's phase -1, odd, counts as
+    completed). Random interleavings, every tile count and ring depth: all finish and read the tile written."""
+    import random
+
+    class Barrier:
+        def __init__(self, count):
+            self.count, self.arrived, self.completed = count, 0, 0  # phases completed so far
+
+        def passes(self, parity):  # the phase in progress has parity completed % 2; the other one has completed
+            return self.completed % 2 != parity
+
+        def arrive(self):
+            self.arrived += 1
+            if self.arrived == self.count:
+                self.arrived, self.completed = 0, self.completed + 1
+
+    for stages in (1, 2, 3):
+        for tiles in range(0, 9):
+            for seed in range(30):
+                rng = random.Random(seed)
+                ready, empty = [Barrier(1) for _ in range(stages)], [Barrier(2) for _ in range(stages)]
+                slots = [None] * stages
+                pos = {"producer": 0, 0: 0, 1: 0}  # the next tile of each party
+                for _ in range(10_000):
+                    movable = []
+                    i = pos["producer"]
+                    if i < tiles and empty[i % stages].passes(((i // stages) & 1) ^ 1):
+                        movable.append("producer")
+                    for wg in (0, 1):
+                        i = pos[wg]
+                        if i < tiles and ready[i % stages].passes((i // stages) & 1):
+                            movable.append(wg)
+                    if not movable:
+                        break
+                    who = rng.choice(movable)
+                    i = pos[who]
+                    if who == "producer":
+                        slots[i % stages] = i
+                        ready[i % stages].arrive()  # the copies' bytes landed
+                    else:
+                        assert slots[i % stages] == i, (stages, tiles, seed, who, i)
+                        empty[i % stages].arrive()
+                    pos[who] += 1
+                assert pos == {"producer": tiles, 0: tiles, 1: tiles}, (stages, tiles, seed, pos)
 
 
 def test_forced_it_takes_grouped_heads(monkeypatch):
@@ -151,6 +220,11 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     for portable in ("d128", "fp16", "GQA", "sm_80", "tier=portable d64"):
         assert [name for name, _ in seen[portable]] == ["attention_forward_kernel"], portable
     assert seen["tier=hopper d128"] == [["attention_forward_ws_kernel", [8, 3]]]
+    # Forced, the backward is the tier's one-pass kernel between the portable preprocess (delta, -lse, dQ's sum
+    # zeroed) and dQ's rounding, replayed by a plan the second time.
+    backward = ["attention_backward_preprocess_kernel", "attention_backward_ws_kernel",
+                "attention_backward_dq_convert_kernel"]
+    assert seen["tier=hopper training step"] == [[backward, 3], [backward, 0]]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
 
@@ -198,6 +272,15 @@ def _script() -> dict:
     seen["tier=portable d64"] = run(90, dense())[0]
     os.environ["FLASHATTN_TRITON_TIER"] = "hopper"
     seen["tier=hopper d128"] = run(90, dense(d=128))[0]
+    with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+        steps = []
+        for _ in range(2):  # the second step's backward replays the first one's launch plan
+            q, k, v = dense(grad=True)()
+            out = flashattn.flash_attn_func(q, k, v, causal=True)
+            launches.clear()
+            out.backward(torch.ones_like(out))
+            steps.append([[name for _, name in launches.stamps], launches.through_launcher])
+        seen["tier=hopper training step"] = steps
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]

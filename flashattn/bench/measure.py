@@ -163,9 +163,11 @@ OURS_CUDA = "flashattn-cuda"  # our CUDA C++ kernel: timed beside the others, ne
 OURS_FP8 = "flashattn-fp8"  # ours on FP8 inputs (FlashAttention-3's FP8 forward): beside ours, never a baseline
 OURS_FP8_TRAIN = "flashattn-fp8-train"  # ours in the FP8 training mode: beside ours, never a baseline
 OURS_ONE_PASS = "flashattn-one-pass"  # ours with the one-pass backward (dQ by atomics): beside ours
-OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN, OURS_ONE_PASS)  # never the baseline of our ratios
+OURS_HOPPER = "flashattn-hopper"  # ours with the Hopper tier wherever it runs (its backward too): beside ours
+OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN, OURS_ONE_PASS, OURS_HOPPER)  # never a baseline
 # The environment an implementation's measurement runs in (set for the case, the caller's restored after).
-ENVIRONMENT = {OURS_ONE_PASS: {"FLASHATTN_TRITON_BACKWARD": "one-pass"}}
+ENVIRONMENT = {OURS_ONE_PASS: {"FLASHATTN_TRITON_BACKWARD": "one-pass"},
+               OURS_HOPPER: {"FLASHATTN_TRITON_TIER": "hopper"}}
 FEATURES = ("dropout", "softcap", "alibi", "window", "gqa8")
 IMPLEMENTATIONS: dict[str, Callable] = {
     OURS: ours,
@@ -174,6 +176,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     OURS_FP8: ours_fp8,
     OURS_FP8_TRAIN: ours_fp8_train,
     OURS_ONE_PASS: ours,
+    OURS_HOPPER: ours,
     "sdpa": _sdpa(None),
     "sdpa-math": _sdpa("MATH"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),

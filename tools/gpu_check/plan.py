@@ -81,11 +81,13 @@ def full(jobs: int) -> list[Step]:
                               "--baselines", "flashattn-fp8-train", "--tokens", "16384", "--repeats", "20", "--quiet",
                               "--out", "{out}", "--name", "fp8-backward"], 0.1, 15,
              env={"FLASHATTN_FP8_BACKWARD": "1"}),
-        # The one-pass backward (dQ by atomics: 5 matmuls a tile, not 7) beside the two-pass default and cuDNN, to
-        # decide where FLASHATTN_TRITON_BACKWARD=auto takes it; the smoke's one-pass cases checked it first. Head
-        # dim 64: on sm_90 the 16-bit one-pass tiles stop there (tables.ONE_PASS).
+        # The one-pass backwards (dQ by atomics: 5 matmuls a tile, not 7), the portable kernel's and the Hopper
+        # tier's (flashattn-hopper), beside the two-pass default and cuDNN, to decide where each is taken by
+        # default; the smoke's one-pass and tier cases checked them first. Head dim 64: on sm_90 the 16-bit one-pass
+        # tiles stop there (tables.ONE_PASS), as does the tier's backward.
         Step("one-pass", [*bench, "sweep", "--seqlens", "1024,8192", "--headdims", "64", "--modes", "bwd",
-                          "--baselines", "flashattn-one-pass,sdpa-cudnn", "--tokens", "16384", "--repeats", "20",
+                          "--baselines", "flashattn-one-pass,flashattn-hopper,sdpa-cudnn", "--tokens", "16384",
+                          "--repeats", "20",
                           "--quiet", "--out", "{out}", "--name", "one-pass"], 0.1, 15),
         Step("decode", [*bench, "decode", "--batches", "1,16", "--cache-lens", "4096,65536", "--repeats", "20",
                         "--profile", "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),

@@ -344,9 +344,11 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
                 _dout_scales(dout, lse, spec)) if fp8 else None
     # One pass: dQ summed in fp32 by the dK/dV kernel's atomics, into dq itself where it is fp32.
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
-    one_pass = configs.one_pass_backward(target_arch(), deterministic=spec.deterministic,
-                                         special=fp8 or spec.block_sparse is not None,
-                                         entry=(configs.table_key(shape.d, shape.dv), weight_of(q, spec, heavy=heavy)))
+    # The Hopper tier's one-pass backward (FLASHATTN_TRITON_TIER=hopper), else the portable kernels' one or two.
+    tier = not fp8 and hopper.backward_declines(q, k, v, dout, spec) is None
+    one_pass = tier or configs.one_pass_backward(
+        target_arch(), deterministic=spec.deterministic, special=fp8 or spec.block_sparse is not None,
+        entry=(configs.table_key(shape.d, shape.dv), weight_of(q, spec, heavy=heavy)))
     dq_sum = None if not one_pass else dq if dq.dtype == torch.float32 else plans.scratch(
         torch.empty(dq.shape, dtype=torch.float32, device=dq.device))
     delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dims=(shape.d, shape.dv),
@@ -374,7 +376,12 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     dkdv = "dkdv_one_pass" if one_pass else "dkdv"
-    launch_fitting(config(dkdv, q, shape, spec, heavy=heavy), launch_dkdv, kernel=dkdv, what=_what(dkdv, q, shape))
+    if tier:
+        hopper.launch_backward(q, k, v, dout, (neg_lse2, delta), (dq_sum, dk, dv), causal=spec.window_right == 0,
+                               scale=spec.scale)
+    else:
+        launch_fitting(config(dkdv, q, shape, spec, heavy=heavy), launch_dkdv, kernel=dkdv,
+                       what=_what(dkdv, q, shape))
     if not one_pass:
         launch_fitting(config("dq", q, shape, spec, heavy=heavy), launch_dq, kernel="dq", what=_what("dq", q, shape))
     elif dq_sum is not dq:

@@ -2,7 +2,8 @@
 register reallocation, async wgmma under the softmax; written in Gluon), chosen call by call over the portable
 kernels where they serve the call and were measured faster.
 
-Today one kernel, the forward (``forward.py``), and one rule (``declines``): bf16 with head dim 64, dense
+Two kernels: the forward (``forward.py``) and a one-pass backward (``backward.py``, taken only under
+``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule (``declines``): bf16 with head dim 64, dense
 (batch, seqlen, heads, d) q, k and v with as many key as query heads, causal (bottom-right) or not, and nothing else
 (no window, softcap, ALiBi, mask, block mask, dropout, sink, FP8, KV cache or packed sequences). There, on an H200,
 its schedule ran 1.36-1.40x the portable forward at 8k tokens, 1.26x at 1k (level when causal), correct against
@@ -137,3 +138,47 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     schedule = Schedule("pv", pingpong=q.shape[-1] == 64)
     grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule)
     launch(attention_forward_ws_kernel, grid, **kwargs)
+
+
+BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64}  # what the backward kernel can run (``backward.py``)
+
+
+def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
+    """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
+    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, as many key as query
+    heads, dense contiguous q, k, v and dO, full or causal with no other option, and not ``deterministic`` (its dQ
+    is summed with atomics)."""
+    if tier() != "hopper":
+        return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
+    dtypes, dims = BACKWARD_RUNS
+    if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != 4 or spec.packed:
+        return "dtype or layout"
+    b, nq, h, d = q.shape
+    if d not in dims or tuple(k.shape) != (b, k.shape[1], h, d) or v.shape != k.shape or dout.shape != q.shape:
+        return "head dims or grouped heads"
+    if spec.deterministic:
+        return "deterministic (the tier's dQ is summed with atomics)"
+    why = _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
+    if why:
+        return why
+    if not dout.is_contiguous() or dout.data_ptr() % 16:
+        return "dout not contiguous or not 16-byte aligned (TMA)"
+    from .. import installed_release
+
+    if installed_release() != GLUON_RELEASE:
+        return f"triton {installed_release()}, not {GLUON_RELEASE}"
+    if arch is None:
+        from ..launch import target_arch
+
+        arch = target_arch()
+    return None if arch == 90 else f"not sm_90 ({arch or 'the interpreter'})"
+
+
+def launch_backward(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> None:
+    """Run the tier's one-pass backward: ``stats`` = (neg_lse2, delta) as the portable preprocess writes them,
+    ``grads`` = (dq_sum fp32 zeroed, dk, dv), through the path's ``launch`` (plans replay it)."""
+    from ..launch import launch
+    from .backward import attention_backward_ws_kernel, launch_arguments
+
+    grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=scale)
+    launch(attention_backward_ws_kernel, grid, **kwargs)

@@ -1,0 +1,242 @@
+"""The Hopper tier's one-pass backward: dK and dV of a key block held by two consumer warpgroups beside a TMA
+producer warp, dQ added up in fp32 with atomics (FlashAttention-3's structure), in Gluon for sm_90.
+
+One program (CTA) owns 128 keys of one (batch, head); three partitions (``gl.warp_specialize``):
+
+- **producer**, 1 warp: K and V of the block once (a 64-row tile per consumer), then Q_j and dO_j of every query
+  tile that sees the block into a ring (``STAGES``); a stage's "ready" mbarrier completes with both copies' bytes,
+  its "empty" one when both consumers have released it;
+- **two consumer warpgroups**, each owning 64 of the keys: per query tile (64 rows) S^T = K Q_j^T and
+  dP^T = V dO_j^T (async wgmma, both operands in shared memory), P^T = 2^(S^T scale log2(e) - lse_j) and
+  dS^T = P^T (dP^T - delta_j) in registers, then dV += P^T dO_j, dK += dS^T Q_j and the tile's dQ = dS K issued
+  together, and dQ (times the scale) added into the fp32 sum with atomics. Five matmuls a tile, where the portable
+  two-pass backward runs seven.
+
+Inputs as the tier's forward takes them: q, k, v, dO (batch, seqlen, heads, d) contiguous, bf16 or fp16, d = 64
+(at 128 dK, dV, S, dP and dQ would take 288 registers a thread), as many key as query heads; ``neg_lse2`` (-lse in
+log2 units, -inf for rows that see no key) and ``delta`` (rowsum(dO O)) as the portable preprocess writes them,
+(batch, heads, seqlen_q); ``dq_sum`` fp32 of q's shape, zeroed. Causal is bottom-right aligned, as the forward's.
+The tier's ``__init__.py`` says which calls come here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .steps import _mma_layout
+
+LOG2E = 1.4426950408889634
+WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
+BLOCK_N = 2 * WG_N  # keys per program
+BLOCK_M = 64  # queries per step: the M of dQ's wgmma
+STAGES = 2  # Q and dO ring depth: at d=64 K, V and two stages of Q and dO are 64 KiB
+HEAD_DIMS = (64,)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+
+
+@gluon.jit
+def _tile(j, i, dk, dv, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Query tile j (ring slot i): dK and dV updated, the tile's dQ added into the sum."""
+    k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, stats, limits = ctx
+    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_pitch, dq_col0 = stats
+    seqlen_q, seqlen_k, qk_scale, scale = limits
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[1]
+    HEAD_D: gl.constexpr = q_bufs.shape[2]
+    WG_N: gl.constexpr = k_t.shape[0]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    d_layout: gl.constexpr = _mma_layout(HEAD_D)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    stage = i % STAGES
+    q_s = q_bufs.index(stage)
+    do_s = do_bufs.index(stage)
+    mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
+    zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
+    s = warpgroup_mma(k_t, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(v_t, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    queries = j * BLOCK_M + cols
+    # Rows past the sequence read -inf: P = 0 there, so dS = 0 and nothing of theirs reaches dK, dV or dQ.
+    neg_lse2 = gl.load(neg_lse2_ptr + queries, mask=queries < seqlen_q, other=float("-inf"))
+    delta = gl.load(delta_ptr + queries, mask=queries < seqlen_q, other=0.0)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    p = gl.exp2(s * qk_scale + neg_lse2[None, :])
+    if MASK:
+        keep = rows_k[:, None] < seqlen_k
+        if CAUSAL:
+            keep = keep & (rows_k[:, None] <= queries[None, :] + (seqlen_k - seqlen_q))
+        p = gl.where(keep, p, 0.0)
+    ds = p * (dp - delta[None, :])
+    dtype: gl.constexpr = q_s.dtype
+    zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
+    dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_s, dv, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_s, dk, is_async=True)
+    ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
+    dq = warpgroup_mma(ds_rows, k_t, zero_dq, use_acc=False, is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+    mbarrier.arrive(q_empty.index(stage))
+    q_rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, d_layout))
+    d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, d_layout))
+    offsets = (dq_row0 + q_rows).to(gl.int64)[:, None] * dq_pitch + (dq_col0 + d_cols)[None, :]
+    gl.atomic_add(dq_ptr + offsets, dq * scale, mask=q_rows[:, None] < seqlen_q, sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, smem, bars, geometry, outs, CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them; dK (times the scale)
+    and dV stored."""
+    k_smem, v_smem, q_bufs, do_bufs = smem
+    kv_bar, q_ready, q_empty = bars
+    n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
+    stats, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
+    WG_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    BLOCK_M: gl.constexpr = q_bufs.shape[1]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    d_layout: gl.constexpr = _mma_layout(HEAD_D)
+    rows_k = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    ctx = (k_smem.index(WG), v_smem.index(WG), q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, stats,
+           (seqlen_q, seqlen_k, qk_scale, scale))
+    dk = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
+    dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
+    mbarrier.wait(kv_bar, 0)
+    # The query tiles on the diagonal (causal) or past either sequence's end take the mask; those between none.
+    for j in range(lo, full_lo):
+        dk, dv = _tile(j, j - lo, dk, dv, ctx, True, CAUSAL)
+    for j in range(full_lo, full_hi):
+        dk, dv = _tile(j, j - lo, dk, dv, ctx, False, CAUSAL)
+    for j in range(full_hi, hi):
+        dk, dv = _tile(j, j - lo, dk, dv, ctx, True, CAUSAL)
+    out_rows = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, d_layout))
+    out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, d_layout))
+    offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
+    keep = out_rows[:, None] < seqlen_k
+    gl.store(dk_ptr + offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=keep)
+    gl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _producer(descs, smem, bars, coords, span):
+    """One warp: K and V once, then Q_j and dO_j of every query tile into the ring; a stage is refilled once both
+    consumers have released it (count 2)."""
+    q_desc, k_desc, v_desc, do_desc = descs
+    k_smem, v_smem, q_bufs, do_bufs = smem
+    kv_bar, q_ready, q_empty = bars
+    q_row0, kv_row0, col = coords
+    lo, hi = span
+    WG_N: gl.constexpr = k_smem.shape[1]
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[1]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [kv_row0 + w * WG_N, col], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [kv_row0 + w * WG_N, col], kv_bar, v_smem.index(w))
+    for j in range(lo, hi):
+        i = j - lo
+        stage = i % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
+        mbarrier.wait(q_empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        row = q_row0 + j * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(stage), q_bufs.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [row, col], q_ready.index(stage), do_bufs.index(stage))
+
+
+@gluon.jit
+def _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(lo, full_lo, full_hi, hi): the query tiles [lo, hi) that see keys [n0, n0 + BLOCK_N), of which those in
+    [full_lo, full_hi) see all of them and lie inside both sequences (no mask)."""
+    hi = gl.cdiv(seqlen_q, BLOCK_M)
+    lo = 0
+    full_lo = 0
+    if CAUSAL:
+        shift = seqlen_k - seqlen_q  # bottom-right aligned: query i sees keys <= i + shift
+        lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, hi)
+        full_lo = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - shift, 0), BLOCK_M), hi)
+    full_lo = gl.maximum(full_lo, lo)
+    full_hi = seqlen_q // BLOCK_M if n0 + BLOCK_N <= seqlen_k else full_lo
+    full_hi = gl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
+        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k, heads,
+        qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr):
+    """Grid (batch * heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, consumer 0). Programs start in
+    grid order, every head's first key block first: causal, those see the most queries."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    WG_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    pid_bh = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    n0 = pid_n * (2 * WG_N)
+    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, 2 * WG_N)
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    smem = (k_smem, v_smem, q_bufs, do_bufs)
+    bars = (kv_bar, q_ready, q_empty)
+    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
+    pitch = heads * HEAD_D
+    stats = (neg_lse2_ptr + pid_bh * seqlen_q, delta_ptr + pid_bh * seqlen_q, dq_ptr, b * seqlen_q, pitch, h * HEAD_D)
+    outs = (stats, dk_ptr, dv_ptr, b * seqlen_k, pitch, h * HEAD_D)
+    coords = (b * seqlen_q, b * seqlen_k + n0, h * HEAD_D)
+    gl.warp_specialize([
+        (_consumer, (0, smem, bars, geometry, outs, CAUSAL)),
+        (_consumer, (1, smem, bars, geometry, outs, CAUSAL)),
+        (_producer, ((q_desc, k_desc, v_desc, do_desc), smem, bars, coords, (lo, hi))),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> tuple[tuple, dict]:
+    """(grid, keyword arguments) of ``attention_backward_ws_kernel``: q, k, v, dout (batch, seqlen, heads, d)
+    contiguous, one dtype (bf16 or fp16), as many key as query heads, d = 64; ``stats`` = (neg_lse2, delta),
+    (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed; dk, dv of k's shape).
+    The tier's ``backward_declines`` says which calls may come here; this refuses the rest, in case one comes
+    another way."""
+    (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
+    batch, seqlen_q, heads, d = q.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS))})")
+    if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype == dout.dtype:
+        raise ValueError("q, k, v and dout must share one dtype, bf16 or fp16")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads, d) or dout.shape != q.shape:
+        raise ValueError("k and v must be (batch, seqlen_k, heads, d) with q's batch, heads and d; dout q's shape")
+    if not all(t.is_contiguous() for t in (q, k, v, dout, dk, dv, dq_sum, neg_lse2, delta)):
+        raise ValueError("every tensor must be contiguous")
+    if not scale > 0:
+        raise ValueError("scale must be positive")
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+
+    kwargs = dict(q_desc=desc(q, BLOCK_M), k_desc=desc(k, WG_N), v_desc=desc(v, WG_N), do_desc=desc(dout, BLOCK_M),
+                  dq_ptr=dq_sum, dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
+                  seqlen_k=k.shape[1], heads=heads, qk_scale=scale * LOG2E, scale=scale, CAUSAL=causal, STAGES=STAGES,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return (batch * heads, triton.cdiv(k.shape[1], BLOCK_N)), kwargs

@@ -1,0 +1,45 @@
+"""The Hopper tier's one-pass Gluon backward (``flashattn/backends/triton/hopper/backward.py``) compiled offline for
+sm_90 (no GPU): warp specialization with register reallocation, TMA, every matmul on wgmma, dQ reduced with
+atomics, no spills in the loops (one reload in one causal loop), fewer main-loop instructions a score than the
+portable two-pass kernels (0.375 for dK/dV plus about 0.2 for dQ at d=64, ``tools.offline.profile``).
+
+In a subprocess without ``TRITON_INTERPRET`` (the suite's conftest sets it; Gluon kernels compile only without it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triton_versions import needs_triton, recorded_on_oldest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [needs_triton,
+              recorded_on_oldest("the Hopper tier's Gluon backward (Gluon's API changes between releases)")]
+SHARED_LIMIT_SM90 = 232448
+TWO_PASS_PER_SCORE = 0.375 + 0.2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_one_pass_backward_compiles_to_what_it_was_written_for(causal, tmp_path):
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        pytest.skip("this triton has no Gluon (triton.experimental.gluon)")
+    out = tmp_path / "row.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, "-m", "tools.gluon.backward_profile", "--json", str(out), *(["--causal"] if causal else [])]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["warps"] == 12 and {24, 240} <= set(r["setmaxnreg"])  # two consumer warpgroups and a producer warp
+    assert r["shared_bytes"] <= SHARED_LIMIT_SM90
+    assert r["tma_loads"] >= 4  # K, V, Q and dO
+    loops = r["loops"]  # each consumer's loops over query tiles: masked, unmasked, masked
+    assert loops and all(x["groups"] == 5 and x["red"] > 0 for x in loops)  # five wgmma groups a tile, dQ by RED
+    assert sum(x["local"] for x in loops) <= (1 if causal else 0)
+    assert 0 < r["per_score"] < TWO_PASS_PER_SCORE

@@ -1,0 +1,68 @@
+"""Offline sm_90 counts of the Hopper tier's one-pass backward (``flashattn/backends/triton/hopper/backward.py``):
+registers and their reallocation, spills (and whether any sits in a loop), shared memory, HGMMA, TMA loads, the
+atomic reductions of dQ, and instructions per score in the consumers' unmasked loop.
+
+    python -m tools.gluon.backward_profile [--causal] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from flashattn.backends.triton.hopper.backward import BLOCK_M, BLOCK_N, attention_backward_ws_kernel, launch_arguments
+
+PROFILE_SHAPE = (2, 2048, 4, 64)  # batch, tokens, heads, head dim: the tl kernels' profile shape at d=64
+CONSUMER_WARPS = 8
+GROUPS_PER_TILE = 5  # S^T, dP^T, dV, dK, dQ: each wgmma its own commit group
+
+
+def measure(causal: bool) -> dict:
+    from tools.offline.compile import _offline, cubin_report
+
+    b, n, h, d = PROFILE_SHAPE
+    q, k, v, dout = (torch.empty(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
+    stats = (torch.empty(b, h, n), torch.empty(b, h, n))
+    grads = (torch.empty(b, n, h, d), torch.empty_like(k), torch.empty_like(v))
+    grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=d**-0.5)
+    with _offline(90):
+        kernel = attention_backward_ws_kernel.warmup(grid=grid, **kwargs)
+    report = cubin_report(kernel.asm["cubin"])
+    sass = report.sass
+    loops = []
+    for loop in sass.innermost_loops():
+        body = sass.instructions[loop.start: loop.end + 1]
+        groups = sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in body)
+        if groups:
+            loops.append({"length": loop.length, "groups": groups,
+                          "local": sum(ins.opcode.startswith(("LDL", "STL")) for ins in body),
+                          "red": sum(ins.opcode.startswith("RED") for ins in body)})
+    lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE), key=lambda x: x["length"], default=None)
+    return {
+        "causal": causal, "registers": report.registers, "spill_bytes": report.spill_bytes,
+        "setmaxnreg": sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
+                              if ins.opcode.startswith("USETMAXREG")}),
+        "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
+        "tma_loads": sass.count("UTMALDG"), "loops": loops,
+        "per_score": round(lean["length"] * CONSUMER_WARPS / (BLOCK_N * BLOCK_M), 3) if lean else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Hopper tier's one-pass backward.")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--json", help="write the row here")
+    args = parser.parse_args(argv)
+    row = measure(args.causal)
+    print(json.dumps(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
