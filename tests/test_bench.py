@@ -91,6 +91,18 @@ def test_speedup_is_against_the_best_baseline_of_the_same_point():
     assert "device_speedup" not in rows[0] and "kernels" not in sweep.table(rows)  # the CPU: no queued timing
 
 
+def test_an_implementation_runs_in_its_own_environment(monkeypatch):
+    from flashattn.bench import measure
+
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "portable")
+    monkeypatch.delenv("FLASHATTN_TRITON_BACKWARD", raising=False)
+    with measure._environment("flashattn-one-pass"):
+        assert os.environ["FLASHATTN_TRITON_BACKWARD"] == "one-pass"
+    with measure._environment("flashattn-hopper"):
+        assert os.environ["FLASHATTN_TRITON_TIER"] == "hopper"
+    assert "FLASHATTN_TRITON_BACKWARD" not in os.environ and os.environ["FLASHATTN_TRITON_TIER"] == "portable"
+
+
 def test_a_gpu_row_also_compares_the_kernels_alone():
     """With the GPU's time alone (calls queued ahead), a short call's host time drops out of the ratio: here ours
     is slower end to end (host-bound) but faster on the device."""

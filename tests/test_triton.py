@@ -65,6 +65,17 @@ ONE_PASS_CASES = {
 }
 
 
+def _check_call(q, k, v, kwargs):
+    """``flash_attn_func``'s out and gradients against float64 (dropout's mask read from the torch path)."""
+    kwargs = dict(kwargs)
+    if "dropout_p" in kwargs:
+        p = kwargs.pop("dropout_p")
+        out, dropped = with_dropout_mask(q, k, v, p, kwargs)
+        check_against_oracle(q, k, v, kwargs, out, dropped=dropped, dropout_p=p)
+    else:
+        check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+
+
 @pytest.mark.parametrize("case", ONE_PASS_CASES)
 def test_the_one_pass_backward(case, monkeypatch, poisoned):
     """``FLASHATTN_TRITON_BACKWARD=one-pass``: dQ summed by the dK/dV kernel's atomics (into a NaN-poisoned
@@ -77,12 +88,7 @@ def test_the_one_pass_backward(case, monkeypatch, poisoned):
     if "alibi_slopes" in kwargs:
         kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(DEVICE)
     with flashattn.use_backend("triton"):
-        if "dropout_p" in kwargs:
-            p = kwargs.pop("dropout_p")
-            out, dropped = with_dropout_mask(q, k, v, p, kwargs)
-            check_against_oracle(q, k, v, kwargs, out, dropped=dropped, dropout_p=p)
-        else:
-            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+        _check_call(q, k, v, kwargs)
 
 
 def test_the_one_pass_backward_on_packed_sequences(monkeypatch):
@@ -117,14 +123,10 @@ def test_dkdv_split_over_the_head_dim(features, monkeypatch):
     if "alibi_slopes" in kwargs:
         kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(DEVICE)
     with flashattn.use_backend("triton"), configs.use(configs.KernelConfig(32, 32, 4, 1, 2), ("dkdv", "dkdv_one_pass")):
-        if "dropout_p" in kwargs:
-            p = kwargs.pop("dropout_p")
-            out, dropped = with_dropout_mask(q, k, v, p, kwargs)
-            check_against_oracle(q, k, v, kwargs, out, dropped=dropped, dropout_p=p)
-        else:
-            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+        _check_call(q, k, v, kwargs)
+        if "dropout_p" not in kwargs:
             monkeypatch.setenv("FLASHATTN_TRITON_BACKWARD", "one-pass")
-            check_against_oracle(q, k, v, kwargs, flashattn.flash_attn_func(q, k, v, **kwargs))
+            _check_call(q, k, v, kwargs)
 
 
 @pytest.mark.parametrize("setting,deterministic,launched", [

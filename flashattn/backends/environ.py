@@ -17,6 +17,8 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _DATA = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
@@ -43,3 +45,19 @@ class Variable:
         if raw is not self._raw:  # changed since the last read: decode it once
             self._raw, self._value = raw, _DECODE(raw)
         return self._value
+
+
+@contextmanager
+def setting(name: str, value: str) -> Iterator[None]:
+    """``name=value`` in the environment inside the block, the caller's value (or its absence) after: for tools
+    that run under one setting of a variable the package reads at each call (launch plans, which hold such
+    variables in their context, follow it)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved

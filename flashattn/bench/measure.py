@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import use_backend
+from ..backends.environ import setting
 from ..interface import flash_attn_func
 from ..quantize import amax_scales, to_fp8
 
@@ -253,20 +253,12 @@ def _make_step(fn, q, k, v, causal: bool, mode: str) -> Callable[[], None]:
     return step
 
 
-@contextlib.contextmanager
-def _environment(impl: str):
-    """``ENVIRONMENT[impl]`` set inside the block, the variables' values before restored after."""
-    changes = ENVIRONMENT.get(impl, {})
-    saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def _environment(impl: str) -> contextlib.ExitStack:
+    """``ENVIRONMENT[impl]`` set inside the ``with`` block, the variables' values before restored after."""
+    stack = contextlib.ExitStack()
+    for name, value in ENVIRONMENT.get(impl, {}).items():
+        stack.enter_context(setting(name, value))
+    return stack
 
 
 def run_here(case: Case) -> dict:

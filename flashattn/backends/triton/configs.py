@@ -8,12 +8,11 @@ sizes the launcher derives (padded head dims, split-KV counts).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from ..environ import Variable
+from ..environ import Variable, setting
 from .families import FAMILIES, Family, family
 from .measured import load as _load_measured
 from .tables import KERNELS, ONE_PASS, OVERRIDES, TABLES, WEIGHTS, KernelConfig
@@ -137,21 +136,12 @@ def one_pass_backward(arch: int | str, *, deterministic: bool, special: bool,
     return table.get((largest, weight), KernelConfig(0, 0, 0, 0)) is not None
 
 
-@contextmanager
-def backward_passes(chosen: str) -> Iterator[None]:
-    """``FLASHATTN_TRITON_BACKWARD=chosen`` inside the block, the caller's value after (the variable, so that
-    launch plans, which hold it in their context, follow): for tools that compile or time one backward."""
+def backward_passes(chosen: str):
+    """``FLASHATTN_TRITON_BACKWARD=chosen`` inside the ``with`` block (``environ.setting``): for tools that compile
+    or time one backward."""
     if chosen not in BACKWARDS:
         raise ValueError(f"backward_passes: chosen={chosen!r} is not one of {', '.join(BACKWARDS)}")
-    saved = os.environ.get(BACKWARD.name)
-    os.environ[BACKWARD.name] = chosen
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[BACKWARD.name]
-        else:
-            os.environ[BACKWARD.name] = saved
+    return setting(BACKWARD.name, chosen)
 
 
 def forced(kernel: str) -> KernelConfig | None:

@@ -3,12 +3,12 @@ register reallocation, async wgmma under the softmax; written in Gluon), chosen 
 kernels where they serve the call and were measured faster.
 
 Two kernels: the forward (``forward.py``) and a one-pass backward (``backward.py``, taken only under
-``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule (``declines``): bf16 with head dim 64, dense
-(batch, seqlen, heads, d) q, k and v with as many key as query heads, causal (bottom-right) or not, and nothing else
-(no window, softcap, ALiBi, mask, block mask, dropout, sink, FP8, KV cache or packed sequences). There, on an H200,
-its schedule ran 1.36-1.40x the portable forward at 8k tokens, 1.26x at 1k (level when causal), correct against
-float64 in every case tried (``benchmarks/NOTES.md``); at head dim 128 it was level, so the portable kernel keeps
-it. Its backward is the portable one, from the same out and lse.
+``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule (``declines``): bf16 with head dim 64,
+dense (batch, seqlen, heads, d) q, k and v with as many key as query heads, causal (bottom-right) or not, and
+nothing else (no window, softcap, ALiBi, mask, block mask, dropout, sink, FP8, KV cache or packed sequences).
+There, on an H200, its schedule ran 1.36-1.40x the portable forward at 8k tokens, 1.26x at 1k (level when
+causal), correct against float64 in every case tried (``benchmarks/NOTES.md``); at head dim 128 it was level, so
+the portable kernel keeps it. Its backward is the portable one, from the same out and lse, unless forced as below.
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
@@ -26,13 +26,9 @@ Example::
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
-from ...environ import Variable
+from ...environ import Variable, setting
 from ...spec import AttentionSpec
 from ..configs import DECODE_MAX_ROWS
 
@@ -52,21 +48,12 @@ def tier() -> str:
     return value
 
 
-@contextmanager
-def using(chosen: str) -> Iterator[None]:
-    """``FLASHATTN_TRITON_TIER=chosen`` inside the block, the caller's value after (the variable, so that launch
-    plans, which hold it in their context, follow): for tools whose subject is one tier's kernels."""
+def using(chosen: str):
+    """``FLASHATTN_TRITON_TIER=chosen`` inside the ``with`` block (``environ.setting``): for tools whose subject is
+    one tier's kernels."""
     if chosen not in TIERS:
         raise ValueError(f"using: chosen={chosen!r} is not one of {', '.join(TIERS)}")
-    saved = os.environ.get(TIER.name)
-    os.environ[TIER.name] = chosen
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[TIER.name]
-        else:
-            os.environ[TIER.name] = saved
+    return setting(TIER.name, chosen)
 
 
 def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | None = None) -> str | None:
