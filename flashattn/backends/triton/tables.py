@@ -26,13 +26,18 @@ from dataclasses import dataclass
 from . import installed_release
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KernelConfig:
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     split_d: int = 1  # dK/dV: programs a key block's head dim is split over (each sums dK, dV of its columns)
+
+    def __repr__(self) -> str:  # split_d only where it is used: the four numbers otherwise, as they are written
+        split = f", split_d={self.split_d}" if self.split_d != 1 else ""
+        return (f"KernelConfig(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
+                f"num_stages={self.num_stages}{split})")
 
 
 WEIGHTS = ("plain", "light", "heavy", "fp32-light", "fp32-heavy")
