@@ -70,8 +70,8 @@ def test_which_forwards_the_tier_takes(case, why):
 
 
 def test_which_backwards_the_tier_takes(monkeypatch):
-    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64, as many key as query heads,
-    full or causal, never deterministic (its dQ is summed with atomics)."""
+    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64, key/value heads dividing the
+    query heads, full or causal, never deterministic (its dQ is summed with atomics)."""
     q, k, v = _qkv()
     assert hopper.backward_declines(q, k, v, q, CAUSAL, arch=90).startswith("the tier's backward runs under")
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
@@ -80,7 +80,8 @@ def test_which_backwards_the_tier_takes(monkeypatch):
     assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, deterministic=True), arch=90) == (
         "deterministic (the tier's dQ is summed with atomics)")
     assert hopper.backward_declines(*_qkv(d=128), _qkv(d=128)[0], FULL, arch=90) == "head dims or grouped heads"
-    assert hopper.backward_declines(*_qkv(hk=2), q, FULL, arch=90) == "head dims or grouped heads"
+    assert hopper.backward_declines(*_qkv(hk=2), q, FULL, arch=90) is None  # GQA: dK, dV summed over each group
+    assert hopper.backward_declines(*_qkv(hk=3), q, FULL, arch=90) == "head dims or grouped heads"
     assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, dropout_p=0.1), arch=90) == "dropout"
     assert hopper.backward_declines(q, k, v, q.transpose(1, 2).contiguous().transpose(1, 2), FULL,
                                     arch=90).startswith("dout not contiguous")
@@ -225,6 +226,9 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     backward = ["attention_backward_preprocess_kernel", "attention_backward_ws_kernel",
                 "attention_backward_dq_convert_kernel"]
     assert seen["tier=hopper training step"] == [[backward, 3], [backward, 0]]
+    # 4 query heads over 2 key heads: a program per (batch, key head) and 128 keys (300 keys: 3 blocks).
+    assert [name for name, _ in seen["tier=hopper GQA backward"]] == backward
+    assert seen["tier=hopper GQA backward"][1][1] == [2 * 2, 3]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
 
@@ -281,6 +285,11 @@ def _script() -> dict:
             out.backward(torch.ones_like(out))
             steps.append([[name for _, name in launches.stamps], launches.through_launcher])
         seen["tier=hopper training step"] = steps
+        q, k, v = dense(hk=2, grad=True)()
+        out = flashattn.flash_attn_func(q, k, v, causal=True)
+        launches.clear()
+        out.backward(torch.ones_like(out))
+        seen["tier=hopper GQA backward"] = [[name, list(grid[:2])] for name, grid, _ in launches.arguments]
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]

@@ -132,17 +132,20 @@ BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64}  # what the backward kerne
 
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
-    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, as many key as query
-    heads, dense contiguous q, k, v and dO, full or causal with no other option, and not ``deterministic`` (its dQ
-    is summed with atomics)."""
+    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, key/value heads dividing
+    the query heads (GQA, MQA), dense contiguous q, k, v and dO, full or causal with no other option, and not
+    ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":
         return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
     dtypes, dims = BACKWARD_RUNS
     if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != 4 or spec.packed:
         return "dtype or layout"
     b, nq, h, d = q.shape
-    if d not in dims or tuple(k.shape) != (b, k.shape[1], h, d) or v.shape != k.shape or dout.shape != q.shape:
+    hk = k.shape[2] if k.ndim == 4 else 0
+    if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or v.shape != k.shape or not hk or h % hk:
         return "head dims or grouped heads"
+    if dout.shape != q.shape:
+        return "dtype or layout"
     if spec.deterministic:
         return "deterministic (the tier's dQ is summed with atomics)"
     why = _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)

@@ -1,7 +1,7 @@
 """The Hopper tier's one-pass backward: dK and dV of a key block held by two consumer warpgroups beside a TMA
 producer warp, dQ added up in fp32 with atomics (FlashAttention-3's structure), in Gluon for sm_90.
 
-One program (CTA) owns 128 keys of one (batch, head); three partitions (``gl.warp_specialize``):
+One program (CTA) owns 128 keys of one (batch, key/value head); three partitions (``gl.warp_specialize``):
 
 - **producer**, 1 warp: K and V of the block once (a 64-row tile per consumer), then Q_j and dO_j of every query
   tile that sees the block into a ring (``STAGES``); a stage's "ready" mbarrier completes with both copies' bytes,
@@ -12,10 +12,11 @@ One program (CTA) owns 128 keys of one (batch, head); three partitions (``gl.war
   together, and dQ (times the scale) added into the fp32 sum with atomics. Five matmuls a tile, where the portable
   two-pass backward runs seven.
 
-Inputs as the tier's forward takes them: q, k, v, dO (batch, seqlen, heads, d) contiguous, bf16 or fp16, d = 64
-(at 128 dK, dV, S, dP and dQ would take 288 registers a thread), as many key as query heads; ``neg_lse2`` (-lse in
-log2 units, -inf for rows that see no key) and ``delta`` (rowsum(dO O)) as the portable preprocess writes them,
-(batch, heads, seqlen_q); ``dq_sum`` fp32 of q's shape, zeroed. Causal is bottom-right aligned, as the forward's.
+Inputs as the tier's forward takes them: q, dO (batch, seqlen_q, heads, d), k, v (batch, seqlen_k, kv_heads, d),
+contiguous, bf16 or fp16, d = 64 (at 128 dK, dV, S, dP and dQ would take 288 registers a thread), kv_heads dividing
+heads (GQA, MQA: a program sums dK and dV over its key/value head's query heads, one after another); ``neg_lse2``
+(-lse in log2 units, -inf for rows that see no key) and ``delta`` (rowsum(dO O)) as the portable preprocess writes
+them, (batch, heads, seqlen_q); ``dq_sum`` fp32 of q's shape, zeroed. Causal is bottom-right aligned, as the forward's.
 The tier's ``__init__.py`` says which calls come here.
 """
 
@@ -41,9 +42,10 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _tile(j, i, dk, dv, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Query tile j (ring slot i): dK and dV updated, the tile's dQ added into the sum."""
-    k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, stats, limits = ctx
+def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Query tile j (ring slot i) of the query head ``stats`` points at: dK and dV updated, the tile's dQ added
+    into the sum."""
+    k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits = ctx
     neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_pitch, dq_col0 = stats
     seqlen_q, seqlen_k, qk_scale, scale = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -89,12 +91,13 @@ def _tile(j, i, dk, dv, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, smem, bars, geometry, outs, CAUSAL: gl.constexpr):
-    """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them; dK (times the scale)
-    and dV stored."""
+    """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them, of each query head of
+    the key/value head's group in turn; dK (times the scale) and dV, summed over the group, stored."""
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
     n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
-    stats, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
+    heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
+    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group, num_heads = heads
     WG_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -102,18 +105,23 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, outs, CAUSAL: gl.constexpr
     d_layout: gl.constexpr = _mma_layout(HEAD_D)
     rows_k = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    ctx = (k_smem.index(WG), v_smem.index(WG), q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, stats,
+    ctx = (k_smem.index(WG), v_smem.index(WG), q_bufs, do_bufs, q_ready, q_empty, rows_k, cols,
            (seqlen_q, seqlen_k, qk_scale, scale))
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     mbarrier.wait(kv_bar, 0)
-    # The query tiles on the diagonal (causal) or past either sequence's end take the mask; those between none.
-    for j in range(lo, full_lo):
-        dk, dv = _tile(j, j - lo, dk, dv, ctx, True, CAUSAL)
-    for j in range(full_lo, full_hi):
-        dk, dv = _tile(j, j - lo, dk, dv, ctx, False, CAUSAL)
-    for j in range(full_hi, hi):
-        dk, dv = _tile(j, j - lo, dk, dv, ctx, True, CAUSAL)
+    for g in range(group):
+        h = h0 + g
+        at = (b * num_heads + h) * seqlen_q  # this head's rows of neg_lse2 and delta
+        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, num_heads * HEAD_D, h * HEAD_D)
+        first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
+        # The query tiles on the diagonal (causal) or past either sequence's end take the mask; those between none.
+        for j in range(lo, full_lo):
+            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL)
+        for j in range(full_lo, full_hi):
+            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, False, CAUSAL)
+        for j in range(full_hi, hi):
+            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL)
     out_rows = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, d_layout))
     out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, d_layout))
     offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
@@ -124,29 +132,32 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, outs, CAUSAL: gl.constexpr
 
 @gluon.jit
 def _producer(descs, smem, bars, coords, span):
-    """One warp: K and V once, then Q_j and dO_j of every query tile into the ring; a stage is refilled once both
-    consumers have released it (count 2)."""
+    """One warp: K and V once, then Q_j and dO_j of every query tile of each query head of the group in turn into
+    the ring; a stage is refilled once both consumers have released it (count 2)."""
     q_desc, k_desc, v_desc, do_desc = descs
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
-    q_row0, kv_row0, col = coords
+    q_row0, kv_row0, q_col0, kv_col, group = coords
     lo, hi = span
     WG_N: gl.constexpr = k_smem.shape[1]
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [kv_row0 + w * WG_N, col], kv_bar, k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [kv_row0 + w * WG_N, col], kv_bar, v_smem.index(w))
-    for j in range(lo, hi):
-        i = j - lo
-        stage = i % STAGES
-        # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
-        mbarrier.wait(q_empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        row = q_row0 + j * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(stage), q_bufs.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [row, col], q_ready.index(stage), do_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [kv_row0 + w * WG_N, kv_col], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [kv_row0 + w * WG_N, kv_col], kv_bar, v_smem.index(w))
+    HEAD_D: gl.constexpr = q_bufs.shape[2]
+    for g in range(group):
+        col = q_col0 + g * HEAD_D
+        for j in range(lo, hi):
+            i = g * (hi - lo) + j - lo
+            stage = i % STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
+            mbarrier.wait(q_empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            row = q_row0 + j * BLOCK_M
+            tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(stage), q_bufs.index(stage))
+            tma.async_copy_global_to_shared(do_desc, [row, col], q_ready.index(stage), do_bufs.index(stage))
 
 
 @gluon.jit
@@ -169,18 +180,20 @@ def _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 @gluon.jit
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k, heads,
-        qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        group, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr):
-    """Grid (batch * heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, consumer 0). Programs start in
-    grid order, every head's first key block first: causal, those see the most queries."""
+    """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, consumer 0). ``group``:
+    query heads per key/value head (query head h reads kv head h // group). Programs start in grid order, every
+    head's first key block first: causal, those see the most queries."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     pid_bh = gl.program_id(0)
     pid_n = gl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
+    kv_heads = heads // group
+    b = pid_bh // kv_heads
+    hk = pid_bh % kv_heads
     n0 = pid_n * (2 * WG_N)
     lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, 2 * WG_N)
 
@@ -199,10 +212,9 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     smem = (k_smem, v_smem, q_bufs, do_bufs)
     bars = (kv_bar, q_ready, q_empty)
     geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
-    pitch = heads * HEAD_D
-    stats = (neg_lse2_ptr + pid_bh * seqlen_q, delta_ptr + pid_bh * seqlen_q, dq_ptr, b * seqlen_q, pitch, h * HEAD_D)
-    outs = (stats, dk_ptr, dv_ptr, b * seqlen_k, pitch, h * HEAD_D)
-    coords = (b * seqlen_q, b * seqlen_k + n0, h * HEAD_D)
+    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group, heads)
+    outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
+    coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
     gl.warp_specialize([
         (_consumer, (0, smem, bars, geometry, outs, CAUSAL)),
         (_consumer, (1, smem, bars, geometry, outs, CAUSAL)),
@@ -218,12 +230,16 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
     another way."""
     (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
     batch, seqlen_q, heads, d = q.shape
+    kv_heads = k.shape[2]
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS))})")
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype == dout.dtype:
         raise ValueError("q, k, v and dout must share one dtype, bf16 or fp16")
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads, d) or dout.shape != q.shape:
-        raise ValueError("k and v must be (batch, seqlen_k, heads, d) with q's batch, heads and d; dout q's shape")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d or not kv_heads or heads % kv_heads:
+        raise ValueError("k and v must be (batch, seqlen_k, kv_heads, d) with q's batch and d, kv_heads dividing "
+                         "q's heads")
+    if dout.shape != q.shape or dk.shape != k.shape or dv.shape != v.shape:
+        raise ValueError("dout must have q's shape, dk and dv k's")
     if not all(t.is_contiguous() for t in (q, k, v, dout, dk, dv, dq_sum, neg_lse2, delta)):
         raise ValueError("every tensor must be contiguous")
     if not scale > 0:
@@ -237,6 +253,6 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
 
     kwargs = dict(q_desc=desc(q, BLOCK_M), k_desc=desc(k, WG_N), v_desc=desc(v, WG_N), do_desc=desc(dout, BLOCK_M),
                   dq_ptr=dq_sum, dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
-                  seqlen_k=k.shape[1], heads=heads, qk_scale=scale * LOG2E, scale=scale, CAUSAL=causal, STAGES=STAGES,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    return (batch * heads, triton.cdiv(k.shape[1], BLOCK_N)), kwargs
+                  seqlen_k=k.shape[1], heads=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
+                  CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return (batch * kv_heads, triton.cdiv(k.shape[1], BLOCK_N)), kwargs
