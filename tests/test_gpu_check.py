@@ -203,6 +203,34 @@ def test_the_kernel_smoke_passes_the_real_kernels_and_poisons_their_outputs(monk
 
 
 @needs_triton
+def test_the_tier_case_runs_in_a_child_that_a_hang_cannot_stop_its_worker(monkeypatch):
+    """On a GPU the tier's case (kernels whose barriers can hang) runs in a child process: its outcome comes back
+    as the worker's own would (here on the CPU: declined, and why), and a child past its time limit is a wrong
+    result that names the likely hang."""
+    from flashattn.errors import ArgumentError
+    from tools.gpu_check import smoke, tier_case
+
+    case = smoke.Case("tier", "bfloat16", 16, False)
+    with pytest.raises(ArgumentError, match="path cannot run this call: head dims"):
+        tier_case._in_child(case, smoke.TINY, "cpu")
+    monkeypatch.setattr(tier_case, "CHILD_TIMEOUT_S", 0.01)
+    with pytest.raises(AssertionError, match="no result within 0.01 s"):
+        tier_case._in_child(case, smoke.TINY, "cpu")
+
+
+@needs_triton
+def test_a_one_pass_case_where_two_passes_run_is_declined(monkeypatch):
+    """On sm_90 at head dim 128 the 16-bit one-pass tiles are declined (tables.ONE_PASS): the case says so instead
+    of timing two passes under its name (or stopping its worker)."""
+    from flashattn.backends.triton import launch
+    from tools.gpu_check import smoke
+
+    monkeypatch.setattr(launch, "target_arch", lambda: 90)
+    row = smoke.run_case(smoke.Case("one-pass", "bfloat16", 128, False), smoke.TINY, "cpu")
+    assert row["status"] == "declined" and "two passes run on sm90 at head dim 128" in row["reason"], row
+
+
+@needs_triton
 def test_the_cache_probe_compiles_for_a_target_and_hits_the_second_time(tmp_path):
     """What decides whether a Triton cache built here is reused on the GPU machine: the same key facts, and a
     probe kernel that hits the carried cache."""

@@ -15,6 +15,6 @@ def check_one_pass(case, sizes, device: str, check_fwd_bwd) -> dict:
     with configs.backward_passes("one-pass"):
         arch, weight = target_arch(), "fp32-light" if case.dtype == "float32" else "plain"
         if not configs.one_pass_backward(arch, deterministic=False, special=False, entry=(case.head_dim, weight)):
-            raise ArgumentError(f"one-pass: two passes run on {configs.family(arch).name} at head dim "
-                                f"{case.head_dim}, {weight} (no one-pass tiles there)")
+            raise ArgumentError(f"one-pass: the one-pass path cannot run this call: two passes run on "
+                                f"{configs.family(arch).name} at head dim {case.head_dim}, {weight}")
         return check_fwd_bwd(case, sizes, device)

@@ -5,15 +5,27 @@ routing, its out and lse as the portable backward reads them, on the GPU.
 ``FLASHATTN_TRITON_TIER=hopper`` for the case, so every dtype and head dim its kernel can run is checked (by default
 it takes bf16 at head dim 64 alone), with the smoke's grouped key/value heads (the kernel's own step, ``gluon``,
 checks as many key as query heads too); where the tier's one-pass backward runs (d=64), again with as many key as
-query heads, so that backward is checked as well; ``declined`` (and why) where it cannot run.
+query heads, so that backward is checked as well; ``declined`` (and why) where it cannot run. On a GPU in a child
+process with a time limit (``CHILD_TIMEOUT_S``): the tier's kernels are the ones whose barriers can hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+# The tier's kernels synchronise their warps through mbarriers: a wrong protocol hangs rather than fails. On a GPU
+# each case runs in a child process, killed after this long (a case takes seconds), so a hang costs one case, not
+# its smoke worker's remaining ones.
+CHILD_TIMEOUT_S = 180
 
 
 def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
+    if device == "cuda" and os.environ.get(_CHILD) != "1":
+        return _in_child(case, sizes, device)
     import torch
 
     from flashattn.backends.spec import AttentionSpec
@@ -34,3 +46,47 @@ def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
         if hopper.backward_declines(q, q, q, q, AttentionSpec(scale=d**-0.5)) is None:
             errors.update({f"mha {name}": error for name, error in check_fwd_bwd(case, mha, device).items()})
         return errors
+
+
+_CHILD = "FLASHATTN_GPU_CHECK_TIER_CHILD"
+
+
+def _in_child(case, sizes, device: str) -> dict:
+    """``check_tier`` in a child process (``run_case`` there, so the same seed and poisoning), its outcome raised
+    here as ``run_case`` expects: errors, a decline, a wrong result, a fault, or a hang (a wrong result)."""
+    from flashattn.errors import ArgumentError
+
+    from .plan import ROOT
+
+    env = {**os.environ, _CHILD: "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    payload = json.dumps({"case": dataclasses.asdict(case), "sizes": dataclasses.asdict(sizes), "device": device})
+    try:
+        done = subprocess.run([sys.executable, "-m", "tools.gpu_check.tier_case", payload], capture_output=True,
+                              text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"tier: no result within {CHILD_TIMEOUT_S} s (a kernel that never finishes: a barrier "
+                             "protocol that deadlocks)") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"tier: its child process exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    row = json.loads(lines[-1])
+    if row["status"] == "ok":
+        return row["errors"]
+    if row["status"] == "declined":
+        raise ArgumentError(f"tier: the Hopper tier's path cannot run this call: {row['reason']}")
+    if row["status"] == "wrong":
+        raise AssertionError(row["reason"])
+    raise RuntimeError(row["reason"])
+
+
+def _main(payload: str) -> int:
+    from .smoke import Case, Sizes, run_case
+
+    given = json.loads(payload)
+    print(json.dumps(run_case(Case(**given["case"]), Sizes(**given["sizes"]), given["device"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1]))
