@@ -342,13 +342,13 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
     # FP8: dO in e4m3 (written by the preprocess) with its descale per (sequence, head), for the kernels' dP.
     fp8_dout = (torch.empty(dout.shape, dtype=torch.float8_e4m3fn, device=dout.device),
                 _dout_scales(dout, lse, spec)) if fp8 else None
-    # One pass: dQ summed in fp32 by the dK/dV kernel's atomics, into dq itself where it is fp32.
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
     # The Hopper tier's one-pass backward (FLASHATTN_TRITON_TIER=hopper), else the portable kernels' one or two.
     tier = not fp8 and hopper.backward_declines(q, k, v, dout, spec) is None
     one_pass = tier or configs.one_pass_backward(
         target_arch(), deterministic=spec.deterministic, special=fp8 or spec.block_sparse is not None,
         entry=(configs.table_key(shape.d, shape.dv), weight_of(q, spec, heavy=heavy)))
+    # One pass: dQ summed in fp32 with atomics, into dq itself where it is fp32, zeroed by the preprocess.
     dq_sum = None if not one_pass else dq if dq.dtype == torch.float32 else plans.scratch(
         torch.empty(dq.shape, dtype=torch.float32, device=dq.device))
     delta, neg_lse2 = _delta(dout, dlse, out, lse, packed=shape.q_packed, dims=(shape.d, shape.dv),
