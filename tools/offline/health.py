@@ -305,11 +305,8 @@ def served(table: str, head_dim: HeadDims, arch: Arch, variant: str = "plain", b
     declined = config_tables.DECLINED.get(fam.name, set())  # no tile compiles on the installed Triton
     if (table, configs.padded_head_dim(largest), variant) in declined:
         return False
-    if table == "dkdv_one_pass":  # where the one-pass backward runs (configs.one_pass_backward)
-        entries = configs.ONE_PASS.get(fam.name)
-        padded = configs.padded_head_dim(largest)
-        if entries is None or block_mask or ((padded, variant) in entries and entries[padded, variant] is None):
-            return False
+    if table == "dkdv_one_pass" and (block_mask or not configs.one_pass_tiles(arch, largest, variant)):
+        return False  # where the one-pass backward never runs (configs.one_pass_backward)
     return table not in ("dkdv", "dq", "dkdv_one_pass") or largest <= fam.max_grad_head_dim
 
 

@@ -344,7 +344,7 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
                 _dout_scales(dout, lse, spec)) if fp8 else None
     heavy = spec.dropout_p > 0 or spec.attn_mask is not None
     # The Hopper tier's one-pass backward (FLASHATTN_TRITON_TIER=hopper), else the portable kernels' one or two.
-    tier = not fp8 and hopper.backward_declines(q, k, v, dout, spec) is None
+    tier = hopper.backward_declines(q, k, v, dout, spec) is None
     one_pass = tier or configs.one_pass_backward(
         target_arch(), deterministic=spec.deterministic, special=fp8 or spec.block_sparse is not None,
         entry=(configs.table_key(shape.d, shape.dv), weight_of(q, spec, heavy=heavy)))
@@ -361,7 +361,7 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
             cfg = dataclasses.replace(cfg, split_d=1)
         launch(attention_backward_dkdv_kernel, (-(-shape.nk // cfg.block_n) * shape.b * shape.hk * cfg.split_d,),
                **common, blocks=sparse_blocks(spec, by_keys=True), dk=dk, dv=dv, **shape.strides("dk", dk),
-               **shape.strides("dv", dv), num_heads_k=shape.hk, dq=dq_sum, **_dq_strides(dq_sum, shape),
+               **shape.strides("dv", dv), num_heads_k=shape.hk, dq=dq_sum, **_dq_strides(dq_sum),
                **backward_descriptors(q, k, v, dout, shape=shape, blocks=(cfg.block_m, cfg.block_n),
                                       matmul_rows=cfg.block_n),
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_D=cfg.split_d, num_warps=cfg.num_warps,
@@ -401,11 +401,11 @@ def _dout_scales(dout, lse, spec: AttentionSpec) -> torch.Tensor:
     return rows[:, 0, :, :].expand(lse.shape).contiguous()
 
 
-def _dq_strides(dq_sum: torch.Tensor | None, shape: CallShape) -> dict:
-    """The dK/dV kernel's strides of the one-pass backward's dQ sums (q's shape, dense), None without them."""
+def _dq_strides(dq_sum: torch.Tensor | None) -> dict:
+    """The kernels' strides of the one-pass backward's dQ sums (q's shape; packed: no batch), None without them."""
     if dq_sum is None:
         return dict(stride_dqb=None, stride_dqn=None, stride_dqh=None, stride_dqd=None)
-    return shape.strides("dq", dq_sum)
+    return CallShape.strides("dq", dq_sum)
 
 
 def _delta(dout, dlse, out, lse, *, packed: bool, dims: tuple[int, int], fp8_dout: tuple | None = None,
@@ -428,8 +428,7 @@ def _delta(dout, dlse, out, lse, *, packed: bool, dims: tuple[int, int], fp8_dou
         dlse=None if dlse is None else dense(dlse.contiguous()), lse=dense(lse), delta=dense(delta),
         neg_lse2=dense(neg_lse2), do_descale=None if do_descale is None else dense(do_descale), dout8=dout8,
         **fp8_dout_strides(dout8), dq=None if dq_sum is None else dense(dq_sum),
-        **(dict(stride_dqb=None, stride_dqn=None, stride_dqh=None) if dq_sum is None else
-           CallShape.strides("dq", dense(dq_sum)[..., 0], "bnh")),
+        **_dq_strides(None if dq_sum is None else dense(dq_sum)),
         **CallShape.strides("o", out4, "bnhd"), **CallShape.strides("do", dout4, "bnhd"),
         num_heads=heads, seqlen_q=rows, head_dim=d, head_dim_v=dv,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=configs.padded_head_dim(d), BLOCK_DV=configs.padded_head_dim(dv),

@@ -19,7 +19,7 @@ from .tables import KERNELS, ONE_PASS, OVERRIDES, TABLES, WEIGHTS, KernelConfig
 
 __all__ = ["FAMILIES", "KERNELS", "MEASURED", "ONE_PASS", "OVERRIDES", "TABLES", "WEIGHTS", "Family", "KernelConfig",
            "family", "lookup", "shipped", "use", "forced", "tables_only", "split_heuristic", "padded_head_dim",
-           "table_key", "one_pass_backward", "backward_passes"]
+           "table_key", "one_pass_backward", "one_pass_tiles", "backward_passes"]
 
 DECODE_MAX_ROWS = 16
 # Under TRITON_INTERPRET=1 every program runs in Python: small square tiles keep test shapes cheap.
@@ -111,10 +111,9 @@ def one_pass_backward(arch: int | str, *, deterministic: bool, special: bool,
                       entry: tuple[int | tuple[int, int], str] | None = None) -> bool:
     """Whether a backward on ``arch`` (0: the interpreter) adds dQ up with atomics in its dK/dV kernel (one pass: 5
     matmuls a tile) instead of a dQ kernel of its own (two passes: 7, bitwise reproducible; ``kernels/backward.py``).
-    ``FLASHATTN_TRITON_BACKWARD`` chooses: ``two-pass``; ``one-pass``, on the families whose one-pass configs are
-    checked (``ONE_PASS``) and for their table ``entry`` (head dims, weight) unless it has no healthy one, never for
-    ``deterministic`` calls nor ``special`` ones (FP8 q/k/v, a block mask); or ``auto`` (the default): two passes,
-    until a GPU's timing of both decides where one pays.
+    ``FLASHATTN_TRITON_BACKWARD`` chooses: ``two-pass``; ``one-pass``, where ``one_pass_tiles`` has tiles for the
+    table ``entry`` (head dims, weight; None: any), never for ``deterministic`` calls nor ``special`` ones (FP8
+    q/k/v, a block mask); or ``auto`` (the default): two passes, until a GPU's timing of both decides where one pays.
 
         >>> one_pass_backward(90, deterministic=False, special=False)  # FLASHATTN_TRITON_BACKWARD unset
         False
@@ -124,16 +123,22 @@ def one_pass_backward(arch: int | str, *, deterministic: bool, special: bool,
         raise ValueError(f"FLASHATTN_TRITON_BACKWARD={value!r} is not one of {', '.join(BACKWARDS)}")
     if value != "one-pass" or deterministic or special:
         return False
-    if arch == 0:
-        return True
+    return arch == 0 or one_pass_tiles(arch, *(entry or (None, None)))
+
+
+def one_pass_tiles(arch: int | str, head_dim: int | tuple[int, int] | None, weight: str | None) -> bool:
+    """Whether the one-pass dK/dV kernel has checked tiles on ``arch`` for (head dims, weight): its family has
+    ``ONE_PASS`` entries (the others are unchecked) and none of them declines the entry (None); a None head dim
+    asks for the family alone.
+
+        >>> one_pass_tiles(90, 64, "plain"), one_pass_tiles(90, 128, "plain"), one_pass_tiles(86, 64, "plain")
+        (True, False, False)
+    """
     table = ONE_PASS.get(family(arch).name)
-    if table is None:
-        return False
-    if entry is None:
-        return True
-    head_dim, weight = entry
-    largest = max(head_dim) if isinstance(head_dim, tuple) else head_dim
-    return table.get((largest, weight), KernelConfig(0, 0, 0, 0)) is not None
+    if table is None or head_dim is None:
+        return table is not None
+    key = (padded_head_dim(max(head_dim) if isinstance(head_dim, tuple) else head_dim), weight)
+    return key not in table or table[key] is not None
 
 
 def backward_passes(chosen: str):

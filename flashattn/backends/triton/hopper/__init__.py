@@ -77,11 +77,15 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
     if nq <= DECODE_MAX_ROWS:  # the tier's 128-row programs would idle where the decode kernel is shaped for it
         return "decode-shaped (the portable decode kernel)"
     why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
-    if why:
-        return why
+    return why or _target_declines(arch)
+
+
+def _target_declines(arch: int | str | None) -> str | None:
+    """Why the tier's kernels cannot run here: another Triton than the one they are written for (Gluon's API changes
+    between releases; they are 3.6's), or a target (default ``launch.target_arch()``) other than sm_90."""
     from .. import installed_release
 
-    if installed_release() != GLUON_RELEASE:  # Gluon's API changes between releases; the kernel is 3.6's
+    if installed_release() != GLUON_RELEASE:
         return f"triton {installed_release()}, not {GLUON_RELEASE}"
     if arch is None:
         from ..launch import target_arch
@@ -153,15 +157,7 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
         return why
     if not dout.is_contiguous() or dout.data_ptr() % 16:
         return "dout not contiguous or not 16-byte aligned (TMA)"
-    from .. import installed_release
-
-    if installed_release() != GLUON_RELEASE:
-        return f"triton {installed_release()}, not {GLUON_RELEASE}"
-    if arch is None:
-        from ..launch import target_arch
-
-        arch = target_arch()
-    return None if arch == 90 else f"not sm_90 ({arch or 'the interpreter'})"
+    return _target_declines(arch)
 
 
 def launch_backward(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> None:

@@ -94,7 +94,7 @@ def attention_backward_preprocess_kernel(
     stride_ob, stride_on, stride_oh, stride_od,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_d8b, stride_d8n, stride_d8h,
-    stride_dqb, stride_dqn, stride_dqh,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     num_heads, seqlen_q, head_dim, head_dim_v,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -103,7 +103,7 @@ def attention_backward_preprocess_kernel(
     ``dout8``, (B, Nq, H, Dv) with unit last stride, for them), and
     neg_lse2_i: -lse_i in log2 units, -inf where a row sees no key (lse -inf), so that 2^(s + neg_lse2) is P, and 0
     for such rows, with one FFMA and no select or negation in the backward's loops. ``dq`` (the one-pass backward's
-    fp32 accumulator, unit column stride): its rows zeroed, so that a replayed call allocates it uninitialized."""
+    fp32 accumulator): its rows zeroed, so that a replayed call allocates it uninitialized."""
     start_m, bh = program_tile(seqlen_q, BLOCK_M, False)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -129,8 +129,9 @@ def attention_backward_preprocess_kernel(
     tl.store(neg_lse2 + o_rows, b_neg_lse2, mask=o_m < seqlen_q)
     if dq is not None:
         o_d = tl.arange(0, BLOCK_D)
-        tl.store(dq + b * stride_dqb + o_m[:, None].to(tl.int64) * stride_dqn + h * stride_dqh + o_d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=(o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim))
+        p_dq = dq + b * stride_dqb + o_m[:, None].to(tl.int64) * stride_dqn + h * stride_dqh + o_d[None, :] * stride_dqd
+        m_dq = (o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim)
+        tl.store(p_dq, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=m_dq)
 
 
 @triton.jit
