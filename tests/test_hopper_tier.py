@@ -70,8 +70,8 @@ def test_which_forwards_the_tier_takes(case, why):
 
 
 def test_which_backwards_the_tier_takes(monkeypatch):
-    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64, key/value heads dividing the
-    query heads, full or causal, never deterministic (its dQ is summed with atomics)."""
+    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64 or 128, key/value heads dividing
+    the query heads, full or causal, never deterministic (its dQ is summed with atomics)."""
     q, k, v = _qkv()
     assert hopper.backward_declines(q, k, v, q, CAUSAL, arch=90).startswith("the tier's backward runs under")
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
@@ -79,7 +79,8 @@ def test_which_backwards_the_tier_takes(monkeypatch):
     assert hopper.backward_declines(q, k, v, q, FULL, arch=90) is None
     assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, deterministic=True), arch=90) == (
         "deterministic (the tier's dQ is summed with atomics)")
-    assert hopper.backward_declines(*_qkv(d=128), _qkv(d=128)[0], FULL, arch=90) == "head dims or grouped heads"
+    assert hopper.backward_declines(*_qkv(d=128), _qkv(d=128)[0], FULL, arch=90) is None  # dQ's columns split
+    assert hopper.backward_declines(*_qkv(d=96), _qkv(d=96)[0], FULL, arch=90) == "head dims or grouped heads"
     assert hopper.backward_declines(*_qkv(hk=2), q, FULL, arch=90) is None  # GQA: dK, dV summed over each group
     assert hopper.backward_declines(*_qkv(hk=3), q, FULL, arch=90) == "head dims or grouped heads"
     assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, dropout_p=0.1), arch=90) == "dropout"
@@ -136,6 +137,81 @@ def test_the_backward_ring_protocol_never_deadlocks_or_serves_a_stale_tile():
                         empty[i % stages].arrive()
                     pos[who] += 1
                 assert pos == {"producer": tiles, 0: tiles, 1: tiles}, (stages, tiles, seed, pos)
+
+
+def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, empty_flip: int = 1) -> dict:
+    """The d=128 backward's barriers as a model, one random interleaving (see the test below): where each party
+    stopped, and raises AssertionError where a warpgroup read a stale dS^T or Q tile."""
+    import random
+
+    class Barrier:  # mbarrier: a wait on parity p passes once the phase of that parity completed (-1 counts)
+        def __init__(self, count):
+            self.count, self.arrived, self.completed = count, 0, 0
+
+        def passes(self, parity):
+            return self.completed % 2 != parity
+
+        def arrive(self):
+            self.arrived += 1
+            if self.arrived == self.count:
+                self.arrived, self.completed = 0, self.completed + 1
+
+    rng = random.Random(seed)
+    ready, empty = [Barrier(1) for _ in range(stages)], [Barrier(2) for _ in range(stages)]
+    full_ds, empty_ds = [Barrier(2) for _ in range(ds_depth)], [Barrier(2) for _ in range(ds_depth)]
+    slots, ds = [None] * stages, [[None, None] for _ in range(ds_depth)]
+    pos = {"producer": 0, 0: 0, 1: 0}  # the next tile of each party
+    step = {0: 0, 1: 0}  # a consumer's place in its tile: 0 Q ready?, 1 dS buffer free?, 2 the other's dS?
+    for _ in range(20_000):
+        movable = []
+        i = pos["producer"]
+        if i < tiles and empty[i % stages].passes(((i // stages) & 1) ^ 1):
+            movable.append("producer")
+        for wg in (0, 1):
+            i, b, lap = pos[wg], pos[wg] % ds_depth, (pos[wg] // ds_depth) & 1
+            if i < tiles and [ready[i % stages].passes((i // stages) & 1), empty_ds[b].passes(lap ^ empty_flip),
+                              full_ds[b].passes(lap)][step[wg]]:
+                movable.append(wg)
+        if not movable:
+            break
+        who = rng.choice(movable)
+        i = pos[who]
+        if who == "producer":
+            slots[i % stages] = i
+            ready[i % stages].arrive()
+            pos[who] += 1
+        elif step[who] == 0:  # S^T, dP^T, dS^T from the ring's Q and dO
+            assert slots[i % stages] == i, ("stale Q", stages, tiles, seed, who, i)
+            step[who] = 1
+        elif step[who] == 1:  # its dS^T into the buffer, then "full"
+            ds[i % ds_depth][who] = i
+            full_ds[i % ds_depth].arrive()
+            step[who] = 2
+        else:  # dQ over both halves; the buffer and the ring slot released
+            assert ds[i % ds_depth] == [i, i], ("stale dS", stages, tiles, seed, who, i)
+            assert slots[i % stages] == i, ("stale K-side tile", stages, tiles, seed, who, i)
+            empty_ds[i % ds_depth].arrive()
+            empty[i % stages].arrive()
+            step[who], pos[who] = 0, i + 1
+    return pos
+
+
+def test_the_d128_backward_exchange_of_ds_never_deadlocks_or_reads_a_stale_tile():
+    """At d=128 each consumer warpgroup stores its dS^T (64 keys x 64 queries) into buffer 2 * (i % 2) + warpgroup,
+    arrives on that pair's "full" barrier (count 2), waits for it (parity (i // 2) & 1), computes its half of dQ's
+    columns from both buffers, then arrives on "empty" (count 2); before storing it waits on "empty" with parity
+    ((i // 2) & 1) ^ 1. With the Q/dO ring as above, random interleavings, every ring depth and tile count: all
+    finish, no warpgroup reads a dS^T of another tile. Mutations (one buffer for two tiles in flight, a wait on
+    "empty" with the wrong parity) fail the model."""
+    for stages in (1, 2, 3):
+        for tiles in range(0, 8):
+            for seed in range(20):
+                assert _exchange_model(tiles, stages, seed) == {"producer": tiles, 0: tiles, 1: tiles}
+    with pytest.raises(AssertionError, match="stale dS"):  # a single buffer: a fast warpgroup overwrites it
+        for seed in range(200):
+            _exchange_model(6, 2, seed, ds_depth=1, empty_flip=2)  # (2: "empty" never waited on)
+    stuck = [_exchange_model(4, 2, seed, empty_flip=0) for seed in range(5)]
+    assert all(pos[0] == 0 and pos[1] == 0 for pos in stuck)  # the first wait on "empty" never passes
 
 
 def test_forced_it_takes_grouped_heads(monkeypatch):

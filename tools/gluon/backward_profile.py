@@ -16,15 +16,16 @@ import torch
 
 from flashattn.backends.triton.hopper.backward import BLOCK_M, BLOCK_N, attention_backward_ws_kernel, launch_arguments
 
-PROFILE_SHAPE = (2, 2048, 4, 64)  # batch, tokens, heads, head dim: the tl kernels' profile shape at d=64
+PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile shape
 CONSUMER_WARPS = 8
-GROUPS_PER_TILE = 5  # S^T, dP^T, dV, dK, dQ: each wgmma its own commit group
+# S^T, dP^T, dV, dK, dQ: each wgmma its own commit group; at d=128 dQ is two (each warpgroup's dS^T)
+GROUPS_PER_TILE = {64: 5, 128: 6}
 
 
-def measure(causal: bool) -> dict:
+def measure(causal: bool, head_dim: int = 64) -> dict:
     from tools.offline.compile import _offline, cubin_report
 
-    b, n, h, d = PROFILE_SHAPE
+    (b, n, h), d = PROFILE_SHAPE, head_dim
     q, k, v, dout = (torch.empty(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
     stats = (torch.empty(b, h, n), torch.empty(b, h, n))
     grads = (torch.empty(b, n, h, d), torch.empty_like(k), torch.empty_like(v))
@@ -41,9 +42,9 @@ def measure(causal: bool) -> dict:
             loops.append({"length": loop.length, "groups": groups,
                           "local": sum(ins.opcode.startswith(("LDL", "STL")) for ins in body),
                           "red": sum(ins.opcode.startswith("RED") for ins in body)})
-    lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE), key=lambda x: x["length"], default=None)
+    lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE[head_dim]), key=lambda x: x["length"], default=None)
     return {
-        "causal": causal, "registers": report.registers, "spill_bytes": report.spill_bytes,
+        "causal": causal, "head_dim": head_dim, "registers": report.registers, "spill_bytes": report.spill_bytes,
         "setmaxnreg": sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
                               if ins.opcode.startswith("USETMAXREG")}),
         "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
@@ -55,9 +56,10 @@ def measure(causal: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Hopper tier's one-pass backward.")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
     parser.add_argument("--json", help="write the row here")
     args = parser.parse_args(argv)
-    row = measure(args.causal)
+    row = measure(args.causal, args.head_dim)
     print(json.dumps(row))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))

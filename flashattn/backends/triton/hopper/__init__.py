@@ -131,14 +131,14 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 
-BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64}  # what the backward kernel can run (``backward.py``)
+BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64, 128}  # what the backward kernel can run (``backward.py``)
 
 
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
-    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, key/value heads dividing
-    the query heads (GQA, MQA), dense contiguous q, k, v and dO, full or causal with no other option, and not
-    ``deterministic`` (its dQ is summed with atomics)."""
+    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64 or 128, key/value heads
+    dividing the query heads (GQA, MQA), dense contiguous q, k, v and dO, full or causal with no other option, and
+    not ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":
         return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
     dtypes, dims = BACKWARD_RUNS

@@ -3,7 +3,8 @@ producer warp, dQ added up in fp32 with atomics (FlashAttention-3's structure), 
 
 One program (CTA) owns 128 keys of one (batch, key/value head); three partitions (``gl.warp_specialize``):
 
-- **producer**, 1 warp: K and V of the block once (a 64-row tile per consumer), then Q_j and dO_j of every query
+- **producer**, the default partition (4 warps, one of which issues the copies; its registers reallocated down
+  to 24): K and V of the block once (a 64-row tile per consumer), then Q_j and dO_j of every query
   tile that sees the block into a ring (``STAGES``); a stage's "ready" mbarrier completes with both copies' bytes,
   its "empty" one when both consumers have released it;
 - **two consumer warpgroups**, each owning 64 of the keys: per query tile (64 rows) S^T = K Q_j^T and
@@ -12,8 +13,15 @@ One program (CTA) owns 128 keys of one (batch, key/value head); three partitions
   together, and dQ (times the scale) added into the fp32 sum with atomics. Five matmuls a tile, where the portable
   two-pass backward runs seven.
 
+At d=128 dK and dV take 128 registers a thread, and a 64 x 128 dQ beside them would not fit (288 in all): there,
+as FlashAttention-3 does, each warpgroup stores its dS^T into shared memory (two tiles deep, a "full" and an
+"empty" barrier per depth, both warpgroups arriving on each) and computes dQ over all 128 keys for half of the
+columns (dS from both buffers, A transposed from shared memory). The consumers are both worker partitions so that
+both compile alike (as the default partition, consumer 0 had kept its loop invariants in registers and consumer 1
+spilled them).
+
 Inputs as the tier's forward takes them: q, dO (batch, seqlen_q, heads, d), k, v (batch, seqlen_k, kv_heads, d),
-contiguous, bf16 or fp16, d = 64 (at 128 dK, dV, S, dP and dQ would take 288 registers a thread), kv_heads dividing
+contiguous, bf16 or fp16, d = 64 or 128, kv_heads dividing
 heads (GQA, MQA: a program sums dK and dV over its key/value head's query heads, one after another); ``neg_lse2``
 (-lse in log2 units, -inf for rows that see no key) and ``delta`` (rowsum(dO O)) as the portable preprocess writes
 them, (batch, heads, seqlen_q); ``dq_sum`` fp32 of q's shape, zeroed. Causal is bottom-right aligned, as the forward's.
@@ -26,7 +34,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .steps import _mma_layout
@@ -35,8 +49,8 @@ LOG2E = 1.4426950408889634
 WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
 BLOCK_N = 2 * WG_N  # keys per program
 BLOCK_M = 64  # queries per step: the M of dQ's wgmma
-STAGES = 2  # Q and dO ring depth: at d=64 K, V and two stages of Q and dO are 64 KiB
-HEAD_DIMS = (64,)
+STAGES = 2  # Q and dO ring depth: K, V and two stages of Q and dO are 64 KiB at d=64, 128 at d=128
+HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -45,13 +59,14 @@ PRODUCER_REGS = 24
 def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """Query tile j (ring slot i) of the query head ``stats`` points at: dK and dV updated, the tile's dQ added
     into the sum."""
-    k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits = ctx
+    k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits, shared_ds = ctx
     neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_pitch, dq_col0 = stats
     seqlen_q, seqlen_k, qk_scale, scale = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
     WG_N: gl.constexpr = k_t.shape[0]
+    SHARED_DS: gl.constexpr = HEAD_D > 64
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     d_layout: gl.constexpr = _mma_layout(HEAD_D)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
@@ -63,9 +78,12 @@ def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     s = warpgroup_mma(k_t, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp = warpgroup_mma(v_t, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     queries = j * BLOCK_M + cols
-    # Rows past the sequence read -inf: P = 0 there, so dS = 0 and nothing of theirs reaches dK, dV or dQ.
-    neg_lse2 = gl.load(neg_lse2_ptr + queries, mask=queries < seqlen_q, other=float("-inf"))
-    delta = gl.load(delta_ptr + queries, mask=queries < seqlen_q, other=0.0)
+    if MASK:  # rows past the sequence read -inf: P = 0 there, so dS = 0 and nothing of theirs reaches dK, dV or dQ
+        neg_lse2 = gl.load(neg_lse2_ptr + queries, mask=queries < seqlen_q, other=float("-inf"))
+        delta = gl.load(delta_ptr + queries, mask=queries < seqlen_q, other=0.0)
+    else:  # (an unmasked tile lies inside both sequences: no compare, no registers for it)
+        neg_lse2 = gl.load(neg_lse2_ptr + queries)
+        delta = gl.load(delta_ptr + queries)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
     p = gl.exp2(s * qk_scale + neg_lse2[None, :])
     if MASK:
@@ -75,24 +93,54 @@ def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         p = gl.where(keep, p, 0.0)
     ds = p * (dp - delta[None, :])
     dtype: gl.constexpr = q_s.dtype
-    zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_s, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_s, dk, is_async=True)
-    ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
-    dq = warpgroup_mma(ds_rows, k_t, zero_dq, use_acc=False, is_async=True)
-    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+    if SHARED_DS:
+        # dQ over both warpgroups' keys, this warpgroup's half of the columns (FlashAttention-3's split at
+        # d=128: a 64 x 128 dQ beside dK and dV would not fit the registers). Each stores its dS^T in buffer
+        # i % 2 and waits for the other's; a buffer is rewritten once both dQ products that read it are done.
+        ds_bufs, ds_full, ds_empty, k_cols, wg = shared_ds  # (K's keys of each warpgroup, this one's columns)
+        HALF_D: gl.constexpr = HEAD_D // 2
+        h_layout: gl.constexpr = _mma_layout(HALF_D)
+        buf = i % 2
+        mbarrier.wait(ds_empty.index(buf), ((i // 2) & 1) ^ 1)
+        ds_bufs.index(2 * buf + wg).store(ds.to(dtype))
+        fence_async_shared()  # the stores, before the other warpgroup's wgmma reads them
+        gl.thread_barrier()  # every thread's, before the one arrival
+        mbarrier.arrive(ds_full.index(buf))
+        mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
+        zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, h_layout)
+        dq = warpgroup_mma(ds_bufs.index(2 * buf).permute((1, 0)), k_cols[0], zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_bufs.index(2 * buf + 1).permute((1, 0)), k_cols[1], dq, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        mbarrier.arrive(ds_empty.index(buf))
+        dq_layout: gl.constexpr = h_layout
+        dq_cols: gl.constexpr = HALF_D
+        col0 = dq_col0 + wg * HALF_D
+    else:
+        zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
+        ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
+        dq = warpgroup_mma(ds_rows, k_t, zero_dq, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        dq_layout: gl.constexpr = d_layout
+        dq_cols: gl.constexpr = HEAD_D
+        col0 = dq_col0
     mbarrier.arrive(q_empty.index(stage))
-    q_rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, d_layout))
-    d_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, d_layout))
-    offsets = (dq_row0 + q_rows).to(gl.int64)[:, None] * dq_pitch + (dq_col0 + d_cols)[None, :]
-    gl.atomic_add(dq_ptr + offsets, dq * scale, mask=q_rows[:, None] < seqlen_q, sem="relaxed")
+    # The tile's first row and column as one scalar pointer, the elements' offsets from it 32-bit: a tensor of
+    # 64-bit addresses per element, hoisted out of the loop, was what spilled.
+    tile_ptr = dq_ptr + (dq_row0 + j * BLOCK_M).to(gl.int64) * dq_pitch + col0
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    d_cols = gl.arange(0, dq_cols, layout=gl.SliceLayout(0, dq_layout))
+    offsets = rows[:, None] * dq_pitch + d_cols[None, :]
+    gl.atomic_add(tile_ptr + offsets, dq * scale, mask=(j * BLOCK_M + rows)[:, None] < seqlen_q, sem="relaxed")
     return dk, dv
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, smem, bars, geometry, outs, CAUSAL: gl.constexpr):
+def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: gl.constexpr):
     """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them, of each query head of
-    the key/value head's group in turn; dK (times the scale) and dV, summed over the group, stored."""
+    the key/value head's group in turn; dK (times the scale) and dV, summed over the group, stored. ``ds_shared``:
+    (dS^T buffers, their full and empty barriers) where dQ's columns are split between the two (d > 64), else ()."""
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
     n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
@@ -105,8 +153,15 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, outs, CAUSAL: gl.constexpr
     d_layout: gl.constexpr = _mma_layout(HEAD_D)
     rows_k = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    if HEAD_D > 64:
+        ds_bufs, ds_full, ds_empty = ds_shared
+        HALF_D: gl.constexpr = HEAD_D // 2
+        k_cols = (k_smem.index(0).slice(WG * HALF_D, HALF_D, 1), k_smem.index(1).slice(WG * HALF_D, HALF_D, 1))
+        shared = (ds_bufs, ds_full, ds_empty, k_cols, WG)
+    else:
+        shared = ds_shared  # (empty)
     ctx = (k_smem.index(WG), v_smem.index(WG), q_bufs, do_bufs, q_ready, q_empty, rows_k, cols,
-           (seqlen_q, seqlen_k, qk_scale, scale))
+           (seqlen_q, seqlen_k, qk_scale, scale), shared)
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     mbarrier.wait(kv_bar, 0)
@@ -182,7 +237,7 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k, heads,
         group, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr):
-    """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, consumer 0). ``group``:
+    """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
     query heads per key/value head (query head h reads kv head h // group). Programs start in grid order, every
     head's first key block first: causal, those see the most queries."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -208,6 +263,17 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
+        ds_shared = (ds_bufs, ds_full, ds_empty)
+    else:
+        ds_shared = ()
 
     smem = (k_smem, v_smem, q_bufs, do_bufs)
     bars = (kv_bar, q_ready, q_empty)
@@ -216,16 +282,17 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
     coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
     gl.warp_specialize([
-        (_consumer, (0, smem, bars, geometry, outs, CAUSAL)),
-        (_consumer, (1, smem, bars, geometry, outs, CAUSAL)),
         (_producer, ((q_desc, k_desc, v_desc, do_desc), smem, bars, coords, (lo, hi))),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        (_consumer, (0, smem, bars, ds_shared, geometry, outs, CAUSAL)),
+        (_consumer, (1, smem, bars, ds_shared, geometry, outs, CAUSAL)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> tuple[tuple, dict]:
     """(grid, keyword arguments) of ``attention_backward_ws_kernel``: q, k, v, dout (batch, seqlen, heads, d)
-    contiguous, one dtype (bf16 or fp16), as many key as query heads, d = 64; ``stats`` = (neg_lse2, delta),
-    (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed; dk, dv of k's shape).
+    contiguous, one dtype (bf16 or fp16), key/value heads dividing the query heads, d = 64 or 128; ``stats`` =
+    (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed;
+    dk, dv of k's shape).
     The tier's ``backward_declines`` says which calls may come here; this refuses the rest, in case one comes
     another way."""
     (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
