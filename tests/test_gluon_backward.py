@@ -29,7 +29,7 @@ TWO_PASS_PER_SCORE = 0.375 + 0.2
 
 # The unmasked loop's local-memory instructions a tile (loop invariants reloaded: the dQ sum's 32-bit offsets) at
 # d=128, where dK and dV hold 128 registers a thread; none at d=64.
-LOCAL_OPS_D128 = {False: 12, True: 40}
+LOCAL_OPS_D128 = {False: 8, True: 24}
 TWO_PASS_PER_SCORE_D128 = 0.461 + 0.284  # dK/dV and dQ kernels' main loops at d=128 (tools.offline.profile)
 
 

@@ -56,11 +56,12 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_PITCH: gl.constexpr):  # noqa: PLR0913
     """Query tile j (ring slot i) of the query head ``stats`` points at: dK and dV updated, the tile's dQ added
-    into the sum."""
+    into the sum (rows ``DQ_PITCH`` elements apart). The switches are arguments of their own: inside a tuple
+    they would arrive as tensors."""
     k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits, shared_ds = ctx
-    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_pitch, dq_col0 = stats
+    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0 = stats
     seqlen_q, seqlen_k, qk_scale, scale = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -126,18 +127,19 @@ def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         dq_cols: gl.constexpr = HEAD_D
         col0 = dq_col0
     mbarrier.arrive(q_empty.index(stage))
-    # The tile's first row and column as one scalar pointer, the elements' offsets from it 32-bit: a tensor of
-    # 64-bit addresses per element, hoisted out of the loop, was what spilled.
-    tile_ptr = dq_ptr + (dq_row0 + j * BLOCK_M).to(gl.int64) * dq_pitch + col0
+    # The tile's first row and column as one scalar pointer and the elements' offsets from it constants (the row
+    # pitch a constexpr): the atomics take them as immediates, where a tensor of addresses, hoisted out of the
+    # loop, spilled.
+    tile_ptr = dq_ptr + (dq_row0 + j * BLOCK_M).to(gl.int64) * DQ_PITCH + col0
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     d_cols = gl.arange(0, dq_cols, layout=gl.SliceLayout(0, dq_layout))
-    offsets = rows[:, None] * dq_pitch + d_cols[None, :]
+    offsets = rows[:, None] * DQ_PITCH + d_cols[None, :]
     gl.atomic_add(tile_ptr + offsets, dq * scale, mask=(j * BLOCK_M + rows)[:, None] < seqlen_q, sem="relaxed")
     return dk, dv
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: gl.constexpr):
+def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: gl.constexpr, HEADS: gl.constexpr):
     """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them, of each query head of
     the key/value head's group in turn; dK (times the scale) and dV, summed over the group, stored. ``ds_shared``:
     (dS^T buffers, their full and empty barriers) where dQ's columns are split between the two (d > 64), else ()."""
@@ -145,7 +147,7 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: g
     kv_bar, q_ready, q_empty = bars
     n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
     heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
-    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group, num_heads = heads
+    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
     WG_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -167,16 +169,16 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: g
     mbarrier.wait(kv_bar, 0)
     for g in range(group):
         h = h0 + g
-        at = (b * num_heads + h) * seqlen_q  # this head's rows of neg_lse2 and delta
-        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, num_heads * HEAD_D, h * HEAD_D)
+        at = (b * HEADS + h) * seqlen_q  # this head's rows of neg_lse2 and delta
+        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, h * HEAD_D)
         first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
         # The query tiles on the diagonal (causal) or past either sequence's end take the mask; those between none.
         for j in range(lo, full_lo):
-            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL)
+            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL, HEADS * HEAD_D)
         for j in range(full_lo, full_hi):
-            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, False, CAUSAL)
+            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, False, CAUSAL, HEADS * HEAD_D)
         for j in range(full_hi, hi):
-            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL)
+            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL, HEADS * HEAD_D)
     out_rows = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, d_layout))
     out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, d_layout))
     offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
@@ -234,19 +236,20 @@ def _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 
 @gluon.jit
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
-        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k, heads,
-        group, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr):
+        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
+        group, qk_scale, scale, HEADS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
-    query heads per key/value head (query head h reads kv head h // group). Programs start in grid order, every
-    head's first key block first: causal, those see the most queries."""
+    query heads per key/value head (query head h reads kv head h // group); ``HEADS`` (query heads) a constexpr,
+    so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). Programs start
+    in grid order, every head's first key block first: causal, those see the most queries."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     pid_bh = gl.program_id(0)
     pid_n = gl.program_id(1)
-    kv_heads = heads // group
+    kv_heads = HEADS // group
     b = pid_bh // kv_heads
     hk = pid_bh % kv_heads
     n0 = pid_n * (2 * WG_N)
@@ -278,13 +281,13 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     smem = (k_smem, v_smem, q_bufs, do_bufs)
     bars = (kv_bar, q_ready, q_empty)
     geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
-    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group, heads)
+    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
     outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
     coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
     gl.warp_specialize([
         (_producer, ((q_desc, k_desc, v_desc, do_desc), smem, bars, coords, (lo, hi))),
-        (_consumer, (0, smem, bars, ds_shared, geometry, outs, CAUSAL)),
-        (_consumer, (1, smem, bars, ds_shared, geometry, outs, CAUSAL)),
+        (_consumer, (0, smem, bars, ds_shared, geometry, outs, CAUSAL, HEADS)),
+        (_consumer, (1, smem, bars, ds_shared, geometry, outs, CAUSAL, HEADS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -320,6 +323,6 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
 
     kwargs = dict(q_desc=desc(q, BLOCK_M), k_desc=desc(k, WG_N), v_desc=desc(v, WG_N), do_desc=desc(dout, BLOCK_M),
                   dq_ptr=dq_sum, dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
-                  seqlen_k=k.shape[1], heads=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
+                  seqlen_k=k.shape[1], HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
                   CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return (batch * kv_heads, triton.cdiv(k.shape[1], BLOCK_N)), kwargs
