@@ -1,8 +1,8 @@
 """The Hopper tier's one-pass Gluon backward (``flashattn/backends/triton/hopper/backward.py``) compiled offline for
 sm_90 (no GPU): warp specialization with register reallocation, TMA, every matmul on wgmma, dQ reduced with
-atomics, no spills in the loops at d=64 (a few reloaded invariants at d=128), fewer main-loop instructions a score
-than the portable two-pass kernels (``tools.offline.profile``: 0.375 for dK/dV plus about 0.2 for dQ at d=64,
-0.461 plus 0.284 at d=128).
+atomics, no spills in the loops at d=64 and 256 (a few reloaded invariants at d=128), fewer main-loop instructions
+a score than the portable two-pass kernels (``tools.offline.profile``: 0.375 for dK/dV plus about 0.2 for dQ at
+d=64, 0.461 plus 0.284 at d=128, 2.984 plus 0.523 at d=256).
 
 In a subprocess without ``TRITON_INTERPRET`` (the suite's conftest sets it; Gluon kernels compile only without it).
 """
@@ -31,9 +31,10 @@ TWO_PASS_PER_SCORE = 0.375 + 0.2
 # d=128, where dK and dV hold 128 registers a thread; none at d=64.
 LOCAL_OPS_D128 = {False: 8, True: 24}
 TWO_PASS_PER_SCORE_D128 = 0.461 + 0.284  # dK/dV and dQ kernels' main loops at d=128 (tools.offline.profile)
+TWO_PASS_PER_SCORE_D256 = 2.984 + 0.523  # at d=256 (dK/dV on 16-key mma.sync tiles)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_one_pass_backward_compiles_to_what_it_was_written_for(causal, head_dim, tmp_path):
     if importlib.util.find_spec("triton.experimental.gluon") is None:
@@ -53,8 +54,12 @@ def test_the_one_pass_backward_compiles_to_what_it_was_written_for(causal, head_
         assert loops and all(x["groups"] == 5 and x["red"] > 0 for x in loops)  # five wgmma groups a tile, dQ by RED
         assert sum(x["local"] for x in loops) == 0
         assert 0 < r["per_score"] < TWO_PASS_PER_SCORE
-    else:  # dQ's product in two groups (each warpgroup's dS^T from shared memory), half the columns each
+    elif head_dim == 128:  # dQ's product in two groups (each warpgroup's dS^T from shared memory), half the columns
         assert loops and all(x["groups"] == 6 and x["red"] > 0 for x in loops)
         lean = min(loops, key=lambda x: x["length"])
         assert lean["local"] <= LOCAL_OPS_D128[causal]
         assert 0 < r["per_score"] < TWO_PASS_PER_SCORE_D128
+    else:  # backward_wide.py: S and dP split by keys, dK, dV and dQ by columns; P^T and dS^T exchanged
+        assert loops and all(x["groups"] == 6 and x["red"] > 0 for x in loops)
+        assert sum(x["local"] for x in loops) == 0
+        assert 0 < r["per_score"] < TWO_PASS_PER_SCORE_D256 / 3

@@ -70,8 +70,8 @@ def test_which_forwards_the_tier_takes(case, why):
 
 
 def test_which_backwards_the_tier_takes(monkeypatch):
-    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64 or 128, key/value heads dividing
-    the query heads, full or causal, never deterministic (its dQ is summed with atomics)."""
+    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64, 128 or 256, key/value heads
+    dividing the query heads, full or causal, never deterministic (its dQ is summed with atomics)."""
     q, k, v = _qkv()
     assert hopper.backward_declines(q, k, v, q, CAUSAL, arch=90).startswith("the tier's backward runs under")
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
@@ -81,6 +81,7 @@ def test_which_backwards_the_tier_takes(monkeypatch):
         "deterministic (the tier's dQ is summed with atomics)")
     assert hopper.backward_declines(*_qkv(d=128), _qkv(d=128)[0], FULL, arch=90) is None  # dQ's columns split
     assert hopper.backward_declines(*_qkv(d=96), _qkv(d=96)[0], FULL, arch=90) == "head dims or grouped heads"
+    assert hopper.backward_declines(*_qkv(d=256), _qkv(d=256)[0], FULL, arch=90) is None  # backward_wide.py
     assert hopper.backward_declines(*_qkv(hk=2), q, FULL, arch=90) is None  # GQA: dK, dV summed over each group
     assert hopper.backward_declines(*_qkv(hk=3), q, FULL, arch=90) == "head dims or grouped heads"
     assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, dropout_p=0.1), arch=90) == "dropout"
@@ -196,17 +197,20 @@ def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, em
     return pos
 
 
-def test_the_d128_backward_exchange_of_ds_never_deadlocks_or_reads_a_stale_tile():
-    """At d=128 each consumer warpgroup stores its dS^T (64 keys x 64 queries) into buffer 2 * (i % 2) + warpgroup,
+def test_the_backward_exchange_between_warpgroups_never_deadlocks_or_reads_a_stale_tile():
+    """At d=128 each consumer warpgroup stores its dS^T (64 keys x 64 queries) into buffer 2 * (i % 2) + warpgroup
+    (at d=256 its halves of P^T and dS^T into the one pair of tiles: depth 1, parity i & 1),
     arrives on that pair's "full" barrier (count 2), waits for it (parity (i // 2) & 1), computes its half of dQ's
     columns from both buffers, then arrives on "empty" (count 2); before storing it waits on "empty" with parity
     ((i // 2) & 1) ^ 1. With the Q/dO ring as above, random interleavings, every ring depth and tile count: all
     finish, no warpgroup reads a dS^T of another tile. Mutations (one buffer for two tiles in flight, a wait on
     "empty" with the wrong parity) fail the model."""
-    for stages in (1, 2, 3):
-        for tiles in range(0, 8):
-            for seed in range(20):
-                assert _exchange_model(tiles, stages, seed) == {"producer": tiles, 0: tiles, 1: tiles}
+    for depth in (1, 2):  # d=256 (backward_wide.py) exchanges P^T and dS^T one tile deep
+        for stages in (1, 2, 3):
+            for tiles in range(0, 8):
+                for seed in range(20):
+                    assert _exchange_model(tiles, stages, seed, ds_depth=depth) == {"producer": tiles, 0: tiles,
+                                                                                    1: tiles}
     with pytest.raises(AssertionError, match="stale dS"):  # a single buffer: a fast warpgroup overwrites it
         for seed in range(200):
             _exchange_model(6, 2, seed, ds_depth=1, empty_flip=2)  # (2: "empty" never waited on)
@@ -305,6 +309,11 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     # 4 query heads over 2 key heads: a program per (batch, key head) and 128 keys (300 keys: 3 blocks).
     assert [name for name, _ in seen["tier=hopper GQA backward"]] == backward
     assert seen["tier=hopper GQA backward"][1][1] == [2 * 2, 3]
+    # d=128: the same kernel and grid; d=256: backward_wide's, 64 keys a program (300 keys: 5 blocks).
+    assert seen["tier=hopper d128 backward"][:2] == seen["tier=hopper GQA backward"][:2]
+    wide = [backward[0], "attention_backward_wide_kernel", backward[2]]
+    assert [name for name, _ in seen["tier=hopper d256 backward"]] == wide
+    assert seen["tier=hopper d256 backward"][1][1] == [2 * 2, 5]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
 
@@ -366,6 +375,12 @@ def _script() -> dict:
         launches.clear()
         out.backward(torch.ones_like(out))
         seen["tier=hopper GQA backward"] = [[name, list(grid[:2])] for name, grid, _ in launches.arguments]
+        for d in (128, 256):
+            q, k, v = dense(d=d, hk=2, grad=True)()
+            out = flashattn.flash_attn_func(q, k, v, causal=True)
+            launches.clear()
+            out.backward(torch.ones_like(out))
+            seen[f"tier=hopper d{d} backward"] = [[name, list(grid[:2])] for name, grid, _ in launches.arguments]
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
-from flashattn.backends.triton.hopper.backward import BLOCK_M, BLOCK_N, attention_backward_ws_kernel, launch_arguments
+from flashattn.backends.triton.hopper.backward import launch_arguments
 
 PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile shape
 CONSUMER_WARPS = 8
 # S^T, dP^T, dV, dK, dQ: each wgmma its own commit group; at d=128 dQ is two (each warpgroup's dS^T)
-GROUPS_PER_TILE = {64: 5, 128: 6}
+GROUPS_PER_TILE = {64: 5, 128: 6, 256: 6}
+# Scores a tile: 128 keys x 64 queries (backward.py), 64 x 64 at d=256 (backward_wide.py)
+SCORES_PER_TILE = {64: 128 * 64, 128: 128 * 64, 256: 64 * 64}
 
 
 def measure(causal: bool, head_dim: int = 64) -> dict:
@@ -29,9 +31,9 @@ def measure(causal: bool, head_dim: int = 64) -> dict:
     q, k, v, dout = (torch.empty(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
     stats = (torch.empty(b, h, n), torch.empty(b, h, n))
     grads = (torch.empty(b, n, h, d), torch.empty_like(k), torch.empty_like(v))
-    grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=d**-0.5)
+    jit, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=d**-0.5)
     with _offline(90):
-        kernel = attention_backward_ws_kernel.warmup(grid=grid, **kwargs)
+        kernel = jit.warmup(grid=grid, **kwargs)
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     loops = []
@@ -49,14 +51,14 @@ def measure(causal: bool, head_dim: int = 64) -> dict:
                               if ins.opcode.startswith("USETMAXREG")}),
         "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
         "tma_loads": sass.count("UTMALDG"), "loops": loops,
-        "per_score": round(lean["length"] * CONSUMER_WARPS / (BLOCK_N * BLOCK_M), 3) if lean else 0.0,
+        "per_score": round(lean["length"] * CONSUMER_WARPS / SCORES_PER_TILE[head_dim], 3) if lean else 0.0,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Hopper tier's one-pass backward.")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+    parser.add_argument("--head-dim", type=int, default=64, choices=sorted(GROUPS_PER_TILE))
     parser.add_argument("--json", help="write the row here")
     args = parser.parse_args(argv)
     row = measure(args.causal, args.head_dim)

@@ -83,10 +83,10 @@ def full(jobs: int) -> list[Step]:
              env={"FLASHATTN_FP8_BACKWARD": "1"}),
         # The one-pass backwards (dQ by atomics: 5 matmuls a tile, not 7), the portable kernel's and the Hopper
         # tier's (flashattn-hopper), beside the two-pass default and cuDNN, to decide where each is taken by
-        # default; the smoke's one-pass and tier cases checked them first. Head dims 64 and 128, the tier's
-        # backward's (on sm_90 the portable 16-bit one-pass tiles stop at 64: tables.ONE_PASS; at 128 its row is
+        # default; the smoke's one-pass and tier cases checked them first. Head dims 64, 128 and 256, the tier's
+        # backward's (on sm_90 the portable 16-bit one-pass tiles stop at 64: tables.ONE_PASS; above, its row is
         # the two-pass kernels again).
-        Step("one-pass", [*bench, "sweep", "--seqlens", "1024,8192", "--headdims", "64,128", "--modes", "bwd",
+        Step("one-pass", [*bench, "sweep", "--seqlens", "1024,8192", "--headdims", "64,128,256", "--modes", "bwd",
                           "--baselines", "flashattn-one-pass,flashattn-hopper,sdpa-cudnn", "--tokens", "16384",
                           "--repeats", "20",
                           "--quiet", "--out", "{out}", "--name", "one-pass"], 0.1, 15),

@@ -4,9 +4,9 @@ routing, its out and lse as the portable backward reads them, on the GPU.
 
 ``FLASHATTN_TRITON_TIER=hopper`` for the case, so every dtype and head dim its kernel can run is checked (by default
 it takes bf16 at head dim 64 alone), with the smoke's grouped key/value heads (the kernel's own step, ``gluon``,
-checks as many key as query heads too); where the tier's one-pass backward runs (d=64, 128), again with as many key as
-query heads, so that backward is checked as well; ``declined`` (and why) where it cannot run. On a GPU in a child
-process with a time limit (``CHILD_TIMEOUT_S``): the tier's kernels are the ones whose barriers can hang.
+checks as many key as query heads too); with as many key as query heads again, so that the tier's one-pass
+backward (d=64, 128, 256) is checked as well; ``declined`` (and why) where it cannot run. On a GPU in a child process
+with a time limit (``CHILD_TIMEOUT_S``): the tier's kernels are the ones whose barriers can hang.
 """
 
 from __future__ import annotations

@@ -131,12 +131,13 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 
-BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64, 128}  # what the backward kernel can run (``backward.py``)
+# What the backward kernels can run (``backward.py``: d 64 and 128; ``backward_wide.py``: 256)
+BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}
 
 
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
-    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64 or 128, key/value heads
+    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, 128 or 256, key/value heads
     dividing the query heads (GQA, MQA), dense contiguous q, k, v and dO, full or causal with no other option, and
     not ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":
@@ -164,7 +165,7 @@ def launch_backward(q, k, v, dout, stats, grads, *, causal: bool, scale: float) 
     """Run the tier's one-pass backward: ``stats`` = (neg_lse2, delta) as the portable preprocess writes them,
     ``grads`` = (dq_sum fp32 zeroed, dk, dv), through the path's ``launch`` (plans replay it)."""
     from ..launch import launch
-    from .backward import attention_backward_ws_kernel, launch_arguments
+    from .backward import launch_arguments
 
-    grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=scale)
-    launch(attention_backward_ws_kernel, grid, **kwargs)
+    kernel, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=scale)
+    launch(kernel, grid, **kwargs)

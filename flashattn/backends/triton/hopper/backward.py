@@ -291,18 +291,22 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> tuple[tuple, dict]:
-    """(grid, keyword arguments) of ``attention_backward_ws_kernel``: q, k, v, dout (batch, seqlen, heads, d)
-    contiguous, one dtype (bf16 or fp16), key/value heads dividing the query heads, d = 64 or 128; ``stats`` =
-    (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed;
-    dk, dv of k's shape).
-    The tier's ``backward_declines`` says which calls may come here; this refuses the rest, in case one comes
-    another way."""
+def tensor_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of (batch, seqlen, heads, d) ``t`` viewed as (batch * seqlen, heads * d), ``rows`` x d
+    blocks: one head's rows of a tile."""
+    d = t.shape[3]
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+
+
+def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
+    """Refuses what neither backward kernel reads (the tier's ``backward_declines`` keeps such calls away; this
+    is for one that comes another way)."""
     (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
-    batch, seqlen_q, heads, d = q.shape
+    batch, _, heads, d = q.shape
     kv_heads = k.shape[2]
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS))})")
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype == dout.dtype:
         raise ValueError("q, k, v and dout must share one dtype, bf16 or fp16")
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d or not kv_heads or heads % kv_heads:
@@ -314,15 +318,30 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
         raise ValueError("every tensor must be contiguous")
     if not scale > 0:
         raise ValueError("scale must be positive")
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
 
-    kwargs = dict(q_desc=desc(q, BLOCK_M), k_desc=desc(k, WG_N), v_desc=desc(v, WG_N), do_desc=desc(dout, BLOCK_M),
-                  dq_ptr=dq_sum, dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
+def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> tuple:
+    """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at
+    d = 64 or 128, ``backward_wide.attention_backward_wide_kernel`` at d = 256. q, k, v, dout (batch, seqlen,
+    heads, d) contiguous, one dtype (bf16 or fp16), key/value heads dividing the query heads; ``stats`` =
+    (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed;
+    dk, dv of k's shape)."""
+    from . import backward_wide
+
+    _check_arguments(q, k, v, dout, stats, grads, scale=scale)
+    (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
+    batch, seqlen_q, heads, d = q.shape
+    kv_heads = k.shape[2]
+    if d in backward_wide.HEAD_DIMS:
+        wide = backward_wide
+        kernel, block_m, wg_n, stages = wide.attention_backward_wide_kernel, wide.BLOCK_M, wide.WG_N, wide.STAGES
+    elif d in HEAD_DIMS:
+        kernel, block_m, wg_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, STAGES
+    else:
+        raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS + backward_wide.HEAD_DIMS))})")
+    kwargs = dict(q_desc=tensor_descriptor(q, block_m), k_desc=tensor_descriptor(k, wg_n),
+                  v_desc=tensor_descriptor(v, wg_n), do_desc=tensor_descriptor(dout, block_m), dq_ptr=dq_sum,
+                  dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
                   seqlen_k=k.shape[1], HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
-                  CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    return (batch * kv_heads, triton.cdiv(k.shape[1], BLOCK_N)), kwargs
+                  CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return kernel, (batch * kv_heads, triton.cdiv(k.shape[1], 2 * wg_n)), kwargs
