@@ -33,7 +33,8 @@ def test_dry_run_checks_then_times_and_writes_its_results(tmp_path):
     done = _dry_run(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "gluon.json").read_text())
-    assert len(report["correctness"]) == 2 and all(r["ok"] for r in report["correctness"].values())
+    assert len(report["correctness"]) == 3 and all(r["ok"] for r in report["correctness"].values())
+    assert "backward-d64-full" in report["correctness"]  # the tier's backward kernels, after the forward's
     shapes = [c["shape"] for c in next(iter(report["correctness"].values()))["cases"]]
     assert [1, 1, 1, 2, 2] in shapes and [1, 300, 100, 2, 2] in shapes  # seqlen 1; more queries than keys
     assert [2, 173, 251, 6, 2] in shapes and [1, 300, 100, 3, 1] in shapes  # GQA, MQA
@@ -63,6 +64,29 @@ def test_a_wrong_kernel_fails_its_case(fault, monkeypatch):
     report = gpu_run.check_case(64, False, 0, dry=True)
     assert not report["ok"]
     assert sum(not c["ok"] for c in report["cases"]) >= len(gpu_run.SHAPES) - 1
+
+
+@needs_gluon
+@pytest.mark.parametrize("fault", ["dq off by 0.5", "dk nan", "dv of the other head"])
+def test_a_wrong_backward_fails_its_case(fault, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tools.gluon import gpu_backward
+
+    plain = gpu_backward._kernel_grads
+
+    def wrong(q, k, v, dout, *, causal, dry):
+        dq, dk, dv = (g.clone() for g in plain(q, k, v, dout, causal=causal, dry=dry))
+        if fault == "dk nan":
+            dk[0, -1, 0, 0] = float("nan")
+        elif fault == "dq off by 0.5":
+            dq[0, -1, 0, 0] += 0.5
+        else:  # a key/value head's gradients written to its neighbour's place
+            dv = dv.flip(2)
+        return dq, dk, dv
+
+    monkeypatch.setattr(gpu_backward, "_kernel_grads", wrong)
+    report = gpu_backward.check_backward(64, True, dry=True)
+    assert not report["ok"] and not report["cases"][-1]["ok"]
 
 
 def test_gpu_check_runs_it_within_its_share_and_summarises_it(tmp_path):

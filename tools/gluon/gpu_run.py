@@ -1,4 +1,5 @@
-"""The Gluon forward on a Hopper GPU: correctness against float64 first, then its speed beside cuDNN.
+"""The Gluon forward on a Hopper GPU: correctness against float64 first, then its speed beside cuDNN; and the tier's
+one-pass backward kernels' correctness (``gpu_backward.py``).
 
     PYTHONPATH=. python -m tools.gluon.gpu_run --out DIR [--budget 240]     # on an H100 / H200
     PYTHONPATH=. python -m tools.gluon.gpu_run --dry --out DIR              # no GPU: the harness alone
@@ -194,12 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=8, help="correctness subprocesses at once")
     p.add_argument("--dry", action="store_true", help="plain attention on the CPU in place of the kernel")
     p.add_argument("--case", help=argparse.SUPPRESS)  # d:causal:variant, run in a child
+    p.add_argument("--backward", help=argparse.SUPPRESS)  # d:causal, the backward's cases, run in a child
     p.add_argument("--speed", help=argparse.SUPPRESS)  # JSON list of passing cases, run in a child
     p.add_argument("--log", type=Path, help=argparse.SUPPRESS)  # where the child appends its rows
     a = p.parse_args(argv)
     if a.case:
         d, causal, index = (int(x) for x in a.case.split(":"))
         print(json.dumps(check_case(d, bool(causal), index, a.dry)))
+        return 0
+    if a.backward:
+        from .gpu_backward import check_backward
+
+        d, causal = (int(x) for x in a.backward.split(":"))
+        print(json.dumps(check_backward(d, bool(causal), a.dry)))
         return 0
     if a.speed:
         speed([tuple(c) for c in json.loads(a.speed)], a.dry, a.log)
@@ -252,14 +260,22 @@ def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
         todo = todo[:2]
     check_timeout = max(30.0, 0.4 * a.budget)
 
-    def run(case):
-        result, why = _child([*dry, "--case", ":".join(str(int(x)) for x in case)], check_timeout)
-        return case, result, why
+    from .gpu_backward import HEAD_DIMS
+
+    # The backward kernels' cases after the forward's: (name, the child's arguments).
+    backward = [(f"backward-d{d}-{'causal' if c else 'full'}", ["--backward", f"{d}:{int(c)}"])
+                for d in HEAD_DIMS for c in (False, True)]
+    jobs = [(_case_name(*case), ["--case", ":".join(str(int(x)) for x in case)]) for case in todo]
+    jobs += backward[:1] if a.dry else backward
+
+    def run(job):
+        name, args = job
+        result, why = _child([*dry, *args], check_timeout)
+        return name, result, why
     results, log = report["correctness"], a.out / "gluon-speed.jsonl"
     log.unlink(missing_ok=True)
     with ThreadPoolExecutor(a.jobs) as pool:
-        for (d, causal, i), result, why in pool.map(run, todo):
-            name = _case_name(d, causal, i)
+        for name, result, why in pool.map(run, jobs):
             results[name] = result or {"ok": False, "error": why}
             bad = [c for c in (result or {}).get("cases", []) if not c["ok"]]
             print(f"[gluon] {name}: {'ok' if result and result['ok'] else 'FAILED'} {why} "
