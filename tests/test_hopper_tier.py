@@ -238,6 +238,13 @@ def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
     assert hopper.declines(wide, wide, wide, FULL, probs=False, arch=90) is None
     tall = torch.empty(1, 65535 * 128 + 1, 1, 64, dtype=BF16)  # query blocks past the second axis (never touched)
     assert hopper.declines(tall, tall, tall, FULL, probs=False, arch=90) == "too large for the grid or 32-bit offsets"
+    # The backward's grid counts 64-key blocks: 65535 * 64 + 1 keys under a short query are too many.
+    short, keys = torch.empty(1, 64, 1, 64, dtype=BF16), torch.empty(1, 65535 * 64 + 1, 1, 64, dtype=BF16)
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert hopper.backward_declines(short, keys, keys, short, FULL, arch=90) == (
+        "too large for the grid or 32-bit offsets")
+    assert hopper.backward_declines(short, keys[:, :65535 * 64], keys[:, :65535 * 64], short, FULL, arch=90) is None
+    monkeypatch.delenv("FLASHATTN_TRITON_TIER")
     with monkeypatch.context() as patch:
         patch.setattr(hopper, "GLUON_RELEASE", (0, 1))  # another Triton: its Gluon is another API
         assert hopper.declines(q, k, v, FULL, probs=False, arch=90).endswith(", not (0, 1)")

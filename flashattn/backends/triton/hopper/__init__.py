@@ -156,6 +156,8 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
     why = _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
     if why:
         return why
+    if -(-k.shape[1] // 64) > GRID_Y:  # a program per 64 or 128 keys (backward.py, backward_wide.py)
+        return "too large for the grid or 32-bit offsets"
     if not dout.is_contiguous() or dout.data_ptr() % 16:
         return "dout not contiguous or not 16-byte aligned (TMA)"
     return _target_declines(arch)
