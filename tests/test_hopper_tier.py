@@ -252,6 +252,30 @@ def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
     assert hopper.declines(q, k, v, cache, probs=False, arch=90) == "cache"
 
 
+def test_the_backward_launcher_refuses_what_its_kernels_do_not_read():
+    """``backward.launch_arguments`` is reached by ``backward_declines``'s calls and by tools that launch the kernels
+    directly: a dQ sum, lse or delta of another dtype or shape, or unaligned rows, would be read wrongly."""
+    from flashattn.backends.triton.hopper import backward
+
+    q, k, v = _qkv(b=1, nq=64, nk=64, h=2, hk=2)
+    stats = (torch.zeros(1, 2, 64), torch.zeros(1, 2, 64))
+    grads = (torch.zeros(q.shape), torch.empty_like(k), torch.empty_like(v))
+    kernel, grid, _ = backward.launch_arguments(q, k, v, q, stats, grads, causal=False, scale=0.125)
+    assert kernel is backward.attention_backward_ws_kernel and grid == (2, 1)
+    bad = [
+        ((q, k, v, q, stats, (grads[0].bfloat16(), *grads[1:])), "dq_sum must be float32"),
+        ((q, k, v, q, (stats[0][:, :1], stats[1]), grads), "neg_lse2 and delta must be float32"),
+        ((q, k, v, q, (stats[0], stats[1].double()), grads), "neg_lse2 and delta must be float32"),
+        ((torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape), k, v, q, stats, grads), "16-byte aligned"),
+    ]
+    q96, k96, v96 = _qkv(b=1, nq=64, nk=64, h=2, hk=2, d=96)
+    bad.append(((q96, k96, v96, q96, stats, (torch.zeros(q96.shape), torch.empty_like(k96), torch.empty_like(v96))),
+                "head dim 96 not supported"))
+    for args, why in bad:
+        with pytest.raises(ValueError, match=why):
+            backward.launch_arguments(*args, causal=False, scale=0.125)
+
+
 def test_the_environment_variable_chooses(monkeypatch):
     q, k, v = _qkv(d=128, dtype=torch.float16)
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")

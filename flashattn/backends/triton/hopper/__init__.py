@@ -111,7 +111,8 @@ def _memory_declines(q, k, v) -> str | None:
     b, nq, h, _ = q.shape
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
         return "not contiguous or not 16-byte aligned (TMA)"
-    if -(-nq // 128) > GRID_Y or b * h * nq > INT32 or b * max(nq, k.shape[1]) > INT32:
+    # Row indices are 32-bit, up to a tile past the last row (the kernels form a tile's first row before masking)
+    if -(-nq // 128) > GRID_Y or b * h * nq > INT32 or b * max(nq, k.shape[1]) + 128 > INT32:
         return "too large for the grid or 32-bit offsets"
     return None
 

@@ -3,8 +3,8 @@ producer warp, dQ added up in fp32 with atomics (FlashAttention-3's structure), 
 
 One program (CTA) owns 128 keys of one (batch, key/value head); three partitions (``gl.warp_specialize``):
 
-- **producer**, the default partition (4 warps, one of which issues the copies; its registers reallocated down
-  to 24): K and V of the block once (a 64-row tile per consumer), then Q_j and dO_j of every query
+- **producer**, the default partition (4 warps, one of which issues the copies; the compiler reallocates its
+  registers down to 24): K and V of the block once (a 64-row tile per consumer), then Q_j and dO_j of every query
   tile that sees the block into a ring (``STAGES``); a stage's "ready" mbarrier completes with both copies' bytes,
   its "empty" one when both consumers have released it;
 - **two consumer warpgroups**, each owning 64 of the keys: per query tile (64 rows) S^T = K Q_j^T and
@@ -52,7 +52,6 @@ BLOCK_M = 64  # queries per step: the M of dQ's wgmma
 STAGES = 2  # Q and dO ring depth: K, V and two stages of Q and dO are 64 KiB at d=64, 128 at d=128
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
-PRODUCER_REGS = 24
 
 
 @gluon.jit
@@ -238,7 +237,7 @@ def _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
         group, qk_scale, scale, HEADS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
     query heads per key/value head (query head h reads kv head h // group); ``HEADS`` (query heads) a constexpr,
     so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). Programs start
@@ -316,6 +315,12 @@ def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
         raise ValueError("dout must have q's shape, dk and dv k's")
     if not all(t.is_contiguous() for t in (q, k, v, dout, dk, dv, dq_sum, neg_lse2, delta)):
         raise ValueError("every tensor must be contiguous")
+    if any(t.data_ptr() % 16 for t in (q, k, v, dout)):
+        raise ValueError("q, k, v and dout must be 16-byte aligned (TMA)")
+    if dq_sum.dtype != torch.float32 or dq_sum.shape != q.shape:
+        raise ValueError("dq_sum must be float32 of q's shape")
+    if any(t.dtype != torch.float32 or t.shape != (batch, heads, q.shape[1]) for t in (neg_lse2, delta)):
+        raise ValueError("neg_lse2 and delta must be float32 (batch, heads, seqlen_q)")
     if not scale > 0:
         raise ValueError("scale must be positive")
 
@@ -343,5 +348,5 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
                   v_desc=tensor_descriptor(v, wg_n), do_desc=tensor_descriptor(dout, block_m), dq_ptr=dq_sum,
                   dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
                   seqlen_k=k.shape[1], HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
-                  CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                  CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return kernel, (batch * kv_heads, triton.cdiv(k.shape[1], 2 * wg_n)), kwargs

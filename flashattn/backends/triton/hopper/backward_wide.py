@@ -152,7 +152,7 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, CAUSA
 def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
         group, qk_scale, scale, HEADS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 64)); num_warps=4 (the default partition, the producer); the
     arguments as ``attention_backward_ws_kernel``'s."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
