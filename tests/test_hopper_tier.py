@@ -218,6 +218,31 @@ def test_the_backward_exchange_between_warpgroups_never_deadlocks_or_reads_a_sta
     assert all(pos[0] == 0 and pos[1] == 0 for pos in stuck)  # the first wait on "empty" never passes
 
 
+def test_the_fp8_forward_is_forced_only_and_reads_interleaved_values(monkeypatch):
+    """FP8 (e4m3 q, k, v with descales): the tier's forward multiplies them on FP8 tensor cores, reading v as
+    ``attend.interleaved_values`` lays it out (keys contiguous, padded to groups of 32); only under
+    FLASHATTN_TRITON_TIER=hopper until a GPU has checked it, and never the FP8 training mode's calls."""
+    from flashattn.backends.spec import Descale
+    from flashattn.backends.triton.attend import interleaved_values
+
+    e4m3 = torch.float8_e4m3fn
+    q, k, v = (t.to(e4m3) for t in _qkv(d=128, hk=2))
+    ones = torch.ones(2, 2)
+    spec = AttentionSpec(scale=0.125, descale=Descale(ones, ones, ones))
+    wide = interleaved_values(v)
+    assert hopper.declines(q, k, wide, spec, probs=False, arch=90, values_interleaved=True) == (
+        "FP8 (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked it)")
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert hopper.declines(q, k, wide, spec, probs=False, arch=90, values_interleaved=True) is None
+    assert hopper.declines(q, k, wide, spec, probs=False, arch=90).startswith("FP8 without interleaved values")
+    training = AttentionSpec(scale=0.125, descale=Descale(ones, ones, ones), fp8_training=True)
+    assert hopper.declines(q, k, wide, training, probs=False, arch=90, values_interleaved=True).startswith("FP8 w")
+    no_descales = AttentionSpec(scale=0.125)
+    assert hopper.declines(q, k, wide, no_descales, probs=False, arch=90, values_interleaved=True).startswith("FP8 w")
+    assert hopper.declines(q.bfloat16(), k, wide, spec, probs=False, arch=90, values_interleaved=True) == (
+        "dtype or layout")
+
+
 def test_forced_it_takes_grouped_heads(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
     for hk in (1, 2):  # MQA, GQA
@@ -313,10 +338,28 @@ def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
     assert check_tier(case, smoke.FULL, "cpu", fwd_bwd) == {"out": 0.0}
     assert seen == [(smoke.FULL.heads_k, "hopper")] and smoke.FULL.heads_k < smoke.FULL.heads
     assert os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+    # With bf16, the FP8 check runs too where the tier takes FP8 (here: every call), its errors named "fp8 ...".
+    fp8_runs = []
+    fp8 = lambda c, s, dev: fp8_runs.append(os.environ["FLASHATTN_TRITON_TIER"]) or {"out": 0.5}  # noqa: E731
+    assert check_tier(case, smoke.FULL, "cpu", fwd_bwd, fp8) == {"out": 0.0, "fp8 out": 0.5}
+    assert fp8_runs == ["hopper"]
+    assert "fp8 out" not in check_tier(smoke.Case("tier", "float16", 64, True), smoke.FULL, "cpu", fwd_bwd, fp8)
     monkeypatch.setattr(hopper, "declines", lambda *a, **kw: "not sm_90 (80)")
     with pytest.raises(Exception, match="cannot run this call: not sm_90"):
         check_tier(case, smoke.FULL, "cpu", fwd_bwd)
-    assert len(seen) == 1 and os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+    assert len(seen) == 3 and os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+
+
+def test_gpu_checks_tier_case_asks_the_tier_about_fp8(monkeypatch):
+    """Whether the tier's FP8 forward takes the smoke's shapes: forced, on sm_90, at every head dim it runs."""
+    from tools.gpu_check.tier_case import _takes_fp8
+
+    monkeypatch.setattr(hopper, "_target_declines", lambda arch: None)  # as on an sm_90 GPU with Triton 3.6
+    q, k, _ = _qkv(d=128, hk=2)
+    assert not _takes_fp8(q, k, causal=True)  # auto: not until a GPU has checked it
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert _takes_fp8(q, k, causal=True) and _takes_fp8(*_qkv(d=256)[:2], causal=False)
+    assert not _takes_fp8(*_qkv(d=96)[:2], causal=False)
 
 # --- compiled for sm_90, launches stubbed: run as a script --------------------------------------------------------
 
@@ -340,6 +383,8 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     # 4 query heads over 2 key heads: a program per (batch, key head) and 128 keys (300 keys: 3 blocks).
     assert [name for name, _ in seen["tier=hopper GQA backward"]] == backward
     assert seen["tier=hopper GQA backward"][1][1] == [2 * 2, 3]
+    # FP8: the tier's forward on e4m3 q, k, v, V^T's map over (batch x kv heads x d, keys padded to 32: 320).
+    assert seen["tier=hopper fp8"] == [["attention_forward_ws_kernel", [8, 3]], [2 * 4 * 64, 320]]
     # d=128: the same kernel and grid; d=256: backward_wide's, 64 keys a program (300 keys: 5 blocks).
     assert seen["tier=hopper d128 backward"][:2] == seen["tier=hopper GQA backward"][:2]
     wide = [backward[0], "attention_backward_wide_kernel", backward[2]]
@@ -412,11 +457,16 @@ def _script() -> dict:
             launches.clear()
             out.backward(torch.ones_like(out))
             seen[f"tier=hopper d{d} backward"] = [[name, list(grid[:2])] for name, grid, _ in launches.arguments]
+    ones = torch.ones(2, 4)
+    fp8 = lambda: [t.to(torch.float8_e4m3fn) for t in dense()()]  # noqa: E731
+    names, launches, _ = run(90, fp8, q_descale=ones, k_descale=ones, v_descale=ones)
+    maps = [a for a in launches.arguments[0][2] if type(a).__name__ == "StubTensorMap"]
+    seen["tier=hopper fp8"] = [*names, maps[2].shape]
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]
     last_tensor = max(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))  # lse: then the sizes
-    seen["tier=hopper GQA"] = [*names, k_map.shape, arguments[last_tensor + 4]]  # seqlens, heads, group
+    seen["tier=hopper GQA"] = [*names, k_map.shape, arguments[last_tensor + 5]]  # descale, seqlens, heads, group
     return seen
 
 

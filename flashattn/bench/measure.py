@@ -164,10 +164,11 @@ OURS_FP8 = "flashattn-fp8"  # ours on FP8 inputs (FlashAttention-3's FP8 forward
 OURS_FP8_TRAIN = "flashattn-fp8-train"  # ours in the FP8 training mode: beside ours, never a baseline
 OURS_ONE_PASS = "flashattn-one-pass"  # ours with the one-pass backward (dQ by atomics): beside ours
 OURS_HOPPER = "flashattn-hopper"  # ours with the Hopper tier wherever it runs (its backward too): beside ours
-OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN, OURS_ONE_PASS, OURS_HOPPER)  # never a baseline
+OURS_HOPPER_FP8 = "flashattn-hopper-fp8"  # ours on FP8 inputs with the Hopper tier forced: beside ours
+OURS_VARIANTS = (OURS, OURS_CUDA, OURS_FP8, OURS_FP8_TRAIN, OURS_ONE_PASS, OURS_HOPPER, OURS_HOPPER_FP8)
 # The environment an implementation's measurement runs in (set for the case, the caller's restored after).
 ENVIRONMENT = {OURS_ONE_PASS: {"FLASHATTN_TRITON_BACKWARD": "one-pass"},
-               OURS_HOPPER: {"FLASHATTN_TRITON_TIER": "hopper"}}
+               OURS_HOPPER: {"FLASHATTN_TRITON_TIER": "hopper"}, OURS_HOPPER_FP8: {"FLASHATTN_TRITON_TIER": "hopper"}}
 FEATURES = ("dropout", "softcap", "alibi", "window", "gqa8")
 IMPLEMENTATIONS: dict[str, Callable] = {
     OURS: ours,
@@ -177,6 +178,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     OURS_FP8_TRAIN: ours_fp8_train,
     OURS_ONE_PASS: ours,
     OURS_HOPPER: ours,
+    OURS_HOPPER_FP8: ours_fp8,
     "sdpa": _sdpa(None),
     "sdpa-math": _sdpa("MATH"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),
@@ -186,7 +188,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "plain": plain_attention,
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
-FORWARD_ONLY = (OURS_CUDA, OURS_FP8)  # measured in "fwd" cases only
+FORWARD_ONLY = (OURS_CUDA, OURS_FP8, OURS_HOPPER_FP8)  # measured in "fwd" cases only
 COMPILED = ("flex",)  # torch.compile'd: seconds of compiling per new shape, so measured after the others
 
 

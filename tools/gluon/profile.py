@@ -2,7 +2,9 @@
 reallocation, spills, shared memory, HGMMA groups and how long each stays in flight, TMA loads, and instructions per
 score in the consumers' main loop, the same way ``tools.offline.profile`` counts the tl kernels.
 
-    python -m tools.gluon.profile [--all] [--cases 128:0,64:1] [--json out]
+    python -m tools.gluon.profile [--all] [--fp8] [--cases 128:0,64:1] [--json out]
+
+``--fp8``: the FP8 forward (e4m3 q, k, v; wgmma on FP8 operands, ``QGMMA`` in the SASS).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flashattn.backends.triton.hopper.forward import (
     attention_forward_ws_kernel,
     launch_arguments,
 )
+from tools.offline.sass import WGMMA
 
 # The shape the tl kernels are profiled at (tools.offline.profile): batch 2, 2048 tokens, 4 heads.
 PROFILE_SHAPE = (2, 2048, 4)
@@ -39,10 +42,15 @@ def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, 
 
     batch, seqlen, heads = PROFILE_SHAPE
     q, k, v = (torch.empty(batch, seqlen, heads, head_dim, dtype=dtype) for _ in range(3))
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=torch.float32 if dtype == torch.float8_e4m3fn else dtype)
     lse = torch.empty(batch, heads, seqlen)
     schedule = schedule or SCHEDULES[head_dim]
-    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, schedule=schedule)
+    descale = None
+    if dtype == torch.float8_e4m3fn:  # v as the FP8 forward hands it over: keys contiguous (attend.interleaved_values)
+        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        descale = torch.ones(batch, heads)
+    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, schedule=schedule,
+                                    descale=descale)
     with _offline(90):
         return attention_forward_ws_kernel.warmup(grid=grid, **kwargs)
 
@@ -64,6 +72,7 @@ class Measured:
     tma_loads: int
     loop: int  # instructions per key tile in the consumer's unmasked loop
     per_score: float  # loop x 8 consumer warps / (128 x 128)
+    fp8: bool = False  # e4m3 q, k, v
 
     def overlapped(self, kind: str, at_least: int = 32) -> int:
         """Groups of ``kind`` with at least ``at_least`` instructions issued between them and their retirement."""
@@ -76,7 +85,7 @@ def retired(sass) -> list[tuple[str, int]]:
     a wait for N leaves the N youngest in flight). ``Sass.hgmma_overlap`` counts waits for 0 only."""
     out, pending = [], []
     for i, ins in enumerate(sass.instructions):
-        if ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands:
+        if ins.opcode.startswith(WGMMA) and "gsb0" in ins.operands:
             pending.append((i, "pv" if _PV.search(ins.operands) else "qk"))
         elif ins.opcode == "WARPGROUP.DEPBAR.LE":
             match = _WAIT.search(ins.operands)
@@ -94,17 +103,17 @@ def consumer_loop(sass):
     best = None
     for loop in sass.innermost_loops():
         body = sass.instructions[loop.start: loop.end + 1]
-        groups = sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in body)
+        groups = sum(ins.opcode.startswith(WGMMA) and "gsb0" in ins.operands for ins in body)
         if groups >= 2 and (best is None or loop.length * 2 / groups < best[0].length * 2 / best[1]):
             best = (loop, groups)
     return None if best is None else (best[0], best[1] // 2)
 
 
-def measure(head_dim: int, causal: bool, schedule: Schedule | None = None) -> Measured:
+def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: bool = False) -> Measured:
     from tools.offline.compile import cubin_report
 
     schedule = schedule or SCHEDULES[head_dim]
-    kernel = compile_sm90(head_dim, causal, schedule)
+    kernel = compile_sm90(head_dim, causal, schedule, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     found = consumer_loop(sass)
@@ -113,9 +122,9 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None) -> Me
                                if ins.opcode.startswith("USETMAXREG")}))
     return Measured(
         head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
-        kernel.metadata.num_warps, sass.count("HGMMA"), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
+        kernel.metadata.num_warps, sass.count(WGMMA), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
         sass.count("UTMALDG"), round(per_tile),
-        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3),
+        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3), fp8,
     )
 
 
@@ -138,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Gluon FA3-style forward (no GPU).")
     parser.add_argument("--cases", default="64:0,64:1,128:0,128:1", help="head_dim:causal, comma-separated")
     parser.add_argument("--all", action="store_true", help="every schedule in VARIANTS, not only the shipped one")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 forward (e4m3 q, k, v)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
@@ -145,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases.split(","):
         head_dim, causal = (int(x) for x in case.split(":"))
         for schedule in VARIANTS if args.all else (SCHEDULES[head_dim],):
-            row = measure(head_dim, bool(causal), schedule)
+            row = measure(head_dim, bool(causal), schedule, fp8=args.fp8)
             rows.append(asdict(row))
             print(format_row(row))
     if args.json:

@@ -90,6 +90,12 @@ def full(jobs: int) -> list[Step]:
                           "--baselines", "flashattn-one-pass,flashattn-hopper,sdpa-cudnn", "--tokens", "16384",
                           "--repeats", "20",
                           "--quiet", "--out", "{out}", "--name", "one-pass"], 0.1, 15),
+        # The tier's FP8 forward (forced) beside the portable FP8 forward, the tier's bf16 one and cuDNN: issue 45
+        # asks 1.5x the bf16 forward; the smoke's tier case checked it against float64 first.
+        Step("tier-fp8", [*bench, "sweep", "--seqlens", "1024,8192", "--headdims", "64,128,256", "--modes", "fwd",
+                          "--baselines", "flashattn-fp8,flashattn-hopper-fp8,flashattn-hopper,sdpa-cudnn",
+                          "--tokens", "16384", "--repeats", "20", "--quiet", "--out", "{out}", "--name", "tier-fp8"],
+             0.08, 15),
         Step("decode", [*bench, "decode", "--batches", "1,16", "--cache-lens", "4096,65536", "--repeats", "20",
                         "--profile", "--quiet", "--out", "{out}", "--name", "decode"], 0.1, 15),
         Step("block-mask", [*bench, "block-mask", "--seqlens", "16384", "--dtype", "bfloat16", "--repeats", "10",

@@ -283,7 +283,7 @@ def check_fp8_train(case: Case, sizes: Sizes, device: str, fp8_backward: bool = 
 
 
 CHECKS = {"fwd+bwd": check_fwd_bwd, "one-pass": lambda c, s, dev: check_one_pass(c, s, dev, check_fwd_bwd),
-          "tier": lambda c, s, dev: check_tier(c, s, dev, check_fwd_bwd),
+          "tier": lambda c, s, dev: check_tier(c, s, dev, check_fwd_bwd, check_fp8_matmul),
           "dropout": check_dropout, "block-mask": check_block_mask,
           "decode": lambda c, s, dev: _check_decode(c, s, dev, splits=1),
           "split-kv": lambda c, s, dev: _check_decode(c, s, dev, splits=4),

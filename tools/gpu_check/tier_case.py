@@ -5,7 +5,8 @@ routing, its out and lse as the portable backward reads them, on the GPU.
 ``FLASHATTN_TRITON_TIER=hopper`` for the case, so every dtype and head dim its kernel can run is checked (by default
 it takes bf16 at head dim 64 alone), with the smoke's grouped key/value heads (the kernel's own step, ``gluon``,
 checks as many key as query heads too); with as many key as query heads again, so that the tier's one-pass
-backward (d=64, 128, 256) is checked as well; ``declined`` (and why) where it cannot run. On a GPU in a child process
+backward (d=64, 128, 256) is checked as well, and with bf16 the tier's FP8 forward (the ``fp8-matmul`` check);
+``declined`` (and why) where it cannot run. On a GPU in a child process
 with a time limit (``CHILD_TIMEOUT_S``): the tier's kernels are the ones whose barriers can hang.
 """
 
@@ -23,7 +24,9 @@ import sys
 CHILD_TIMEOUT_S = 180
 
 
-def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
+def check_tier(case, sizes, device: str, check_fwd_bwd, check_fp8=None) -> dict:
+    """The case's errors; ``check_fp8`` (the smoke's ``fp8-matmul`` check): with the bf16 case, the tier's FP8
+    forward too, where it takes the call (errors named "fp8 ...")."""
     if device == "cuda" and os.environ.get(_CHILD) != "1":
         return _in_child(case, sizes, device)
     import torch
@@ -45,7 +48,24 @@ def check_tier(case, sizes, device: str, check_fwd_bwd) -> dict:
         mha = dataclasses.replace(sizes, heads_k=sizes.heads)
         if hopper.backward_declines(q, q, q, q, AttentionSpec(scale=d**-0.5)) is None:
             errors.update({f"mha {name}": error for name, error in check_fwd_bwd(case, mha, device).items()})
+        if check_fp8 is not None and case.dtype == "bfloat16" and _takes_fp8(q, k, case.causal):
+            errors.update({f"fp8 {name}": error for name, error in check_fp8(case, sizes, device).items()})
         return errors
+
+
+def _takes_fp8(q, k, causal: bool) -> bool:
+    """Whether the tier's forward runs an FP8 call of these shapes (the smoke's ``fp8-matmul`` inputs)."""
+    import torch
+
+    from flashattn.backends.spec import AttentionSpec, Descale
+    from flashattn.backends.triton import hopper
+    from flashattn.backends.triton.attend import interleaved_values
+
+    q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+    ones = torch.ones(q.shape[0], k.shape[2], device=q.device)
+    spec = AttentionSpec(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1,
+                         descale=Descale(ones, ones, ones))
+    return hopper.declines(q8, k8, interleaved_values(k8), spec, probs=False, values_interleaved=True) is None
 
 
 _CHILD = "FLASHATTN_GPU_CHECK_TIER_CHILD"

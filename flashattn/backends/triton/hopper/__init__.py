@@ -12,7 +12,8 @@ the portable kernel keeps it. Its backward is the portable one, from the same ou
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
-reads but no GPU has yet checked, head dim 256 and grouped key/value heads (GQA, MQA)).
+reads but no GPU has yet checked, head dim 256, grouped key/value heads (GQA, MQA) and FlashAttention-3's FP8
+forward: e4m3 q, k, v with descales, v handed over as ``attend.interleaved_values`` lays it out).
 
 Example::
 
@@ -56,27 +57,37 @@ def using(chosen: str):
     return setting(TIER.name, chosen)
 
 
-def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | None = None) -> str | None:
+def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | None = None,  # noqa: PLR0911
+             values_interleaved: bool = False) -> str | None:
     """Why the tier does not run this forward (None: it does). q (B, Nq, H, D), k and v (B, Nk, Hk, D) as the
     call's; ``probs``: the call returns its probabilities; ``arch`` the target (default ``launch.target_arch()``,
-    asked last: the cheap tests decline most calls first)."""
+    asked last: the cheap tests decline most calls first); ``values_interleaved``: FP8 v as
+    ``attend.interleaved_values`` returns it (keys contiguous, padded to groups of 32), which the FP8 forward reads."""
     chosen = tier()
     if chosen == "portable":
         return "FLASHATTN_TRITON_TIER=portable"
     dtypes, dims = RUNS
-    if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype or q.ndim != 4 or spec.packed:
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if (q.dtype not in dtypes and not fp8) or not q.dtype == k.dtype == v.dtype or q.ndim != 4 or spec.packed:
         return "dtype or layout"
     b, nq, h, d = q.shape
     hk = k.shape[2] if k.ndim == 4 else 0
-    if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or v.shape != k.shape or not hk or h % hk:
+    values = v.shape[0] == b and v.shape[2:] == k.shape[2:] and (v.shape[1] >= k.shape[1] if fp8 else
+                                                                 v.shape[1] == k.shape[1])
+    if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or not values or not hk or h % hk:
         return "head dims or grouped heads"
+    if fp8 and chosen == "auto":
+        return "FP8 (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked it)"
+    if fp8 and (not values_interleaved or spec.descale is None or spec.fp8_training):
+        return "FP8 without interleaved values and descales (the training mode's, packed sequences')"
     if chosen == "auto" and (q.dtype, d) not in MEASURED_FASTER:
         return "not measured faster than the portable forward"
     if chosen == "auto" and hk != h:
         return "grouped heads (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
     if nq <= DECODE_MAX_ROWS:  # the tier's 128-row programs would idle where the decode kernel is shaped for it
         return "decode-shaped (the portable decode kernel)"
-    why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
+    why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1], fp8=fp8) or _memory_declines(
+        q, k, v.permute(0, 2, 3, 1) if fp8 else v)
     return why or _target_declines(arch)
 
 
@@ -94,10 +105,11 @@ def _target_declines(arch: int | str | None) -> str | None:
     return None if arch == 90 else f"not sm_90 ({arch or 'the interpreter'})"
 
 
-def _options_decline(spec: AttentionSpec, causal_alignment: bool) -> str | None:
+def _options_decline(spec: AttentionSpec, causal_alignment: bool, *, fp8: bool = False) -> str | None:
+    """The first option the tier does not read, or "window"; ``fp8``: the FP8 forward, which reads the descales."""
     features = {"softcap": spec.softcap > 0, "dropout": spec.dropout_p > 0, "alibi": spec.alibi_slopes is not None,
                 "sink": spec.sink is not None, "mask": spec.attn_mask is not None or spec.block_sparse is not None,
-                "cache": spec.cache is not None, "fp8": spec.descale is not None or spec.fp8_training,
+                "cache": spec.cache is not None, "fp8": not fp8 and (spec.descale is not None or spec.fp8_training),
                 "scale": not spec.scale > 0}
     used = next((name for name, on in features.items() if on), None)
     if used:
@@ -117,10 +129,10 @@ def _memory_declines(q, k, v) -> str | None:
     return None
 
 
-def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
+def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, descale: torch.Tensor | None = None) -> None:
     """Run the tier's forward into ``out`` (q's shape) and ``lse`` (B, H, Nq) float32, through the path's
     ``launch`` (compile-only runs and launch plans see it as any other kernel: a plan rebuilds its Gluon descriptors
-    around each call's tensors)."""
+    around each call's tensors). FP8: ``descale`` (B, Hk) the scores' scale, out float32."""
     from ..launch import launch
     from .forward import Schedule, attention_forward_ws_kernel, launch_arguments
 
@@ -128,7 +140,7 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     # under the softmax), with ping-pong at d=64 (1.36-1.40x the portable forward at 8k), without at d=128 (and at
     # d=256, not yet timed: the fewest instructions a score offline without spills).
     schedule = Schedule("pv", pingpong=q.shape[-1] == 64)
-    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule)
+    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule, descale=descale)
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 

@@ -37,7 +37,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .steps import _mma_layout, _pass_turn, _pv_schedule, _qk, _qk_schedule, _ready, _release, _take_turn, _tile_count
+from .steps import (
+    _instr_k,
+    _mma_layout,
+    _pass_turn,
+    _pv_schedule,
+    _qk,
+    _qk_schedule,
+    _ready,
+    _release,
+    _take_turn,
+    _tile_count,
+)
 
 LOG2E = 1.4426950408889634
 WG_M = 64  # query rows per consumer warpgroup: S (64 x 128 fp32) is 64 registers a thread, so two fit
@@ -80,7 +91,7 @@ def _store(o, m, l, out, rows, limits):
     o_ptr, lse_ptr, o_row0, o_col0, o_pitch, lse_row0 = out
     seqlen_q, seqlen_k, qk_scale = limits
     HEAD_D: gl.constexpr = o.shape[1]
-    o_layout: gl.constexpr = _mma_layout(HEAD_D)
+    o_layout: gl.constexpr = o.type.layout
     lse = (m + gl.log2(l)) * 0.6931471805599453  # log2 units back to natural log; -inf for a row with no key
     gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
 
@@ -104,7 +115,7 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- s
     WG_M: gl.constexpr = q_smem.shape[1]
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, _instr_k(q_smem.dtype))
     tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
     limits = (seqlen_q, seqlen_k, qk_scale)
     rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
@@ -124,7 +135,7 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- s
     _release(k_empty, 0)
     m = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
-    o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D))
+    o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D, _instr_k(q_smem.dtype)))
     if QK_AHEAD:
         o, m, l = _qk_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG, UNROLL)
     else:
@@ -150,7 +161,7 @@ def _producer(descs, smem, bars, coords, tiles):
     q_desc, k_desc, v_desc = descs
     q_smem, k_bufs, v_bufs = smem
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
-    q_row, kv_row, q_col, kv_col = coords
+    q_row, kv_row, q_col, kv_col, vt_row = coords
     WG_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -159,19 +170,23 @@ def _producer(descs, smem, bars, coords, tiles):
     for j in range(tiles):
         row = kv_row + j * BLOCK_N
         _load(k_desc, k_bufs, k_ready, k_empty, j, row, kv_col)
-        _load(v_desc, v_bufs, v_ready, v_empty, j, row, kv_col)
+        if v_bufs.dtype == gl.float8e4nv:  # V^T: the head's d rows, keys j * BLOCK_N on
+            _load(v_desc, v_bufs, v_ready, v_empty, j, vt_row, j * BLOCK_N)
+        else:
+            _load(v_desc, v_bufs, v_ready, v_empty, j, row, kv_col)
 
 
 @gluon.jit
 def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
-        q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads, group, qk_scale,
+        q_desc, k_desc, v_desc, o_ptr, lse_ptr, descale_ptr, seqlen_q, seqlen_k, heads, group, qk_scale,
         CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
         K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``group``: query
     heads per key/value head (query head h reads kv head h // group). OVERLAP is "qk" or "pv" (the schedule), UNROLL
     1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row before the next row's:
     causal, the row order is reversed, so the query blocks that see the most keys start first and the short ones
-    fill the last wave."""
+    fill the last wave. FP8 (e4m3 q, k and v): ``v_desc`` reads V^T (see ``launch_arguments``) and ``descale_ptr``
+    (batch, kv_heads) float32 multiplies the scores; out is float32 then, P rounded to e4m3 for P V."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -184,10 +199,14 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     h = pid_bh % heads
     m0 = pid_m * (2 * WG_M)
     tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+    hk = h // group
+    if descale_ptr is not None:  # FP8: q's descale times k's, per (batch, kv head)
+        qk_scale = qk_scale * gl.load(descale_ptr + b * (heads // group) + hk)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]],
+                                       v_desc.layout)  # keys x d, or FP8's d x keys
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
@@ -208,7 +227,7 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
     geometry = (m0, seqlen_q, seqlen_k, qk_scale)
     out = (o_ptr, lse_ptr, b * seqlen_q, h * HEAD_D, heads * HEAD_D, pid_bh * seqlen_q)
-    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D, (h // group) * HEAD_D)
+    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D, hk * HEAD_D, (b * (heads // group) + hk) * HEAD_D)
     gl.warp_specialize([
         (_consumer, (0, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
         (_consumer, (1, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
@@ -218,39 +237,60 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
 
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """2-D TMA descriptors over the (batch * seqlen, heads * d) views; Q tiles are 64 rows, K and V tiles
-    ``BLOCK_N[d]``."""
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    ``BLOCK_N[d]``. FP8: V^T over the (batch * kv_heads * d, keys) view of ``attend.interleaved_values``'s v
+    (keys contiguous), d x BLOCK_N tiles."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[q.dtype]
     d = q.shape[-1]
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+    def desc(flat: torch.Tensor, block: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
-    return desc(q, WG_M), desc(k, BLOCK_N[d]), desc(v, BLOCK_N[d])
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
+
+    if q.dtype == torch.float8_e4m3fn:
+        values = desc(v.permute(0, 2, 3, 1).reshape(-1, v.shape[1]), [d, BLOCK_N[d]])
+    else:
+        values = desc(rows(v), [BLOCK_N[d], d])
+    return desc(rows(q), [WG_M, d]), desc(rows(k), [BLOCK_N[d], d]), values
 
 
-def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule) -> tuple[tuple, dict]:
+def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule,  # noqa: PLR0913
+                     descale: torch.Tensor | None = None) -> tuple[tuple, dict]:
     """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v
     (batch, seqlen_k, kv_heads, d), kv_heads dividing heads, out (q's shape) and lse (batch, heads, seqlen_q)
-    float32: ``kernel[grid](**kwargs)``. The tier's ``declines`` says which calls may come here; this refuses the rest,
-    in case one comes another way."""
+    float32: ``kernel[grid](**kwargs)``. FP8 (q, k, v float8_e4m3fn): v as ``attend.interleaved_values`` returns it
+    (keys contiguous, padded to whole groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's
+    descale times k's), out float32 (v's descale and the rounding come after). The tier's ``declines`` says which
+    calls may come here; this refuses the rest, in case one comes another way."""
     batch, seqlen_q, heads, d = q.shape
+    fp8 = q.dtype == torch.float8_e4m3fn
     if d not in STAGES:
         raise ValueError(f"head dim {d} not supported ({', '.join(map(str, STAGES))})")
-    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
-        raise ValueError("q, k, v must share one dtype, bf16 or fp16")
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d or not k.shape[2] or heads % k.shape[2]:
-        raise ValueError("k and v must be (batch, seqlen_k, kv_heads, d) with q's batch and d, kv_heads dividing "
-                         "q's heads")
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k, v must share one dtype, bf16, fp16 or float8_e4m3fn")
+    kv_heads = k.shape[2]
+    if k.shape[0] != batch or k.shape[3] != d or not kv_heads or heads % kv_heads:
+        raise ValueError("k must be (batch, seqlen_k, kv_heads, d) with q's batch and d, kv_heads dividing q's heads")
+    if fp8 and (v.shape[0] != batch or v.shape[2:] != k.shape[2:] or v.shape[1] % 32 or v.shape[1] < k.shape[1]
+                or not v.permute(0, 2, 3, 1).is_contiguous()):
+        raise ValueError("FP8 v must be attend.interleaved_values's: keys contiguous, padded to groups of 32")
+    if not fp8 and (v.shape != k.shape or not v.is_contiguous()):
+        raise ValueError("v must have k's shape and be contiguous")
+    if not (q.is_contiguous() and k.is_contiguous()):
         raise ValueError("q, k, v must be contiguous (batch, seqlen, heads, d)")
+    if fp8 != (descale is not None) or (fp8 and (descale.dtype != torch.float32 or descale.shape != (batch, kv_heads)
+                                                or not descale.is_contiguous())):
+        raise ValueError("FP8 takes descale, (batch, kv_heads) float32 contiguous; 16-bit inputs none")
+    if fp8 and out.dtype != torch.float32:
+        raise ValueError("FP8's out is float32 (v's descale and the rounding follow)")
     if not scale > 0:
         raise ValueError("scale must be positive (the row max is taken before scaling)")
     q_desc, k_desc, v_desc = _descriptors(q, k, v)
-    kwargs = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_ptr=out, lse_ptr=lse, seqlen_q=seqlen_q,
-                  seqlen_k=k.shape[1], heads=heads, group=heads // k.shape[2], qk_scale=scale * LOG2E,
-                  CAUSAL=causal, OVERLAP=schedule.overlap, PINGPONG=schedule.pingpong, UNROLL=schedule.unroll,
-                  K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1], CONSUMER_REGS=CONSUMER_REGS,
+    kwargs = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_ptr=out, lse_ptr=lse, descale_ptr=descale,
+                  seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads=heads, group=heads // kv_heads,
+                  qk_scale=scale * LOG2E, CAUSAL=causal, OVERLAP=schedule.overlap, PINGPONG=schedule.pingpong,
+                  UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1], CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return (batch * heads, triton.cdiv(seqlen_q, BLOCK_M)), kwargs

@@ -9,9 +9,16 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 
 @gluon.constexpr_function
-def _mma_layout(n):
-    """The wgmma accumulator layout of a 64 x n tile over one warpgroup (instructions 64 x n x 16)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+def _mma_layout(n, k=16):
+    """The wgmma accumulator layout of a 64 x n tile over one warpgroup (instructions 64 x n x k: k is 16 for 16-bit
+    operands, 32 for FP8)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
+
+
+@gluon.constexpr_function
+def _instr_k(dtype):
+    """The k of a wgmma instruction on operands of ``dtype``: 32 bytes of each row."""
+    return 32 if dtype == gl.float8e4nv else 16
 
 
 @gluon.jit
@@ -64,21 +71,35 @@ def _qk(ctx, j):
 
 @gluon.jit
 def _pv(ctx, o, p, j):
-    """O += P_j V_j issued (async): P from registers (bf16/fp16, wgmma operand A layout), V from shared memory."""
+    """O += P_j V_j issued (async): P from registers (wgmma operand A layout), V from shared memory: a keys x d
+    tile, or with FP8 a d x keys one (V^T: an FP8 wgmma reads B with its k dimension, the keys, contiguous)."""
     q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
     STAGES: gl.constexpr = v_bufs.shape[0]
-    return warpgroup_mma(p, v_bufs.index(j % STAGES), o, is_async=True)
+    v = v_bufs.index(j % STAGES)
+    if v_bufs.dtype == gl.float8e4nv:
+        v = v.permute((1, 0))
+    return warpgroup_mma(p, v, o, is_async=True)
 
 
 @gluon.jit
 def _to_p(p, dtype: gl.constexpr, HEAD_D: gl.constexpr):
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_D), k_width=2))
+    """P (fp32, the accumulator's layout) as the P V wgmma's A operand. FP8: P's keys first take the order in which
+    the values were stored (``attend.interleaved_values``: within each 32 keys, key 16h + 8g + 2c + l at
+    16h + 4c + 2g + l), which is the order the FP8 operand wants them in a thread's registers, so the conversion
+    moves no data between threads (FlashAttention-3's; the portable kernels' ``tiles.fp8_operand_order``)."""
+    K_WIDTH: gl.constexpr = 4 if dtype == gl.float8e4nv else 2  # a 32-bit register's elements
+    if dtype == gl.float8e4nv:
+        rows: gl.constexpr = p.shape[0]
+        keys: gl.constexpr = p.shape[1]
+        p = gl.reshape(gl.permute(gl.reshape(p, [rows, keys // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]), [rows, keys])
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0,
+                                                              parent=_mma_layout(HEAD_D, _instr_k(dtype)),
+                                                              k_width=K_WIDTH))
 
 
 @gluon.jit
 def _rescale(o, alpha):
-    HEAD_D: gl.constexpr = o.shape[1]
-    return o * gl.convert_layout(alpha, gl.SliceLayout(1, _mma_layout(HEAD_D)))[:, None]
+    return o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
 
 
 @gluon.jit
