@@ -235,6 +235,8 @@ def test_the_fp8_forward_is_forced_only_and_reads_interleaved_values(monkeypatch
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
     assert hopper.declines(q, k, wide, spec, probs=False, arch=90, values_interleaved=True) is None
     assert hopper.declines(q, k, wide, spec, probs=False, arch=90).startswith("FP8 without interleaved values")
+    assert hopper.declines(q, k, wide[:, :-1], spec, probs=False, arch=90, values_interleaved=True) == (
+        "head dims or grouped heads")  # not whole groups of 32 keys
     training = AttentionSpec(scale=0.125, descale=Descale(ones, ones, ones), fp8_training=True)
     assert hopper.declines(q, k, wide, training, probs=False, arch=90, values_interleaved=True).startswith("FP8 w")
     no_descales = AttentionSpec(scale=0.125)

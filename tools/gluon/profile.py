@@ -2,9 +2,10 @@
 reallocation, spills, shared memory, HGMMA groups and how long each stays in flight, TMA loads, and instructions per
 score in the consumers' main loop, the same way ``tools.offline.profile`` counts the tl kernels.
 
-    python -m tools.gluon.profile [--all] [--fp8] [--cases 128:0,64:1] [--json out]
+    python -m tools.gluon.profile [--all | --launched] [--fp8] [--cases 128:0,64:1] [--json out]
 
-``--fp8``: the FP8 forward (e4m3 q, k, v; wgmma on FP8 operands, ``QGMMA`` in the SASS).
+``--fp8``: the FP8 forward (e4m3 q, k, v; wgmma on FP8 operands, ``QGMMA`` in the SASS). ``--launched``: the
+schedule the tier launches (``forward.LAUNCHED``) instead of ``SCHEDULES``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from flashattn.backends.triton.hopper.forward import (
     BLOCK_M,
     BLOCK_N,
+    LAUNCHED,
     SCHEDULES,
     VARIANTS,
     Schedule,
@@ -48,7 +50,7 @@ def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, 
     descale = None
     if dtype == torch.float8_e4m3fn:  # v as the FP8 forward hands it over: keys contiguous (attend.interleaved_values)
         v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-        descale = torch.ones(batch, heads)
+        descale = torch.ones(batch, k.shape[2])
     grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, schedule=schedule,
                                     descale=descale)
     with _offline(90):
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Gluon FA3-style forward (no GPU).")
     parser.add_argument("--cases", default="64:0,64:1,128:0,128:1", help="head_dim:causal, comma-separated")
     parser.add_argument("--all", action="store_true", help="every schedule in VARIANTS, not only the shipped one")
+    parser.add_argument("--launched", action="store_true", help="the schedule the tier launches (LAUNCHED)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (e4m3 q, k, v)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for case in args.cases.split(","):
         head_dim, causal = (int(x) for x in case.split(":"))
-        for schedule in VARIANTS if args.all else (SCHEDULES[head_dim],):
+        for schedule in VARIANTS if args.all else ((LAUNCHED if args.launched else SCHEDULES)[head_dim],):
             row = measure(head_dim, bool(causal), schedule, fp8=args.fp8)
             rows.append(asdict(row))
             print(format_row(row))

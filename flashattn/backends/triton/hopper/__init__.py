@@ -72,8 +72,8 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
         return "dtype or layout"
     b, nq, h, d = q.shape
     hk = k.shape[2] if k.ndim == 4 else 0
-    values = v.shape[0] == b and v.shape[2:] == k.shape[2:] and (v.shape[1] >= k.shape[1] if fp8 else
-                                                                 v.shape[1] == k.shape[1])
+    values = v.shape[0] == b and v.shape[2:] == k.shape[2:] and (  # FP8: interleaved, whole groups of 32 keys
+        v.shape[1] >= k.shape[1] and v.shape[1] % 32 == 0 if fp8 else v.shape[1] == k.shape[1])
     if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or not values or not hk or h % hk:
         return "head dims or grouped heads"
     if fp8 and chosen == "auto":
@@ -134,12 +134,9 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, descale: to
     ``launch`` (compile-only runs and launch plans see it as any other kernel: a plan rebuilds its Gluon descriptors
     around each call's tensors). FP8: ``descale`` (B, Hk) the scores' scale, out float32."""
     from ..launch import launch
-    from .forward import Schedule, attention_forward_ws_kernel, launch_arguments
+    from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
 
-    # The fastest correct schedule on an H200 at 1k and 8k tokens (benchmarks/NOTES.md): FlashAttention-3's (P V
-    # under the softmax), with ping-pong at d=64 (1.36-1.40x the portable forward at 8k), without at d=128 (and at
-    # d=256, not yet timed: the fewest instructions a score offline without spills).
-    schedule = Schedule("pv", pingpong=q.shape[-1] == 64)
+    schedule = LAUNCHED[q.shape[-1]]
     grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule, descale=descale)
     launch(attention_forward_ws_kernel, grid, **kwargs)
 

@@ -84,6 +84,10 @@ PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scala
 SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2), 256: Schedule("pv", False)}
 VARIANTS = (Schedule("qk", False), Schedule("qk", True), Schedule("qk", True, 2), Schedule("pv", False),
             Schedule("pv", True))
+# What the tier launches (``launch_forward``): the fastest correct schedule on an H200 at 1k and 8k tokens
+# (benchmarks/NOTES.md): FlashAttention-3's (P V under the softmax), with ping-pong at d=64 (1.36-1.40x the portable
+# forward at 8k), without at d=128 (and at d=256, not yet timed: the fewest instructions a score offline).
+LAUNCHED = {64: Schedule("pv", True), 128: Schedule("pv", False), 256: Schedule("pv", False)}
 
 
 @gluon.jit

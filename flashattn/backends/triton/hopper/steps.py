@@ -71,30 +71,36 @@ def _qk(ctx, j):
 
 @gluon.jit
 def _pv(ctx, o, p, j):
-    """O += P_j V_j issued (async): P from registers (wgmma operand A layout), V from shared memory: a keys x d
-    tile, or with FP8 a d x keys one (V^T: an FP8 wgmma reads B with its k dimension, the keys, contiguous)."""
+    """O += P_j V_j issued (async): P from registers (``_to_p``'s), V from shared memory: a keys x d tile, or with
+    FP8 a d x keys one (V^T: an FP8 wgmma reads B with its k dimension, the keys, contiguous). FP8's P arrives in
+    fp32 and becomes the e4m3 operand here: carried across the loop's back edge as e4m3, its bytes were unpacked
+    and repacked every trip (offline: 641 instructions a tile at d=128 against 460)."""
     q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
     STAGES: gl.constexpr = v_bufs.shape[0]
     v = v_bufs.index(j % STAGES)
     if v_bufs.dtype == gl.float8e4nv:
         v = v.permute((1, 0))
+        HEAD_D: gl.constexpr = o.shape[1]
+        p = gl.convert_layout(p.to(v_bufs.dtype), gl.DotOperandLayout(
+            operand_index=0, parent=_mma_layout(HEAD_D, _instr_k(v_bufs.dtype)), k_width=4))
     return warpgroup_mma(p, v, o, is_async=True)
 
 
 @gluon.jit
 def _to_p(p, dtype: gl.constexpr, HEAD_D: gl.constexpr):
-    """P (fp32, the accumulator's layout) as the P V wgmma's A operand. FP8: P's keys first take the order in which
-    the values were stored (``attend.interleaved_values``: within each 32 keys, key 16h + 8g + 2c + l at
-    16h + 4c + 2g + l), which is the order the FP8 operand wants them in a thread's registers, so the conversion
-    moves no data between threads (FlashAttention-3's; the portable kernels' ``tiles.fp8_operand_order``)."""
-    K_WIDTH: gl.constexpr = 4 if dtype == gl.float8e4nv else 2  # a 32-bit register's elements
+    """P (fp32, the accumulator's layout) as the P V wgmma takes it from ``_pv``: its 16-bit A operand, or with FP8
+    P in fp32 with its keys in the order the values were stored (``attend.interleaved_values``: within each 32
+    keys, key 16h + 8g + 2c + l at 16h + 4c + 2g + l), the order the FP8 operand wants them in a thread's registers,
+    so that ``_pv``'s conversion moves no data between threads (FlashAttention-3's; the portable kernels'
+    ``tiles.fp8_operand_order``)."""
     if dtype == gl.float8e4nv:
         rows: gl.constexpr = p.shape[0]
         keys: gl.constexpr = p.shape[1]
         p = gl.reshape(gl.permute(gl.reshape(p, [rows, keys // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]), [rows, keys])
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0,
-                                                              parent=_mma_layout(HEAD_D, _instr_k(dtype)),
-                                                              k_width=K_WIDTH))
+    else:
+        p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_D),
+                                                               k_width=2))
+    return p
 
 
 @gluon.jit
