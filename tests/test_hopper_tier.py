@@ -91,58 +91,22 @@ def test_which_backwards_the_tier_takes(monkeypatch):
 
 
 def test_the_backward_ring_protocol_never_deadlocks_or_serves_a_stale_tile():
-    """A model of the backward's barriers (``hopper/backward.py``): the producer fills ring slot i % STAGES after
-    waiting on its "empty" barrier (count 2) with parity ((i // STAGES) & 1) ^ 1; each consumer waits on the slot's
-    "ready" barrier with parity (i // STAGES) & 1, reads it, and arrives on "empty". mbarrier semantics: a wait on
-    parity p passes once the phase of that parity has completed (a fresh barrier's phase -1, odd, counts as
-    completed). Random interleavings, every tile count and ring depth: all finish and read the tile written."""
-    import random
-
-    class Barrier:
-        def __init__(self, count):
-            self.count, self.arrived, self.completed = count, 0, 0  # phases completed so far
-
-        def passes(self, parity):  # the phase in progress has parity completed % 2; the other one has completed
-            return self.completed % 2 != parity
-
-        def arrive(self):
-            self.arrived += 1
-            if self.arrived == self.count:
-                self.arrived, self.completed = 0, self.completed + 1
-
+    """A model of the backward's barriers (``hopper/backward.py``, ``_exchange_model`` without the exchange): the
+    producer fills ring slot i % STAGES after waiting on its "empty" barrier (count 2) with parity
+    ((i // STAGES) & 1) ^ 1; each consumer waits on the slot's "ready" barrier with parity (i // STAGES) & 1, reads
+    it, and arrives on "empty". mbarrier semantics: a wait on parity p passes once the phase of that parity has
+    completed (a fresh barrier's phase -1, odd, counts as completed). Random interleavings, every tile count and
+    ring depth: all finish and read the tile written."""
     for stages in (1, 2, 3):
         for tiles in range(0, 9):
             for seed in range(30):
-                rng = random.Random(seed)
-                ready, empty = [Barrier(1) for _ in range(stages)], [Barrier(2) for _ in range(stages)]
-                slots = [None] * stages
-                pos = {"producer": 0, 0: 0, 1: 0}  # the next tile of each party
-                for _ in range(10_000):
-                    movable = []
-                    i = pos["producer"]
-                    if i < tiles and empty[i % stages].passes(((i // stages) & 1) ^ 1):
-                        movable.append("producer")
-                    for wg in (0, 1):
-                        i = pos[wg]
-                        if i < tiles and ready[i % stages].passes((i // stages) & 1):
-                            movable.append(wg)
-                    if not movable:
-                        break
-                    who = rng.choice(movable)
-                    i = pos[who]
-                    if who == "producer":
-                        slots[i % stages] = i
-                        ready[i % stages].arrive()  # the copies' bytes landed
-                    else:
-                        assert slots[i % stages] == i, (stages, tiles, seed, who, i)
-                        empty[i % stages].arrive()
-                    pos[who] += 1
-                assert pos == {"producer": tiles, 0: tiles, 1: tiles}, (stages, tiles, seed, pos)
+                assert _exchange_model(tiles, stages, seed, ds_depth=0) == {"producer": tiles, 0: tiles, 1: tiles}
 
 
 def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, empty_flip: int = 1) -> dict:
-    """The d=128 backward's barriers as a model, one random interleaving (see the test below): where each party
-    stopped, and raises AssertionError where a warpgroup read a stale dS^T or Q tile."""
+    """The backward's barriers as a model, one random interleaving (see the tests): where each party stopped, and
+    raises AssertionError where a warpgroup read a stale dS^T or Q tile. ``ds_depth`` 0: no exchange between the
+    warpgroups (d=64)."""
     import random
 
     class Barrier:  # mbarrier: a wait on parity p passes once the phase of that parity completed (-1 counts)
@@ -159,8 +123,8 @@ def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, em
 
     rng = random.Random(seed)
     ready, empty = [Barrier(1) for _ in range(stages)], [Barrier(2) for _ in range(stages)]
-    full_ds, empty_ds = [Barrier(2) for _ in range(ds_depth)], [Barrier(2) for _ in range(ds_depth)]
-    slots, ds = [None] * stages, [[None, None] for _ in range(ds_depth)]
+    full_ds, empty_ds = [Barrier(2) for _ in range(max(ds_depth, 1))], [Barrier(2) for _ in range(max(ds_depth, 1))]
+    slots, ds = [None] * stages, [[None, None] for _ in range(max(ds_depth, 1))]
     pos = {"producer": 0, 0: 0, 1: 0}  # the next tile of each party
     step = {0: 0, 1: 0}  # a consumer's place in its tile: 0 Q ready?, 1 dS buffer free?, 2 the other's dS?
     for _ in range(20_000):
@@ -169,7 +133,7 @@ def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, em
         if i < tiles and empty[i % stages].passes(((i // stages) & 1) ^ 1):
             movable.append("producer")
         for wg in (0, 1):
-            i, b, lap = pos[wg], pos[wg] % ds_depth, (pos[wg] // ds_depth) & 1
+            i, b, lap = pos[wg], pos[wg] % max(ds_depth, 1), (pos[wg] // max(ds_depth, 1)) & 1
             if i < tiles and [ready[i % stages].passes((i // stages) & 1), empty_ds[b].passes(lap ^ empty_flip),
                               full_ds[b].passes(lap)][step[wg]]:
                 movable.append(wg)
@@ -181,6 +145,10 @@ def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, em
             slots[i % stages] = i
             ready[i % stages].arrive()
             pos[who] += 1
+        elif step[who] == 0 and not ds_depth:  # the whole tile from the ring's Q and dO, the slot released
+            assert slots[i % stages] == i, ("stale Q", stages, tiles, seed, who, i)
+            empty[i % stages].arrive()
+            pos[who] = i + 1
         elif step[who] == 0:  # S^T, dP^T, dS^T from the ring's Q and dO
             assert slots[i % stages] == i, ("stale Q", stages, tiles, seed, who, i)
             step[who] = 1

@@ -114,27 +114,30 @@ def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ
         dq = warpgroup_mma(ds_bufs.index(2 * buf + 1).permute((1, 0)), k_cols[1], dq, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
         mbarrier.arrive(ds_empty.index(buf))
-        dq_layout: gl.constexpr = h_layout
-        dq_cols: gl.constexpr = HALF_D
         col0 = dq_col0 + wg * HALF_D
     else:
         zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
         ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
         dq = warpgroup_mma(ds_rows, k_t, zero_dq, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-        dq_layout: gl.constexpr = d_layout
-        dq_cols: gl.constexpr = HEAD_D
         col0 = dq_col0
     mbarrier.arrive(q_empty.index(stage))
-    # The tile's first row and column as one scalar pointer and the elements' offsets from it constants (the row
-    # pitch a constexpr): the atomics take them as immediates, where a tensor of addresses, hoisted out of the
-    # loop, spilled.
-    tile_ptr = dq_ptr + (dq_row0 + j * BLOCK_M).to(gl.int64) * DQ_PITCH + col0
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    d_cols = gl.arange(0, dq_cols, layout=gl.SliceLayout(0, dq_layout))
-    offsets = rows[:, None] * DQ_PITCH + d_cols[None, :]
-    gl.atomic_add(tile_ptr + offsets, dq * scale, mask=(j * BLOCK_M + rows)[:, None] < seqlen_q, sem="relaxed")
+    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, col0, seqlen_q - j * BLOCK_M, DQ_PITCH)
     return dk, dv
+
+
+@gluon.jit
+def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr):
+    """dQ's tile (its rows from ``row0``, columns from ``col0``; rows past ``rows_left`` not in the sequence) added
+    into the fp32 sum with atomics. The tile's first row and column are one scalar pointer and the elements' offsets
+    from it constants (the row pitch a constexpr): the atomics take them as immediates, where a tensor of addresses,
+    hoisted out of the loop, spilled."""
+    layout: gl.constexpr = dq.type.layout
+    tile_ptr = dq_ptr + row0.to(gl.int64) * DQ_PITCH + col0
+    rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.atomic_add(tile_ptr + rows[:, None] * DQ_PITCH + cols[None, :], dq, mask=rows[:, None] < rows_left,
+                  sem="relaxed")
 
 
 @gluon.jit
@@ -234,6 +237,43 @@ def _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
+def _program(descs, pointers, seqlen_q, seqlen_k, group, qk_scale, scale, HEADS: gl.constexpr,  # noqa: PLR0913
+             CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
+    that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
+    (smem, bars, geometry, outs, coords, span)."""
+    q_desc, k_desc, v_desc, do_desc = descs
+    dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr = pointers
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    WG_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    kv_heads = HEADS // group
+    b = gl.program_id(0) // kv_heads
+    hk = gl.program_id(0) % kv_heads
+    n0 = gl.program_id(1) * (2 * WG_N)
+    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, 2 * WG_N)
+    k_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    smem = (k_smem, v_smem, q_bufs, do_bufs)
+    bars = (kv_bar, q_ready, q_empty)
+    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
+    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
+    outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
+    coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
+    return smem, bars, geometry, outs, coords, (lo, hi)
+
+
+@gluon.jit
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
         group, qk_scale, scale, HEADS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
@@ -246,25 +286,10 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    pid_bh = gl.program_id(0)
-    pid_n = gl.program_id(1)
-    kv_heads = HEADS // group
-    b = pid_bh // kv_heads
-    hk = pid_bh % kv_heads
-    n0 = pid_n * (2 * WG_N)
-    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, 2 * WG_N)
-
-    k_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    descs = (q_desc, k_desc, v_desc, do_desc)
+    smem, bars, geometry, outs, coords, span = _program(
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, qk_scale, scale, HEADS,
+        CAUSAL, STAGES)
     if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)
@@ -276,15 +301,8 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
         ds_shared = (ds_bufs, ds_full, ds_empty)
     else:
         ds_shared = ()
-
-    smem = (k_smem, v_smem, q_bufs, do_bufs)
-    bars = (kv_bar, q_ready, q_empty)
-    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
-    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
-    outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
-    coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
     gl.warp_specialize([
-        (_producer, ((q_desc, k_desc, v_desc, do_desc), smem, bars, coords, (lo, hi))),
+        (_producer, (descs, smem, bars, coords, span)),
         (_consumer, (0, smem, bars, ds_shared, geometry, outs, CAUSAL, HEADS)),
         (_consumer, (1, smem, bars, ds_shared, geometry, outs, CAUSAL, HEADS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward import _producer, _query_tiles
+from .backward import _add_dq, _producer, _program
 from .steps import _mma_layout
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
@@ -99,12 +99,7 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
     mbarrier.arrive(pds_empty)
     mbarrier.arrive(q_empty.index(stage))
-    # One scalar tile pointer, constant offsets (the pitch a constexpr): the atomics take them as immediates.
-    tile_ptr = dq_ptr + (dq_row0 + j * BLOCK_M).to(gl.int64) * DQ_PITCH + dq_col0 + WG * HALF_D
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
-    d_cols = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, h_layout))
-    offsets = rows[:, None] * DQ_PITCH + d_cols[None, :]
-    gl.atomic_add(tile_ptr + offsets, dq * scale, mask=(j * BLOCK_M + rows)[:, None] < seqlen_q, sem="relaxed")
+    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, dq_col0 + WG * HALF_D, seqlen_q - j * BLOCK_M, DQ_PITCH)
     return dk, dv
 
 
@@ -156,45 +151,22 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
     """Grid (batch * kv_heads, cdiv(seqlen_k, 64)); num_warps=4 (the default partition, the producer); the
     arguments as ``attention_backward_ws_kernel``'s."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    pid_bh = gl.program_id(0)
-    pid_n = gl.program_id(1)
-    kv_heads = HEADS // group
-    b = pid_bh // kv_heads
-    hk = pid_bh % kv_heads
-    n0 = pid_n * (2 * WG_N)
-    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, 2 * WG_N)
-
-    k_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    descs = (q_desc, k_desc, v_desc, do_desc)
+    smem, bars, geometry, outs, coords, span = _program(
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, qk_scale, scale, HEADS,
+        CAUSAL, STAGES)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * WG_N, BLOCK_M], dtype)
     p_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)  # P^T: keys x queries
     ds_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     pds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     pds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     mbarrier.init(pds_full, count=2)
     mbarrier.init(pds_empty, count=2)
-
-    smem = (k_smem, v_smem, q_bufs, do_bufs)
-    bars = (kv_bar, q_ready, q_empty)
     exchange = (p_t, ds_t, pds_full, pds_empty)
-    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
-    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
-    outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
-    coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
     gl.warp_specialize([
-        (_producer, ((q_desc, k_desc, v_desc, do_desc), smem, bars, coords, (lo, hi))),
+        (_producer, (descs, smem, bars, coords, span)),
         (_wide_consumer, (0, smem, bars, exchange, geometry, outs, CAUSAL, HEADS)),
         (_wide_consumer, (1, smem, bars, exchange, geometry, outs, CAUSAL, HEADS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
