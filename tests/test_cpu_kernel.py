@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,6 +154,30 @@ def test_the_first_build_says_what_it_builds_and_keeps_torchs_cuda_notice_out(mo
         assert len(building) == (1 if attempt == 0 else 0), said
         if building:
             assert str(folder) in building[0] and "once per CPU and torch version" in building[0]
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one(monkeypatch, tmp_path, caplog):
+    """cpp_extension marks a build with a lock file and waits, forever, while one exists: a process killed while
+    building (Ctrl-C, the OOM killer, a timeout) left one that hung every later first call on the machine. Under the
+    build's own flock nobody else is building, so such a file is stale and removed. The compiler is stubbed: it
+    fails where cpp_extension would wait."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def load(name, build_directory, **kwargs):
+        if (Path(build_directory) / "lock").exists():
+            raise AssertionError("cpp_extension would wait here for ever")
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpu_build.torch.ops, "flashattn_cpu_stale", SimpleNamespace(forward=1, backward=2, engines=3),
+                        raising=False)
+    folder = tmp_path / "flashattn_cpu_stale"
+    folder.mkdir()
+    (folder / "lock").touch()  # what the killed build left
+    with caplog.at_level(logging.INFO, logger="flashattn"):
+        assert cpu_build._build(folder).engines == 3
+    assert not (folder / "lock").exists()
+    assert any("left by a build that did not finish" in r.getMessage() for r in caplog.records)
 
 
 def test_what_the_cpu_path_declines_it_says_why_and_the_torch_path_serves():

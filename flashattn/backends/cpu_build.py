@@ -3,7 +3,9 @@ the host C++ compiler at first use and cached.
 
 The build (``torch.utils.cpp_extension.load``) lives in ``$FLASHATTN_CACHE/cpu`` (default ``~/.cache/flashattn``),
 one folder per sources, compiler flags, CPU (it is compiled for the host's instruction set) and torch version;
-cpp_extension locks the folder, so two processes building at once wait for each other. The library registers typed
+two processes building at once wait for each other (an ``flock`` of our own, which dies with its process: under it
+a lock file of cpp_extension's, left by a process killed while building, is stale and removed, where cpp_extension
+itself would wait for it forever). The library registers typed
 operators (``TORCH_LIBRARY``) in a namespace named after the build: ``module()`` is ``torch.ops.<that name>``.
 A failed or broken build is logged once, and the ``cpu`` path then declines CPU calls (the ``torch`` path serves
 them) instead of raising. ``FLASHATTN_CPU_KERNEL=0`` turns the kernel off. ``FLASHATTN_CPU_ISA=avx2`` builds it
@@ -13,6 +15,7 @@ AVX-512 machine runs what an AVX2-only one does: the test suite proves both on o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -147,6 +150,23 @@ class _NoCudaNotice(logging.Filter):
         return "No CUDA runtime is found" not in record.getMessage()
 
 
+@contextlib.contextmanager
+def _building(folder: Path):
+    """The build folder to this process alone: an exclusive ``flock`` (released by the kernel when the process
+    ends, however it ends), waited for; a no-op where there is no ``fcntl``."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder / "flashattn-build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(folder: Path):
     _put_ninja_on_path()
     torch_log, quiet = logging.getLogger("torch.utils.cpp_extension"), _NoCudaNotice()
@@ -158,8 +178,13 @@ def _build(folder: Path):
             _log.warning("flashattn: building the C++ CPU kernel for this machine (once per CPU and torch version, "
                          "about 20 s on two cores; cached in %s)", folder)
         folder.mkdir(parents=True, exist_ok=True)
-        load(name=folder.name, sources=[str(unit) for unit in UNITS], extra_cflags=compile_flags(),
-             extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False, is_python_module=False)
+        with _building(folder):
+            baton = folder / "lock"  # cpp_extension's: nobody else is building, so a process that died left it
+            if baton.exists():
+                _log.info("flashattn: removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            load(name=folder.name, sources=[str(unit) for unit in UNITS], extra_cflags=compile_flags(),
+                 extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False, is_python_module=False)
     finally:
         torch_log.removeFilter(quiet)
     ops = getattr(torch.ops, folder.name)
