@@ -41,11 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .forward import LOG2E, head_tiles
 from .steps import _mma_layout
 
-LOG2E = 1.4426950408889634
 WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
 BLOCK_N = 2 * WG_N  # keys per program
 BLOCK_M = 64  # queries per step: the M of dQ's wgmma
@@ -181,11 +180,19 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: g
             dk, dv = _tile(j, first + j, dk, dv, ctx, stats, False, CAUSAL, HEADS * HEAD_D)
         for j in range(full_hi, hi):
             dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL, HEADS * HEAD_D)
-    out_rows = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, d_layout))
-    out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, d_layout))
+    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, seqlen_k)
+
+
+@gluon.jit
+def _store_grads(dk, dv, outs, key0, col0, seqlen_k):
+    """dK and dV of keys ``key0`` on (columns ``col0`` on of the head's), stored where the keys exist."""
+    heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
+    layout: gl.constexpr = dk.type.layout
+    out_rows = key0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+    out_cols = col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
     offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
     keep = out_rows[:, None] < seqlen_k
-    gl.store(dk_ptr + offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=keep)
+    gl.store(dk_ptr + offsets, dk.to(dk_ptr.dtype.element_ty), mask=keep)
     gl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=keep)
 
 
@@ -308,16 +315,6 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def tensor_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor of (batch, seqlen, heads, d) ``t`` viewed as (batch * seqlen, heads * d), ``rows`` x d
-    blocks: one head's rows of a tile."""
-    d = t.shape[3]
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
-
-
 def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
     """Refuses what neither backward kernel reads (the tier's ``backward_declines`` keeps such calls away; this
     is for one that comes another way)."""
@@ -357,14 +354,15 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
     kv_heads = k.shape[2]
     if d in backward_wide.HEAD_DIMS:
         wide = backward_wide
-        kernel, block_m, wg_n, stages = wide.attention_backward_wide_kernel, wide.BLOCK_M, wide.WG_N, wide.STAGES
+        kernel, block_m, wg_n, block_n, stages = (wide.attention_backward_wide_kernel, wide.BLOCK_M, wide.WG_N,
+                                                  wide.BLOCK_N, wide.STAGES)
     elif d in HEAD_DIMS:
-        kernel, block_m, wg_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, STAGES
+        kernel, block_m, wg_n, block_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, BLOCK_N, STAGES
     else:
         raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS + backward_wide.HEAD_DIMS))})")
-    kwargs = dict(q_desc=tensor_descriptor(q, block_m), k_desc=tensor_descriptor(k, wg_n),
-                  v_desc=tensor_descriptor(v, wg_n), do_desc=tensor_descriptor(dout, block_m), dq_ptr=dq_sum,
+    kwargs = dict(q_desc=head_tiles(q, block_m), k_desc=head_tiles(k, wg_n), v_desc=head_tiles(v, wg_n),
+                  do_desc=head_tiles(dout, block_m), dq_ptr=dq_sum,
                   dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
                   seqlen_k=k.shape[1], HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
                   CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    return kernel, (batch * kv_heads, triton.cdiv(k.shape[1], 2 * wg_n)), kwargs
+    return kernel, (batch * kv_heads, triton.cdiv(k.shape[1], block_n)), kwargs

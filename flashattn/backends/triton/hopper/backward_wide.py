@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward import _add_dq, _producer, _program
+from .backward import _add_dq, _producer, _program, _store_grads
 from .steps import _mma_layout
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
@@ -135,12 +135,7 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, CAUSA
             dk, dv = _wide_tile(j, first + j, (dk, dv), ctx, stats, False, CAUSAL, HEADS * HEAD_D, WG)
         for j in range(full_hi, hi):
             dk, dv = _wide_tile(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
-    out_rows = n0 + gl.arange(0, 2 * WG_N, layout=gl.SliceLayout(1, h_layout))
-    out_cols = WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, h_layout))
-    offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
-    keep = out_rows[:, None] < seqlen_k
-    gl.store(dk_ptr + offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=keep)
-    gl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=keep)
+    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, seqlen_k)
 
 
 @gluon.jit

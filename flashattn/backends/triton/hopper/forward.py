@@ -239,25 +239,32 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def tma_descriptor(flat: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A 2-D TMA descriptor of ``flat`` in ``block`` tiles, in the swizzled layout wgmma reads (the tier's forward
+    and backward kernels)."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[flat.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+
+
+def head_tiles(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """``tma_descriptor`` of (batch, seqlen, heads, d) ``t`` viewed as (batch * seqlen, heads * d), ``rows`` x d
+    tiles: one head's rows of a tile, at column head * d."""
+    d = t.shape[3]
+    return tma_descriptor(t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d), [rows, d])
+
+
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """2-D TMA descriptors over the (batch * seqlen, heads * d) views; Q tiles are 64 rows, K and V tiles
-    ``BLOCK_N[d]``. FP8: V^T over the (batch * kv_heads * d, keys) view of ``attend.interleaved_values``'s v
-    (keys contiguous), d x BLOCK_N tiles."""
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[q.dtype]
+    """Q in 64-row tiles, K and V in ``BLOCK_N[d]``-row ones (``head_tiles``). FP8: V^T over the
+    (batch * kv_heads * d, keys) view of ``attend.interleaved_values``'s v (keys contiguous), d x BLOCK_N tiles."""
     d = q.shape[-1]
-
-    def desc(flat: torch.Tensor, block: list[int]) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d)
-
     if q.dtype == torch.float8_e4m3fn:
-        values = desc(v.permute(0, 2, 3, 1).reshape(-1, v.shape[1]), [d, BLOCK_N[d]])
+        values = tma_descriptor(v.permute(0, 2, 3, 1).reshape(-1, v.shape[1]), [d, BLOCK_N[d]])
     else:
-        values = desc(rows(v), [BLOCK_N[d], d])
-    return desc(rows(q), [WG_M, d]), desc(rows(k), [BLOCK_N[d], d]), values
+        values = head_tiles(v, BLOCK_N[d])
+    return head_tiles(q, WG_M), head_tiles(k, BLOCK_N[d]), values
 
 
 def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule,  # noqa: PLR0913
