@@ -47,8 +47,8 @@ ENVIRONMENT = (
     ("FLASHATTN_CACHE", "parent folder of the compiled kernels: the cuda backend's store in <it>/cuda, the CPU "
                         "kernel's build in <it>/cpu", "~/.cache/flashattn"),
     ("FLASHATTN_CPU_KERNEL", "0 turns the C++ kernel off (the torch path serves every CPU call)", "1"),
-    ("FLASHATTN_CPU_TILES", "how the C++ kernel multiplies bf16/fp16 tiles: auto, fp32, native, onednn or avx512bf16 "
-                            "(flashattn.backends.cpu_tiles)", "auto"),
+    ("FLASHATTN_CPU_TILES", "how the C++ kernel multiplies bf16/fp16 tiles: auto, fp32, native, amx, onednn or "
+                            "avx512bf16 (flashattn.backends.cpu_tiles)", "auto"),
     ("FLASHATTN_CPU_ISA", "avx2: the C++ kernel as on an AVX2-only CPU (no 16-bit dot engines)", "native"),
     ("TRITON_INTERPRET", "1 runs the Triton kernels in Triton's interpreter on CPU tensors (set before triton is "
                          "imported; slow, for tests)", "unset"),

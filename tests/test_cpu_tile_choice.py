@@ -89,8 +89,10 @@ def test_auto_takes_the_first_engine_that_runs_else_fp32(monkeypatch):
     spy = _spy(monkeypatch)
     _one_call()
     assert spy.tiles == [engine or "fp32"] * 2, why
-    if cpu_tiles.instructions(torch.bfloat16) is None and cpu_tiles.engine_status(torch.bfloat16, "onednn") is None:
-        assert engine == "onednn"
+    assert cpu_tiles.ENGINES == ("amx", "onednn", "avx512bf16")
+    runs = [name for name in cpu_tiles.ENGINES if cpu_tiles.engine_status(torch.bfloat16, name) is None]
+    if cpu_tiles.instructions(torch.bfloat16) is None and runs:
+        assert engine == runs[0]
 
 
 def test_a_cpu_without_the_instructions_takes_fp32_tiles(monkeypatch, fresh_choice):
@@ -116,6 +118,8 @@ def test_a_build_without_the_engines_takes_fp32_tiles_and_says_so(monkeypatch, f
         _one_call()
     assert spy.tiles == ["fp32", "fp32"]
     assert "no cpublas::brgemm" in cpu_tiles.explain(torch.bfloat16)[1]
+    assert "amx: this CPU has no AMX-BF16, or its OS grants this process no AMX tile state" in (
+        cpu_tiles.explain(torch.bfloat16)[1])
     assert sum("multiply fp32 tiles" in r.message for r in caplog.records) == 1
 
 
@@ -173,7 +177,7 @@ def test_the_self_test_catches_an_engine_that_raises_or_is_wrong(monkeypatch):
 
 def test_bad_values_of_the_switch_are_named(monkeypatch):
     monkeypatch.setenv(cpu_tiles.ENV, "fastest")
-    with pytest.raises(ValueError, match="FLASHATTN_CPU_TILES='fastest' is not one of auto, fp32, native, onednn"):
+    with pytest.raises(ValueError, match="FLASHATTN_CPU_TILES='fastest' is not one of auto, fp32, native, amx, onednn"):
         _one_call()
 
 
@@ -200,8 +204,11 @@ def test_the_avx2_switch_hides_the_engines_and_builds_for_avx2(monkeypatch, fres
 
 
 def test_the_engine_label_names_the_instructions_behind_a_figure(monkeypatch, fresh_choice):
-    """What ``bench cpu --roofline`` prints beside each figure: AMX where oneDNN's brgemm runs on an AMX CPU, the
-    kernel's own AVX512_BF16 loop by that name, and fp32 tiles by the vector width the build compiled for."""
+    """What ``bench cpu --roofline`` prints beside each figure: the kernel's own AMX tiles, AMX where oneDNN's
+    brgemm runs on an AMX CPU, the kernel's own AVX512_BF16 loop by that name, and fp32 tiles by the vector width
+    the build compiled for."""
+    monkeypatch.setattr(cpu_tiles, "choose", lambda dtype: "amx")
+    assert cpu_tiles.engine_label(torch.bfloat16) == "AMX (own tiles)"
     monkeypatch.setattr(cpu_tiles, "choose", lambda dtype: "onednn")
     monkeypatch.setattr(cpu_tiles, "_cpu_has", lambda probe: probe == "amx_tile")
     assert cpu_tiles.engine_label(torch.bfloat16) == "AMX (oneDNN brgemm)"
@@ -227,6 +234,10 @@ def test_decode_sized_forwards_on_amx_take_the_own_bf16_loop(monkeypatch, fresh_
     rows = cpu_tiles.DECODE_ROWS
     assert cpu_tiles.choose_forward(torch.bfloat16, rows) == "avx512bf16"
     assert cpu_tiles.choose_forward(torch.bfloat16, rows + 1) == "onednn"
+    with monkeypatch.context() as own:  # the kernel's own AMX tiles idle the same rows
+        own.setattr(cpu_tiles, "choose", lambda dtype: "amx")
+        assert cpu_tiles.choose_forward(torch.bfloat16, rows) == "avx512bf16"
+        assert cpu_tiles.choose_forward(torch.bfloat16, rows + 1) == "amx"
     assert cpu_tiles.choose_forward(torch.float32, 1) == "fp32"
     monkeypatch.setenv(cpu_tiles.ENV, "onednn")
     assert cpu_tiles.choose_forward(torch.bfloat16, 1) == "onednn"
@@ -248,3 +259,36 @@ def test_decode_sized_forwards_on_amx_take_the_own_bf16_loop(monkeypatch, fresh_
         base, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=True, upcast=False)
         assert_close("out", out.detach(), ref, base)
         assert_close("decoded", decoded, ref, base)
+
+
+def test_the_own_amx_tiles_pass_their_self_test_where_the_process_may_use_amx():
+    """Where the CPU has AMX-BF16 and the OS grants this process the tile state (the build then lists ``amx``), the
+    kernel's own AMX loop agrees with the fp32 tiles: a broken loop fails here rather than only skipping its cases
+    in test_cpu_tiles.py."""
+    if "amx" not in cpu_build.module().engines():
+        pytest.skip("this CPU or its OS offers this process no AMX tiles")
+    assert cpu_tiles.self_test(torch.bfloat16, "amx") is None
+
+
+def test_the_amx_tiles_and_onednns_share_the_threads_tile_state(monkeypatch):
+    """The AMX tile configuration is per thread: calls on the own AMX loop between calls on oneDNN's brgemm (ours
+    with ``onednn`` tiles, and PyTorch's bf16 SDPA, which runs on it on AMX CPUs) change neither's results."""
+    if "amx" not in cpu_build.module().engines():
+        pytest.skip("this CPU or its OS offers this process no AMX tiles")
+    q, k, v = (t.detach() for t in _inputs(1, 300, 300, 4, 2, 64))
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
+        is_causal=True)
+
+    def ours(tiles):
+        monkeypatch.setenv(cpu_tiles.ENV, tiles)
+        with flashattn.use_backend("cpu"):
+            return flashattn.flash_attn_func(q, k, v, causal=True)
+
+    first = {"sdpa": sdpa(), "amx": ours("amx")}
+    if cpu_tiles.engine_status(torch.bfloat16, "onednn") is None:
+        first["onednn"] = ours("onednn")
+    for _ in range(2):
+        for name in first:
+            again = sdpa() if name == "sdpa" else ours(name)
+            assert torch.equal(again, first[name]), name

@@ -34,7 +34,7 @@ UNITS = (CSRC / "cpu_flash.cpp", CSRC / "cpu_flash_forward.cpp", CSRC / "cpu_fla
 SOURCES = (*UNITS, *(CSRC / name for name in (
     "cpu_ops.h", "cpu_vec.h", "cpu_dropout.h", "cpu_common.h", "cpu_gemm16.h", "cpu_tiles.h", "cpu_wide_tiles.h",
     "cpu_forward_tasks.h", "cpu_forward.h", "cpu_backward.h", "cpu_fp8.h", "cpu_fpenv.h",
-    "cpu_score_rows.h")))
+    "cpu_score_rows.h", "cpu_amx.h")))
 # -fopenmp: at::parallel_for is OpenMP in a header; without it the region runs on one thread and each matmul inside
 # opens its own parallel region, which a busy machine slows several times over.
 # -fvisibility=hidden: the library's own functions are called directly (and may be inlined), not through the PLT

@@ -1,7 +1,9 @@
 """How the ``cpu`` path multiplies the tiles of bf16 and fp16 calls on this machine: ``"fp32"`` (each tile converted
 to fp32, sgemm) or on the CPU's 16-bit dot-product instructions (fp32 accumulation, P and dS rounded to 16 bits as
-FlashAttention's GPU kernels do), through one of two engines (``flashattn/csrc/cpu_gemm16.h``):
+FlashAttention's GPU kernels do), through one of three engines (``flashattn/csrc/cpu_gemm16.h``):
 
+- ``amx``: the kernel's own AMX tile loop (``flashattn/csrc/cpu_amx.h``), bf16 only, where the CPU has AMX-BF16 and
+  the OS grants the process its tile state;
 - ``onednn``: ATen's ``cpublas::brgemm``, oneDNN's micro-kernel (AMX where present, else AVX512_BF16); bf16, and
   fp16 on CPUs with AMX-FP16;
 - ``avx512bf16``: the kernel's own ``_mm512_dpbf16_ps`` loop, bf16 only, for torch builds without the former.
@@ -30,8 +32,9 @@ import torch
 from . import cpu_build
 
 ENV = "FLASHATTN_CPU_TILES"
-ENGINES = ("onednn", "avx512bf16")  # the automatic choice's order
-DESCRIPTIONS = {"onednn": "the CPU's dot-product instructions through oneDNN's brgemm (ATen's cpublas)",
+ENGINES = ("amx", "onednn", "avx512bf16")  # the automatic choice's order
+DESCRIPTIONS = {"amx": "the CPU's AMX tiles in the kernel's own loop",
+                "onednn": "the CPU's dot-product instructions through oneDNN's brgemm (ATen's cpublas)",
                 "avx512bf16": "the CPU's AVX512_BF16 dot products in the kernel's own loop"}
 CHOICES = ("auto", "fp32", "native", *ENGINES)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -63,14 +66,16 @@ def engine_status(dtype: torch.dtype, engine: str) -> str | None:
     why = instructions(dtype)
     if why is not None:
         return why
-    if engine == "avx512bf16" and dtype != torch.bfloat16:
-        return "avx512bf16 multiplies bf16 only"
+    if engine in ("avx512bf16", "amx") and dtype != torch.bfloat16:
+        return f"{engine} multiplies bf16 only"
     built, why = cpu_build.status()
     if not built:
         return f"the C++ kernel is not available ({why})"
     if engine not in cpu_build.module().engines():
         return {"onednn": "the torch this kernel was built against has no cpublas::brgemm",
-                "avx512bf16": "the compiler does not target AVX512_BF16 here"}.get(engine, f"no engine {engine!r}")
+                "avx512bf16": "the compiler does not target AVX512_BF16 here",
+                "amx": "this CPU has no AMX-BF16, or its OS grants this process no AMX tile state"}.get(
+                    engine, f"no engine {engine!r}")
     failure = self_test(dtype, engine)
     if failure is not None:
         _log.warning("flashattn: the cpu path's %s tile products failed their self-test on %s (%s); they are not "
@@ -116,7 +121,7 @@ def explain(dtype: torch.dtype) -> tuple[str, str]:
 
 
 def choose(dtype: torch.dtype) -> str:
-    """The ``tiles`` option of the kernel for a ``dtype`` call: "fp32", "onednn" or "avx512bf16"."""
+    """The ``tiles`` option of the kernel for a ``dtype`` call: "fp32", "amx", "onednn" or "avx512bf16"."""
     if dtype not in HALF_DTYPES:
         return "fp32"
     return explain(dtype)[0]
@@ -131,14 +136,14 @@ DECODE_ROWS = 4
 
 def choose_forward(dtype: torch.dtype, rows: int) -> str:
     """``choose`` for a forward whose sequences have at most ``rows`` query rows per kv head (queries times the GQA
-    group): the automatic choice takes ``avx512bf16`` over oneDNN's AMX tiles for at most ``DECODE_ROWS``; an
+    group): the automatic choice takes ``avx512bf16`` over AMX tiles for at most ``DECODE_ROWS``; an
     engine the switch names is kept.
 
         >>> choose_forward(torch.float32, 1)
         'fp32'
     """
     tiles = choose(dtype)  # (a prefill's choice is this alone: the row count is tested first)
-    if (rows <= DECODE_ROWS and tiles == "onednn" and _mode() in ("auto", "native") and _cpu_has("amx_tile")
+    if (rows <= DECODE_ROWS and tiles in ("amx", "onednn") and _mode() in ("auto", "native") and _cpu_has("amx_tile")
             and engine_status(dtype, "avx512bf16") is None):
         return "avx512bf16"
     return tiles
@@ -149,6 +154,8 @@ def engine_label(dtype: torch.dtype) -> str:
     ``AVX512_BF16`` (oneDNN's brgemm or the kernel's own loop), or the vector width of fp32 (fp64) tiles on the BLAS
     and the kernel's row passes: ``AVX-512 fp32``, ``AVX2 fp32``, ``fp32`` elsewhere."""
     tiles = choose(dtype)
+    if tiles == "amx":
+        return "AMX (own tiles)"
     if tiles == "onednn":
         return "AMX (oneDNN brgemm)" if _cpu_has("amx_tile") else "AVX512_BF16 (oneDNN brgemm)"
     if tiles == "avx512bf16":

@@ -9,7 +9,7 @@
 // the row (q batch, q start, nq, k batch, k start, nk, diagonal) of `seqs` (S, 7): a dense batch entry, a varlen
 // sequence or a KV-cache entry. Row i of s sees key j where -left <= j - i - diagonal <= right.
 // fp16/bf16/fp32 accumulate in fp32, fp64 in fp64; `tiles` says how bf16/fp16 tiles are multiplied: "fp32"
-// (converted, sgemm) or on the dot-product instructions, "onednn" (ATen's brgemm) or "avx512bf16" (ours).
+// (converted, sgemm) or on the dot-product instructions, "onednn" (ATen's brgemm), "avx512bf16" or "amx" (ours).
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -78,9 +78,11 @@ void widen_op(const Tensor& src, Tensor& out, int64_t format) {
 }
 
 // The tile-product engines this build has ("onednn": the torch it was built against declares ATen's brgemm;
-// "avx512bf16": the compiler targets AVX512_BF16). Whether they run is for the caller's self-test to say.
+// "avx512bf16": the compiler targets AVX512_BF16; "amx": the CPU has AMX bf16 and the OS grants this process its
+// tile state). Whether they run is for the caller's self-test to say.
 std::vector<std::string> engines() {
   std::vector<std::string> names;
+  if (flash_cpu::amx_usable()) names.emplace_back("amx");
   if (flash_cpu::has_onednn()) names.emplace_back("onednn");
   if (flash_cpu::has_avx512bf16()) names.emplace_back("avx512bf16");
   return names;

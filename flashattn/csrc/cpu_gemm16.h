@@ -1,7 +1,8 @@
 // Tile products on 16-bit operands with fp32 accumulation, on the CPU's dot-product instructions: C (M x N, fp32,
 // row-major) = [C +] A B, A (M x K, bf16 or fp16, row-major), B (K x N) VNNI-packed: [K/2][ldb][2], the two
 // elements of a k-pair side by side, so one 32-bit lane holds what one dot-product lane multiplies. K is even
-// (callers zero-pad it). Two engines, chosen per call by the Python side after a self-test:
+// (callers zero-pad it). Three engines, chosen per call by the Python side after a self-test:
+//   amx: our own AMX tile loop (bf16 only; cpu_amx.h), where the CPU and the OS offer AMX;
 //   onednn: ATen's cpublas::brgemm, oneDNN's brgemm micro-kernel (AMX where present, else AVX512_BF16);
 //   avx512bf16: our own register-blocked _mm512_dpbf16_ps loop (bf16 only), for torch builds without the former.
 // Also the packings the kernels need (VNNI from rows, VNNI from transposed rows, transposed rows); on AVX-512 they
@@ -12,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "cpu_amx.h"
 #include "cpu_fp8.h"
 
 #include <algorithm>
@@ -24,7 +26,7 @@
 
 namespace flash_cpu {
 
-enum class Engine : int64_t { fp32 = 0, onednn = 1, avx512bf16 = 2 };
+enum class Engine : int64_t { fp32 = 0, onednn = 1, avx512bf16 = 2, amx = 3 };
 
 inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -145,6 +147,11 @@ void gemm16(Engine engine, int64_t m, int64_t n, int64_t k, const scalar_t* a, i
     if (engine == Engine::avx512bf16) return avx512bf16_gemm(m, n, k, a, lda, b, ldb, c, ldc, add);
   }
 #endif
+#ifdef FLASHATTN_AMX
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (engine == Engine::amx) return amx_gemm(m, n, k, a, lda, b, ldb, c, ldc, add);
+  }
+#endif
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
   if (engine == Engine::onednn) return at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, true);
 #endif
@@ -152,8 +159,9 @@ void gemm16(Engine engine, int64_t m, int64_t n, int64_t k, const scalar_t* a, i
               " is not built for ", c10::CppTypeToScalarType<scalar_t>::value);
 }
 
-// What an engine needs at the end of a thread's tasks (oneDNN: give back the AMX tile state).
+// What an engine needs at the end of a thread's tasks (the AMX ones: give back the tile state).
 inline void release_engine(Engine engine) {
+  if (engine == Engine::amx) amx_release();
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
   if (engine == Engine::onednn) at::native::cpublas::brgemm_release(true);
 #endif

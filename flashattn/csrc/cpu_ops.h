@@ -31,9 +31,14 @@ struct Options {
 };
 
 inline Engine engine_of(c10::string_view tiles) {
-  const Engine engine = tiles == "onednn" ? Engine::onednn : tiles == "avx512bf16" ? Engine::avx512bf16 : Engine::fp32;
+  const Engine engine = tiles == "onednn"       ? Engine::onednn
+                        : tiles == "avx512bf16" ? Engine::avx512bf16
+                        : tiles == "amx"        ? Engine::amx
+                                                : Engine::fp32;
   TORCH_CHECK(engine != Engine::fp32 || tiles == "fp32",
-              "flashattn cpu kernel: tiles must be fp32, onednn or avx512bf16, got ", tiles);
+              "flashattn cpu kernel: tiles must be fp32, onednn, avx512bf16 or amx, got ", tiles);
+  TORCH_CHECK(engine != Engine::amx || flash_cpu::amx_usable(),
+              "flashattn cpu kernel: tiles=amx, but this CPU or its OS offers this process no AMX tiles");
   return engine;
 }
 
