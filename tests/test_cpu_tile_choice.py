@@ -273,8 +273,8 @@ def test_the_own_amx_tiles_pass_their_self_test_where_the_process_may_use_amx():
 def test_the_amx_tiles_and_onednns_share_the_threads_tile_state(monkeypatch):
     """The AMX tile configuration is per thread: calls on the own AMX loop between calls on oneDNN's brgemm (ours
     with ``onednn`` tiles, and PyTorch's bf16 SDPA, which runs on it on AMX CPUs) change neither's results."""
-    if "amx" not in cpu_build.module().engines():
-        pytest.skip("this CPU or its OS offers this process no AMX tiles")
+    if cpu_tiles.engine_status(torch.bfloat16, "amx") is not None:
+        pytest.skip(f"amx cannot run bf16 tiles here: {cpu_tiles.engine_status(torch.bfloat16, 'amx')}")
     q, k, v = (t.detach() for t in _inputs(1, 300, 300, 4, 2, 64))
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
