@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -40,14 +41,20 @@ inline bool amx_usable() {
   return usable;
 }
 
-// The memory clobbers keep the compiler from moving the operands' stores past a tile load, or C's reads before a
-// tile store (the header intrinsics declare neither).
-#define FLASHATTN_TILE_LOAD(t, base, stride) \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
-#define FLASHATTN_TILE_STORE(t, base, stride) \
-  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
-#define FLASHATTN_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
-#define FLASHATTN_TILE_DOT(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+// The instructions as bytes (VEX encodings, tile numbers filled in by the assembler's expressions; base in rax,
+// stride in rdx), so an assembler older than AMX (binutils before 2.36) still builds the kernel. The memory
+// clobbers keep the compiler from moving the operands' stores past a tile load, or C's reads before a tile store,
+// and keep every tile instruction in program order.
+#define FLASHATTN_TILE_LOAD(t, base, stride)                                              \
+  asm volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, 0x04 | (" #t " << 3), 0x10" /* tileloadd */ \
+               ::"a"(base), "d"(static_cast<int64_t>(stride)) : "memory")
+#define FLASHATTN_TILE_STORE(t, base, stride)                                              \
+  asm volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, 0x04 | (" #t " << 3), 0x10" /* tilestored */ \
+               ::"a"(base), "d"(static_cast<int64_t>(stride)) : "memory")
+#define FLASHATTN_TILE_ZERO(t) asm volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xc0 | (" #t " << 3)" ::: "memory")
+// tdpbf16ps: tmm[c] += tmm[a] tmm[b] (b in VEX.vvvv, inverted; c in ModRM.reg, a in ModRM.rm).
+#define FLASHATTN_TILE_DOT(c, a, b) \
+  asm volatile(".byte 0xc4, 0xe2, 0x02 | ((~" #b " & 15) << 3), 0x5c, 0xc0 | (" #c " << 3) | " #a ::: "memory")
 
 // Accumulator (t, u) is tmm[2t + u]: row tile t, column tile u of the 32 x 32 block; A tile t is tmm[4 + t], B
 // tile u tmm[6 + u]. The switches fold away where t and u are constants (the unrolled block loops).
@@ -93,13 +100,17 @@ inline void accumulate(int t, int u) {
 }
 
 // Every thread that runs the engine loads this once (amx_configure) and gives the state back at the end of its
-// tasks (amx_release). ATen's brgemm keeps a per-thread note of the configuration it loaded last; releasing it
+// tasks (amx_release, from release_engine when its NativeTiles goes): every product on the engine must run on a
+// thread whose tiles object is alive, or ATen's or oneDNN's next product there may release or replace the
+// configuration while amx_configured still says ours is loaded. ATen's brgemm keeps a per-thread note of the configuration it loaded last; releasing it
 // first makes its next call load its own again instead of running on ours.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
+static_assert(sizeof(TileConfig) == 64 && offsetof(TileConfig, colsb) == 16 && offsetof(TileConfig, rows) == 48,
+              "the tile configuration's layout is the ISA's");
 inline thread_local bool amx_configured = false;
 inline void amx_configure() {
   if (amx_configured) return;
@@ -107,12 +118,12 @@ inline void amx_configure() {
   at::native::cpublas::brgemm_release(true);
 #endif
   static const TileConfig config;
-  asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
+  asm volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0x00" /* ldtilecfg (%%rax) */ ::"a"(&config) : "memory");
   amx_configured = true;
 }
 inline void amx_release() {
   if (!amx_configured) return;
-  asm volatile("tilerelease" ::: "memory");
+  asm volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0xc0" /* tilerelease */ ::: "memory");
   amx_configured = false;
 }
 
@@ -224,6 +235,7 @@ struct AmxProduct {
 // Single-threaded, inside the kernel's parallel region.
 inline void amx_gemm(int64_t m, int64_t n, int64_t k, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
                      int64_t ldb, float* c, int64_t ldc, bool add) {
+  TORCH_CHECK(k % 2 == 0, "flashattn cpu kernel: AMX tile products take an even K (VNNI pairs), got ", k);
   amx_configure();
   const AmxProduct product{m, n, k, a, b, lda, ldb, c, ldc, add};
   for (int64_t index = 0, count = product.blocks(); index < count; ++index) product.block(index);
