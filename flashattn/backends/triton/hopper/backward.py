@@ -54,10 +54,12 @@ CONSUMER_REGS = 240
 
 
 @gluon.jit
-def _tile(j, i, dk, dv, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_PITCH: gl.constexpr):  # noqa: PLR0913
+def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_PITCH: gl.constexpr,  # noqa: PLR0913
+          WG: gl.constexpr):
     """Query tile j (ring slot i) of the query head ``stats`` points at: dK and dV updated, the tile's dQ added
     into the sum (rows ``DQ_PITCH`` elements apart). The switches are arguments of their own: inside a tuple
-    they would arrive as tensors."""
+    they would arrive as tensors. (``WG`` is in ``ctx`` here; ``_group_tiles`` calls both kernels' tiles alike.)"""
+    dk, dv = grads
     k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits, shared_ds = ctx
     neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0 = stats
     seqlen_q, seqlen_k, qk_scale, scale = limits
@@ -147,8 +149,7 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: g
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
     n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
-    heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
-    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
+    heads = outs[0]  # (the group's statistics and dQ: _group_tiles)
     WG_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -168,19 +169,31 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: g
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     mbarrier.wait(kv_bar, 0)
+    dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, CAUSAL, HEADS, HEAD_D, WG)
+    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, seqlen_k)
+
+
+@gluon.jit
+def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, CAUSAL: gl.constexpr,  # noqa: PLR0913
+                 HEADS: gl.constexpr, HEAD_D: gl.constexpr, WG: gl.constexpr):
+    """(dK, dV) after ``TILE`` (``_tile`` or the wide kernel's) ran over every query tile that sees the program's
+    keys, for each query head of the key/value head's group in turn: the tiles on the diagonal (causal) or past
+    either sequence's end take the mask, those between none."""
+    dk, dv = grads
+    n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
+    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
     for g in range(group):
         h = h0 + g
         at = (b * HEADS + h) * seqlen_q  # this head's rows of neg_lse2 and delta
         stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, h * HEAD_D)
         first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
-        # The query tiles on the diagonal (causal) or past either sequence's end take the mask; those between none.
         for j in range(lo, full_lo):
-            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL, HEADS * HEAD_D)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
         for j in range(full_lo, full_hi):
-            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, False, CAUSAL, HEADS * HEAD_D)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, False, CAUSAL, HEADS * HEAD_D, WG)
         for j in range(full_hi, hi):
-            dk, dv = _tile(j, first + j, dk, dv, ctx, stats, True, CAUSAL, HEADS * HEAD_D)
-    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, seqlen_k)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
+    return dk, dv
 
 
 @gluon.jit

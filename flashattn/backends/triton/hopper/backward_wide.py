@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward import _add_dq, _producer, _program, _store_grads
+from .backward import _add_dq, _group_tiles, _producer, _program, _store_grads
 from .steps import _mma_layout
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
@@ -112,8 +112,7 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, CAUSA
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
     n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
-    heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
-    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
+    heads = outs[0]  # (the group's statistics and dQ: _group_tiles)
     WG_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     HALF_D: gl.constexpr = HEAD_D // 2
@@ -124,17 +123,7 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, CAUSA
     dk = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     dv = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     mbarrier.wait(kv_bar, 0)
-    for g in range(group):
-        h = h0 + g
-        at = (b * HEADS + h) * seqlen_q  # this head's rows of neg_lse2 and delta
-        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, h * HEAD_D)
-        first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
-        for j in range(lo, full_lo):
-            dk, dv = _wide_tile(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
-        for j in range(full_lo, full_hi):
-            dk, dv = _wide_tile(j, first + j, (dk, dv), ctx, stats, False, CAUSAL, HEADS * HEAD_D, WG)
-        for j in range(full_hi, hi):
-            dk, dv = _wide_tile(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
+    dk, dv = _group_tiles(_wide_tile, (dk, dv), ctx, geometry, heads, CAUSAL, HEADS, HEAD_D, WG)
     _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, seqlen_k)
 
 
