@@ -81,7 +81,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
     scalar_t* dst = const_cast<scalar_t*>(orows.data) + s.qb * orows.batch_stride + (s.q0 + i) * orows.row_stride +
                     h * orows.head_stride;
     store_scaled_row(dst, ar, DV, inv);
-    lse_p[s.qb * lse_b + h * lse_h + s.q0 + i] = l > 0 ? static_cast<acc_t>((m + std::log2(l)) / kLog2e) : neg_inf;
+    // A product, not a division in double: the division's latency after log2's was a third of finishing a row.
+    lse_p[s.qb * lse_b + h * lse_h + s.q0 + i] = l > 0 ? (m + std::log2(l)) * static_cast<acc_t>(kLn2) : neg_inf;
   };
 
   using Scratch = ForwardScratch<Tiles>;
@@ -276,7 +277,8 @@ void forward_kernel(const Problem& p, Engine engine, const at::Tensor& q, const 
             const scalar_t* v = keys.v(task.seq, hk, c0);
             for (const auto& [r0, r1, lo, hi] : sc.strips) {
               sc.tiles.strip_scores(kt, r0, r1 - r0, lo, hi);
-              fused_rows(sc, s, task.seq, sc.tiles.s_tile.data(), ld, r0, r1, g, i, hk, c0, cols, false, acc,
+              // The strip's rows as a tile of hi columns: P V reads no further, so their zeros stop there too.
+              fused_rows(sc, s, task.seq, sc.tiles.s_tile.data(), ld, r0, r1, g, i, hk, c0, hi, false, acc,
                          row_max, row_sum, lanes);
             }
             sc.tiles.zero_probs_past(n, cols);

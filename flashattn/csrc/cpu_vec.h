@@ -25,6 +25,7 @@
 namespace flash_cpu {
 
 constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;  // 1 / kLog2e
 using fVec = at::vec::Vectorized<float>;
 using iVec = at::vec::Vectorized<int32_t>;
 
