@@ -31,13 +31,13 @@ BF16_LAUNCHED_LOOP = {128: 495, 64: 453, 256: 423}
 ENVIRONMENTAL = ("No module named 'triton.experimental.gluon'", "FileNotFoundError")
 
 
-def _profiled(tmp_path_factory, *flags: str) -> dict:
+def _profiled(tmp_path_factory, *flags: str, cases: str = "128:0,64:1,256:1") -> dict:
     if importlib.util.find_spec("triton.experimental.gluon") is None:
         pytest.skip("this triton has no Gluon (triton.experimental.gluon)")
     out = tmp_path_factory.mktemp("gluon") / "measured.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "tools.gluon.profile", "--cases", "128:0,64:1,256:1", *flags, "--json", str(out)],
+        [sys.executable, "-m", "tools.gluon.profile", "--cases", cases, *flags, "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )
     if done.returncode != 0 and any(word in done.stderr for word in ENVIRONMENTAL):
@@ -54,6 +54,11 @@ def rows(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp8_rows(tmp_path_factory):
     return _profiled(tmp_path_factory, "--fp8", "--launched")
+
+
+@pytest.fixture(scope="module")
+def band_rows(tmp_path_factory):
+    return _profiled(tmp_path_factory, "--launched", "--window", "100:0", "--softcap", "30", cases="64:0,128:0")
 
 
 @pytest.mark.parametrize("case", [(128, False), (64, True)])
@@ -99,3 +104,17 @@ def test_the_fp8_forward_multiplies_fp8_and_moves_p_within_threads(rows, fp8_row
         assert r["schedule"]["overlap"] == "pv"  # LAUNCHED's
         assert 0 < r["loop"] <= BF16_LAUNCHED_LOOP[case[0]]
         assert sum(kind == "pv" and gap >= 100 for kind, gap in r["retired"]) >= 2  # P V under the softmax
+
+
+def test_a_window_and_a_softcap_add_a_masked_loop_and_one_tanh_a_score(band_rows):
+    """A sliding window (left 100, right 0) with a softcap, in the schedule the tier launches: no spills, three key
+    loops a consumer (the left edge's masked tiles, the unmasked ones, the right edge's), the softcap on the tanh
+    unit (one MUFU.TANH a score, 64 a thread and tile: in the three loops and the peeled first tile of both
+    consumers, 8 x 64), and the unmasked loop at most 3 instructions a score longer than the plain kernel's (the
+    tanh and its scaling: 2)."""
+    for d in (64, 128):
+        r = band_rows[d, False]
+        assert r["spill_bytes"] == 0 and r["warps"] == 12 and {24, 240} <= set(r["setmaxnreg"])
+        assert r["band_loops"] == 6
+        assert r["tanh"] >= 6 * 64
+        assert BF16_LAUNCHED_LOOP[d] < r["loop"] <= BF16_LAUNCHED_LOOP[d] + 3 * 64

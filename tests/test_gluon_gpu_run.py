@@ -38,32 +38,46 @@ def test_dry_run_checks_then_times_and_writes_its_results(tmp_path):
     shapes = [c["shape"] for c in next(iter(report["correctness"].values()))["cases"]]
     assert [1, 1, 1, 2, 2] in shapes and [1, 300, 100, 2, 2] in shapes  # seqlen 1; more queries than keys
     assert [2, 173, 251, 6, 2] in shapes and [1, 300, 100, 3, 1] in shapes  # GQA, MQA
+    bands = {(tuple(c["window"]), c["top_left"], c["softcap"])
+             for r in report["correctness"].values() for c in r.get("cases", []) if "window" in c}
+    assert {((77, 20), False, 0.0), ((-1, -1), False, 30.0), ((300, 40), True, 20.0)} <= bands
     impls = {r["impl"] for r in report["speed"]}
     assert {"sdpa-cudnn", "sdpa-flash", "flashattn"} <= impls and any(i.startswith("gluon") for i in impls)
     assert done.stdout.strip().splitlines()[-1].split()[3] in impls  # the table comes last
 
 
 @needs_gluon
-@pytest.mark.parametrize("fault", ["off by 0.05", "nan", "lse"])
+@pytest.mark.parametrize("fault", ["off by 0.05", "nan", "lse", "no softcap", "no window", "bottom-right"])
 def test_a_wrong_kernel_fails_its_case(fault, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     from tools.gluon import gpu_run
 
     plain = gpu_run._kernel(True)
 
-    def wrong(q, k, v, causal, schedule):
-        out, lse = plain(q, k, v, causal, schedule)
+    def wrong(q, k, v, causal, schedule, window=(-1, -1), top_left=False, softcap=0.0):
+        band = {"no softcap": dict(window=window, top_left=top_left, softcap=0.0),
+                "no window": dict(window=(-1, -1), top_left=top_left, softcap=softcap),
+                "bottom-right": dict(window=window, top_left=False, softcap=softcap)}
+        out, lse = plain(q, k, v, causal, schedule, **band.get(fault, dict(window=window, top_left=top_left,
+                                                                             softcap=softcap)))
         out, lse = out.clone(), lse.clone()
         if fault == "lse":
             lse[0, 0, -1] += 0.01
-        else:
+        elif fault in ("off by 0.05", "nan"):
             out[0, -1, 0, 0] = float("nan") if fault == "nan" else out[0, -1, 0, 0] + 0.05
         return out, lse
 
     monkeypatch.setattr(gpu_run, "_kernel", lambda dry: wrong)
-    report = gpu_run.check_case(64, False, 0, dry=True)
+    launched = gpu_run._variants().index(gpu_run._launched(64))  # the schedule whose bands are checked
+    report = gpu_run.check_case(64, False, launched, dry=True)
     assert not report["ok"]
-    assert sum(not c["ok"] for c in report["cases"]) >= len(gpu_run.SHAPES) - 1
+    failed = [c for c in report["cases"] if not c["ok"]]
+    if fault in ("no softcap", "no window", "bottom-right"):  # the band cases that use it, and no other
+        uses = {"no softcap": lambda c: c["softcap"] > 0, "no window": lambda c: c["window"] != [-1, -1],
+                "bottom-right": lambda c: c["top_left"] and c["shape"][1] != c["shape"][2]}[fault]
+        assert failed and all(uses(c) for c in failed)
+    else:
+        assert len(failed) >= len(gpu_run.SHAPES) - 1
 
 
 @needs_gluon

@@ -39,6 +39,7 @@ def _any_triton(monkeypatch):
 
 CAUSAL = AttentionSpec(scale=0.125, window_right=0)
 FULL = AttentionSpec(scale=0.125)
+BAND = "window or softcap (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
 
 
 @pytest.mark.parametrize("case, why", [
@@ -47,11 +48,12 @@ FULL = AttentionSpec(scale=0.125)
     ((_qkv(nq=1, nk=1025), FULL), "decode-shaped (the portable decode kernel)"),
     ((_qkv(nq=17, nk=1025), FULL), None),
     ((_qkv(nq=300, nk=100), CAUSAL), None),  # bottom-right, as the kernel aligns it
-    ((_qkv(nq=300, nk=100), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), "window"),
+    ((_qkv(nq=300, nk=100), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), BAND),
     ((_qkv(), AttentionSpec(scale=0.125, window_right=0, bottom_right=False)), None),  # the same diagonal
-    ((_qkv(), AttentionSpec(scale=0.125, window_left=64, window_right=0)), "window"),
-    ((_qkv(), AttentionSpec(scale=0.125, window_right=0, diagonal_offset=128)), "window"),
-    ((_qkv(), AttentionSpec(scale=0.125, softcap=30.0)), "softcap"),
+    ((_qkv(), AttentionSpec(scale=0.125, window_left=64, window_right=0)), BAND),
+    ((_qkv(), AttentionSpec(scale=0.125, window_right=0, diagonal_offset=128)), BAND),
+    ((_qkv(), AttentionSpec(scale=0.125, softcap=30.0)), BAND),
+    ((_qkv(), AttentionSpec(scale=0.125, softcap=30.0, dropout_p=0.1)), "dropout"),
     ((_qkv(), AttentionSpec(scale=0.125, dropout_p=0.1)), "dropout"),
     ((_qkv(), AttentionSpec(scale=0.125, alibi_slopes=torch.ones(4))), "alibi"),
     ((_qkv(), AttentionSpec(scale=0.125, sink=torch.zeros(4))), "sink"),
@@ -220,6 +222,72 @@ def test_forced_it_takes_grouped_heads(monkeypatch):
     assert hopper.declines(*_qkv(hk=3), FULL, probs=False, arch=90) == "head dims or grouped heads"
 
 
+def test_forced_it_takes_windows_and_softcaps_its_backward_does_not(monkeypatch):
+    """The forward reads any band (left, right, either alignment, a diagonal offset) and a softcap; the one-pass
+    backward stays full or causal, so such a call's backward is the portable one (from the tier's out and lse)."""
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    q, k, v = _qkv(nq=300, nk=500)
+    for spec, backward in ((AttentionSpec(scale=0.125, window_left=64, window_right=0), "window"),
+                           (AttentionSpec(scale=0.125, window_left=100, window_right=30, bottom_right=False), "window"),
+                           (AttentionSpec(scale=0.125, window_right=0, diagonal_offset=-7), "window"),
+                           (AttentionSpec(scale=0.125, softcap=30.0), "softcap"),
+                           (AttentionSpec(scale=0.125, window_left=64, softcap=50.0), "softcap")):
+        assert hopper.declines(q, k, v, spec, probs=False, arch=90) is None, spec
+        assert hopper.backward_declines(q, k, v, q, spec, arch=90) == backward, spec
+    assert hopper.declines(q, k, v, AttentionSpec(scale=0.125, softcap=30.0, sink=torch.zeros(4)), probs=False,
+                           arch=90) == "sink"
+
+
+def _on_ints(helper):
+    """A Gluon helper's own body (``helper.fn``) run on Python ints, ``gl``'s minimum, maximum and cdiv as plain
+    functions: the kernel's index arithmetic checked without a GPU."""
+    import types
+
+    gl = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b))
+    fn = helper.fn
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": gl}, fn.__name__, fn.__defaults__)
+
+
+BANDS = [(-1, -1), (-1, 0), (0, 0), (64, 0), (100, 30), (300, -1), (0, -1), (5, 200), (-1, 77)]
+
+
+@needs_triton
+@recorded_on_oldest("the Hopper tier's Gluon kernel (Gluon's API changes between releases)")
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_the_key_tiles_a_program_visits_cover_its_band_and_skip_the_rest(block_n):
+    """``_key_span`` (the producer's loads and both consumers' loops): every key any row of the 128-row program
+    sees lies in the tiles it visits, the first and last visited tiles hold a visible key (hidden tiles are
+    skipped), and the tiles it runs unmasked ([lead, plain)) are whole and seen whole by every row; ``_segments``
+    splits each schedule's loops into masked, unmasked, masked, in order, covering them once."""
+    from flashattn.backends.masking import Band
+    from flashattn.backends.triton.hopper.steps import _key_span, _segments
+
+    span, segments = _on_ints(_key_span), _on_ints(_segments)
+    for nq, nk in ((300, 500), (500, 300), (1, 1), (129, 1), (128, 1000), (1000, 128), (777, 777), (257, 600)):
+        for left, right in BANDS:
+            for bottom_right, offset in ((True, 0), (False, 0), (True, -40), (False, 130)):
+                band = Band.of(nq, nk, left=left, right=right, bottom_right=bottom_right, diagonal_offset=offset)
+                for m0 in range(0, nq, 128):
+                    rows = torch.arange(m0, min(m0 + 128, nq))
+                    seen = band.visible(rows, torch.arange(nk)) & True
+                    first, tiles, lead, plain = span(m0, nq, nk, (band.diagonal, max(left, 0), max(right, 0)),
+                                                     left >= 0, right >= 0, 128, block_n)
+                    where = (nq, nk, left, right, bottom_right, offset, m0)
+                    assert tiles >= 1 and 0 <= lead <= plain <= tiles and 0 <= first * block_n < max(nk, 1), where
+                    keys = seen.any(0).nonzero().flatten()
+                    if len(keys):
+                        assert first == keys[0] // block_n and first + tiles - 1 == keys[-1] // block_n, where
+                    for t in range(lead, plain):
+                        c0 = (first + t) * block_n
+                        assert c0 + block_n <= nk and band.tile_is_full(m0, rows[-1].item() + 1, c0, c0 + block_n)
+                    for lo, hi in ((0, tiles - 1), (1, tiles)):  # schedule "qk" peels the last tile, "pv" the first
+                        for has_left in {left >= 0, True}:
+                            begin, end = segments(lo, hi, lead, plain, has_left)
+                            assert lo <= begin <= end <= max(hi, lo), where
+                            assert not (begin < end) or lead <= begin and end <= plain, where
+                            assert has_left or begin == lo, where
+
+
 def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
     q, k, v = _qkv()
     assert hopper.declines(q, k, v, FULL, probs=True, arch=90) == "probabilities"
@@ -290,34 +358,53 @@ def test_the_environment_variable_chooses(monkeypatch):
 
 def test_gpu_checks_smoke_runs_its_calls_through_the_tier(monkeypatch):
     """gpu-check's ``tier`` case: FLASHATTN_TRITON_TIER=hopper while it runs (restored after), the smoke's grouped
-    key/value heads, and a case the tier declines is reported as declined, not run on the portable kernel."""
+    key/value heads, a sliding window with a softcap where the tier takes them (errors named "band ..."), and a
+    case the tier declines is reported as declined, not run on the portable kernel."""
     import os
 
-    from tools.gpu_check import smoke
+    from tools.gpu_check import smoke, tier_case
     from tools.gpu_check.tier_case import check_tier
 
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "auto")
-    seen = []
+    seen, asked = [], []
 
     def fwd_bwd(case, sizes, device):
         seen.append((sizes.heads_k, os.environ["FLASHATTN_TRITON_TIER"]))
         return {"out": 0.0}
 
-    monkeypatch.setattr(hopper, "declines", lambda *a, **kw: None)
+    def declines(q, k, v, spec, **kw):
+        asked.append(spec)
+        return None
+
+    monkeypatch.setattr(hopper, "declines", declines)
+    monkeypatch.setattr(tier_case, "_check_band", lambda case, sizes, device: {"out": 0.25})
     case = smoke.Case("tier", "bfloat16", 64, True)
-    assert check_tier(case, smoke.FULL, "cpu", fwd_bwd) == {"out": 0.0}
+    assert check_tier(case, smoke.FULL, "cpu", fwd_bwd) == {"out": 0.0, "band out": 0.25}
     assert seen == [(smoke.FULL.heads_k, "hopper")] and smoke.FULL.heads_k < smoke.FULL.heads
+    band = asked[1]  # the tier asked about the band the check runs: a window on the left, causal, a softcap
+    assert (band.window_left, band.window_right, band.softcap) == (smoke.FULL.nk // 3, 0, tier_case.SOFTCAP)
     assert os.environ["FLASHATTN_TRITON_TIER"] == "auto"
     # With bf16, the FP8 check runs too where the tier takes FP8 (here: every call), its errors named "fp8 ...".
     fp8_runs = []
     fp8 = lambda c, s, dev: fp8_runs.append(os.environ["FLASHATTN_TRITON_TIER"]) or {"out": 0.5}  # noqa: E731
-    assert check_tier(case, smoke.FULL, "cpu", fwd_bwd, fp8) == {"out": 0.0, "fp8 out": 0.5}
+    assert check_tier(case, smoke.FULL, "cpu", fwd_bwd, fp8) == {"out": 0.0, "band out": 0.25, "fp8 out": 0.5}
     assert fp8_runs == ["hopper"]
     assert "fp8 out" not in check_tier(smoke.Case("tier", "float16", 64, True), smoke.FULL, "cpu", fwd_bwd, fp8)
     monkeypatch.setattr(hopper, "declines", lambda *a, **kw: "not sm_90 (80)")
     with pytest.raises(Exception, match="cannot run this call: not sm_90"):
         check_tier(case, smoke.FULL, "cpu", fwd_bwd)
     assert len(seen) == 3 and os.environ["FLASHATTN_TRITON_TIER"] == "auto"
+
+
+def test_gpu_checks_band_case_judges_the_band_it_runs():
+    """The band check itself, on the CPU path here: flash_attn_func's window and softcap and the float64 oracle's
+    are the same function (a harness that disagreed with itself would fail every GPU)."""
+    from tools.gpu_check import smoke
+    from tools.gpu_check.tier_case import _check_band
+
+    for causal in (True, False):
+        errors = _check_band(smoke.Case("tier", "float32", 64, causal), smoke.FULL, "cpu")
+        assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-4
 
 
 def test_gpu_checks_tier_case_asks_the_tier_about_fp8(monkeypatch):
@@ -362,6 +449,11 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     assert seen["tier=hopper d256 backward"][1][1] == [2 * 2, 5]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
+    # A sliding window and a softcap: diagonal 0 (300 x 300, bottom-right), left 100, right 0, and the softcap's
+    # two factors, scale / c and c log2(e) (scale 64^-0.5).
+    (name, grid), scalars = seen["tier=hopper window softcap"]
+    assert [name, grid] == ["attention_forward_ws_kernel", [8, 3]]
+    assert scalars == [0, 100, 0, pytest.approx(0.125 / 30), pytest.approx(30 * 1.4426950408889634)]
 
 
 def _script() -> dict:
@@ -437,6 +529,10 @@ def _script() -> dict:
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]
     last_tensor = max(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))  # lse: then the sizes
     seen["tier=hopper GQA"] = [*names, k_map.shape, arguments[last_tensor + 5]]  # descale, seqlens, heads, group
+    names, launches, _ = run(90, dense(), window_size=(100, 0), softcap=30.0)
+    arguments = launches.arguments[0][2]
+    last_tensor = max(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))
+    seen["tier=hopper window softcap"] = [*names, arguments[last_tensor + 7: last_tensor + 12]]  # after qk_scale
     return seen
 
 

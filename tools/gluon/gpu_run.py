@@ -7,8 +7,9 @@ one-pass backward kernels' correctness (``gpu_backward.py``).
 Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not; at head dim 256 the schedule the tier
 launches) first runs its correctness cases in its
 own subprocess with a timeout, since a barrier protocol that is wrong deadlocks rather than fails: odd lengths (1,
-113, 173 x 251, 1025), queries longer than keys (causal rows that see no key: out 0, lse -inf), outputs poisoned with
-NaN before the launch, judged by the tolerance rule of ``tests/oracle.py`` (at most 2x plain bf16 attention's error
+113, 173 x 251, 1025), queries longer than keys (causal rows that see no key: out 0, lse -inf), and on three of
+them sliding windows (either alignment) and softcaps (``BANDS``, the launched schedule), outputs poisoned with NaN
+before the launch, judged by the tolerance rule of ``tests/oracle.py`` (at most 2x plain bf16 attention's error
 against float64). Only the variants that pass are timed, in one more subprocess: 16k tokens a batch (2048 = heads x
 d, FlashAttention-3's setting) at N = 1024 and 8192, beside SDPA's cuDNN and flash backends and the ``triton`` path
 of flashattn (``flash_attn_func``), CUDA events, L2 flushed, median of 20. ``gluon.json`` holds everything; the
@@ -34,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # keys; grouped key/value heads (GQA 6:2, MQA 3:1).
 SHAPES = ((1, 1, 1, 2, 2), (2, 113, 113, 3, 3), (2, 173, 251, 3, 3), (1, 1025, 1025, 2, 2), (1, 300, 100, 2, 2),
           (2, 1024, 1024, 2, 2), (2, 173, 251, 6, 2), (1, 300, 100, 3, 1))
+# Bands and softcaps, on three of those shapes, for the schedule the tier launches (each band compiles its own
+# kernels): (window, top-left aligned, softcap); causal cases take right = 0.
+BANDS = (((77, 20), False, 0.0), ((-1, -1), False, 30.0), ((300, 40), True, 20.0))
+BAND_SHAPES = (SHAPES[2], SHAPES[3], SHAPES[7])
 SPEED_SEQLENS = (1024, 8192)
 TOKENS = 16384
 REPEATS = 20
@@ -42,6 +47,11 @@ REPEATS = 20
 def _variants():
     from flashattn.backends.triton.hopper.forward import VARIANTS
     return VARIANTS
+
+
+def _launched(d: int):
+    from flashattn.backends.triton.hopper.forward import LAUNCHED
+    return LAUNCHED[d]
 
 
 def _launched_at_256():
@@ -54,23 +64,26 @@ def _case_name(d: int, causal: bool, index: int) -> str:
 
 
 def _kernel(dry: bool):
-    """forward(q, k, v, causal, schedule) -> (out, lse), out poisoned first; --dry: plain attention on the CPU."""
+    """forward(q, k, v, causal, schedule, window=(-1, -1), top_left=False, softcap=0.0) -> (out, lse), out
+    poisoned first; --dry: plain attention on the CPU."""
     import torch
 
     if dry:
         from tests.oracle import attention_ref
 
-        def plain(q, k, v, causal, schedule):
-            out, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, upcast=False)
+        def plain(q, k, v, causal, schedule, window=(-1, -1), top_left=False, softcap=0.0):
+            out, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, window=window, softcap=softcap,
+                                     bottom_right=not top_left, upcast=False)
             return out.to(q.dtype), lse.float()
         return plain
     from flashattn.backends.triton.hopper.forward import attention_forward_ws_kernel, launch_arguments
 
-    def launch(q, k, v, causal, schedule):
+    def launch(q, k, v, causal, schedule, window=(-1, -1), top_left=False, softcap=0.0):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
         grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=q.shape[-1] ** -0.5,
-                                        schedule=schedule)
+                                        schedule=schedule, window=window, diagonal=0 if top_left else None,
+                                        softcap=softcap)
         attention_forward_ws_kernel[grid](**kwargs)
         return out, lse
     return launch
@@ -87,14 +100,17 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
     kernel = _kernel(dry)
     torch.manual_seed(0)
     cases = []
-    for b, nq, nk, h, hk in SHAPES:
+    plain = [(shape, ((-1, -1), False, 0.0)) for shape in SHAPES]
+    bands = [(s, band) for s in BAND_SHAPES for band in BANDS] if schedule == _launched(d) else []
+    for (b, nq, nk, h, hk), (window, top_left, softcap) in plain + bands:
         q, k, v = (torch.randn(b, n, heads, d, dtype=torch.bfloat16, device=device)
                    for n, heads in ((nq, h), (nk, hk), (nk, hk)))
-        out, lse = kernel(q, k, v, causal, schedule)
+        band = dict(window=window, softcap=softcap)
+        out, lse = kernel(q, k, v, causal, schedule, top_left=top_left, **band)
         if device == "cuda":
             torch.cuda.synchronize()
-        ref, ref_lse = attention_ref(q, k, v, causal=causal)
-        base, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+        ref, ref_lse = attention_ref(q, k, v, causal=causal, bottom_right=not top_left, **band)
+        base, _ = attention_ref(q, k, v, causal=causal, bottom_right=not top_left, upcast=False, **band)
         err, base_err = max_err(out, ref), max_err(base, ref)
         bound = 2 * base_err + torch.finfo(torch.bfloat16).eps * (1 + ref.abs().max().item())
         seen = torch.isfinite(ref_lse)  # causal rows with no key: lse -inf, out 0
@@ -102,8 +118,9 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
         unseen_ok = bool((out.transpose(1, 2)[~seen] == 0).all() and (lse[~seen] == -math.inf).all())
         nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
         ok = err <= bound and lse_err <= 1e-3 and unseen_ok and not nan
-        cases.append(dict(shape=[b, nq, nk, h, hk], ok=ok, err=err, bound=bound, lse_err=lse_err, nan=nan,
-                          unseen_rows=int((~seen).sum()), unseen_ok=unseen_ok))
+        cases.append(dict(shape=[b, nq, nk, h, hk], window=list(window), top_left=top_left, softcap=softcap, ok=ok,
+                          err=err, bound=bound, lse_err=lse_err, nan=nan, unseen_rows=int((~seen).sum()),
+                          unseen_ok=unseen_ok))
     return {"ok": all(c["ok"] for c in cases), "cases": cases}
 
 
@@ -256,8 +273,8 @@ def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
     dry = ["--dry"] if a.dry else []
     todo = [(d, causal, i) for d in (128, 64) for causal in (False, True) for i in range(len(_variants()))]
     todo += [(256, causal, _variants().index(_launched_at_256())) for causal in (False, True)]  # the one launched
-    if a.dry:
-        todo = todo[:2]
+    if a.dry:  # a variant, and the one launched (which checks the bands too)
+        todo = [todo[0], next(c for c in todo if _variants()[c[2]] == _launched(c[0]))]
     check_timeout = max(30.0, 0.4 * a.budget)
 
     from .gpu_backward import HEAD_DIMS

@@ -2,10 +2,12 @@
 reallocation, spills, shared memory, HGMMA groups and how long each stays in flight, TMA loads, and instructions per
 score in the consumers' main loop, the same way ``tools.offline.profile`` counts the tl kernels.
 
-    python -m tools.gluon.profile [--all | --launched] [--fp8] [--cases 128:0,64:1] [--json out]
+    python -m tools.gluon.profile [--all | --launched] [--fp8] [--window 256:0] [--softcap 30]
+                                  [--cases 128:0,64:1] [--json out]
 
 ``--fp8``: the FP8 forward (e4m3 q, k, v; wgmma on FP8 operands, ``QGMMA`` in the SASS). ``--launched``: the
-schedule the tier launches (``forward.LAUNCHED``) instead of ``SCHEDULES``'s.
+schedule the tier launches (``forward.LAUNCHED``) instead of ``SCHEDULES``'s. ``--window left:right`` (-1 for an
+unbounded side) and ``--softcap``: the kernel compiled for a sliding window and a softcap.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ _WAIT = re.compile(r"gsb0\s*,\s*0x([0-9a-f]+)")
 _PV = re.compile(r"R\d+, R\d+, gdesc")  # A from registers: P V; Q K^T reads both operands from shared memory
 
 
-def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, dtype: torch.dtype = torch.bfloat16):
+def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, dtype: torch.dtype = torch.bfloat16,
+                 *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """The kernel compiled for sm_90 as ``forward`` would launch it at PROFILE_SHAPE (CPU tensors, nothing runs)."""
     from tools.offline.compile import _offline
 
@@ -52,7 +55,7 @@ def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, 
         v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         descale = torch.ones(batch, k.shape[2])
     grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, schedule=schedule,
-                                    descale=descale)
+                                    descale=descale, window=window, softcap=softcap)
     with _offline(90):
         return attention_forward_ws_kernel.warmup(grid=grid, **kwargs)
 
@@ -75,6 +78,8 @@ class Measured:
     loop: int  # instructions per key tile in the consumer's unmasked loop
     per_score: float  # loop x 8 consumer warps / (128 x 128)
     fp8: bool = False  # e4m3 q, k, v
+    tanh: int = 0  # MUFU.TANH instructions (a softcap's)
+    band_loops: int = 0  # innermost loops holding a QK^T and a PV group: the masked and unmasked key loops
 
     def overlapped(self, kind: str, at_least: int = 32) -> int:
         """Groups of ``kind`` with at least ``at_least`` instructions issued between them and their retirement."""
@@ -98,24 +103,30 @@ def retired(sass) -> list[tuple[str, int]]:
     return out
 
 
+def _groups(sass, loop) -> int:
+    return sum(ins.opcode.startswith(WGMMA) and "gsb0" in ins.operands
+               for ins in sass.instructions[loop.start: loop.end + 1])
+
+
 def consumer_loop(sass):
     """The consumer's unmasked key loop and the tiles one trip covers: the leanest innermost loop per tile among
     those holding HGMMA groups (a QK^T and a PV group per tile; the masked loop is the longer one, the producer's
     loop has none)."""
     best = None
     for loop in sass.innermost_loops():
-        body = sass.instructions[loop.start: loop.end + 1]
-        groups = sum(ins.opcode.startswith(WGMMA) and "gsb0" in ins.operands for ins in body)
+        groups = _groups(sass, loop)
         if groups >= 2 and (best is None or loop.length * 2 / groups < best[0].length * 2 / best[1]):
             best = (loop, groups)
     return None if best is None else (best[0], best[1] // 2)
 
 
-def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: bool = False) -> Measured:
+def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: bool = False, *,
+            window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Measured:
     from tools.offline.compile import cubin_report
 
     schedule = schedule or SCHEDULES[head_dim]
-    kernel = compile_sm90(head_dim, causal, schedule, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    kernel = compile_sm90(head_dim, causal, schedule, torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                          window=window, softcap=softcap)
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     found = consumer_loop(sass)
@@ -126,7 +137,8 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: 
         head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
         kernel.metadata.num_warps, sass.count(WGMMA), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
         sass.count("UTMALDG"), round(per_tile),
-        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3), fp8,
+        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3), fp8, sass.count("MUFU.TANH"),
+        sum(_groups(sass, loop) >= 2 for loop in sass.innermost_loops()),
     )
 
 
@@ -151,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="every schedule in VARIANTS, not only the shipped one")
     parser.add_argument("--launched", action="store_true", help="the schedule the tier launches (LAUNCHED)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (e4m3 q, k, v)")
+    parser.add_argument("--window", default="-1:-1", help="left:right, -1 for an unbounded side")
+    parser.add_argument("--softcap", type=float, default=0.0)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
@@ -158,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases.split(","):
         head_dim, causal = (int(x) for x in case.split(":"))
         for schedule in VARIANTS if args.all else ((LAUNCHED if args.launched else SCHEDULES)[head_dim],):
-            row = measure(head_dim, bool(causal), schedule, fp8=args.fp8)
+            row = measure(head_dim, bool(causal), schedule, fp8=args.fp8,
+                          window=tuple(int(x) for x in args.window.split(":")), softcap=args.softcap)
             rows.append(asdict(row))
             print(format_row(row))
     if args.json:

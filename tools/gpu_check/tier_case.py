@@ -5,7 +5,9 @@ routing, its out and lse as the portable backward reads them, on the GPU.
 ``FLASHATTN_TRITON_TIER=hopper`` for the case, so every dtype and head dim its kernel can run is checked (by default
 it takes bf16 at head dim 64 alone), with the smoke's grouped key/value heads (the kernel's own step, ``gluon``,
 checks as many key as query heads too); with as many key as query heads again, so that the tier's one-pass
-backward (d=64, 128, 256) is checked as well, and with bf16 the tier's FP8 forward (the ``fp8-matmul`` check);
+backward (d=64, 128, 256) is checked as well, with a sliding window and a softcap (errors named "band ...": the
+tier's forward, the portable backward from its out and lse), and with bf16 the tier's FP8 forward (the
+``fp8-matmul`` check);
 ``declined`` (and why) where it cannot run. On a GPU in a child process
 with a time limit (``CHILD_TIMEOUT_S``): the tier's kernels are the ones whose barriers can hang.
 """
@@ -48,9 +50,33 @@ def check_tier(case, sizes, device: str, check_fwd_bwd, check_fp8=None) -> dict:
         mha = dataclasses.replace(sizes, heads_k=sizes.heads)
         if hopper.backward_declines(q, q, q, q, AttentionSpec(scale=d**-0.5)) is None:
             errors.update({f"mha {name}": error for name, error in check_fwd_bwd(case, mha, device).items()})
+        window = _window(case, sizes)
+        band = AttentionSpec(scale=d**-0.5, window_left=window[0], window_right=0 if case.causal else window[1],
+                             softcap=SOFTCAP)
+        if hopper.declines(q, k, k, band, probs=False) is None:
+            errors.update({f"band {name}": error for name, error in _check_band(case, sizes, device).items()})
         if check_fp8 is not None and case.dtype == "bfloat16" and _takes_fp8(q, k, case.causal):
             errors.update({f"fp8 {name}": error for name, error in check_fp8(case, sizes, device).items()})
         return errors
+
+
+SOFTCAP = 30.0
+
+
+def _window(case, sizes) -> tuple[int, int]:
+    """A band narrower than the keys on both sides, so that its tiles are skipped, masked and whole."""
+    return max(sizes.nk // 3, 1), max(sizes.nk // 5, 1)
+
+
+def _check_band(case, sizes, device: str) -> dict:
+    """flash_attn_func with a sliding window (causal: its right side 0) and a softcap, forward and backward, judged
+    against float64 like every case."""
+    from .smoke import _forward_backward, _inputs, _judge
+
+    q, k, v = _inputs(case, sizes, device)
+    window = _window(case, sizes)
+    out, grads = _forward_backward(q, k, v, causal=case.causal, window_size=window, softcap=SOFTCAP)
+    return _judge((q, k, v), out, grads, causal=case.causal, window=window, softcap=SOFTCAP)
 
 
 def _takes_fp8(q, k, causal: bool) -> bool:

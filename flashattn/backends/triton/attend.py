@@ -250,7 +250,7 @@ def _attend(q, k, v, results, spec: AttentionSpec, shape: CallShape, *, values_i
     out, lse, probs = results
     if hopper.declines(q, k, v, spec, probs=probs is not None, values_interleaved=values_interleaved) is None:
         descale = None if spec.descale is None else spec.descale.score_scales()
-        hopper.launch_forward(q, k, v, out, lse, causal=spec.window_right == 0, scale=spec.scale, descale=descale)
+        hopper.launch_forward(q, k, v, out, lse, spec, descale=descale)
         return
     plain = (spec.alibi_slopes is None and spec.attn_mask is None and spec.block_sparse is None and probs is None
              and spec.dropout_p == 0)

@@ -12,15 +12,16 @@ the portable kernel keeps it. Its backward is the portable one, from the same ou
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
-reads but no GPU has yet checked, head dim 256, grouped key/value heads (GQA, MQA) and FlashAttention-3's FP8
-forward: e4m3 q, k, v with descales, v handed over as ``attend.interleaved_values`` lays it out).
+reads but no GPU has yet checked, head dim 256, grouped key/value heads (GQA, MQA), sliding windows (any left and
+right bound, either alignment, a diagonal offset), a softcap, and FlashAttention-3's FP8 forward: e4m3 q, k, v with
+descales, v handed over as ``attend.interleaved_values`` lays it out).
 
 Example::
 
     >>> import torch
     >>> q = torch.empty(2, 1024, 16, 64, dtype=torch.bfloat16)
-    >>> declines(q, q, q, AttentionSpec(scale=0.125, softcap=30.0), probs=False, arch=90)
-    'softcap'
+    >>> declines(q, q, q, AttentionSpec(scale=0.125, dropout_p=0.1), probs=False, arch=90)
+    'dropout'
     >>> declines(q.half(), q.half(), q.half(), AttentionSpec(scale=0.125), probs=False, arch=90)
     'not measured faster than the portable forward'
 """
@@ -84,9 +85,13 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
         return "not measured faster than the portable forward"
     if chosen == "auto" and hk != h:
         return "grouped heads (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
+    aligned = nq == k.shape[1]
+    if chosen == "auto" and _options_decline(spec, aligned, fp8=fp8) in ("window", "softcap") and (
+            _options_decline(spec, aligned, fp8=fp8, band=True) is None):
+        return "window or softcap (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
     if nq <= DECODE_MAX_ROWS:  # the tier's 128-row programs would idle where the decode kernel is shaped for it
         return "decode-shaped (the portable decode kernel)"
-    why = "probabilities" if probs else _options_decline(spec, nq == k.shape[1], fp8=fp8) or _memory_declines(
+    why = "probabilities" if probs else _options_decline(spec, aligned, fp8=fp8, band=True) or _memory_declines(
         q, k, v.permute(0, 2, 3, 1) if fp8 else v)
     return why or _target_declines(arch)
 
@@ -105,15 +110,20 @@ def _target_declines(arch: int | str | None) -> str | None:
     return None if arch == 90 else f"not sm_90 ({arch or 'the interpreter'})"
 
 
-def _options_decline(spec: AttentionSpec, causal_alignment: bool, *, fp8: bool = False) -> str | None:
-    """The first option the tier does not read, or "window"; ``fp8``: the FP8 forward, which reads the descales."""
-    features = {"softcap": spec.softcap > 0, "dropout": spec.dropout_p > 0, "alibi": spec.alibi_slopes is not None,
-                "sink": spec.sink is not None, "mask": spec.attn_mask is not None or spec.block_sparse is not None,
+def _options_decline(spec: AttentionSpec, causal_alignment: bool, *, fp8: bool = False,
+                     band: bool = False) -> str | None:
+    """The first option the kernel does not read, or "window"; ``fp8``: the FP8 forward, which reads the descales;
+    ``band``: the forward, which reads any window and a softcap (the backward: full or causal, no softcap)."""
+    features = {"softcap": spec.softcap > 0 and not band, "dropout": spec.dropout_p > 0,
+                "alibi": spec.alibi_slopes is not None, "sink": spec.sink is not None,
+                "mask": spec.attn_mask is not None or spec.block_sparse is not None,
                 "cache": spec.cache is not None, "fp8": not fp8 and (spec.descale is not None or spec.fp8_training),
                 "scale": not spec.scale > 0}
     used = next((name for name, on in features.items() if on), None)
     if used:
         return used
+    if band:
+        return None
     full = (spec.window_left, spec.window_right) == (-1, -1)
     causal = (spec.window_left, spec.window_right) == (-1, 0) and (spec.bottom_right or causal_alignment)
     return None if (full or causal) and spec.diagonal_offset == 0 else "window"
@@ -129,15 +139,18 @@ def _memory_declines(q, k, v) -> str | None:
     return None
 
 
-def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, descale: torch.Tensor | None = None) -> None:
-    """Run the tier's forward into ``out`` (q's shape) and ``lse`` (B, H, Nq) float32, through the path's
-    ``launch`` (compile-only runs and launch plans see it as any other kernel: a plan rebuilds its Gluon descriptors
-    around each call's tensors). FP8: ``descale`` (B, Hk) the scores' scale, out float32."""
+def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Tensor | None = None) -> None:
+    """Run the tier's forward of ``spec`` (its scale, band and softcap: what ``declines`` let through) into ``out``
+    (q's shape) and ``lse`` (B, H, Nq) float32, through the path's ``launch`` (compile-only runs and launch plans see
+    it as any other kernel: a plan rebuilds its Gluon descriptors around each call's tensors). FP8: ``descale``
+    (B, Hk) the scores' scale, out float32."""
     from ..launch import launch
     from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
 
-    schedule = LAUNCHED[q.shape[-1]]
-    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=scale, schedule=schedule, descale=descale)
+    band = spec.band(q.shape[1], k.shape[1])
+    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=False, scale=spec.scale, schedule=LAUNCHED[q.shape[-1]],
+                                    descale=descale, window=(band.left, band.right), diagonal=band.diagonal,
+                                    softcap=spec.softcap)
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 

@@ -14,8 +14,10 @@ Triton 3.6), which expresses what ``tl`` cannot there (on sm_90 ``tl`` waits for
 
   With ``pingpong`` the two consumers take turns issuing their wgmmas (two mbarriers pass the turn).
 
-Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)``. Keys past the sequence and (``causal``) keys right of
-the bottom-right-aligned diagonal are masked only in the tiles that need it (an unmasked loop, then a masked one).
+Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)`` (with a softcap c, ``2^(c log2(e) tanh(s scale / c)
+- m)``). A program visits only the key tiles its rows' band reaches (causal, or a sliding window: ``window_left`` and
+``window_right`` around a diagonal, bottom-right aligned by default); keys past the sequence and outside the band are
+masked only in the tiles that need it (a left window's masked loop, an unmasked one, then a masked one).
 
 Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads (GQA,
 MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128, 256), bf16 or fp16, read through
@@ -39,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .steps import (
     _instr_k,
+    _key_span,
     _mma_layout,
     _pass_turn,
     _pv_schedule,
@@ -47,7 +50,6 @@ from .steps import (
     _ready,
     _release,
     _take_turn,
-    _tile_count,
 )
 
 LOG2E = 1.4426950408889634
@@ -110,22 +112,28 @@ def _store(o, m, l, out, rows, limits):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- see the docstring
-              CAUSAL: gl.constexpr, QK_AHEAD: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile; O and lse stored.
-    The switches are arguments of their own: inside a tuple, warp_specialize hands constexprs over as tensors."""
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_AHEAD: gl.constexpr,
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile they see; O and lse
+    stored. The switches are arguments of their own: inside a tuple, warp_specialize hands constexprs over as
+    tensors."""
     q_smem, k_bufs, v_bufs = smem
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
-    m0, seqlen_q, seqlen_k, qk_scale = geometry
+    m0, seqlen_q, seqlen_k, qk_scale, band, softcap = geometry
+    SCORES: gl.constexpr = (LEFT, RIGHT, SOFTCAP)
     WG_M: gl.constexpr = q_smem.shape[1]
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, _instr_k(q_smem.dtype))
-    tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+    first, tiles, lead, plain = _key_span(m0, seqlen_q, seqlen_k, band, LEFT, RIGHT, 2 * WG_M, BLOCK_N)
     limits = (seqlen_q, seqlen_k, qk_scale)
+    diagonal, left, right = band
+    cap_in, cap_out = softcap
     rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)  # never read: use_acc=False
-    ctx = (q_smem.index(WG), k_bufs, v_bufs, zero_s, cols, rows, limits)
+    scoring = (qk_scale, cap_in, cap_out, first, seqlen_k, diagonal, left, right)
+    ctx = (q_smem.index(WG), k_bufs, v_bufs, zero_s, cols, rows, scoring)
     loop_bars = (k_ready, v_ready, k_empty, v_empty, turn)
 
     if PINGPONG and WG == 1:
@@ -141,9 +149,9 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- s
     l = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
     o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D, _instr_k(q_smem.dtype)))
     if QK_AHEAD:
-        o, m, l = _qk_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG, UNROLL)
+        o, m, l = _qk_schedule((s, o, m, l), (tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG, UNROLL)
     else:
-        o, m, l = _pv_schedule((s, o, m, l), (tiles, full), ctx, loop_bars, WG, CAUSAL, PINGPONG)
+        o, m, l = _pv_schedule((s, o, m, l), (tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG)
     _store(o, m, l, out, rows, limits)
 
 
@@ -159,53 +167,63 @@ def _load(desc, bufs, ready, empty, j, row, col):
 
 
 @gluon.jit
-def _producer(descs, smem, bars, coords, tiles):
-    """One warp: Q once, then K_j and V_j for every key tile into the rings; a K or V stage is refilled once both
-    consumers have released it (count 2)."""
+def _producer(descs, smem, bars, coords, span):
+    """One warp: Q once, then K_j and V_j for every key tile of ``span`` = (first, tiles) into the rings; a K or V
+    stage is refilled once both consumers have released it (count 2)."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_bufs, v_bufs = smem
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
     q_row, kv_row, q_col, kv_col, vt_row = coords
     WG_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    first, tiles = span
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
     for j in range(tiles):
-        row = kv_row + j * BLOCK_N
-        _load(k_desc, k_bufs, k_ready, k_empty, j, row, kv_col)
-        if v_bufs.dtype == gl.float8e4nv:  # V^T: the head's d rows, keys j * BLOCK_N on
-            _load(v_desc, v_bufs, v_ready, v_empty, j, vt_row, j * BLOCK_N)
+        key = (first + j) * BLOCK_N
+        _load(k_desc, k_bufs, k_ready, k_empty, j, kv_row + key, kv_col)
+        if v_bufs.dtype == gl.float8e4nv:  # V^T: the head's d rows, keys from key on
+            _load(v_desc, v_bufs, v_ready, v_empty, j, vt_row, key)
         else:
-            _load(v_desc, v_bufs, v_ready, v_empty, j, row, kv_col)
+            _load(v_desc, v_bufs, v_ready, v_empty, j, kv_row + key, kv_col)
 
 
 @gluon.jit
 def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, o_ptr, lse_ptr, descale_ptr, seqlen_q, seqlen_k, heads, group, qk_scale,
-        CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
+        diagonal, window_left, window_right, softcap_in, softcap_out,
+        LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr,
+        PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
         K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``group``: query
-    heads per key/value head (query head h reads kv head h // group). OVERLAP is "qk" or "pv" (the schedule), UNROLL
-    1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row before the next row's:
-    causal, the row order is reversed, so the query blocks that see the most keys start first and the short ones
-    fill the last wave. FP8 (e4m3 q, k and v): ``v_desc`` reads V^T (see ``launch_arguments``) and ``descale_ptr``
-    (batch, kv_heads) float32 multiplies the scores; out is float32 then, P rounded to e4m3 for P V."""
+    heads per key/value head (query head h reads kv head h // group). Query i sees key j iff j - i - ``diagonal``
+    is at least -``window_left`` (where LEFT) and at most ``window_right`` (where RIGHT): causal is RIGHT with
+    window_right 0 and diagonal seqlen_k - seqlen_q. SOFTCAP: the scores s scale become c tanh(s scale / c),
+    ``softcap_in`` = scale / c and ``softcap_out`` = c log2(e). OVERLAP is "qk" or "pv" (the schedule),
+    UNROLL 1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row before the next
+    row's: under a right bound alone (causal) the row order is reversed, so the query blocks that see the most keys
+    start first and the short ones fill the last wave. FP8 (e4m3 q, k and v): ``v_desc`` reads V^T (see
+    ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads) float32 multiplies the scores; out is float32 then,
+    P rounded to e4m3 for P V."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     pid_bh = gl.program_id(0)
     pid_m = gl.program_id(1)
-    if CAUSAL:
+    if RIGHT and not LEFT:
         pid_m = gl.num_programs(1) - 1 - pid_m
     b = pid_bh // heads
     h = pid_bh % heads
     m0 = pid_m * (2 * WG_M)
-    tiles, full = _tile_count(m0, seqlen_q, seqlen_k, CAUSAL, 2 * WG_M, BLOCK_N)
+    band = (diagonal, window_left, window_right)
+    first, tiles, lead, plain = _key_span(m0, seqlen_q, seqlen_k, band, LEFT, RIGHT, 2 * WG_M, BLOCK_N)
     hk = h // group
     if descale_ptr is not None:  # FP8: q's descale times k's, per (batch, kv head)
-        qk_scale = qk_scale * gl.load(descale_ptr + b * (heads // group) + hk)
+        descale = gl.load(descale_ptr + b * (heads // group) + hk)
+        qk_scale = qk_scale * descale
+        softcap_in = softcap_in * descale
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
@@ -229,13 +247,13 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
 
     smem = (q_smem, k_bufs, v_bufs)
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
-    geometry = (m0, seqlen_q, seqlen_k, qk_scale)
+    geometry = (m0, seqlen_q, seqlen_k, qk_scale, band, (softcap_in, softcap_out))
     out = (o_ptr, lse_ptr, b * seqlen_q, h * HEAD_D, heads * HEAD_D, pid_bh * seqlen_q)
     coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D, hk * HEAD_D, (b * (heads // group) + hk) * HEAD_D)
     gl.warp_specialize([
-        (_consumer, (0, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
-        (_consumer, (1, smem, bars, geometry, out, CAUSAL, OVERLAP == "qk", PINGPONG, UNROLL)),
-        (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, tiles)),
+        (_consumer, (0, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_consumer, (1, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, (first, tiles))),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -268,13 +286,17 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule,  # noqa: PLR0913
-                     descale: torch.Tensor | None = None) -> tuple[tuple, dict]:
+                     descale: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
+                     diagonal: int | None = None, softcap: float = 0.0) -> tuple[tuple, dict]:
     """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v
     (batch, seqlen_k, kv_heads, d), kv_heads dividing heads, out (q's shape) and lse (batch, heads, seqlen_q)
     float32: ``kernel[grid](**kwargs)``. FP8 (q, k, v float8_e4m3fn): v as ``attend.interleaved_values`` returns it
     (keys contiguous, padded to whole groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's
-    descale times k's), out float32 (v's descale and the rounding come after). The tier's ``declines`` says which
-    calls may come here; this refuses the rest, in case one comes another way."""
+    descale times k's), out float32 (v's descale and the rounding come after). ``window`` = (left, right), -1 for an
+    unbounded side, around ``diagonal`` (default seqlen_k - seqlen_q: bottom-right aligned, flash_attn's): query i
+    sees key j iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's
+    softcap. The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes
+    another way."""
     batch, seqlen_q, heads, d = q.shape
     fp8 = q.dtype == torch.float8_e4m3fn
     if d not in STAGES:
@@ -298,10 +320,17 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
         raise ValueError("FP8's out is float32 (v's descale and the rounding follow)")
     if not scale > 0:
         raise ValueError("scale must be positive (the row max is taken before scaling)")
+    left, right = window
+    right = 0 if causal else right
+    if left < -1 or right < -1 or not softcap >= 0:
+        raise ValueError(f"window sides are -1 (unbounded) or >= 0 and softcap >= 0, got {window} and {softcap}")
     q_desc, k_desc, v_desc = _descriptors(q, k, v)
     kwargs = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_ptr=out, lse_ptr=lse, descale_ptr=descale,
                   seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads=heads, group=heads // kv_heads,
-                  qk_scale=scale * LOG2E, CAUSAL=causal, OVERLAP=schedule.overlap, PINGPONG=schedule.pingpong,
-                  UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1], CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                  qk_scale=scale * LOG2E, diagonal=k.shape[1] - seqlen_q if diagonal is None else diagonal,
+                  window_left=max(left, 0), window_right=max(right, 0),
+                  softcap_in=scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E,
+                  LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, OVERLAP=schedule.overlap,
+                  PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1],
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return (batch * heads, triton.cdiv(seqlen_q, BLOCK_M)), kwargs

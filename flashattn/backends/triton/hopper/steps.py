@@ -22,16 +22,42 @@ def _instr_k(dtype):
 
 
 @gluon.jit
-def _tile_count(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(key tiles the rows [m0, m0 + BLOCK_M) visit, how many leading ones need no mask): at least one tile."""
+def _key_span(m0, seqlen_q, seqlen_k, band, LEFT: gl.constexpr, RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """The key tiles the rows [m0, min(m0 + BLOCK_M, seqlen_q)) visit, (first, tiles, lead, plain): ``first`` the
+    absolute index of the first, ``tiles`` how many (at least one: a program with no visible key still writes zeros
+    and -inf), and, counted from ``first``, the tiles [lead, plain) that every row sees whole, so that need no mask
+    (a left window's masked tiles come before them, the right edge's and the end of the keys' after; rows past the
+    queries are never stored, so they bound nothing). ``band`` = (diagonal, left, right): row i sees key j iff
+    -left <= j - i - diagonal <= right, a side bounded only where LEFT / RIGHT."""
+    diagonal, left, right = band
+    last = gl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
     hi = seqlen_k
-    full = seqlen_k // BLOCK_N
-    if CAUSAL:
-        shift = seqlen_k - seqlen_q  # bottom-right aligned: row i sees keys <= i + shift
-        hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + shift, 0))
-        full = gl.minimum(full, gl.maximum(m0 + shift + 1, 0) // BLOCK_N)
-    tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a program with no visible key still writes zeros and -inf
-    return tiles, gl.minimum(full, tiles)
+    plain_lo = 0
+    plain_hi = seqlen_k // BLOCK_N
+    if RIGHT:  # the last row sees the most keys on the right, the first row the fewest
+        hi = gl.minimum(hi, gl.maximum(last + diagonal + right + 1, 0))
+        plain_hi = gl.minimum(plain_hi, gl.maximum(m0 + diagonal + right + 1, 0) // BLOCK_N)
+    if LEFT:  # the first row sees the most keys on the left, the last row the fewest
+        lo = gl.maximum(m0 + diagonal - left, 0)
+        plain_lo = gl.cdiv(gl.maximum(last + diagonal - left, 0), BLOCK_N)
+    # An empty band (lo >= hi) still visits one tile, inside the keys: all of it masked.
+    first = gl.minimum(lo // BLOCK_N, gl.maximum(gl.cdiv(seqlen_k, BLOCK_N) - 1, 0))
+    tiles = gl.maximum(gl.cdiv(hi, BLOCK_N) - first, 1)
+    lead = gl.minimum(gl.maximum(plain_lo - first, 0), tiles)
+    return first, tiles, lead, gl.minimum(gl.maximum(plain_hi - first, lead), tiles)
+
+
+@gluon.jit
+def _segments(lo, hi, lead, plain, LEFT: gl.constexpr):
+    """A schedule's loops over its tiles [lo, hi) (the rest peeled): masked [lo, begin), unmasked [begin, end),
+    masked [end, hi), from ``_key_span``'s lead and plain: (begin, end). Without a left window no leading masked
+    loop is compiled (begin = lo)."""
+    begin = lo
+    if LEFT:
+        begin = gl.minimum(gl.maximum(lead, lo), hi)
+    return begin, gl.minimum(gl.maximum(plain, begin), hi)
 
 
 @gluon.jit
@@ -64,7 +90,7 @@ def _release(ring, j):
 @gluon.jit
 def _qk(ctx, j):
     """S_j = Q K_j^T issued (async): 64 x BLOCK_N fp32, both operands in shared memory."""
-    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    q, k_bufs, v_bufs, zero_s, cols, rows, scoring = ctx
     STAGES: gl.constexpr = k_bufs.shape[0]
     return warpgroup_mma(q, k_bufs.index(j % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
 
@@ -75,7 +101,7 @@ def _pv(ctx, o, p, j):
     FP8 a d x keys one (V^T: an FP8 wgmma reads B with its k dimension, the keys, contiguous). FP8's P arrives in
     fp32 and becomes the e4m3 operand here: carried across the loop's back edge as e4m3, its bytes were unpacked
     and repacked every trip (offline: 641 instructions a tile at d=128 against 460)."""
-    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
+    q, k_bufs, v_bufs, zero_s, cols, rows, scoring = ctx
     STAGES: gl.constexpr = v_bufs.shape[0]
     v = v_bufs.index(j % STAGES)
     if v_bufs.dtype == gl.float8e4nv:
@@ -109,23 +135,45 @@ def _rescale(o, alpha):
 
 
 @gluon.jit
-def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Online softmax of score tile j (``s`` = raw QK^T, 64 x BLOCK_N): (P fp32, alpha, new row max, new row sum),
-    the row max in log2 units of the scaled scores."""
-    q, k_bufs, v_bufs, zero_s, cols, rows, limits = ctx
-    seqlen_q, seqlen_k, qk_scale = limits
+def _tanh(x):
+    """tanh on the tanh unit (``tanh.approx.f32``, FlashAttention-3's softcap: about 2^-11 relative, under a bf16
+    score's own rounding): one MUFU op where 1 - 2 / (e^2x + 1), the portable kernels' form, took an exponential,
+    a reciprocal and 9 instructions a score, doubling the main loop."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, SCORES: gl.constexpr):
+    """Online softmax of score tile j (``s`` = raw QK^T, 64 x BLOCK_N; j counts from the program's first tile):
+    (P fp32, alpha, new row max, new row sum), the row max in log2 units of the scaled scores. ``SCORES`` = (LEFT,
+    RIGHT, SOFTCAP): which sides of the band bound the keys (masked on ``MASK`` tiles), and whether a softcap c
+    applies: s scale becomes c tanh(s scale / c), so tanh(s cap_in) takes the raw score's place and cap_out = c
+    log2(e) the scale's (masked after the tanh, as in the portable kernels: -inf, not -c)."""
+    q, k_bufs, v_bufs, zero_s, cols, rows, scoring = ctx
+    qk_scale, cap_in, cap_out, first, seqlen_k, diagonal, left, right = scoring
+    LEFT: gl.constexpr = SCORES[0]
+    RIGHT: gl.constexpr = SCORES[1]
+    SOFTCAP: gl.constexpr = SCORES[2]
     BLOCK_N: gl.constexpr = s.shape[1]
+    scale = qk_scale
+    if SOFTCAP:
+        s = _tanh(s * cap_in)
+        scale = cap_out
     if MASK:
-        key = j * BLOCK_N + cols
+        key = (first + j) * BLOCK_N + cols
         keep = key[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (key[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+        if LEFT or RIGHT:
+            offset = key[None, :] - rows[:, None] - diagonal
+            if RIGHT:
+                keep = keep & (offset <= right)
+            if LEFT:
+                keep = keep & (offset >= -left)
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)  # scale > 0: the max commutes with it
+    m_new = gl.maximum(m, gl.max(s, axis=1) * scale)  # scale > 0: the max commutes with it
     # A row with no key yet gets p = 0, not NaN; an unmasked tile gives every row a finite score.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new) if MASK else m_new
     alpha = gl.exp2(m - m_use)
-    p = gl.exp2(s * qk_scale - m_use[:, None])
+    p = gl.exp2(s * scale - m_use[:, None])  # the scale folded into the exponent's one FFMA
     return p, alpha, m_new, l * alpha + gl.sum(p, axis=1)
 
 
@@ -134,10 +182,10 @@ def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _softmax_pv(s, o, m, l, j, ctx, bars, WG: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr,  # noqa: PLR0913
-                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                SCORES: gl.constexpr, PINGPONG: gl.constexpr):
     """The softmax of S_j, then O += P_j V_j issued in this warpgroup's ``TURN`` (left in flight)."""
     k_ready, v_ready, k_empty, v_empty, turn = bars
-    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, SCORES)
     o = _rescale(o, alpha)
     _ready(v_ready, j)
     _take_turn(turn, WG, TURN, PINGPONG)
@@ -147,7 +195,7 @@ def _softmax_pv(s, o, m, l, j, ctx, bars, WG: gl.constexpr, TURN: gl.constexpr, 
 
 
 @gluon.jit
-def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, SCORES: gl.constexpr,
              PINGPONG: gl.constexpr):
     """Tile j, state (S_j retired, O, m, l): S_{j+1} issued, softmax of S_j under it, PV_j issued, both retired."""
     s, o, m, l = state
@@ -156,7 +204,7 @@ def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: 
     _take_turn(turn, WG, 1, PINGPONG)
     s_next = _qk(ctx, j + 1)
     _pass_turn(turn, WG, PINGPONG)
-    o, m, l = _softmax_pv(s, o, m, l, j, ctx, bars, WG, 0, MASK, CAUSAL, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, j, ctx, bars, WG, 0, MASK, SCORES, PINGPONG)
     # Nothing stays in flight across the back edge: with PV_j still in flight there (retired after the next
     # softmax), ptxas serialised every wgmma of the kernel (C7514, "non wgmma instructions reading accumulator
     # registers of a wgmma between start and end of the pipeline stage").
@@ -167,28 +215,33 @@ def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: 
 
 
 @gluon.jit
-def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, SCORES: gl.constexpr, PINGPONG: gl.constexpr,
                  UNROLL: gl.constexpr):
-    """Schedule "qk" from state (S_0 retired, O, m, l) over span (tiles, leading unmasked tiles); the last tile is
-    peeled: no S_{j+1} to issue."""
+    """Schedule "qk" from state (S_0 retired, O, m, l) over span (``_key_span``'s tiles, lead, plain: masked tiles
+    [0, lead) under a left window, unmasked [lead, plain), masked up to tiles); the last tile is peeled: no S_{j+1}
+    to issue."""
     s, o, m, l = state
-    tiles, full = span
+    tiles, lead, plain = span
     k_ready, v_ready, k_empty, v_empty, turn = bars
-    plain = gl.minimum(full, tiles - 1)
+    LEFT: gl.constexpr = SCORES[0]
+    begin, plain = _segments(0, tiles - 1, lead, plain, LEFT)
+    if LEFT:
+        for j in range(begin):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
     if UNROLL == 2:
         # S_j and S_{j+1} swap register sets instead of a 64-register copy closing every trip (the wgmma result
         # lands in the same registers each time). An odd plain tile goes to the masked loop.
-        start = plain // 2 * 2
-        for j in range(0, start, 2):
-            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
-            s, o, m, l = _qk_step(j + 1, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+        start = begin + (plain - begin) // 2 * 2
+        for j in range(begin, start, 2):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
+            s, o, m, l = _qk_step(j + 1, (s, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
     else:
         start = plain
-        for j in range(plain):
-            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
+        for j in range(begin, plain):
+            s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
     for j in range(start, tiles - 1):
-        s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
-    o, m, l = _softmax_pv(s, o, m, l, tiles - 1, ctx, bars, WG, 1, True, CAUSAL, PINGPONG)
+        s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, tiles - 1, ctx, bars, WG, 1, True, SCORES, PINGPONG)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, m, l
 
@@ -197,7 +250,7 @@ def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, SCORES: gl.constexpr,
              PINGPONG: gl.constexpr):
     """Tile j, state (P_{j-1} in operand registers, its alpha, O retired, m, l): S_j and PV_{j-1} issued back to
     back (one turn), S_j retired, its softmax under PV_{j-1}, then PV_{j-1} retired and P_j converted."""
@@ -216,26 +269,30 @@ def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: 
     # V_{j-2}, not V_{j-1}: an arrive that must follow PV_{j-1}'s retirement lets ptxas hoist that wait above the
     # softmax (measured: 33 instructions left under PV instead of about 200). Hence V's deeper ring.
     mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), pred=j >= 2)
-    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, CAUSAL)
+    p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, SCORES)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     # Converted only now: P_{j-1}'s registers are wgmma inputs until PV_{j-1} retires.
     return _to_p(p, ctx[2].dtype, o.shape[1]), alpha, o, m, l
 
 
 @gluon.jit
-def _pv_schedule(state, span, ctx, bars, WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    """Schedule "pv" from state (S_0 retired, O, m, l) over span (tiles, leading unmasked tiles); the last PV is
-    issued after the loops."""
+def _pv_schedule(state, span, ctx, bars, WG: gl.constexpr, SCORES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Schedule "pv" from state (S_0 retired, O, m, l) over span (as ``_qk_schedule``'s; tile 0 is masked here
+    whatever it is); the last PV is issued after the loops."""
     s, o, m, l = state
-    tiles, full = span
+    tiles, lead, plain = span
     k_ready, v_ready, k_empty, v_empty, turn = bars
-    p, alpha, m, l = _softmax(s, m, l, 0, ctx, True, CAUSAL)
+    LEFT: gl.constexpr = SCORES[0]
+    p, alpha, m, l = _softmax(s, m, l, 0, ctx, True, SCORES)
     p = _to_p(p, ctx[2].dtype, o.shape[1])
-    plain = gl.minimum(full, tiles)
-    for j in range(1, plain):
-        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, False, CAUSAL, PINGPONG)
-    for j in range(gl.maximum(plain, 1), tiles):
-        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, CAUSAL, PINGPONG)
+    begin, plain = _segments(1, tiles, lead, plain, LEFT)
+    if LEFT:
+        for j in range(1, begin):
+            p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
+    for j in range(begin, plain):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
+    for j in range(plain, tiles):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
     last = tiles - 1
     o = _rescale(o, alpha)
     _ready(v_ready, last)
