@@ -41,6 +41,8 @@ def test_dry_run_checks_then_times_and_writes_its_results(tmp_path):
     bands = {(tuple(c["window"]), c["top_left"], c["softcap"])
              for r in report["correctness"].values() for c in r.get("cases", []) if "window" in c}
     assert {((77, 20), False, 0.0), ((-1, -1), False, 30.0), ((300, 40), True, 20.0)} <= bands
+    packed = [c for r in report["correctness"].values() for c in r.get("cases", []) if c.get("packed")]
+    assert len(packed) == 3 * 5 and {c["shape"][1] for c in packed} == {113, 1, 300, 1025, 200}
     impls = {r["impl"] for r in report["speed"]}
     assert {"sdpa-cudnn", "sdpa-flash", "flashattn"} <= impls and any(i.startswith("gluon") for i in impls)
     assert done.stdout.strip().splitlines()[-1].split()[3] in impls  # the table comes last
@@ -78,6 +80,23 @@ def test_a_wrong_kernel_fails_its_case(fault, monkeypatch):
         assert failed and all(uses(c) for c in failed)
     else:
         assert len(failed) >= len(gpu_run.SHAPES) - 1
+
+
+@needs_gluon
+def test_a_packed_launch_that_mixes_up_sequences_fails(monkeypatch):
+    """Each packed sequence is judged on its own: answering one with another's keys and values fails those."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tools.gluon import gpu_run
+
+    right = gpu_run._packed_kernel(True)
+
+    def wrong(qs, ks, vs, causal, schedule, **band):
+        return right(qs, ks[1:] + ks[:1], vs[1:] + vs[:1], causal, schedule, **band)
+
+    monkeypatch.setattr(gpu_run, "_packed_kernel", lambda dry: wrong)
+    report = gpu_run.check_case(64, True, gpu_run._variants().index(gpu_run._launched(64)), dry=True)
+    failed = [c for c in report["cases"] if not c["ok"]]
+    assert not report["ok"] and failed and all(c.get("packed") for c in failed)
 
 
 @needs_gluon

@@ -17,7 +17,7 @@ import torch
 from triton_versions import needs_triton, recorded_on_oldest
 
 from conftest import run_compiled
-from flashattn.backends.spec import AttentionSpec, KeyCache
+from flashattn.backends.spec import AttentionSpec, KeyCache, Varlen
 from flashattn.backends.triton import hopper
 
 BF16 = torch.bfloat16
@@ -238,6 +238,22 @@ def test_forced_it_takes_windows_and_softcaps_its_backward_does_not(monkeypatch)
                            arch=90) == "sink"
 
 
+def test_forced_it_takes_packed_sequences_its_backward_does_not(monkeypatch):
+    """flash_attn_varlen_func's layout: (total, heads, d) q, k and v with their offsets, forced only until a GPU has
+    checked it; decode-shaped by the longest query, not the total; the one-pass backward keeps dense calls."""
+    q, k = torch.empty(600, 4, 64, dtype=BF16), torch.empty(700, 2, 64, dtype=BF16)
+    offsets = torch.tensor([0, 300, 600], dtype=torch.int32), torch.tensor([0, 350, 700], dtype=torch.int32)
+    spec = AttentionSpec(scale=0.125, window_right=0, varlen=Varlen(*offsets, 300, 350))
+    assert hopper.declines(q, k, k, spec, probs=False, arch=90) == (
+        "packed sequences (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)")
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert hopper.declines(q, k, k, spec, probs=False, arch=90) is None
+    short = AttentionSpec(scale=0.125, varlen=Varlen(torch.tensor([0, 1, 2], dtype=torch.int32), offsets[1], 1, 350))
+    assert hopper.declines(q[:2], k, k, short, probs=False, arch=90) == "decode-shaped (the portable decode kernel)"
+    assert hopper.declines(q[None], k[None], k[None], spec, probs=False, arch=90) == "dtype or layout"
+    assert hopper.backward_declines(q, k, k, q, spec, arch=90) == "dtype or layout"
+
+
 def _on_ints(helper):
     """A Gluon helper's own body (``helper.fn``) run on Python ints, ``gl``'s minimum, maximum and cdiv as plain
     functions: the kernel's index arithmetic checked without a GPU."""
@@ -449,11 +465,14 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     assert seen["tier=hopper d256 backward"][1][1] == [2 * 2, 5]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
-    # A sliding window and a softcap: diagonal 0 (300 x 300, bottom-right), left 100, right 0, and the softcap's
-    # two factors, scale / c and c log2(e) (scale 64^-0.5).
+    # Packed sequences: a program per (sequence, head) and 128 rows of the longest (500: 4), the offsets the call's,
+    # lse's rows as long as the total queries.
+    assert seen["tier=hopper varlen"] == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, True, True]
+    # A sliding window and a softcap: no diagonal offset, bottom-right, left 100, right 0, and the softcap's two
+    # factors, scale / c and c log2(e) (scale 64^-0.5).
     (name, grid), scalars = seen["tier=hopper window softcap"]
     assert [name, grid] == ["attention_forward_ws_kernel", [8, 3]]
-    assert scalars == [0, 100, 0, pytest.approx(0.125 / 30), pytest.approx(30 * 1.4426950408889634)]
+    assert scalars == [0, 1, 100, 0, pytest.approx(0.125 / 30), pytest.approx(30 * 1.4426950408889634)]
 
 
 def _script() -> dict:
@@ -524,15 +543,31 @@ def _script() -> dict:
     names, launches, _ = run(90, fp8, q_descale=ones, k_descale=ones, v_descale=ones)
     maps = [a for a in launches.arguments[0][2] if type(a).__name__ == "StubTensorMap"]
     seen["tier=hopper fp8"] = [*names, maps[2].shape]
+    def scalars(arguments) -> dict:
+        """The launch's arguments from o_ptr on (the first tensor after the descriptors), by name."""
+        from flashattn.backends.triton.hopper.forward import attention_forward_ws_kernel as kernel
+
+        out = next(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))
+        return dict(zip(kernel.arg_names[kernel.arg_names.index("o_ptr"):], arguments[out:], strict=False))
+
+    with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
+        q, k, v = (torch.randn(n, h, 64, dtype=BF16) for n, h in ((600, 4), (700, 2), (700, 2)))
+        cu_q, cu_k = torch.tensor([0, 100, 600], dtype=torch.int32), torch.tensor([0, 350, 700], dtype=torch.int32)
+        flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 500, 350, causal=True)
+        (name, grid, arguments), = [a for a in launches.arguments if a[0] != "check_varlen_kernel"]
+        named = scalars(arguments)
+        offsets = (named["cu_seqlens_q"], cu_q), (named["cu_seqlens_k"], cu_k)
+        seen["tier=hopper varlen"] = [name, list(grid[:2]), named["seqlen_q"], named["lse_pitch"],
+                                      *(torch.equal(launched, given) for launched, given in offsets)]
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]
-    last_tensor = max(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))  # lse: then the sizes
-    seen["tier=hopper GQA"] = [*names, k_map.shape, arguments[last_tensor + 5]]  # descale, seqlens, heads, group
+    seen["tier=hopper GQA"] = [*names, k_map.shape, scalars(arguments)["group"]]
     names, launches, _ = run(90, dense(), window_size=(100, 0), softcap=30.0)
-    arguments = launches.arguments[0][2]
-    last_tensor = max(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))
-    seen["tier=hopper window softcap"] = [*names, arguments[last_tensor + 7: last_tensor + 12]]  # after qk_scale
+    named = scalars(launches.arguments[0][2])
+    seen["tier=hopper window softcap"] = [*names, [named[k] for k in ("diagonal_offset", "bottom_right",
+                                                                        "window_left", "window_right", "softcap_in",
+                                                                        "softcap_out")]]
     return seen
 
 

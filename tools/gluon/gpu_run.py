@@ -39,6 +39,10 @@ SHAPES = ((1, 1, 1, 2, 2), (2, 113, 113, 3, 3), (2, 173, 251, 3, 3), (1, 1025, 1
 # kernels): (window, top-left aligned, softcap); causal cases take right = 0.
 BANDS = (((77, 20), False, 0.0), ((-1, -1), False, 30.0), ((300, 40), True, 20.0))
 BAND_SHAPES = (SHAPES[2], SHAPES[3], SHAPES[7])
+# Packed sequences (flash_attn_varlen_func's layout), the launched schedule again: (query, key) lengths, 4 query heads
+# over 2 key heads, with no band and with the first and last of BANDS.
+PACKED = ((113, 251), (1, 77), (300, 300), (1025, 600), (200, 90))
+PACKED_BANDS = (((-1, -1), False, 0.0), BANDS[0], BANDS[2])
 SPEED_SEQLENS = (1024, 8192)
 TOKENS = 16384
 REPEATS = 20
@@ -82,18 +86,66 @@ def _kernel(dry: bool):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
         grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=q.shape[-1] ** -0.5,
-                                        schedule=schedule, window=window, diagonal=0 if top_left else None,
+                                        schedule=schedule, window=window, top_left=top_left,
                                         softcap=softcap)
         attention_forward_ws_kernel[grid](**kwargs)
         return out, lse
     return launch
 
 
-def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
-    """One variant's correctness cases, in this process: {'ok', 'cases': [...]}."""
+def _packed_kernel(dry: bool):
+    """forward(qs, ks, vs, causal, schedule, window, top_left, softcap) on sequences given as (1, n, heads, d)
+    tensors, packed into one (total, heads, d) launch with their offsets: [(out, lse)] per sequence, cut back out
+    of the packed out (poisoned first) and lse (heads, total)."""
+    import itertools
+
+    import torch
+
+    dense = _kernel(dry)
+    if dry:
+        return lambda qs, ks, vs, causal, schedule, **band: [dense(q, k, v, causal, schedule, **band)
+                                                             for q, k, v in zip(qs, ks, vs, strict=True)]
+    from flashattn.backends.triton.hopper.forward import attention_forward_ws_kernel, launch_arguments
+
+    def launch(qs, ks, vs, causal, schedule, window=(-1, -1), top_left=False, softcap=0.0):
+        q, k, v = (torch.cat([t[0] for t in ts]) for ts in (qs, ks, vs))
+        ends = [list(itertools.accumulate((t.shape[1] for t in ts), initial=0)) for ts in (qs, ks)]
+        cu_q, cu_k = (torch.tensor(e, dtype=torch.int32, device=q.device) for e in ends)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device=q.device)
+        grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=q.shape[-1] ** -0.5,
+                                        schedule=schedule, window=window, top_left=top_left, softcap=softcap,
+                                        cu_seqlens=(cu_q, cu_k), max_seqlen_q=max(t.shape[1] for t in qs))
+        attention_forward_ws_kernel[grid](**kwargs)
+        return [(out[a:b][None], lse[:, a:b][None]) for a, b in itertools.pairwise(ends[0])]
+    return launch
+
+
+def _judged(out, lse, q, k, v, *, causal: bool, band: dict) -> dict:
+    """One case's verdict by the tolerance rule: out within 2x plain bf16 attention's error against float64, lse
+    within 1e-3, rows that see no key out 0 and lse -inf, no NaN. ``band``: window, top_left, softcap."""
     import torch
 
     from tests.oracle import attention_ref, max_err
+
+    window, top_left, softcap = band["window"], band["top_left"], band["softcap"]
+    reference = dict(causal=causal, bottom_right=not top_left, window=window, softcap=softcap)
+    ref, ref_lse = attention_ref(q, k, v, **reference)
+    base, _ = attention_ref(q, k, v, upcast=False, **reference)
+    err, base_err = max_err(out, ref), max_err(base, ref)
+    bound = 2 * base_err + torch.finfo(torch.bfloat16).eps * (1 + ref.abs().max().item())
+    seen = torch.isfinite(ref_lse)  # causal rows with no key: lse -inf, out 0
+    lse_err = max_err(lse[seen], ref_lse[seen]) if seen.any() else 0.0
+    unseen_ok = bool((out.transpose(1, 2)[~seen] == 0).all() and (lse[~seen] == -math.inf).all())
+    nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    ok = err <= bound and lse_err <= 1e-3 and unseen_ok and not nan
+    return dict(window=list(window), top_left=top_left, softcap=softcap, ok=ok, err=err, bound=bound,
+                lse_err=lse_err, nan=nan, unseen_rows=int((~seen).sum()), unseen_ok=unseen_ok)
+
+
+def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
+    """One variant's correctness cases, in this process: {'ok', 'cases': [...]}."""
+    import torch
 
     device = "cpu" if dry else "cuda"
     schedule = _variants()[index]
@@ -101,26 +153,24 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
     torch.manual_seed(0)
     cases = []
     plain = [(shape, ((-1, -1), False, 0.0)) for shape in SHAPES]
-    bands = [(s, band) for s in BAND_SHAPES for band in BANDS] if schedule == _launched(d) else []
+    launched = schedule == _launched(d)
+    bands = [(s, band) for s in BAND_SHAPES for band in BANDS] if launched else []
     for (b, nq, nk, h, hk), (window, top_left, softcap) in plain + bands:
         q, k, v = (torch.randn(b, n, heads, d, dtype=torch.bfloat16, device=device)
                    for n, heads in ((nq, h), (nk, hk), (nk, hk)))
-        band = dict(window=window, softcap=softcap)
-        out, lse = kernel(q, k, v, causal, schedule, top_left=top_left, **band)
+        band = dict(window=window, top_left=top_left, softcap=softcap)
+        out, lse = kernel(q, k, v, causal, schedule, **band)
         if device == "cuda":
             torch.cuda.synchronize()
-        ref, ref_lse = attention_ref(q, k, v, causal=causal, bottom_right=not top_left, **band)
-        base, _ = attention_ref(q, k, v, causal=causal, bottom_right=not top_left, upcast=False, **band)
-        err, base_err = max_err(out, ref), max_err(base, ref)
-        bound = 2 * base_err + torch.finfo(torch.bfloat16).eps * (1 + ref.abs().max().item())
-        seen = torch.isfinite(ref_lse)  # causal rows with no key: lse -inf, out 0
-        lse_err = max_err(lse[seen], ref_lse[seen]) if seen.any() else 0.0
-        unseen_ok = bool((out.transpose(1, 2)[~seen] == 0).all() and (lse[~seen] == -math.inf).all())
-        nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
-        ok = err <= bound and lse_err <= 1e-3 and unseen_ok and not nan
-        cases.append(dict(shape=[b, nq, nk, h, hk], window=list(window), top_left=top_left, softcap=softcap, ok=ok,
-                          err=err, bound=bound, lse_err=lse_err, nan=nan, unseen_rows=int((~seen).sum()),
-                          unseen_ok=unseen_ok))
+        cases.append(dict(shape=[b, nq, nk, h, hk], **_judged(out, lse, q, k, v, causal=causal, band=band)))
+    for window, top_left, softcap in PACKED_BANDS if launched else ():
+        qs, ks, vs = ([torch.randn(1, n[i], heads, d, dtype=torch.bfloat16, device=device) for n in PACKED]
+                      for i, heads in ((0, 4), (1, 2), (1, 2)))
+        band = dict(window=window, top_left=top_left, softcap=softcap)
+        results = _packed_kernel(dry)(qs, ks, vs, causal, schedule, **band)
+        for (out, lse), q, k, v in zip(results, qs, ks, vs, strict=True):
+            cases.append(dict(shape=[1, q.shape[1], k.shape[1], 4, 2], packed=True,
+                              **_judged(out, lse, q, k, v, causal=causal, band=band)))
     return {"ok": all(c["ok"] for c in cases), "cases": cases}
 
 

@@ -13,7 +13,8 @@ the portable kernel keeps it. Its backward is the portable one, from the same ou
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
 reads but no GPU has yet checked, head dim 256, grouped key/value heads (GQA, MQA), sliding windows (any left and
-right bound, either alignment, a diagonal offset), a softcap, and FlashAttention-3's FP8 forward: e4m3 q, k, v with
+right bound, either alignment, a diagonal offset), a softcap, packed sequences (``flash_attn_varlen_func``'s
+q, k and v, each program bounded by its sequence's offsets), and FlashAttention-3's FP8 forward: e4m3 q, k, v with
 descales, v handed over as ``attend.interleaved_values`` lays it out).
 
 Example::
@@ -69,8 +70,14 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
         return "FLASHATTN_TRITON_TIER=portable"
     dtypes, dims = RUNS
     fp8 = q.dtype == torch.float8_e4m3fn
-    if (q.dtype not in dtypes and not fp8) or not q.dtype == k.dtype == v.dtype or q.ndim != 4 or spec.packed:
+    packed = spec.varlen is not None and spec.cache is None  # (a paged cache's calls: "cache" below)
+    if (q.dtype not in dtypes and not fp8) or not q.dtype == k.dtype == v.dtype or q.ndim != (3 if packed else 4) or (
+            packed and spec.varlen.batch < 1):
         return "dtype or layout"
+    if packed and chosen == "auto":
+        return "packed sequences (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
+    if packed:  # the total rows as one batch: the checks below read it as a dense call
+        q, k, v = q[None], k[None], v[None]
     b, nq, h, d = q.shape
     hk = k.shape[2] if k.ndim == 4 else 0
     values = v.shape[0] == b and v.shape[2:] == k.shape[2:] and (  # FP8: interleaved, whole groups of 32 keys
@@ -89,7 +96,7 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
     if chosen == "auto" and _options_decline(spec, aligned, fp8=fp8) in ("window", "softcap") and (
             _options_decline(spec, aligned, fp8=fp8, band=True) is None):
         return "window or softcap (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
-    if nq <= DECODE_MAX_ROWS:  # the tier's 128-row programs would idle where the decode kernel is shaped for it
+    if (spec.varlen.max_seqlen_q if packed else nq) <= DECODE_MAX_ROWS:  # 128-row programs would idle there
         return "decode-shaped (the portable decode kernel)"
     why = "probabilities" if probs else _options_decline(spec, aligned, fp8=fp8, band=True) or _memory_declines(
         q, k, v.permute(0, 2, 3, 1) if fp8 else v)
@@ -147,10 +154,13 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     from ..launch import launch
     from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
 
-    band = spec.band(q.shape[1], k.shape[1])
-    grid, kwargs = launch_arguments(q, k, v, out, lse, causal=False, scale=spec.scale, schedule=LAUNCHED[q.shape[-1]],
-                                    descale=descale, window=(band.left, band.right), diagonal=band.diagonal,
-                                    softcap=spec.softcap)
+    packed = spec.varlen
+    grid, kwargs = launch_arguments(
+        q, k, v, out, lse, causal=False, scale=spec.scale, schedule=LAUNCHED[q.shape[-1]], descale=descale,
+        window=(spec.window_left, spec.window_right), top_left=not spec.bottom_right,
+        diagonal_offset=spec.diagonal_offset, softcap=spec.softcap,
+        cu_seqlens=None if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k),
+        max_seqlen_q=0 if packed is None else packed.max_seqlen_q)
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 

@@ -191,21 +191,25 @@ def _producer(descs, smem, bars, coords, span):
 
 @gluon.jit
 def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
-        q_desc, k_desc, v_desc, o_ptr, lse_ptr, descale_ptr, seqlen_q, seqlen_k, heads, group, qk_scale,
-        diagonal, window_left, window_right, softcap_in, softcap_out,
+        q_desc, k_desc, v_desc, o_ptr, lse_ptr, descale_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+        lse_pitch, heads, group, qk_scale, diagonal_offset, bottom_right, window_left, window_right, softcap_in,
+        softcap_out,
         LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr,
         PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
         K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``group``: query
-    heads per key/value head (query head h reads kv head h // group). Query i sees key j iff j - i - ``diagonal``
-    is at least -``window_left`` (where LEFT) and at most ``window_right`` (where RIGHT): causal is RIGHT with
-    window_right 0 and diagonal seqlen_k - seqlen_q. SOFTCAP: the scores s scale become c tanh(s scale / c),
-    ``softcap_in`` = scale / c and ``softcap_out`` = c log2(e). OVERLAP is "qk" or "pv" (the schedule),
-    UNROLL 1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row before the next
-    row's: under a right bound alone (causal) the row order is reversed, so the query blocks that see the most keys
-    start first and the short ones fill the last wave. FP8 (e4m3 q, k and v): ``v_desc`` reads V^T (see
-    ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads) float32 multiplies the scores; out is float32 then,
-    P rounded to e4m3 for P V."""
+    heads per key/value head (query head h reads kv head h // group). Packed sequences (``cu_seqlens_q`` and
+    ``_k``, int32 (batch + 1,)): sequence b is rows [cu[b], cu[b + 1]) of (total, heads, d) tensors, lse (heads,
+    ``lse_pitch`` = total queries), seqlen_q the longest (the grid's), and programs past their sequence's queries
+    return at once. Query i sees key j iff j - i - diagonal is at least -``window_left`` (where LEFT) and at most
+    ``window_right`` (where RIGHT), the diagonal ``diagonal_offset`` plus, where ``bottom_right`` (0 or 1), the
+    sequence's seqlen_k - seqlen_q: causal is RIGHT with window_right 0, bottom-right. SOFTCAP: the scores s scale
+    become c tanh(s scale / c), ``softcap_in`` = scale / c and ``softcap_out`` = c log2(e). OVERLAP is "qk" or "pv"
+    (the schedule), UNROLL 1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row
+    before the next row's: under a right bound alone (causal) the row order is reversed, so the query blocks that
+    see the most keys start first and the short ones fill the last wave. FP8 (e4m3 q, k and v): ``v_desc`` reads
+    V^T (see ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads) float32 multiplies the scores; out is
+    float32 then, P rounded to e4m3 for P V."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -217,7 +221,19 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     b = pid_bh // heads
     h = pid_bh % heads
     m0 = pid_m * (2 * WG_M)
-    band = (diagonal, window_left, window_right)
+    if cu_seqlens_q is not None:  # packed: sequence b's rows of the (total, heads, d) views
+        q_start = gl.load(cu_seqlens_q + b)
+        k_start = gl.load(cu_seqlens_k + b)
+        seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+        seqlen_k = gl.load(cu_seqlens_k + b + 1) - k_start
+        lse_row0 = h * lse_pitch + q_start
+        if m0 >= seqlen_q:  # the grid is sized for the longest sequence
+            return
+    else:
+        q_start = b * seqlen_q
+        k_start = b * seqlen_k
+        lse_row0 = pid_bh * seqlen_q
+    band = (diagonal_offset + bottom_right * (seqlen_k - seqlen_q), window_left, window_right)
     first, tiles, lead, plain = _key_span(m0, seqlen_q, seqlen_k, band, LEFT, RIGHT, 2 * WG_M, BLOCK_N)
     hk = h // group
     if descale_ptr is not None:  # FP8: q's descale times k's, per (batch, kv head)
@@ -248,8 +264,8 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     smem = (q_smem, k_bufs, v_bufs)
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
     geometry = (m0, seqlen_q, seqlen_k, qk_scale, band, (softcap_in, softcap_out))
-    out = (o_ptr, lse_ptr, b * seqlen_q, h * HEAD_D, heads * HEAD_D, pid_bh * seqlen_q)
-    coords = (b * seqlen_q + m0, b * seqlen_k, h * HEAD_D, hk * HEAD_D, (b * (heads // group) + hk) * HEAD_D)
+    out = (o_ptr, lse_ptr, q_start, h * HEAD_D, heads * HEAD_D, lse_row0)
+    coords = (q_start + m0, k_start, h * HEAD_D, hk * HEAD_D, (b * (heads // group) + hk) * HEAD_D)
     gl.warp_specialize([
         (_consumer, (0, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL)),
         (_consumer, (1, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL)),
@@ -285,18 +301,40 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return head_tiles(q, WG_M), head_tiles(k, BLOCK_N[d]), values
 
 
+def _packed_views(q, k, v, cu_seqlens, max_seqlen_q: int):
+    """Packed q (total_q, heads, d), k and v (total_k, kv_heads, d) as one-batch views for the checks and the
+    descriptors, with their sequence count; ``cu_seqlens`` (q's, k's) int32 (sequences + 1,) on their device."""
+    cu_q, cu_k = cu_seqlens
+    if q.dtype == torch.float8_e4m3fn:
+        raise ValueError("packed sequences take 16-bit q, k and v (FP8's interleaved v starts groups per batch)")
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError("packed q, k, v must be (total, heads, d)")
+    if (cu_q.dtype, cu_k.dtype) != (torch.int32, torch.int32) or cu_q.shape != cu_k.shape or cu_q.ndim != 1 or (
+            len(cu_q) < 2 or not cu_q.is_contiguous() or not cu_k.is_contiguous()):
+        raise ValueError("cu_seqlens must be two contiguous int32 (sequences + 1,) tensors")
+    if not max_seqlen_q > 0:
+        raise ValueError(f"max_seqlen_q must be positive, got {max_seqlen_q}")
+    return q[None], k[None], v[None], len(cu_q) - 1
+
+
 def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule,  # noqa: PLR0913
-                     descale: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
-                     diagonal: int | None = None, softcap: float = 0.0) -> tuple[tuple, dict]:
+                     descale: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1), top_left: bool = False,
+                     diagonal_offset: int = 0, softcap: float = 0.0, cu_seqlens: tuple | None = None,
+                     max_seqlen_q: int = 0) -> tuple[tuple, dict]:
     """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v
     (batch, seqlen_k, kv_heads, d), kv_heads dividing heads, out (q's shape) and lse (batch, heads, seqlen_q)
-    float32: ``kernel[grid](**kwargs)``. FP8 (q, k, v float8_e4m3fn): v as ``attend.interleaved_values`` returns it
-    (keys contiguous, padded to whole groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's
-    descale times k's), out float32 (v's descale and the rounding come after). ``window`` = (left, right), -1 for an
-    unbounded side, around ``diagonal`` (default seqlen_k - seqlen_q: bottom-right aligned, flash_attn's): query i
-    sees key j iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's
-    softcap. The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes
-    another way."""
+    float32: ``kernel[grid](**kwargs)``; packed sequences (``cu_seqlens`` = (q's, k's) offsets, int32, and
+    ``max_seqlen_q``): q, out (total_q, heads, d), k and v (total_k, kv_heads, d), lse (heads, total_q). FP8 (q, k, v
+    float8_e4m3fn, not packed): v as ``attend.interleaved_values`` returns it (keys contiguous, padded to whole
+    groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's descale times k's), out float32 (v's
+    descale and the rounding come after). ``window`` = (left, right), -1 for an unbounded side, around a diagonal
+    aligned bottom-right (flash_attn's; ``top_left``: SDPA's) and moved by ``diagonal_offset``: query i sees key j
+    iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's softcap. The
+    tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another way."""
+    packed = cu_seqlens is not None
+    sequences = 0
+    if packed:
+        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, max_seqlen_q)
     batch, seqlen_q, heads, d = q.shape
     fp8 = q.dtype == torch.float8_e4m3fn
     if d not in STAGES:
@@ -326,11 +364,14 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
         raise ValueError(f"window sides are -1 (unbounded) or >= 0 and softcap >= 0, got {window} and {softcap}")
     q_desc, k_desc, v_desc = _descriptors(q, k, v)
     kwargs = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_ptr=out, lse_ptr=lse, descale_ptr=descale,
-                  seqlen_q=seqlen_q, seqlen_k=k.shape[1], heads=heads, group=heads // kv_heads,
-                  qk_scale=scale * LOG2E, diagonal=k.shape[1] - seqlen_q if diagonal is None else diagonal,
+                  cu_seqlens_q=cu_seqlens[0] if packed else None, cu_seqlens_k=cu_seqlens[1] if packed else None,
+                  seqlen_q=max_seqlen_q if packed else seqlen_q, seqlen_k=0 if packed else k.shape[1],
+                  lse_pitch=seqlen_q if packed else 0, heads=heads, group=heads // kv_heads, qk_scale=scale * LOG2E,
+                  diagonal_offset=diagonal_offset, bottom_right=0 if top_left else 1,
                   window_left=max(left, 0), window_right=max(right, 0),
                   softcap_in=scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E,
                   LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, OVERLAP=schedule.overlap,
                   PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1],
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    return (batch * heads, triton.cdiv(seqlen_q, BLOCK_M)), kwargs
+    rows = max_seqlen_q if packed else seqlen_q
+    return ((sequences if packed else batch) * heads, triton.cdiv(rows, BLOCK_M)), kwargs
