@@ -466,8 +466,10 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
     # Packed sequences: a program per (sequence, head) and 128 rows of the longest (500: 4), the offsets the call's,
-    # lse's rows as long as the total queries.
-    assert seen["tier=hopper varlen"] == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, True, True]
+    # lse's rows as long as the total queries; the second call replays the first's plan with its own offsets.
+    first, second = seen["tier=hopper varlen"]
+    assert first == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, False, True, True]
+    assert second == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, True, True, True]
     # A sliding window and a softcap: no diagonal offset, bottom-right, left 100, right 0, and the softcap's two
     # factors, scale / c and c log2(e) (scale 64^-0.5).
     (name, grid), scalars = seen["tier=hopper window softcap"]
@@ -551,14 +553,19 @@ def _script() -> dict:
         return dict(zip(kernel.arg_names[kernel.arg_names.index("o_ptr"):], arguments[out:], strict=False))
 
     with stubbed_launches(90, keep_arguments=True) as launches, flashattn.use_backend("triton"):
-        q, k, v = (torch.randn(n, h, 64, dtype=BF16) for n, h in ((600, 4), (700, 2), (700, 2)))
-        cu_q, cu_k = torch.tensor([0, 100, 600], dtype=torch.int32), torch.tensor([0, 350, 700], dtype=torch.int32)
-        flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 500, 350, causal=True)
-        (name, grid, arguments), = [a for a in launches.arguments if a[0] != "check_varlen_kernel"]
-        named = scalars(arguments)
-        offsets = (named["cu_seqlens_q"], cu_q), (named["cu_seqlens_k"], cu_k)
-        seen["tier=hopper varlen"] = [name, list(grid[:2]), named["seqlen_q"], named["lse_pitch"],
-                                      *(torch.equal(launched, given) for launched, given in offsets)]
+        seen["tier=hopper varlen"] = []
+        for q_cut, k_cut in ((100, 350), (250, 200)):  # the second call replays the first one's plan
+            launches.clear()
+            q, k, v = (torch.randn(n, h, 64, dtype=BF16) for n, h in ((600, 4), (700, 2), (700, 2)))
+            cu_q = torch.tensor([0, q_cut, 600], dtype=torch.int32)
+            cu_k = torch.tensor([0, k_cut, 700], dtype=torch.int32)
+            flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 500, 350, causal=True)
+            (name, grid, arguments), = [a for a in launches.arguments if a[0] != "check_varlen_kernel"]
+            named = scalars(arguments)
+            offsets = (named["cu_seqlens_q"], cu_q), (named["cu_seqlens_k"], cu_k)
+            seen["tier=hopper varlen"].append(
+                [name, list(grid[:2]), named["seqlen_q"], named["lse_pitch"], launches.through_launcher == 0,
+                 *(torch.equal(launched, given) for launched, given in offsets)])
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]
