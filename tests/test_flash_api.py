@@ -88,6 +88,18 @@ def test_fully_masked_rows_are_zero_with_minus_inf_lse(path):
     assert_close("lse", lse[:, :, 5:], ref_lse[:, :, 5:], ref_lse[:, :, 5:])
 
 
+def test_window_sides_past_every_key_are_unbounded(path):
+    """A window side as large as an int can be (2^31 - 1, sys.maxsize) sees every key on that side, as -1 does:
+    the kernels' 32-bit row + diagonal + side must not wrap to a negative bound (the Triton kernels' did)."""
+    import sys
+
+    q, k, v = path.put(*make_inputs(1, 300, 200, 2, 2, 16, torch.float32))
+    full, causal = flash_attn_func(q, k, v), flash_attn_func(q, k, v, causal=True)
+    for window, want in (((-1, 2**31 - 1), full), ((2**31 - 1, 2**31 - 1), full), ((sys.maxsize, 0), causal),
+                         ((2**31 - 1, -1), full)):
+        torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window), want, msg=str(window))
+
+
 def test_empty_key_sequence_gives_zero_output(path):
     q, k, v = path.put(*make_inputs(2, 3, 0, 2, 1, 8, torch.float32))
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)

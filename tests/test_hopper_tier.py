@@ -92,102 +92,6 @@ def test_which_backwards_the_tier_takes(monkeypatch):
     assert hopper.backward_declines(q, k, v, q, FULL, arch=80) == "not sm_90 (80)"
 
 
-def test_the_backward_ring_protocol_never_deadlocks_or_serves_a_stale_tile():
-    """A model of the backward's barriers (``hopper/backward.py``, ``_exchange_model`` without the exchange): the
-    producer fills ring slot i % STAGES after waiting on its "empty" barrier (count 2) with parity
-    ((i // STAGES) & 1) ^ 1; each consumer waits on the slot's "ready" barrier with parity (i // STAGES) & 1, reads
-    it, and arrives on "empty". mbarrier semantics: a wait on parity p passes once the phase of that parity has
-    completed (a fresh barrier's phase -1, odd, counts as completed). Random interleavings, every tile count and
-    ring depth: all finish and read the tile written."""
-    for stages in (1, 2, 3):
-        for tiles in range(0, 9):
-            for seed in range(30):
-                assert _exchange_model(tiles, stages, seed, ds_depth=0) == {"producer": tiles, 0: tiles, 1: tiles}
-
-
-def _exchange_model(tiles: int, stages: int, seed: int, *, ds_depth: int = 2, empty_flip: int = 1) -> dict:
-    """The backward's barriers as a model, one random interleaving (see the tests): where each party stopped, and
-    raises AssertionError where a warpgroup read a stale dS^T or Q tile. ``ds_depth`` 0: no exchange between the
-    warpgroups (d=64)."""
-    import random
-
-    class Barrier:  # mbarrier: a wait on parity p passes once the phase of that parity completed (-1 counts)
-        def __init__(self, count):
-            self.count, self.arrived, self.completed = count, 0, 0
-
-        def passes(self, parity):
-            return self.completed % 2 != parity
-
-        def arrive(self):
-            self.arrived += 1
-            if self.arrived == self.count:
-                self.arrived, self.completed = 0, self.completed + 1
-
-    rng = random.Random(seed)
-    ready, empty = [Barrier(1) for _ in range(stages)], [Barrier(2) for _ in range(stages)]
-    full_ds, empty_ds = [Barrier(2) for _ in range(max(ds_depth, 1))], [Barrier(2) for _ in range(max(ds_depth, 1))]
-    slots, ds = [None] * stages, [[None, None] for _ in range(max(ds_depth, 1))]
-    pos = {"producer": 0, 0: 0, 1: 0}  # the next tile of each party
-    step = {0: 0, 1: 0}  # a consumer's place in its tile: 0 Q ready?, 1 dS buffer free?, 2 the other's dS?
-    for _ in range(20_000):
-        movable = []
-        i = pos["producer"]
-        if i < tiles and empty[i % stages].passes(((i // stages) & 1) ^ 1):
-            movable.append("producer")
-        for wg in (0, 1):
-            i, b, lap = pos[wg], pos[wg] % max(ds_depth, 1), (pos[wg] // max(ds_depth, 1)) & 1
-            if i < tiles and [ready[i % stages].passes((i // stages) & 1), empty_ds[b].passes(lap ^ empty_flip),
-                              full_ds[b].passes(lap)][step[wg]]:
-                movable.append(wg)
-        if not movable:
-            break
-        who = rng.choice(movable)
-        i = pos[who]
-        if who == "producer":
-            slots[i % stages] = i
-            ready[i % stages].arrive()
-            pos[who] += 1
-        elif step[who] == 0 and not ds_depth:  # the whole tile from the ring's Q and dO, the slot released
-            assert slots[i % stages] == i, ("stale Q", stages, tiles, seed, who, i)
-            empty[i % stages].arrive()
-            pos[who] = i + 1
-        elif step[who] == 0:  # S^T, dP^T, dS^T from the ring's Q and dO
-            assert slots[i % stages] == i, ("stale Q", stages, tiles, seed, who, i)
-            step[who] = 1
-        elif step[who] == 1:  # its dS^T into the buffer, then "full"
-            ds[i % ds_depth][who] = i
-            full_ds[i % ds_depth].arrive()
-            step[who] = 2
-        else:  # dQ over both halves; the buffer and the ring slot released
-            assert ds[i % ds_depth] == [i, i], ("stale dS", stages, tiles, seed, who, i)
-            assert slots[i % stages] == i, ("stale K-side tile", stages, tiles, seed, who, i)
-            empty_ds[i % ds_depth].arrive()
-            empty[i % stages].arrive()
-            step[who], pos[who] = 0, i + 1
-    return pos
-
-
-def test_the_backward_exchange_between_warpgroups_never_deadlocks_or_reads_a_stale_tile():
-    """At d=128 each consumer warpgroup stores its dS^T (64 keys x 64 queries) into buffer 2 * (i % 2) + warpgroup
-    (at d=256 its halves of P^T and dS^T into the one pair of tiles: depth 1, parity i & 1),
-    arrives on that pair's "full" barrier (count 2), waits for it (parity (i // 2) & 1), computes its half of dQ's
-    columns from both buffers, then arrives on "empty" (count 2); before storing it waits on "empty" with parity
-    ((i // 2) & 1) ^ 1. With the Q/dO ring as above, random interleavings, every ring depth and tile count: all
-    finish, no warpgroup reads a dS^T of another tile. Mutations (one buffer for two tiles in flight, a wait on
-    "empty" with the wrong parity) fail the model."""
-    for depth in (1, 2):  # d=256 (backward_wide.py) exchanges P^T and dS^T one tile deep
-        for stages in (1, 2, 3):
-            for tiles in range(0, 8):
-                for seed in range(20):
-                    assert _exchange_model(tiles, stages, seed, ds_depth=depth) == {"producer": tiles, 0: tiles,
-                                                                                    1: tiles}
-    with pytest.raises(AssertionError, match="stale dS"):  # a single buffer: a fast warpgroup overwrites it
-        for seed in range(200):
-            _exchange_model(6, 2, seed, ds_depth=1, empty_flip=2)  # (2: "empty" never waited on)
-    stuck = [_exchange_model(4, 2, seed, empty_flip=0) for seed in range(5)]
-    assert all(pos[0] == 0 and pos[1] == 0 for pos in stuck)  # the first wait on "empty" never passes
-
-
 def test_the_fp8_forward_is_forced_only_and_reads_interleaved_values(monkeypatch):
     """FP8 (e4m3 q, k, v with descales): the tier's forward multiplies them on FP8 tensor cores, reading v as
     ``attend.interleaved_values`` lays it out (keys contiguous, padded to groups of 32); only under
@@ -254,54 +158,24 @@ def test_forced_it_takes_packed_sequences_its_backward_does_not(monkeypatch):
     assert hopper.backward_declines(q, k, k, q, spec, arch=90) == "dtype or layout"
 
 
-def _on_ints(helper):
-    """A Gluon helper's own body (``helper.fn``) run on Python ints, ``gl``'s minimum, maximum and cdiv as plain
-    functions: the kernel's index arithmetic checked without a GPU."""
-    import types
-
-    gl = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b))
-    fn = helper.fn
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": gl}, fn.__name__, fn.__defaults__)
-
-
-BANDS = [(-1, -1), (-1, 0), (0, 0), (64, 0), (100, 30), (300, -1), (0, -1), (5, 200), (-1, 77)]
-
-
 @needs_triton
 @recorded_on_oldest("the Hopper tier's Gluon kernel (Gluon's API changes between releases)")
-@pytest.mark.parametrize("block_n", [64, 128])
-def test_the_key_tiles_a_program_visits_cover_its_band_and_skip_the_rest(block_n):
-    """``_key_span`` (the producer's loads and both consumers' loops): every key any row of the 128-row program
-    sees lies in the tiles it visits, the first and last visited tiles hold a visible key (hidden tiles are
-    skipped), and the tiles it runs unmasked ([lead, plain)) are whole and seen whole by every row; ``_segments``
-    splits each schedule's loops into masked, unmasked, masked, in order, covering them once."""
-    from flashattn.backends.masking import Band
-    from flashattn.backends.triton.hopper.steps import _key_span, _segments
+def test_a_side_past_every_key_is_unbounded_and_offsets_stay_32_bit(monkeypatch):
+    """The kernel's band bounds are 32-bit (row + diagonal + side): a window side past every key reaches it as
+    unbounded (``masking.kernel_side``), and a diagonal offset that could carry them past 2^31 is declined."""
+    from flashattn.backends.triton import launch
 
-    span, segments = _on_ints(_key_span), _on_ints(_segments)
-    for nq, nk in ((300, 500), (500, 300), (1, 1), (129, 1), (128, 1000), (1000, 128), (777, 777), (257, 600)):
-        for left, right in BANDS:
-            for bottom_right, offset in ((True, 0), (False, 0), (True, -40), (False, 130)):
-                band = Band.of(nq, nk, left=left, right=right, bottom_right=bottom_right, diagonal_offset=offset)
-                for m0 in range(0, nq, 128):
-                    rows = torch.arange(m0, min(m0 + 128, nq))
-                    seen = band.visible(rows, torch.arange(nk)) & True
-                    first, tiles, lead, plain = span(m0, nq, nk, (band.diagonal, max(left, 0), max(right, 0)),
-                                                     left >= 0, right >= 0, 128, block_n)
-                    where = (nq, nk, left, right, bottom_right, offset, m0)
-                    assert tiles >= 1 and 0 <= lead <= plain <= tiles and 0 <= first * block_n < max(nk, 1), where
-                    keys = seen.any(0).nonzero().flatten()
-                    if len(keys):
-                        assert first == keys[0] // block_n and first + tiles - 1 == keys[-1] // block_n, where
-                    for t in range(lead, plain):
-                        c0 = (first + t) * block_n
-                        assert c0 + block_n <= nk and band.tile_is_full(m0, rows[-1].item() + 1, c0, c0 + block_n)
-                    for lo, hi in ((0, tiles - 1), (1, tiles)):  # schedule "qk" peels the last tile, "pv" the first
-                        for has_left in {left >= 0, True}:
-                            begin, end = segments(lo, hi, lead, plain, has_left)
-                            assert lo <= begin <= end <= max(hi, lo), where
-                            assert not (begin < end) or lead <= begin and end <= plain, where
-                            assert has_left or begin == lo, where
+    seen = {}
+    monkeypatch.setattr(launch, "launch", lambda kernel, grid, **kwargs: seen.update(kwargs))
+    q = torch.zeros(1, 300, 2, 64, dtype=BF16)
+    for left, right, want in ((2**31 - 1, 100, (False, True, 0, 100)), (50, sys.maxsize, (True, False, 50, 0))):
+        hopper.launch_forward(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300),
+                              AttentionSpec(scale=0.125, window_left=left, window_right=right))
+        assert (seen["LEFT"], seen["RIGHT"], seen["window_left"], seen["window_right"]) == want
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert hopper.declines(q, q, q, AttentionSpec(scale=0.125, diagonal_offset=2**30), probs=False, arch=90) == (
+        "too large for the grid or 32-bit offsets")
+    assert hopper.declines(q, q, q, AttentionSpec(scale=0.125, diagonal_offset=-2**20), probs=False, arch=90) is None
 
 
 def test_it_declines_what_it_cannot_read_or_address(monkeypatch):
@@ -471,10 +345,11 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     assert first == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, False, True, True]
     assert second == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, True, True, True]
     # A sliding window and a softcap: no diagonal offset, bottom-right, left 100, right 0, and the softcap's two
-    # factors, scale / c and c log2(e) (scale 64^-0.5).
+    # factors, 2 log2(e) scale / c and c log2(e) (scale 64^-0.5).
     (name, grid), scalars = seen["tier=hopper window softcap"]
     assert [name, grid] == ["attention_forward_ws_kernel", [8, 3]]
-    assert scalars == [0, 1, 100, 0, pytest.approx(0.125 / 30), pytest.approx(30 * 1.4426950408889634)]
+    log2e = 1.4426950408889634
+    assert scalars == [0, 1, 100, 0, pytest.approx(2 * log2e * 0.125 / 30), pytest.approx(30 * log2e)]
 
 
 def _script() -> dict:

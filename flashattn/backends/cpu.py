@@ -28,7 +28,7 @@ import torch
 
 from . import cpu_build, cpu_tiles
 from .environ import Variable
-from .masking import sum_to_shape
+from .masking import kernel_side, sum_to_shape
 from .request import Request
 from .spec import FP8_DTYPES, AttentionSpec, Saved, accumulation_dtype, output_dtype
 
@@ -80,9 +80,12 @@ def _options(q, k, spec: AttentionSpec, *, tile: tuple[int, int], tiles: str) ->
         diagonal = 0
     else:
         seqs, table, diagonal = None, None, spec.band(q.shape[1], k.shape[1]).diagonal
+    # Every row of q and k as an upper bound of any sequence's length (dense, packed or paged alike).
+    rows = (t.numel() // max(t.shape[-1] * t.shape[-2], 1) for t in (q, k))
+    reach = dict(zip(("nq", "nk"), rows, strict=True), diagonal_offset=spec.diagonal_offset)
+    left, right = (kernel_side(side, **reach) for side in (spec.window_left, spec.window_right))
     options = {"seqs": seqs, "block_table": table, "diagonal": diagonal, "scale": float(spec.scale),
-               "softcap": float(spec.softcap),
-               "left": int(spec.window_left), "right": int(spec.window_right), "block_m": tile[0],
+               "softcap": float(spec.softcap), "left": int(left), "right": int(right), "block_m": tile[0],
                "block_n": tile[1], "alibi": spec.alibi_slopes, "sink": spec.sink, "dropout_p": float(spec.dropout_p),
                "seed": 0, "counter_rows": 0, "counter_cols": 0, "mask": None, "tile_kind": None, "partial_id": None,
                "partial_masks": None, "tiles": tiles}

@@ -58,6 +58,18 @@ class Band:
         return keep
 
 
+def kernel_side(side: int, *, nq: int, nk: int, diagonal_offset: int) -> int:
+    """A window side as a kernel reads it: -1 (unbounded) where it reaches past every key of every row anyway
+    (|j - i - diagonal| < nq + nk + |nk - nq| + |diagonal_offset| for any alignment), so that a kernel's
+    ``row + diagonal + side`` stays within 32 bits: ``window_size=(-1, 2**31 - 1)`` or ``sys.maxsize`` reads as
+    unbounded, not as a wrapped negative. ``nq``, ``nk``: the longest query and key sequence of the call.
+
+    >>> [kernel_side(side, nq=1024, nk=1024, diagonal_offset=0) for side in (2**31 - 1, 100, -1)]
+    [-1, 100, -1]
+    """
+    return -1 if side >= nq + nk + abs(nk - nq) + abs(diagonal_offset) else side
+
+
 def sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Sum the broadcast dimensions of ``x`` away so it has ``shape`` (the reverse of broadcasting): how a mask's
     gradient, computed per score, reaches a mask that was broadcast over batch, heads, rows or columns."""

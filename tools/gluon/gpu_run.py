@@ -37,7 +37,7 @@ SHAPES = ((1, 1, 1, 2, 2), (2, 113, 113, 3, 3), (2, 173, 251, 3, 3), (1, 1025, 1
           (2, 1024, 1024, 2, 2), (2, 173, 251, 6, 2), (1, 300, 100, 3, 1))
 # Bands and softcaps, on three of those shapes, for the schedule the tier launches (each band compiles its own
 # kernels): (window, top-left aligned, softcap); causal cases take right = 0.
-BANDS = (((77, 20), False, 0.0), ((-1, -1), False, 30.0), ((300, 40), True, 20.0))
+BANDS = (((77, 20), False, 0.0), ((-1, -1), False, 30.0), ((300, 40), True, 20.0), ((150, -1), False, 0.0))
 BAND_SHAPES = (SHAPES[2], SHAPES[3], SHAPES[7])
 # Packed sequences (flash_attn_varlen_func's layout), the launched schedule again: (query, key) lengths, 4 query heads
 # over 2 key heads, with no band and with the first and last of BANDS.

@@ -2,12 +2,13 @@
 reallocation, spills, shared memory, HGMMA groups and how long each stays in flight, TMA loads, and instructions per
 score in the consumers' main loop, the same way ``tools.offline.profile`` counts the tl kernels.
 
-    python -m tools.gluon.profile [--all | --launched] [--fp8] [--window 256:0] [--softcap 30]
+    python -m tools.gluon.profile [--all | --launched] [--fp8] [--window=256:0] [--softcap 30] [--packed]
                                   [--cases 128:0,64:1] [--json out]
 
 ``--fp8``: the FP8 forward (e4m3 q, k, v; wgmma on FP8 operands, ``QGMMA`` in the SASS). ``--launched``: the
 schedule the tier launches (``forward.LAUNCHED``) instead of ``SCHEDULES``'s. ``--window left:right`` (-1 for an
-unbounded side) and ``--softcap``: the kernel compiled for a sliding window and a softcap.
+unbounded side) and ``--softcap``: the kernel compiled for a sliding window and a softcap; ``--packed``: for packed
+sequences (``flash_attn_varlen_func``'s layout, the same tokens as two sequences).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ _PV = re.compile(r"R\d+, R\d+, gdesc")  # A from registers: P V; Q K^T reads bot
 
 
 def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, dtype: torch.dtype = torch.bfloat16,
-                 *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                 *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, packed: bool = False):
     """The kernel compiled for sm_90 as ``forward`` would launch it at PROFILE_SHAPE (CPU tensors, nothing runs)."""
     from tools.offline.compile import _offline
 
@@ -54,8 +55,14 @@ def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, 
     if dtype == torch.float8_e4m3fn:  # v as the FP8 forward hands it over: keys contiguous (attend.interleaved_values)
         v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         descale = torch.ones(batch, k.shape[2])
+    layout = {}
+    if packed:  # every batch's rows as one packed batch, cut into two sequences
+        q, k, v, out = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v, out))
+        cuts = torch.tensor([0, seqlen // 2, batch * seqlen], dtype=torch.int32)
+        layout = dict(cu_seqlens=(cuts, cuts), max_seqlen_q=batch * seqlen - seqlen // 2)
+        lse = torch.empty(heads, batch * seqlen)
     grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, schedule=schedule,
-                                    descale=descale, window=window, softcap=softcap)
+                                    descale=descale, window=window, softcap=softcap, **layout)
     with _offline(90):
         return attention_forward_ws_kernel.warmup(grid=grid, **kwargs)
 
@@ -78,8 +85,9 @@ class Measured:
     loop: int  # instructions per key tile in the consumer's unmasked loop
     per_score: float  # loop x 8 consumer warps / (128 x 128)
     fp8: bool = False  # e4m3 q, k, v
-    tanh: int = 0  # MUFU.TANH instructions (a softcap's)
+    reciprocals: int = 0  # MUFU.RCP instructions (a softcap's, one a score)
     band_loops: int = 0  # innermost loops holding a QK^T and a PV group: the masked and unmasked key loops
+    loop_spills: int = 0  # local-memory loads and stores inside the key loops (spill_bytes counts all of them)
 
     def overlapped(self, kind: str, at_least: int = 32) -> int:
         """Groups of ``kind`` with at least ``at_least`` instructions issued between them and their retirement."""
@@ -121,12 +129,12 @@ def consumer_loop(sass):
 
 
 def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: bool = False, *,
-            window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Measured:
+            window: tuple[int, int] = (-1, -1), softcap: float = 0.0, packed: bool = False) -> Measured:
     from tools.offline.compile import cubin_report
 
     schedule = schedule or SCHEDULES[head_dim]
     kernel = compile_sm90(head_dim, causal, schedule, torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                          window=window, softcap=softcap)
+                          window=window, softcap=softcap, packed=packed)
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     found = consumer_loop(sass)
@@ -137,8 +145,9 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: 
         head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
         kernel.metadata.num_warps, sass.count(WGMMA), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
         sass.count("UTMALDG"), round(per_tile),
-        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3), fp8, sass.count("MUFU.TANH"),
+        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3), fp8, sass.count("MUFU.RCP"),
         sum(_groups(sass, loop) >= 2 for loop in sass.innermost_loops()),
+        sum(sass.count(("LDL", "STL"), loop) for loop in sass.innermost_loops() if _groups(sass, loop) >= 2),
     )
 
 
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (e4m3 q, k, v)")
     parser.add_argument("--window", default="-1:-1", help="left:right, -1 for an unbounded side")
     parser.add_argument("--softcap", type=float, default=0.0)
+    parser.add_argument("--packed", action="store_true", help="packed sequences (flash_attn_varlen_func's layout)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         head_dim, causal = (int(x) for x in case.split(":"))
         for schedule in VARIANTS if args.all else ((LAUNCHED if args.launched else SCHEDULES)[head_dim],):
             row = measure(head_dim, bool(causal), schedule, fp8=args.fp8,
-                          window=tuple(int(x) for x in args.window.split(":")), softcap=args.softcap)
+                          window=tuple(int(x) for x in args.window.split(":")), softcap=args.softcap,
+                          packed=args.packed)
             rows.append(asdict(row))
             print(format_row(row))
     if args.json:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ...errors import ArgumentError
+from ..masking import kernel_side
 from ..memo import PerTensor
 from ..spec import AttentionSpec, BlockSparse, cache_launch_keys
 from . import configs, interpreting, plans, stubbed_device, tma
@@ -252,12 +253,14 @@ def split_count(shape: CallShape, rows: QueryRows, cfg: configs.KernelConfig,
     return -(-shape.nk // split_keys), split_keys  # no split left without keys
 
 
-def _options(spec: AttentionSpec) -> dict:
-    """The scalar options by kernel argument name; a window side or softcap that is off is None."""
+def _options(spec: AttentionSpec, shape: CallShape) -> dict:
+    """The scalar options by kernel argument name; a window side or softcap that is off (a side past every key
+    too: ``masking.kernel_side``) is None."""
+    left, right = (kernel_side(side, nq=shape.nq, nk=shape.nk, diagonal_offset=spec.diagonal_offset)
+                   for side in (spec.window_left, spec.window_right))
     return dict(
         bottom_right=int(spec.bottom_right), diagonal_offset=spec.diagonal_offset,
-        window_left=spec.window_left if spec.window_left >= 0 else None,
-        window_right=spec.window_right if spec.window_right >= 0 else None,
+        window_left=left if left >= 0 else None, window_right=right if right >= 0 else None,
         scale=spec.scale, softcap=spec.softcap if spec.softcap > 0 else None, dropout_p=spec.dropout_p,
     )
 
@@ -358,7 +361,7 @@ def forward_kwargs(q, k, v, targets, *, spec: AttentionSpec, shape: CallShape, r
         descale=None if spec.descale is None else spec.descale.score_scales(),
         **rows.sink(spec.sink), blocks=sparse_blocks(spec, by_keys=False),
         **rows.q, **CallShape.strides("k", k), **CallShape.strides("v", v), **out_strides, **lse_strides,
-        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),
+        **_optional_tensors(spec), **_options(spec, shape), **_sizes(q, shape, rows), PLAIN=plain_scores(spec),
         **_descriptors(q, k, v, shape=shape, rows=rows, blocks=(cfg.block_m, cfg.block_n)),
     )
 
@@ -430,5 +433,5 @@ def backward_kwargs(q, k, v, stats, *, spec: AttentionSpec, shape: CallShape) ->
         q=q, k=k, v=v, dout=dout, neg_lse2=neg_lse2, delta=delta, cu_seqlens_q=shape.cu_seqlens_q,
         cu_seqlens_k=shape.cu_seqlens_k, **CallShape.strides("q", q), **CallShape.strides("k", k),
         **CallShape.strides("v", v), **CallShape.strides("do", dout), **shape.lse_strides(neg_lse2),
-        **_optional_tensors(spec), **_options(spec), **_sizes(q, shape), PLAIN=plain_scores(spec),
+        **_optional_tensors(spec), **_options(spec, shape), **_sizes(q, shape), PLAIN=plain_scores(spec),
     )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ...environ import Variable, setting
+from ...masking import kernel_side
 from ...spec import AttentionSpec
 from ..configs import DECODE_MAX_ROWS
 
@@ -99,7 +100,7 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
     if (spec.varlen.max_seqlen_q if packed else nq) <= DECODE_MAX_ROWS:  # 128-row programs would idle there
         return "decode-shaped (the portable decode kernel)"
     why = "probabilities" if probs else _options_decline(spec, aligned, fp8=fp8, band=True) or _memory_declines(
-        q, k, v.permute(0, 2, 3, 1) if fp8 else v)
+        q, k, v.permute(0, 2, 3, 1) if fp8 else v, diagonal_offset=spec.diagonal_offset)
     return why or _target_declines(arch)
 
 
@@ -136,12 +137,16 @@ def _options_decline(spec: AttentionSpec, causal_alignment: bool, *, fp8: bool =
     return None if (full or causal) and spec.diagonal_offset == 0 else "window"
 
 
-def _memory_declines(q, k, v) -> str | None:
+def _memory_declines(q, k, v, *, diagonal_offset: int = 0) -> str | None:
     b, nq, h, _ = q.shape
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
         return "not contiguous or not 16-byte aligned (TMA)"
-    # Row indices are 32-bit, up to a tile past the last row (the kernels form a tile's first row before masking)
-    if -(-nq // 128) > GRID_Y or b * h * nq > INT32 or b * max(nq, k.shape[1]) + 128 > INT32:
+    # Row indices are 32-bit, up to a tile past the last row (the kernels form a tile's first row before masking),
+    # and so are a row's band bounds: row + diagonal + side, each side at most 2 (nq + nk) + |offset|
+    # (masking.kernel_side).
+    nk = k.shape[1]
+    if -(-nq // 128) > GRID_Y or b * h * nq > INT32 or b * max(nq, nk) + 128 > INT32 or (
+            4 * (nq + nk) + 3 * abs(diagonal_offset) + 256 > INT32):
         return "too large for the grid or 32-bit offsets"
     return None
 
@@ -155,9 +160,12 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
 
     packed = spec.varlen
+    nq, nk = (q.shape[1], k.shape[1]) if packed is None else (packed.max_seqlen_q, packed.max_seqlen_k)
+    window = (kernel_side(side, nq=nq, nk=nk, diagonal_offset=spec.diagonal_offset)
+              for side in (spec.window_left, spec.window_right))
     grid, kwargs = launch_arguments(
         q, k, v, out, lse, causal=False, scale=spec.scale, schedule=LAUNCHED[q.shape[-1]], descale=descale,
-        window=(spec.window_left, spec.window_right), top_left=not spec.bottom_right,
+        window=tuple(window), top_left=not spec.bottom_right,
         diagonal_offset=spec.diagonal_offset, softcap=spec.softcap,
         cu_seqlens=None if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k),
         max_seqlen_q=0 if packed is None else packed.max_seqlen_q)

@@ -94,11 +94,13 @@ LAUNCHED = {64: Schedule("pv", True), 128: Schedule("pv", False), 256: Schedule(
 
 @gluon.jit
 def _store(o, m, l, out, rows, limits):
+    """O / l and lse stored for the real rows; ``limits`` = (seqlen_q, lse_shift): what the scores' maximum m (log2
+    units) lacks (a softcap's c log2(e): ``steps._capped``)."""
     o_ptr, lse_ptr, o_row0, o_col0, o_pitch, lse_row0 = out
-    seqlen_q, seqlen_k, qk_scale = limits
+    seqlen_q, lse_shift = limits
     HEAD_D: gl.constexpr = o.shape[1]
     o_layout: gl.constexpr = o.type.layout
-    lse = (m + gl.log2(l)) * 0.6931471805599453  # log2 units back to natural log; -inf for a row with no key
+    lse = (m + lse_shift + gl.log2(l)) * 0.6931471805599453  # log2 units to natural log; -inf for a row with no key
     gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
 
     inv = 1.0 / gl.where(l == 0.0, 1.0, l)
@@ -126,7 +128,7 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- s
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, _instr_k(q_smem.dtype))
     first, tiles, lead, plain = _key_span(m0, seqlen_q, seqlen_k, band, LEFT, RIGHT, 2 * WG_M, BLOCK_N)
-    limits = (seqlen_q, seqlen_k, qk_scale)
+    limits = (seqlen_q, softcap[1] if SOFTCAP else 0.0)
     diagonal, left, right = band
     cap_in, cap_out = softcap
     rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
@@ -204,11 +206,12 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     return at once. Query i sees key j iff j - i - diagonal is at least -``window_left`` (where LEFT) and at most
     ``window_right`` (where RIGHT), the diagonal ``diagonal_offset`` plus, where ``bottom_right`` (0 or 1), the
     sequence's seqlen_k - seqlen_q: causal is RIGHT with window_right 0, bottom-right. SOFTCAP: the scores s scale
-    become c tanh(s scale / c), ``softcap_in`` = scale / c and ``softcap_out`` = c log2(e). OVERLAP is "qk" or "pv"
-    (the schedule), UNROLL 1 or 2 (schedule "qk" only). Programs start in grid order, every head's block of a row
-    before the next row's: under a right bound alone (causal) the row order is reversed, so the query blocks that
-    see the most keys start first and the short ones fill the last wave. FP8 (e4m3 q, k and v): ``v_desc`` reads
-    V^T (see ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads) float32 multiplies the scores; out is
+    become c tanh(s scale / c), ``softcap_in`` = 2 log2(e) scale / c and ``softcap_out`` = c log2(e). OVERLAP is
+    "qk" or "pv" (the schedule), UNROLL 1 or 2 (schedule "qk" only). Programs start in grid order, every head's
+    block of a row before the next row's: under a right bound alone (causal) the row order is reversed, so the
+    query blocks that see the most keys start first and the short ones fill the last wave. FP8 (e4m3 q, k and v):
+    ``v_desc`` reads V^T (see ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads) float32 multiplies the
+    scores; out is
     float32 then, P rounded to e4m3 for P V."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -369,7 +372,7 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
                   lse_pitch=seqlen_q if packed else 0, heads=heads, group=heads // kv_heads, qk_scale=scale * LOG2E,
                   diagonal_offset=diagonal_offset, bottom_right=0 if top_left else 1,
                   window_left=max(left, 0), window_right=max(right, 0),
-                  softcap_in=scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E,
+                  softcap_in=2 * LOG2E * scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E,
                   LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, OVERLAP=schedule.overlap,
                   PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1],
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
