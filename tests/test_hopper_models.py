@@ -1,8 +1,10 @@
 """The Hopper tier's kernels without a GPU: models of their barrier protocols, the forward's index arithmetic run
-from its own source on Python ints, and the forward itself emulated on CPU tensors (``tools/gluon/emulate.py``:
-every ``@gluon.jit`` body as written, Gluon's primitives replaced by what they compute) against float64: odd
-lengths, more queries than keys, grouped heads, windows of either alignment, softcaps, packed sequences, every
-schedule. What only a GPU shows (the compiler, layouts, timing, the real barriers): gpu-check's ``gluon`` step."""
+from its own source on Python ints, and the kernels themselves emulated on CPU tensors (``tools/gluon/emulate.py``:
+every ``@gluon.jit`` body as written, each partition in a thread, Gluon's primitives replaced by what they compute,
+barriers that block) against float64: the forward over odd lengths, more queries than keys, grouped heads, windows
+of either alignment, softcaps, packed sequences and every schedule; the one-pass backward at head dims 64, 128 (dS
+exchanged between the warpgroups) and 256 (the wide kernel). What only a GPU shows (the compiler, layouts, timing,
+the interleavings the threads never took): gpu-check's ``gluon`` step."""
 
 from __future__ import annotations
 
@@ -165,9 +167,9 @@ def test_the_key_tiles_a_program_visits_cover_its_band_and_skip_the_rest(block_n
 
 
 def _emulated(q, k, v, **arguments):
-    from tools.gluon.emulate import emulate
+    from tools.gluon.emulate import emulate_forward
 
-    return emulate(q, k, v, scale=q.shape[-1] ** -0.5, **arguments)
+    return emulate_forward(q, k, v, scale=q.shape[-1] ** -0.5, **arguments)
 
 
 def _check(out, lse, q, k, v, **reference):
@@ -244,3 +246,32 @@ def test_packed_sequences_emulated_match_each_sequence_alone():
             if b > a:
                 _check(out[a:b][None], lse[:, a:b][None], qi, ki, vi, causal=causal, window=window,
                        bottom_right=not top_left, softcap=softcap)
+
+
+@needs_triton
+@on_oldest
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_one_pass_backward_emulated_from_its_own_source_matches_float64(d):
+    """dQ, dK and dV of the tier's one-pass backward (never yet run on a GPU) from its own source, from the forward's
+    out and lse: within 3x plain bf16 attention's gradient error against float64 (the suite's rule), causal (rows
+    that see no key) and full, grouped key/value heads, lengths off every tile."""
+    from oracle import max_err
+
+    from flashattn.backends.triton.hopper.forward import LAUNCHED
+    from tools.gluon.emulate import emulate_backward
+
+    torch.manual_seed(d)
+    for causal, (nq, nk, h, hk) in ((True, (300, 200, 4, 2)), (False, (130, 257, 2, 1))):
+        q, k, v = (torch.randn(2, n, heads, d, dtype=BF16) for n, heads in ((nq, h), (nk, hk), (nk, hk)))
+        dout = torch.randn_like(q)
+        out, lse = _emulated(q, k, v, causal=causal, schedule=LAUNCHED[d])
+        grads = emulate_backward(q, k, v, out, lse, dout, causal=causal, scale=d**-0.5)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        want = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, dout.double())
+        plain = [t.detach().requires_grad_() for t in (q, k, v)]
+        baseline = torch.autograd.grad(attention_ref(*plain, causal=causal, upcast=False)[0], plain, dout)
+        magnitude = max(w.abs().max().item() for w in want)
+        for name, ours, w, b in zip(("dq", "dk", "dv"), grads, want, baseline, strict=True):
+            assert not torch.isnan(ours).any(), name
+            assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)
+            assert max_err(ours, w) < 0.05, name
