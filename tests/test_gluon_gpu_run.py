@@ -100,20 +100,21 @@ def test_a_packed_launch_that_mixes_up_sequences_fails(monkeypatch):
 
 
 @needs_gluon
-@pytest.mark.parametrize("fault", ["dq off by 0.5", "dk nan", "dv of the other head"])
+@pytest.mark.parametrize("fault", ["dq off by 0.5", "dk nan", "dv of the other head", "band ignored"])
 def test_a_wrong_backward_fails_its_case(fault, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     from tools.gluon import gpu_backward
 
     plain = gpu_backward._kernel_grads
 
-    def wrong(q, k, v, dout, *, causal, dry):
-        dq, dk, dv = (g.clone() for g in plain(q, k, v, dout, causal=causal, dry=dry))
+    def wrong(q, k, v, dout, *, causal, dry, band=gpu_backward.PLAIN):
+        band = gpu_backward.PLAIN if fault == "band ignored" else band
+        dq, dk, dv = (g.clone() for g in plain(q, k, v, dout, causal=causal, dry=dry, band=band))
         if fault == "dk nan":
             dk[0, -1, 0, 0] = float("nan")
         elif fault == "dq off by 0.5":
             dq[0, -1, 0, 0] += 0.5
-        else:  # a key/value head's gradients written to its neighbour's place
+        elif fault == "dv of the other head":  # a key/value head's gradients written to its neighbour's place
             dv = dv.flip(2)
         return dq, dk, dv
 

@@ -250,26 +250,61 @@ def test_packed_sequences_emulated_match_each_sequence_alone():
 
 @needs_triton
 @on_oldest
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_the_query_tiles_a_backward_program_visits_cover_its_band(block_n):
+    """``backward._query_tiles`` from its own source on ints: every query that sees a key of the program's block
+    lies in the tiles it visits, the first and last visited tiles hold one, and the unmasked tiles are whole, inside
+    both sequences, and see every key of the block."""
+    from flashattn.backends.masking import Band
+    from flashattn.backends.triton.hopper.backward import _query_tiles
+
+    tiles = _on_ints(_query_tiles)
+    for nq, nk in ((300, 500), (500, 300), (1, 1), (129, 1), (128, 1000), (1000, 128), (257, 600)):
+        for left, right in BANDS:
+            for bottom_right, offset in ((True, 0), (False, 0), (True, -40), (False, 130)):
+                band = Band.of(nq, nk, left=left, right=right, bottom_right=bottom_right, diagonal_offset=offset)
+                for n0 in range(0, nk, block_n):
+                    keys = torch.arange(n0, min(n0 + block_n, nk))
+                    seen = band.visible(torch.arange(nq), keys)
+                    lo, full_lo, full_hi, hi = tiles(n0, nq, nk, (band.diagonal, max(left, 0), max(right, 0)),
+                                                     left >= 0, right >= 0, 64, block_n)
+                    where = (nq, nk, left, right, bottom_right, offset, n0)
+                    assert 0 <= lo <= full_lo <= full_hi <= hi <= -(-nq // 64), where
+                    queries = seen.any(1).nonzero().flatten()
+                    if len(queries):
+                        assert lo == queries[0] // 64 and hi - 1 == queries[-1] // 64, where
+                    for t in range(full_lo, full_hi):
+                        assert (t + 1) * 64 <= nq and n0 + block_n <= nk, where
+                        assert band.tile_is_full(t * 64, (t + 1) * 64, n0, n0 + block_n), where
+
+
+@needs_triton
+@on_oldest
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_one_pass_backward_emulated_from_its_own_source_matches_float64(d):
     """dQ, dK and dV of the tier's one-pass backward (never yet run on a GPU) from its own source, from the forward's
     out and lse: within 3x plain bf16 attention's gradient error against float64 (the suite's rule), causal (rows
-    that see no key) and full, grouped key/value heads, lengths off every tile."""
+    that see no key) and full, bands of either alignment and softcaps, grouped key/value heads, lengths off every
+    tile."""
     from oracle import max_err
 
     from flashattn.backends.triton.hopper.forward import LAUNCHED
     from tools.gluon.emulate import emulate_backward
 
     torch.manual_seed(d)
-    for causal, (nq, nk, h, hk) in ((True, (300, 200, 4, 2)), (False, (130, 257, 2, 1))):
+    cases = [((True, (-1, -1), False, 0.0), (300, 200, 4, 2)), ((False, (-1, -1), False, 0.0), (130, 257, 2, 1))]
+    cases += [(band, (173, 251, 4, 2)) for band in BANDS_AND_CAPS[2:]]
+    for (causal, window, top_left, softcap), (nq, nk, h, hk) in cases:
         q, k, v = (torch.randn(2, n, heads, d, dtype=BF16) for n, heads in ((nq, h), (nk, hk), (nk, hk)))
         dout = torch.randn_like(q)
-        out, lse = _emulated(q, k, v, causal=causal, schedule=LAUNCHED[d])
-        grads = emulate_backward(q, k, v, out, lse, dout, causal=causal, scale=d**-0.5)
+        band = dict(causal=causal, window=window, top_left=top_left, softcap=softcap)
+        reference = dict(causal=causal, window=window, bottom_right=not top_left, softcap=softcap)
+        out, lse = _emulated(q, k, v, schedule=LAUNCHED[d], **band)
+        grads = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, **band)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        want = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, dout.double())
+        want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, dout.double())
         plain = [t.detach().requires_grad_() for t in (q, k, v)]
-        baseline = torch.autograd.grad(attention_ref(*plain, causal=causal, upcast=False)[0], plain, dout)
+        baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, dout)
         magnitude = max(w.abs().max().item() for w in want)
         for name, ours, w, b in zip(("dq", "dk", "dv"), grads, want, baseline, strict=True):
             assert not torch.isnan(ours).any(), name

@@ -126,18 +126,19 @@ def test_forced_it_takes_grouped_heads(monkeypatch):
     assert hopper.declines(*_qkv(hk=3), FULL, probs=False, arch=90) == "head dims or grouped heads"
 
 
-def test_forced_it_takes_windows_and_softcaps_its_backward_does_not(monkeypatch):
-    """The forward reads any band (left, right, either alignment, a diagonal offset) and a softcap; the one-pass
-    backward stays full or causal, so such a call's backward is the portable one (from the tier's out and lse)."""
+def test_forced_it_takes_windows_and_softcaps_forward_and_backward(monkeypatch):
+    """Both kernels read any band (left, right, either alignment, a diagonal offset) and a softcap."""
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
     q, k, v = _qkv(nq=300, nk=500)
-    for spec, backward in ((AttentionSpec(scale=0.125, window_left=64, window_right=0), "window"),
-                           (AttentionSpec(scale=0.125, window_left=100, window_right=30, bottom_right=False), "window"),
-                           (AttentionSpec(scale=0.125, window_right=0, diagonal_offset=-7), "window"),
-                           (AttentionSpec(scale=0.125, softcap=30.0), "softcap"),
-                           (AttentionSpec(scale=0.125, window_left=64, softcap=50.0), "softcap")):
+    for spec in (AttentionSpec(scale=0.125, window_left=64, window_right=0),
+                 AttentionSpec(scale=0.125, window_left=100, window_right=30, bottom_right=False),
+                 AttentionSpec(scale=0.125, window_right=0, diagonal_offset=-7),
+                 AttentionSpec(scale=0.125, softcap=30.0),
+                 AttentionSpec(scale=0.125, window_left=64, softcap=50.0)):
         assert hopper.declines(q, k, v, spec, probs=False, arch=90) is None, spec
-        assert hopper.backward_declines(q, k, v, q, spec, arch=90) == backward, spec
+        assert hopper.backward_declines(q, k, v, q, spec, arch=90) is None, spec
+    assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, diagonal_offset=2**30), arch=90) == (
+        "too large for the grid or 32-bit offsets")
     assert hopper.declines(q, k, v, AttentionSpec(scale=0.125, softcap=30.0, sink=torch.zeros(4)), probs=False,
                            arch=90) == "sink"
 

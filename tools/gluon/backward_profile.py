@@ -2,7 +2,9 @@
 registers and their reallocation, spills (and whether any sits in a loop), shared memory, HGMMA, TMA loads, the
 atomic reductions of dQ, and instructions per score in the consumers' unmasked loop.
 
-    python -m tools.gluon.backward_profile [--causal] [--json out]
+    python -m tools.gluon.backward_profile [--causal] [--head-dim 64] [--window=100:0] [--softcap 30] [--json out]
+
+``--window left:right`` (-1 for an unbounded side) and ``--softcap``: compiled for a sliding window and a softcap.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ GROUPS_PER_TILE = {64: 5, 128: 6, 256: 6}
 SCORES_PER_TILE = {64: 128 * 64, 128: 128 * 64, 256: 64 * 64}
 
 
-def measure(causal: bool, head_dim: int = 64) -> dict:
+def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> dict:
     from tools.offline.compile import _offline, cubin_report
 
     (b, n, h), d = PROFILE_SHAPE, head_dim
     q, k, v, dout = (torch.empty(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
     stats = (torch.empty(b, h, n), torch.empty(b, h, n))
     grads = (torch.empty(b, n, h, d), torch.empty_like(k), torch.empty_like(v))
-    jit, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=d**-0.5)
+    jit, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=d**-0.5, window=window,
+                                         softcap=softcap)
     with _offline(90):
         kernel = jit.warmup(grid=grid, **kwargs)
     report = cubin_report(kernel.asm["cubin"])
@@ -46,7 +49,8 @@ def measure(causal: bool, head_dim: int = 64) -> dict:
                           "red": sum(ins.opcode.startswith("RED") for ins in body)})
     lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE[head_dim]), key=lambda x: x["length"], default=None)
     return {
-        "causal": causal, "head_dim": head_dim, "registers": report.registers, "spill_bytes": report.spill_bytes,
+        "causal": causal, "head_dim": head_dim, "window": list(window), "softcap": softcap,
+        "registers": report.registers, "spill_bytes": report.spill_bytes,
         "setmaxnreg": sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
                               if ins.opcode.startswith("USETMAXREG")}),
         "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
@@ -59,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Hopper tier's one-pass backward.")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--head-dim", type=int, default=64, choices=sorted(GROUPS_PER_TILE))
+    parser.add_argument("--window", default="-1:-1", help="left:right, -1 for an unbounded side")
+    parser.add_argument("--softcap", type=float, default=0.0)
     parser.add_argument("--json", help="write the row here")
     args = parser.parse_args(argv)
-    row = measure(args.causal, args.head_dim)
+    row = measure(args.causal, args.head_dim, window=tuple(int(x) for x in args.window.split(":")),
+                  softcap=args.softcap)
     print(json.dumps(row))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))

@@ -378,8 +378,7 @@ def _backward(dout, dlse, saved: Saved, spec: AttentionSpec):
 
     dkdv = "dkdv_one_pass" if one_pass else "dkdv"
     if tier:
-        hopper.launch_backward(q, k, v, dout, (neg_lse2, delta), (dq_sum, dk, dv), causal=spec.window_right == 0,
-                               scale=spec.scale)
+        hopper.launch_backward(q, k, v, dout, (neg_lse2, delta), (dq_sum, dk, dv), spec)
     else:
         launch_fitting(config(dkdv, q, shape, spec, heavy=heavy), launch_dkdv, kernel=dkdv,
                        what=_what(dkdv, q, shape))

@@ -179,8 +179,8 @@ BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
     ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, 128 or 256, key/value heads
-    dividing the query heads (GQA, MQA), dense contiguous q, k, v and dO, full or causal with no other option, and
-    not ``deterministic`` (its dQ is summed with atomics)."""
+    dividing the query heads (GQA, MQA), dense contiguous q, k, v and dO, any band and softcap (the forward's) and
+    no other option, and not ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":
         return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
     dtypes, dims = BACKWARD_RUNS
@@ -194,7 +194,8 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
         return "dtype or layout"
     if spec.deterministic:
         return "deterministic (the tier's dQ is summed with atomics)"
-    why = _options_decline(spec, nq == k.shape[1]) or _memory_declines(q, k, v)
+    why = _options_decline(spec, nq == k.shape[1], band=True) or _memory_declines(
+        q, k, v, diagonal_offset=spec.diagonal_offset)
     if why:
         return why
     if -(-k.shape[1] // 64) > GRID_Y:  # a program per 64 or 128 keys (backward.py, backward_wide.py)
@@ -204,11 +205,16 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
     return _target_declines(arch)
 
 
-def launch_backward(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> None:
-    """Run the tier's one-pass backward: ``stats`` = (neg_lse2, delta) as the portable preprocess writes them,
-    ``grads`` = (dq_sum fp32 zeroed, dk, dv), through the path's ``launch`` (plans replay it)."""
+def launch_backward(q, k, v, dout, stats, grads, spec: AttentionSpec) -> None:
+    """Run the tier's one-pass backward of ``spec`` (its scale, band and softcap): ``stats`` = (neg_lse2, delta) as
+    the portable preprocess writes them, ``grads`` = (dq_sum fp32 zeroed, dk, dv), through the path's ``launch``
+    (plans replay it)."""
     from ..launch import launch
     from .backward import launch_arguments
 
-    kernel, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=scale)
+    window = (kernel_side(side, nq=q.shape[1], nk=k.shape[1], diagonal_offset=spec.diagonal_offset)
+              for side in (spec.window_left, spec.window_right))
+    kernel, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=False, scale=spec.scale,
+                                            window=tuple(window), top_left=not spec.bottom_right,
+                                            diagonal_offset=spec.diagonal_offset, softcap=spec.softcap)
     launch(kernel, grid, **kwargs)

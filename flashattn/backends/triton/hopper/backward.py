@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .forward import LOG2E, head_tiles
-from .steps import _mma_layout
+from .steps import _capped, _mma_layout
 
 WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
 BLOCK_N = 2 * WG_N  # keys per program
@@ -54,7 +54,41 @@ CONSUMER_REGS = 240
 
 
 @gluon.jit
-def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_PITCH: gl.constexpr,  # noqa: PLR0913
+def _probs_and_grads(s, dp, stats, at, scoring, MASK: gl.constexpr, SCORES: gl.constexpr):
+    """(P, dS / scale) of a tile from its raw scores S and dP (keys x queries here, queries x keys in the wide
+    kernel: ``stats`` = (-lse in log2 units, delta) and ``at`` = (key, query index) broadcast to the tile either
+    way). ``SCORES`` = (LEFT, RIGHT, SOFTCAP) as the forward's (``steps._softmax``): on ``MASK`` tiles, keys past
+    the sequence and outside the band give P = dS = 0; a softcap c recomputes the forward's scores from r =
+    ``steps._capped(s cap_in)`` (the capped score is cap_out (1 + 2 r)) and multiplies dS by its derivative,
+    1 - tanh^2 = -4 r (1 + r)."""
+    neg_lse2, delta = stats
+    key, query = at
+    qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right = scoring
+    LEFT: gl.constexpr = SCORES[0]
+    RIGHT: gl.constexpr = SCORES[1]
+    SOFTCAP: gl.constexpr = SCORES[2]
+    if SOFTCAP:
+        r = _capped(s * cap_in)
+        p = gl.exp2(r * (2.0 * cap_out) + (cap_out + neg_lse2))
+    else:
+        p = gl.exp2(s * qk_scale + neg_lse2)
+    if MASK:  # keys past the sequence read whatever follows: P = 0 there, so dS = 0 and nothing reaches dK or dQ
+        keep = key < seqlen_k
+        if LEFT or RIGHT:
+            offset = key - query - diagonal
+            if RIGHT:
+                keep = keep & (offset <= right)
+            if LEFT:
+                keep = keep & (offset >= -left)
+        p = gl.where(keep, p, 0.0)
+    ds = p * (dp - delta)
+    if SOFTCAP:
+        ds = ds * (-4.0 * r * (1.0 + r))
+    return p, ds
+
+
+@gluon.jit
+def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_PITCH: gl.constexpr,  # noqa: PLR0913
           WG: gl.constexpr):
     """Query tile j (ring slot i) of the query head ``stats`` points at: dK and dV updated, the tile's dQ added
     into the sum (rows ``DQ_PITCH`` elements apart). The switches are arguments of their own: inside a tuple
@@ -62,7 +96,7 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_
     dk, dv = grads
     k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits, shared_ds = ctx
     neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0 = stats
-    seqlen_q, seqlen_k, qk_scale, scale = limits
+    seqlen_q, scale, scoring = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
@@ -86,13 +120,8 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_
         neg_lse2 = gl.load(neg_lse2_ptr + queries)
         delta = gl.load(delta_ptr + queries)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    p = gl.exp2(s * qk_scale + neg_lse2[None, :])
-    if MASK:
-        keep = rows_k[:, None] < seqlen_k
-        if CAUSAL:
-            keep = keep & (rows_k[:, None] <= queries[None, :] + (seqlen_k - seqlen_q))
-        p = gl.where(keep, p, 0.0)
-    ds = p * (dp - delta[None, :])
+    p, ds = _probs_and_grads(s, dp, (neg_lse2[None, :], delta[None, :]), (rows_k[:, None], queries[None, :]),
+                             scoring, MASK, SCORES)
     dtype: gl.constexpr = q_s.dtype
     dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_s, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_s, dk, is_async=True)
@@ -142,13 +171,15 @@ def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: gl.constexpr, HEADS: gl.constexpr):
+def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.constexpr,  # noqa: PLR0913
+              RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr):
     """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them, of each query head of
     the key/value head's group in turn; dK (times the scale) and dV, summed over the group, stored. ``ds_shared``:
     (dS^T buffers, their full and empty barriers) where dQ's columns are split between the two (d > 64), else ()."""
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
-    n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
+    n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
+    SCORES: gl.constexpr = (LEFT, RIGHT, SOFTCAP)
     heads = outs[0]  # (the group's statistics and dQ: _group_tiles)
     WG_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -165,22 +196,22 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, CAUSAL: g
     else:
         shared = ds_shared  # (empty)
     ctx = (k_smem.index(WG), v_smem.index(WG), q_bufs, do_bufs, q_ready, q_empty, rows_k, cols,
-           (seqlen_q, seqlen_k, qk_scale, scale), shared)
+           (seqlen_q, scale, scoring), shared)
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     mbarrier.wait(kv_bar, 0)
-    dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, CAUSAL, HEADS, HEAD_D, WG)
-    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, seqlen_k)
+    dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
+    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, scoring[3])
 
 
 @gluon.jit
-def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, CAUSAL: gl.constexpr,  # noqa: PLR0913
+def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, SCORES: gl.constexpr,  # noqa: PLR0913
                  HEADS: gl.constexpr, HEAD_D: gl.constexpr, WG: gl.constexpr):
     """(dK, dV) after ``TILE`` (``_tile`` or the wide kernel's) ran over every query tile that sees the program's
-    keys, for each query head of the key/value head's group in turn: the tiles on the diagonal (causal) or past
-    either sequence's end take the mask, those between none."""
+    keys, for each query head of the key/value head's group in turn: the tiles on the band's edges or past either
+    sequence's end take the mask, those between none."""
     dk, dv = grads
-    n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
+    n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
     neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
     for g in range(group):
         h = h0 + g
@@ -188,11 +219,11 @@ def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, CAUSAL: gl.con
         stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, h * HEAD_D)
         first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
         for j in range(lo, full_lo):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
         for j in range(full_lo, full_hi):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, False, CAUSAL, HEADS * HEAD_D, WG)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, False, SCORES, HEADS * HEAD_D, WG)
         for j in range(full_hi, hi):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, CAUSAL, HEADS * HEAD_D, WG)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
     return dk, dv
 
 
@@ -240,25 +271,34 @@ def _producer(descs, smem, bars, coords, span):
 
 
 @gluon.jit
-def _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _query_tiles(n0, seqlen_q, seqlen_k, band, LEFT: gl.constexpr, RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
     """(lo, full_lo, full_hi, hi): the query tiles [lo, hi) that see keys [n0, n0 + BLOCK_N), of which those in
-    [full_lo, full_hi) see all of them and lie inside both sequences (no mask)."""
+    [full_lo, full_hi) see all of them and lie inside both sequences (no mask). ``band`` = (diagonal, left, right):
+    query i sees key j iff -left <= j - i - diagonal <= right, a side bounded only where LEFT / RIGHT."""
+    diagonal, left, right = band
     hi = gl.cdiv(seqlen_q, BLOCK_M)
     lo = 0
     full_lo = 0
-    if CAUSAL:
-        shift = seqlen_k - seqlen_q  # bottom-right aligned: query i sees keys <= i + shift
-        lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, hi)
-        full_lo = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - shift, 0), BLOCK_M), hi)
-    full_lo = gl.maximum(full_lo, lo)
-    full_hi = seqlen_q // BLOCK_M if n0 + BLOCK_N <= seqlen_k else full_lo
-    full_hi = gl.maximum(full_hi, full_lo)
+    full_hi = seqlen_q // BLOCK_M
+    if RIGHT:  # i >= j - diagonal - right: the block's first key bounds the first tile, its last the first whole one
+        lo = gl.maximum(n0 - diagonal - right, 0) // BLOCK_M
+        full_lo = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - diagonal - right, 0), BLOCK_M)
+    if LEFT:  # i <= j - diagonal + left: the block's last key bounds the last tile, its first the last whole one
+        last = gl.minimum(n0 + BLOCK_N, seqlen_k) - 1  # (keys past the sequence bound nothing)
+        hi = gl.minimum(hi, gl.cdiv(gl.maximum(last + 1 - diagonal + left, 0), BLOCK_M))
+        full_hi = gl.minimum(full_hi, gl.maximum(n0 - diagonal + left + 1, 0) // BLOCK_M)
+    lo = gl.minimum(lo, hi)
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    if n0 + BLOCK_N > seqlen_k:  # keys past the sequence in every tile: all masked
+        full_hi = full_lo
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
 
 
 @gluon.jit
-def _program(descs, pointers, seqlen_q, seqlen_k, group, qk_scale, scale, HEADS: gl.constexpr,  # noqa: PLR0913
-             CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _program(descs, pointers, seqlen_q, seqlen_k, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
+             LEFT: gl.constexpr, RIGHT: gl.constexpr, STAGES: gl.constexpr):
     """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
     that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
     (smem, bars, geometry, outs, coords, span)."""
@@ -272,7 +312,10 @@ def _program(descs, pointers, seqlen_q, seqlen_k, group, qk_scale, scale, HEADS:
     b = gl.program_id(0) // kv_heads
     hk = gl.program_id(0) % kv_heads
     n0 = gl.program_id(1) * (2 * WG_N)
-    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, 2 * WG_N)
+    qk_scale, cap_in, cap_out, diagonal_offset, bottom_right, left, right = scoring
+    diagonal = diagonal_offset + bottom_right * (seqlen_k - seqlen_q)
+    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, (diagonal, left, right), LEFT, RIGHT, BLOCK_M,
+                                            2 * WG_N)
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
@@ -286,7 +329,8 @@ def _program(descs, pointers, seqlen_q, seqlen_k, group, qk_scale, scale, HEADS:
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     smem = (k_smem, v_smem, q_bufs, do_bufs)
     bars = (kv_bar, q_ready, q_empty)
-    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale)
+    scores = (qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right)  # _probs_and_grads's
+    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scores)
     query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
     outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
     coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
@@ -296,20 +340,23 @@ def _program(descs, pointers, seqlen_q, seqlen_k, group, qk_scale, scale, HEADS:
 @gluon.jit
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
-        group, qk_scale, scale, HEADS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        group, qk_scale, scale, diagonal_offset, bottom_right, window_left, window_right, softcap_in, softcap_out,
+        HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
     query heads per key/value head (query head h reads kv head h // group); ``HEADS`` (query heads) a constexpr,
-    so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). Programs start
-    in grid order, every head's first key block first: causal, those see the most queries."""
+    so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). The band and
+    the softcap as the forward's (``forward.attention_forward_ws_kernel``). Programs start in grid order, every
+    head's first key block first: causal, those see the most queries."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     descs = (q_desc, k_desc, v_desc, do_desc)
+    scoring = (qk_scale, softcap_in, softcap_out, diagonal_offset, bottom_right, window_left, window_right)
     smem, bars, geometry, outs, coords, span = _program(
-        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, qk_scale, scale, HEADS,
-        CAUSAL, STAGES)
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, scale, scoring, HEADS,
+        LEFT, RIGHT, STAGES)
     if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)
@@ -323,8 +370,8 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
         ds_shared = ()
     gl.warp_specialize([
         (_producer, (descs, smem, bars, coords, span)),
-        (_consumer, (0, smem, bars, ds_shared, geometry, outs, CAUSAL, HEADS)),
-        (_consumer, (1, smem, bars, ds_shared, geometry, outs, CAUSAL, HEADS)),
+        (_consumer, (0, smem, bars, ds_shared, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
+        (_consumer, (1, smem, bars, ds_shared, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -353,18 +400,23 @@ def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
         raise ValueError("scale must be positive")
 
 
-def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float) -> tuple:
+def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,  # noqa: PLR0913
+                     window: tuple[int, int] = (-1, -1), top_left: bool = False, diagonal_offset: int = 0,
+                     softcap: float = 0.0) -> tuple:
     """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at
     d = 64 or 128, ``backward_wide.attention_backward_wide_kernel`` at d = 256. q, k, v, dout (batch, seqlen,
     heads, d) contiguous, one dtype (bf16 or fp16), key/value heads dividing the query heads; ``stats`` =
     (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed;
-    dk, dv of k's shape)."""
+    dk, dv of k's shape); the band and softcap as the forward's ``launch_arguments``."""
     from . import backward_wide
 
     _check_arguments(q, k, v, dout, stats, grads, scale=scale)
     (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
     batch, seqlen_q, heads, d = q.shape
     kv_heads = k.shape[2]
+    left, right = window[0], 0 if causal else window[1]
+    if left < -1 or right < -1 or not softcap >= 0:
+        raise ValueError(f"window sides are -1 (unbounded) or >= 0 and softcap >= 0, got {window} and {softcap}")
     if d in backward_wide.HEAD_DIMS:
         wide = backward_wide
         kernel, block_m, wg_n, block_n, stages = (wide.attention_backward_wide_kernel, wide.BLOCK_M, wide.WG_N,
@@ -377,5 +429,8 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float)
                   do_desc=head_tiles(dout, block_m), dq_ptr=dq_sum,
                   dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
                   seqlen_k=k.shape[1], HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
-                  CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+                  diagonal_offset=diagonal_offset, bottom_right=0 if top_left else 1, window_left=max(left, 0),
+                  window_right=max(right, 0), softcap_in=2 * LOG2E * scale / softcap if softcap else 0.0,
+                  softcap_out=softcap * LOG2E, LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, STAGES=stages,
+                  CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return kernel, (batch * kv_heads, triton.cdiv(k.shape[1], block_n)), kwargs

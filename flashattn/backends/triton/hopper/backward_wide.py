@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward import _add_dq, _group_tiles, _producer, _program, _store_grads
+from .backward import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _store_grads
 from .steps import _mma_layout
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
@@ -40,7 +40,7 @@ HEAD_DIMS = (256,)
 
 
 @gluon.jit
-def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr,  # noqa: PLR0913
+def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr,  # noqa: PLR0913
                DQ_PITCH: gl.constexpr, WG: gl.constexpr):
     """Query tile j (ring slot i): warpgroup WG's dK and dV columns updated, its dQ columns added into the sum. The
     switches are arguments of their own: inside a tuple they would arrive as tensors."""
@@ -48,7 +48,7 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr
     k_smem, v_smem, q_bufs, do_bufs, q_ready, q_empty, exchange, keys, limits = ctx
     p_t, ds_t, pds_full, pds_empty = exchange
     neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0 = stats
-    seqlen_q, seqlen_k, qk_scale, scale = limits
+    seqlen_q, scale, scoring = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
@@ -72,13 +72,8 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr
         neg_lse2 = gl.load(neg_lse2_ptr + queries)
         delta = gl.load(delta_ptr + queries)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    p = gl.exp2(s * qk_scale + neg_lse2[:, None])
-    if MASK:
-        keep = keys[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (keys[None, :] <= queries[:, None] + (seqlen_k - seqlen_q))
-        p = gl.where(keep, p, 0.0)
-    ds = p * (dp - delta[:, None])
+    p, ds = _probs_and_grads(s, dp, (neg_lse2[:, None], delta[:, None]), (keys[None, :], queries[:, None]), scoring,
+                             MASK, SCORES)
     # Both halves of P^T and dS^T, one tile deep: rewritten once both warpgroups' products of the last tile retired.
     mbarrier.wait(pds_empty, (i & 1) ^ 1)
     p_t.slice(WG * WG_N, WG_N, 0).permute((1, 0)).store(p.to(dtype))
@@ -104,14 +99,15 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, CAUSAL: gl.constexpr
 
 
 @gluon.jit
-def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, CAUSAL: gl.constexpr,
-                   HEADS: gl.constexpr):
+def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, LEFT: gl.constexpr,  # noqa: PLR0913
+                   RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr):
     """Consumer warpgroup WG: S and dP of keys n0 + 32 WG .. + 31, dK and dV of all 64 keys for head-dim columns
     128 WG .. + 127, against every query tile that sees the keys, of each query head of the group in turn; dK
     (times the scale) and dV, summed over the group, stored."""
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
-    n0, lo, full_lo, full_hi, hi, seqlen_q, seqlen_k, qk_scale, scale = geometry
+    n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
+    SCORES: gl.constexpr = (LEFT, RIGHT, SOFTCAP)
     heads = outs[0]  # (the group's statistics and dQ: _group_tiles)
     WG_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -119,18 +115,19 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, CAUSA
     s_layout: gl.constexpr = _mma_layout(WG_N)
     h_layout: gl.constexpr = _mma_layout(HALF_D)
     keys = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
-    ctx = (k_smem, v_smem, q_bufs, do_bufs, q_ready, q_empty, exchange, keys, (seqlen_q, seqlen_k, qk_scale, scale))
+    ctx = (k_smem, v_smem, q_bufs, do_bufs, q_ready, q_empty, exchange, keys, (seqlen_q, scale, scoring))
     dk = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     dv = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     mbarrier.wait(kv_bar, 0)
-    dk, dv = _group_tiles(_wide_tile, (dk, dv), ctx, geometry, heads, CAUSAL, HEADS, HEAD_D, WG)
-    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, seqlen_k)
+    dk, dv = _group_tiles(_wide_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
+    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, scoring[3])
 
 
 @gluon.jit
 def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
-        group, qk_scale, scale, HEADS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        group, qk_scale, scale, diagonal_offset, bottom_right, window_left, window_right, softcap_in, softcap_out,
+        HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 64)); num_warps=4 (the default partition, the producer); the
     arguments as ``attention_backward_ws_kernel``'s."""
@@ -138,9 +135,10 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     descs = (q_desc, k_desc, v_desc, do_desc)
+    scoring = (qk_scale, softcap_in, softcap_out, diagonal_offset, bottom_right, window_left, window_right)
     smem, bars, geometry, outs, coords, span = _program(
-        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, qk_scale, scale, HEADS,
-        CAUSAL, STAGES)
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, scale, scoring, HEADS,
+        LEFT, RIGHT, STAGES)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * WG_N, BLOCK_M], dtype)
     p_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)  # P^T: keys x queries
     ds_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)
@@ -151,6 +149,6 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
     exchange = (p_t, ds_t, pds_full, pds_empty)
     gl.warp_specialize([
         (_producer, (descs, smem, bars, coords, span)),
-        (_wide_consumer, (0, smem, bars, exchange, geometry, outs, CAUSAL, HEADS)),
-        (_wide_consumer, (1, smem, bars, exchange, geometry, outs, CAUSAL, HEADS)),
+        (_wide_consumer, (0, smem, bars, exchange, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
+        (_wide_consumer, (1, smem, bars, exchange, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
