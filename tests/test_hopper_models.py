@@ -252,11 +252,11 @@ def test_packed_sequences_emulated_match_each_sequence_alone():
 @on_oldest
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_the_query_tiles_a_backward_program_visits_cover_its_band(block_n):
-    """``backward._query_tiles`` from its own source on ints: every query that sees a key of the program's block
+    """``backward_parts._query_tiles`` from its own source on ints: every query that sees a key of the program's block
     lies in the tiles it visits, the first and last visited tiles hold one, and the unmasked tiles are whole, inside
     both sequences, and see every key of the block."""
     from flashattn.backends.masking import Band
-    from flashattn.backends.triton.hopper.backward import _query_tiles
+    from flashattn.backends.triton.hopper.backward_parts import _query_tiles
 
     tiles = _on_ints(_query_tiles)
     for nq, nk in ((300, 500), (500, 300), (1, 1), (129, 1), (128, 1000), (1000, 128), (257, 600)):

@@ -37,13 +37,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _store_grads
 from .forward import LOG2E, head_tiles
-from .steps import _capped, _mma_layout
+from .steps import _mma_layout
 
 WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
 BLOCK_N = 2 * WG_N  # keys per program
@@ -51,40 +51,6 @@ BLOCK_M = 64  # queries per step: the M of dQ's wgmma
 STAGES = 2  # Q and dO ring depth: K, V and two stages of Q and dO are 64 KiB at d=64, 128 at d=128
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
-
-
-@gluon.jit
-def _probs_and_grads(s, dp, stats, at, scoring, MASK: gl.constexpr, SCORES: gl.constexpr):
-    """(P, dS / scale) of a tile from its raw scores S and dP (keys x queries here, queries x keys in the wide
-    kernel: ``stats`` = (-lse in log2 units, delta) and ``at`` = (key, query index) broadcast to the tile either
-    way). ``SCORES`` = (LEFT, RIGHT, SOFTCAP) as the forward's (``steps._softmax``): on ``MASK`` tiles, keys past
-    the sequence and outside the band give P = dS = 0; a softcap c recomputes the forward's scores from r =
-    ``steps._capped(s cap_in)`` (the capped score is cap_out (1 + 2 r)) and multiplies dS by its derivative,
-    1 - tanh^2 = -4 r (1 + r)."""
-    neg_lse2, delta = stats
-    key, query = at
-    qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right = scoring
-    LEFT: gl.constexpr = SCORES[0]
-    RIGHT: gl.constexpr = SCORES[1]
-    SOFTCAP: gl.constexpr = SCORES[2]
-    if SOFTCAP:
-        r = _capped(s * cap_in)
-        p = gl.exp2(r * (2.0 * cap_out) + (cap_out + neg_lse2))
-    else:
-        p = gl.exp2(s * qk_scale + neg_lse2)
-    if MASK:  # keys past the sequence read whatever follows: P = 0 there, so dS = 0 and nothing reaches dK or dQ
-        keep = key < seqlen_k
-        if LEFT or RIGHT:
-            offset = key - query - diagonal
-            if RIGHT:
-                keep = keep & (offset <= right)
-            if LEFT:
-                keep = keep & (offset >= -left)
-        p = gl.where(keep, p, 0.0)
-    ds = p * (dp - delta)
-    if SOFTCAP:
-        ds = ds * (-4.0 * r * (1.0 + r))
-    return p, ds
 
 
 @gluon.jit
@@ -157,20 +123,6 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr):
-    """dQ's tile (its rows from ``row0``, columns from ``col0``; rows past ``rows_left`` not in the sequence) added
-    into the fp32 sum with atomics. The tile's first row and column are one scalar pointer and the elements' offsets
-    from it constants (the row pitch a constexpr): the atomics take them as immediates, where a tensor of addresses,
-    hoisted out of the loop, spilled."""
-    layout: gl.constexpr = dq.type.layout
-    tile_ptr = dq_ptr + row0.to(gl.int64) * DQ_PITCH + col0
-    rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, layout))
-    gl.atomic_add(tile_ptr + rows[:, None] * DQ_PITCH + cols[None, :], dq, mask=rows[:, None] < rows_left,
-                  sem="relaxed")
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.constexpr,  # noqa: PLR0913
               RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr):
     """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them, of each query head of
@@ -202,139 +154,6 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.
     mbarrier.wait(kv_bar, 0)
     dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
     _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, scoring[3])
-
-
-@gluon.jit
-def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, SCORES: gl.constexpr,  # noqa: PLR0913
-                 HEADS: gl.constexpr, HEAD_D: gl.constexpr, WG: gl.constexpr):
-    """(dK, dV) after ``TILE`` (``_tile`` or the wide kernel's) ran over every query tile that sees the program's
-    keys, for each query head of the key/value head's group in turn: the tiles on the band's edges or past either
-    sequence's end take the mask, those between none."""
-    dk, dv = grads
-    n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
-    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
-    for g in range(group):
-        h = h0 + g
-        at = (b * HEADS + h) * seqlen_q  # this head's rows of neg_lse2 and delta
-        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, h * HEAD_D)
-        first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
-        for j in range(lo, full_lo):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
-        for j in range(full_lo, full_hi):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, False, SCORES, HEADS * HEAD_D, WG)
-        for j in range(full_hi, hi):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
-    return dk, dv
-
-
-@gluon.jit
-def _store_grads(dk, dv, outs, key0, col0, seqlen_k):
-    """dK and dV of keys ``key0`` on (columns ``col0`` on of the head's), stored where the keys exist."""
-    heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
-    layout: gl.constexpr = dk.type.layout
-    out_rows = key0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-    out_cols = col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
-    offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
-    keep = out_rows[:, None] < seqlen_k
-    gl.store(dk_ptr + offsets, dk.to(dk_ptr.dtype.element_ty), mask=keep)
-    gl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=keep)
-
-
-@gluon.jit
-def _producer(descs, smem, bars, coords, span):
-    """One warp: K and V once, then Q_j and dO_j of every query tile of each query head of the group in turn into
-    the ring; a stage is refilled once both consumers have released it (count 2)."""
-    q_desc, k_desc, v_desc, do_desc = descs
-    k_smem, v_smem, q_bufs, do_bufs = smem
-    kv_bar, q_ready, q_empty = bars
-    q_row0, kv_row0, q_col0, kv_col, group = coords
-    lo, hi = span
-    WG_N: gl.constexpr = k_smem.shape[1]
-    STAGES: gl.constexpr = q_bufs.shape[0]
-    BLOCK_M: gl.constexpr = q_bufs.shape[1]
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [kv_row0 + w * WG_N, kv_col], kv_bar, k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [kv_row0 + w * WG_N, kv_col], kv_bar, v_smem.index(w))
-    HEAD_D: gl.constexpr = q_bufs.shape[2]
-    for g in range(group):
-        col = q_col0 + g * HEAD_D
-        for j in range(lo, hi):
-            i = g * (hi - lo) + j - lo
-            stage = i % STAGES
-            # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
-            mbarrier.wait(q_empty.index(stage), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            row = q_row0 + j * BLOCK_M
-            tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(stage), q_bufs.index(stage))
-            tma.async_copy_global_to_shared(do_desc, [row, col], q_ready.index(stage), do_bufs.index(stage))
-
-
-@gluon.jit
-def _query_tiles(n0, seqlen_q, seqlen_k, band, LEFT: gl.constexpr, RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """(lo, full_lo, full_hi, hi): the query tiles [lo, hi) that see keys [n0, n0 + BLOCK_N), of which those in
-    [full_lo, full_hi) see all of them and lie inside both sequences (no mask). ``band`` = (diagonal, left, right):
-    query i sees key j iff -left <= j - i - diagonal <= right, a side bounded only where LEFT / RIGHT."""
-    diagonal, left, right = band
-    hi = gl.cdiv(seqlen_q, BLOCK_M)
-    lo = 0
-    full_lo = 0
-    full_hi = seqlen_q // BLOCK_M
-    if RIGHT:  # i >= j - diagonal - right: the block's first key bounds the first tile, its last the first whole one
-        lo = gl.maximum(n0 - diagonal - right, 0) // BLOCK_M
-        full_lo = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - diagonal - right, 0), BLOCK_M)
-    if LEFT:  # i <= j - diagonal + left: the block's last key bounds the last tile, its first the last whole one
-        last = gl.minimum(n0 + BLOCK_N, seqlen_k) - 1  # (keys past the sequence bound nothing)
-        hi = gl.minimum(hi, gl.cdiv(gl.maximum(last + 1 - diagonal + left, 0), BLOCK_M))
-        full_hi = gl.minimum(full_hi, gl.maximum(n0 - diagonal + left + 1, 0) // BLOCK_M)
-    lo = gl.minimum(lo, hi)
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
-    if n0 + BLOCK_N > seqlen_k:  # keys past the sequence in every tile: all masked
-        full_hi = full_lo
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
-@gluon.jit
-def _program(descs, pointers, seqlen_q, seqlen_k, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
-             LEFT: gl.constexpr, RIGHT: gl.constexpr, STAGES: gl.constexpr):
-    """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
-    that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
-    (smem, bars, geometry, outs, coords, span)."""
-    q_desc, k_desc, v_desc, do_desc = descs
-    dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr = pointers
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-    WG_N: gl.constexpr = k_desc.block_type.shape[0]
-    dtype: gl.constexpr = q_desc.dtype
-    kv_heads = HEADS // group
-    b = gl.program_id(0) // kv_heads
-    hk = gl.program_id(0) % kv_heads
-    n0 = gl.program_id(1) * (2 * WG_N)
-    qk_scale, cap_in, cap_out, diagonal_offset, bottom_right, left, right = scoring
-    diagonal = diagonal_offset + bottom_right * (seqlen_k - seqlen_q)
-    lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, (diagonal, left, right), LEFT, RIGHT, BLOCK_M,
-                                            2 * WG_N)
-    k_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, WG_N, HEAD_D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-    smem = (k_smem, v_smem, q_bufs, do_bufs)
-    bars = (kv_bar, q_ready, q_empty)
-    scores = (qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right)  # _probs_and_grads's
-    geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scores)
-    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
-    outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
-    coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
-    return smem, bars, geometry, outs, coords, (lo, hi)
 
 
 @gluon.jit

@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _store_grads
+from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _store_grads
 from .steps import _mma_layout
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
