@@ -310,3 +310,43 @@ def test_the_one_pass_backward_emulated_from_its_own_source_matches_float64(d):
             assert not torch.isnan(ours).any(), name
             assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)
             assert max_err(ours, w) < 0.05, name
+
+
+@needs_triton
+@on_oldest
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_one_pass_backward_emulated_on_packed_sequences(d):
+    """Packed sequences through both emulated kernels: each sequence's dQ, dK and dV as that sequence alone gives
+    them (the suite's rule), one sequence without queries (its dK, dV 0) and one without keys (its dQ 0)."""
+    import itertools
+
+    from flashattn.backends.triton.hopper.forward import LAUNCHED
+    from tools.gluon.emulate import emulate_backward
+
+    lengths = [(113, 251), (1, 77), (300, 300), (0, 5), (64, 0)]
+    torch.manual_seed(d)
+    qs, ks, vs, dos = ([torch.randn(1, n[i], heads, d, dtype=BF16) for n in lengths]
+                       for i, heads in ((0, 4), (1, 2), (1, 2), (0, 4)))
+    q, k, v, dout = (torch.cat([t[0] for t in ts]) for ts in (qs, ks, vs, dos))
+    ends = [list(itertools.accumulate((t.shape[1] for t in ts), initial=0)) for ts in (qs, ks)]
+    offsets = tuple(torch.tensor(e, dtype=torch.int32) for e in ends)
+    for causal, window, top_left, softcap in (BANDS_AND_CAPS[0], BANDS_AND_CAPS[4]):
+        band = dict(causal=causal, window=window, top_left=top_left, softcap=softcap)
+        out, lse = _emulated(q, k, v, schedule=LAUNCHED[d], cu_seqlens=offsets, max_seqlen_q=300, **band)
+        dq, dk, dv = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, cu_seqlens=offsets, max_seqlen_k=300,
+                                      **band)
+        assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+        reference = dict(causal=causal, window=window, bottom_right=not top_left, softcap=softcap)
+        rows = zip(itertools.pairwise(ends[0]), itertools.pairwise(ends[1]), qs, ks, vs, dos, strict=True)
+        for (a, b), (c, e), qi, ki, vi, doi in rows:
+            if b == a or e == c:  # nothing to attend: zero gradients
+                assert (dq[a:b] == 0).all() and (dk[c:e] == 0).all() and (dv[c:e] == 0).all()
+                continue
+            leaves = [t.double().requires_grad_() for t in (qi, ki, vi)]
+            want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, doi.double())
+            plain = [t.detach().requires_grad_() for t in (qi, ki, vi)]
+            baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, doi)
+            magnitude = max(w.abs().max().item() for w in want)
+            for name, ours, w, bl in zip(("dq", "dk", "dv"), (dq[a:b], dk[c:e], dv[c:e]), want, baseline,
+                                         strict=True):
+                assert_close(name, ours[None], w, bl, factor=3.0, magnitude=magnitude, precision=BF16)

@@ -143,9 +143,9 @@ def test_forced_it_takes_windows_and_softcaps_forward_and_backward(monkeypatch):
                            arch=90) == "sink"
 
 
-def test_forced_it_takes_packed_sequences_its_backward_does_not(monkeypatch):
+def test_forced_it_takes_packed_sequences_forward_and_backward(monkeypatch):
     """flash_attn_varlen_func's layout: (total, heads, d) q, k and v with their offsets, forced only until a GPU has
-    checked it; decode-shaped by the longest query, not the total; the one-pass backward keeps dense calls."""
+    checked it; decode-shaped by the longest query, not the total."""
     q, k = torch.empty(600, 4, 64, dtype=BF16), torch.empty(700, 2, 64, dtype=BF16)
     offsets = torch.tensor([0, 300, 600], dtype=torch.int32), torch.tensor([0, 350, 700], dtype=torch.int32)
     spec = AttentionSpec(scale=0.125, window_right=0, varlen=Varlen(*offsets, 300, 350))
@@ -156,7 +156,8 @@ def test_forced_it_takes_packed_sequences_its_backward_does_not(monkeypatch):
     short = AttentionSpec(scale=0.125, varlen=Varlen(torch.tensor([0, 1, 2], dtype=torch.int32), offsets[1], 1, 350))
     assert hopper.declines(q[:2], k, k, short, probs=False, arch=90) == "decode-shaped (the portable decode kernel)"
     assert hopper.declines(q[None], k[None], k[None], spec, probs=False, arch=90) == "dtype or layout"
-    assert hopper.backward_declines(q, k, k, q, spec, arch=90) == "dtype or layout"
+    assert hopper.backward_declines(q, k, k, q, spec, arch=90) is None
+    assert hopper.backward_declines(q[None], k[None], k[None], q[None], spec, arch=90) == "dtype or layout"
 
 
 @needs_triton
@@ -345,6 +346,8 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     first, second = seen["tier=hopper varlen"]
     assert first == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, False, True, True]
     assert second == ["attention_forward_ws_kernel", [2 * 4, 4], 500, 600, True, True, True]
+    # Its training step: the tier's backward, a program per (sequence, kv head) and 128 keys of the longest (350: 3).
+    assert seen["tier=hopper varlen backward"]["attention_backward_ws_kernel"] == [2 * 2, 3]
     # A sliding window and a softcap: no diagonal offset, bottom-right, left 100, right 0, and the softcap's two
     # factors, 2 log2(e) scale / c and c log2(e) (scale 64^-0.5).
     (name, grid), scalars = seen["tier=hopper window softcap"]
@@ -442,6 +445,13 @@ def _script() -> dict:
             seen["tier=hopper varlen"].append(
                 [name, list(grid[:2]), named["seqlen_q"], named["lse_pitch"], launches.through_launcher == 0,
                  *(torch.equal(launched, given) for launched, given in offsets)])
+            if q_cut == 100:  # and a training step: the tier's backward on the same offsets, 128 keys a program
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                out = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 500, 350, causal=True)
+                launches.clear()
+                out.backward(torch.ones_like(out))
+                seen["tier=hopper varlen backward"] = {n: list(g[:2]) for n, g, _ in launches.arguments}
+                launches.clear()
     names, launches, _ = run(90, dense(hk=2))
     arguments = launches.arguments[0][2]
     k_map = [a for a in arguments if type(a).__name__ == "StubTensorMap"][1]

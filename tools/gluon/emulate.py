@@ -347,10 +347,11 @@ def emulate_forward(q, k, v, **arguments) -> tuple[torch.Tensor, torch.Tensor]:
 def emulate_backward(q, k, v, out, lse, dout, **arguments) -> tuple[torch.Tensor, ...]:
     """(dq fp32, dk, dv) of the tier's one-pass backward (d 64, 128: ``backward.py``; 256: ``backward_wide.py``)
     as ``backward.launch_arguments(..., **arguments)`` launches it (causal, scale, window, top_left, softcap, ...),
-    from the forward's out and lse (natural log, (batch, heads, seqlen_q)), the statistics as the portable
-    preprocess writes them; dk and dv poisoned with NaN first."""
+    from the forward's out and lse (natural log, (batch, heads, seqlen_q), packed (heads, total_q)), the statistics
+    as the portable preprocess writes them; dk and dv poisoned with NaN first."""
     neg_lse2 = torch.where(torch.isneginf(lse), -math.inf, -lse.float() * forward.LOG2E).contiguous()
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    delta = (dout.float() * out.float()).sum(-1)  # (batch, seqlen_q, heads), packed (total, heads)
+    delta = (delta.T if arguments.get("cu_seqlens") is not None else delta.transpose(1, 2)).contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     kernel, grid, kwargs = backward.launch_arguments(q, k, v, dout, (neg_lse2, delta), (dq, dk, dv), **arguments)

@@ -2,8 +2,8 @@
 register reallocation, async wgmma under the softmax; written in Gluon), chosen call by call over the portable
 kernels where they serve the call and were measured faster.
 
-Two kernels: the forward (``forward.py``) and a one-pass backward (``backward.py``, taken only under
-``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule (``declines``): bf16 with head dim 64,
+Two kernels: the forward (``forward.py``) and a one-pass backward (``backward.py`` and ``backward_wide.py`` over
+``backward_parts.py``, taken only under ``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule (``declines``): bf16 with head dim 64,
 dense (batch, seqlen, heads, d) q, k and v with as many key as query heads, causal (bottom-right) or not, and
 nothing else (no window, softcap, ALiBi, mask, block mask, dropout, sink, FP8, KV cache or packed sequences).
 There, on an H200, its schedule ran 1.36-1.40x the portable forward at 8k tokens, 1.26x at 1k (level when
@@ -179,13 +179,17 @@ BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
     ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, 128 or 256, key/value heads
-    dividing the query heads (GQA, MQA), dense contiguous q, k, v and dO, any band and softcap (the forward's) and
-    no other option, and not ``deterministic`` (its dQ is summed with atomics)."""
+    dividing the query heads (GQA, MQA), contiguous q, k, v and dO, dense or packed, any band and softcap (the
+    forward's) and no other option, and not ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":
         return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
     dtypes, dims = BACKWARD_RUNS
-    if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != 4 or spec.packed:
+    packed = spec.varlen is not None and spec.cache is None  # (a paged cache's calls: "cache" below)
+    if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != (3 if packed else 4) or (
+            packed and spec.varlen.batch < 1):
         return "dtype or layout"
+    if packed:  # the total rows as one batch: the checks below read it as a dense call
+        q, k, v, dout = q[None], k[None], v[None], dout[None]
     b, nq, h, d = q.shape
     hk = k.shape[2] if k.ndim == 4 else 0
     if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or v.shape != k.shape or not hk or h % hk:
@@ -212,9 +216,13 @@ def launch_backward(q, k, v, dout, stats, grads, spec: AttentionSpec) -> None:
     from ..launch import launch
     from .backward import launch_arguments
 
-    window = (kernel_side(side, nq=q.shape[1], nk=k.shape[1], diagonal_offset=spec.diagonal_offset)
+    packed = spec.varlen
+    nq, nk = (q.shape[1], k.shape[1]) if packed is None else (packed.max_seqlen_q, packed.max_seqlen_k)
+    window = (kernel_side(side, nq=nq, nk=nk, diagonal_offset=spec.diagonal_offset)
               for side in (spec.window_left, spec.window_right))
-    kernel, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=False, scale=spec.scale,
-                                            window=tuple(window), top_left=not spec.bottom_right,
-                                            diagonal_offset=spec.diagonal_offset, softcap=spec.softcap)
+    kernel, grid, kwargs = launch_arguments(
+        q, k, v, dout, stats, grads, causal=False, scale=spec.scale, window=tuple(window),
+        top_left=not spec.bottom_right, diagonal_offset=spec.diagonal_offset, softcap=spec.softcap,
+        cu_seqlens=None if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k),
+        max_seqlen_k=0 if packed is None else packed.max_seqlen_k)
     launch(kernel, grid, **kwargs)

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _store_grads
+from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
 from .forward import LOG2E, head_tiles
 from .steps import _mma_layout
 
@@ -158,14 +158,16 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.
 
 @gluon.jit
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
-        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
-        group, qk_scale, scale, diagonal_offset, bottom_right, window_left, window_right, softcap_in, softcap_out,
+        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, cu_seqlens_q,
+        cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, group, qk_scale, scale, diagonal_offset, bottom_right,
+        window_left, window_right, softcap_in, softcap_out,
         HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
     query heads per key/value head (query head h reads kv head h // group); ``HEADS`` (query heads) a constexpr,
-    so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). The band and
-    the softcap as the forward's (``forward.attention_forward_ws_kernel``). Programs start in grid order, every
+    so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). The band, the
+    softcap and packed sequences as the forward's (``forward.attention_forward_ws_kernel``; packed: a program per
+    128 keys of the longest sequence, returning at once past its own). Programs start in grid order, every
     head's first key block first: causal, those see the most queries."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -173,9 +175,13 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     dtype: gl.constexpr = q_desc.dtype
     descs = (q_desc, k_desc, v_desc, do_desc)
     scoring = (qk_scale, softcap_in, softcap_out, diagonal_offset, bottom_right, window_left, window_right)
+    sequence = _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS, group)
+    if cu_seqlens_q is not None:  # noqa: SIM102 -- resolved at compile time, the inner test at run time
+        if gl.program_id(1) * (2 * WG_N) >= sequence[3]:  # the grid is sized for the longest sequence's keys
+            return
     smem, bars, geometry, outs, coords, span = _program(
-        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, scale, scoring, HEADS,
-        LEFT, RIGHT, STAGES)
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
+        RIGHT, STAGES)
     if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)
@@ -221,14 +227,24 @@ def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
 
 def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,  # noqa: PLR0913
                      window: tuple[int, int] = (-1, -1), top_left: bool = False, diagonal_offset: int = 0,
-                     softcap: float = 0.0) -> tuple:
+                     softcap: float = 0.0, cu_seqlens: tuple | None = None, max_seqlen_k: int = 0) -> tuple:
     """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at
     d = 64 or 128, ``backward_wide.attention_backward_wide_kernel`` at d = 256. q, k, v, dout (batch, seqlen,
     heads, d) contiguous, one dtype (bf16 or fp16), key/value heads dividing the query heads; ``stats`` =
     (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed;
-    dk, dv of k's shape); the band and softcap as the forward's ``launch_arguments``."""
+    dk, dv of k's shape); the band and softcap as the forward's ``launch_arguments``. Packed sequences
+    (``cu_seqlens`` = (q's, k's) int32 offsets, ``max_seqlen_k``): q, dout, dq_sum (total_q, heads, d), k, v, dk, dv
+    (total_k, kv_heads, d), the statistics (heads, total_q)."""
     from . import backward_wide
+    from .forward import _packed_views
 
+    packed = cu_seqlens is not None
+    sequences = 0
+    if packed:  # one-batch views for the checks and the descriptors (the kernel reads each sequence's offsets)
+        if not max_seqlen_k > 0:
+            raise ValueError(f"max_seqlen_k must be positive, got {max_seqlen_k}")
+        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, 1)
+        dout, stats, grads = dout[None], tuple(t[None] for t in stats), tuple(t[None] for t in grads)
     _check_arguments(q, k, v, dout, stats, grads, scale=scale)
     (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads
     batch, seqlen_q, heads, d = q.shape
@@ -246,10 +262,14 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
         raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS + backward_wide.HEAD_DIMS))})")
     kwargs = dict(q_desc=head_tiles(q, block_m), k_desc=head_tiles(k, wg_n), v_desc=head_tiles(v, wg_n),
                   do_desc=head_tiles(dout, block_m), dq_ptr=dq_sum,
-                  dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta, seqlen_q=seqlen_q,
-                  seqlen_k=k.shape[1], HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E, scale=scale,
+                  dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta,
+                  cu_seqlens_q=cu_seqlens[0] if packed else None, cu_seqlens_k=cu_seqlens[1] if packed else None,
+                  seqlen_q=0 if packed else seqlen_q, seqlen_k=0 if packed else k.shape[1],
+                  lse_pitch=seqlen_q if packed else 0, HEADS=heads, group=heads // kv_heads, qk_scale=scale * LOG2E,
+                  scale=scale,
                   diagonal_offset=diagonal_offset, bottom_right=0 if top_left else 1, window_left=max(left, 0),
                   window_right=max(right, 0), softcap_in=2 * LOG2E * scale / softcap if softcap else 0.0,
                   softcap_out=softcap * LOG2E, LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, STAGES=stages,
                   CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    return kernel, (batch * kv_heads, triton.cdiv(k.shape[1], block_n)), kwargs
+    keys = max_seqlen_k if packed else k.shape[1]
+    return kernel, ((sequences if packed else batch) * kv_heads, triton.cdiv(keys, block_n)), kwargs

@@ -68,11 +68,11 @@ def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, SCORES: gl.con
     sequence's end take the mask, those between none."""
     dk, dv = grads
     n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
-    neg_lse2_ptr, delta_ptr, dq_ptr, b, h0, group = heads
+    neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, h0, group = heads
     for g in range(group):
         h = h0 + g
-        at = (b * HEADS + h) * seqlen_q  # this head's rows of neg_lse2 and delta
-        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, b * seqlen_q, h * HEAD_D)
+        at = stats_row0 + h * stats_pitch  # this head's rows of neg_lse2 and delta
+        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, q_start, h * HEAD_D)
         first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
         for j in range(lo, full_lo):
             dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
@@ -153,11 +153,32 @@ def _query_tiles(n0, seqlen_q, seqlen_k, band, LEFT: gl.constexpr, RIGHT: gl.con
 
 
 @gluon.jit
-def _program(descs, pointers, seqlen_q, seqlen_k, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
+def _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS: gl.constexpr, group):
+    """The program's sequence: (its first query row, first key row, lengths, its rows of the statistics, their
+    pitch a head), dense ((batch, seqlen, heads, d), statistics (batch, heads, seqlen_q)) or packed (offsets
+    ``cu_seqlens_q`` and ``_k``; (total, heads, d), statistics (heads, ``lse_pitch`` = total queries))."""
+    b = gl.program_id(0) // (HEADS // group)
+    if cu_seqlens_q is not None:
+        q_start = gl.load(cu_seqlens_q + b)
+        k_start = gl.load(cu_seqlens_k + b)
+        seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+        seqlen_k = gl.load(cu_seqlens_k + b + 1) - k_start
+        stats_row0 = q_start
+        stats_pitch = lse_pitch
+    else:
+        q_start = b * seqlen_q
+        k_start = b * seqlen_k
+        stats_row0 = b * HEADS * seqlen_q
+        stats_pitch = seqlen_q
+    return q_start, k_start, seqlen_q, seqlen_k, stats_row0, stats_pitch
+
+
+@gluon.jit
+def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
              LEFT: gl.constexpr, RIGHT: gl.constexpr, STAGES: gl.constexpr):
     """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
     that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
-    (smem, bars, geometry, outs, coords, span)."""
+    (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s."""
     q_desc, k_desc, v_desc, do_desc = descs
     dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr = pointers
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -165,9 +186,9 @@ def _program(descs, pointers, seqlen_q, seqlen_k, group, scale, scoring, HEADS: 
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     kv_heads = HEADS // group
-    b = gl.program_id(0) // kv_heads
     hk = gl.program_id(0) % kv_heads
     n0 = gl.program_id(1) * (2 * WG_N)
+    q_start, k_start, seqlen_q, seqlen_k, stats_row0, stats_pitch = sequence
     qk_scale, cap_in, cap_out, diagonal_offset, bottom_right, left, right = scoring
     diagonal = diagonal_offset + bottom_right * (seqlen_k - seqlen_q)
     lo, full_lo, full_hi, hi = _query_tiles(n0, seqlen_q, seqlen_k, (diagonal, left, right), LEFT, RIGHT, BLOCK_M,
@@ -187,7 +208,7 @@ def _program(descs, pointers, seqlen_q, seqlen_k, group, scale, scoring, HEADS: 
     bars = (kv_bar, q_ready, q_empty)
     scores = (qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right)  # _probs_and_grads's
     geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scores)
-    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, b, hk * group, group)
-    outs = (query_heads, dk_ptr, dv_ptr, b * seqlen_k, kv_heads * HEAD_D, hk * HEAD_D)
-    coords = (b * seqlen_q, b * seqlen_k + n0, hk * group * HEAD_D, hk * HEAD_D, group)
+    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, hk * group, group)
+    outs = (query_heads, dk_ptr, dv_ptr, k_start, kv_heads * HEAD_D, hk * HEAD_D)
+    coords = (q_start, k_start + n0, hk * group * HEAD_D, hk * HEAD_D, group)
     return smem, bars, geometry, outs, coords, (lo, hi)

@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _store_grads
+from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
 from .steps import _mma_layout
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
@@ -125,8 +125,9 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, LEFT:
 
 @gluon.jit
 def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
-        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, seqlen_q, seqlen_k,
-        group, qk_scale, scale, diagonal_offset, bottom_right, window_left, window_right, softcap_in, softcap_out,
+        q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, cu_seqlens_q,
+        cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, group, qk_scale, scale, diagonal_offset, bottom_right,
+        window_left, window_right, softcap_in, softcap_out,
         HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 64)); num_warps=4 (the default partition, the producer); the
@@ -136,9 +137,13 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
     dtype: gl.constexpr = q_desc.dtype
     descs = (q_desc, k_desc, v_desc, do_desc)
     scoring = (qk_scale, softcap_in, softcap_out, diagonal_offset, bottom_right, window_left, window_right)
+    sequence = _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS, group)
+    if cu_seqlens_q is not None:  # noqa: SIM102 -- resolved at compile time, the inner test at run time
+        if gl.program_id(1) * (2 * WG_N) >= sequence[3]:  # the grid is sized for the longest sequence's keys
+            return
     smem, bars, geometry, outs, coords, span = _program(
-        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), seqlen_q, seqlen_k, group, scale, scoring, HEADS,
-        LEFT, RIGHT, STAGES)
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
+        RIGHT, STAGES)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * WG_N, BLOCK_M], dtype)
     p_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)  # P^T: keys x queries
     ds_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)
