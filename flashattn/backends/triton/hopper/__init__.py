@@ -3,12 +3,13 @@ register reallocation, async wgmma under the softmax; written in Gluon), chosen 
 kernels where they serve the call and were measured faster.
 
 Two kernels: the forward (``forward.py``) and a one-pass backward (``backward.py`` and ``backward_wide.py`` over
-``backward_parts.py``, taken only under ``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's
-rule under ``auto`` (``declines``): bf16 with head dim 64, dense (batch, seqlen, heads, d) q, k and v with as many
-key as query heads, causal (bottom-right) or not, and nothing else (no window, softcap, ALiBi, mask, block mask,
-dropout, sink, FP8, KV cache or packed sequences). There, on an H200, its schedule ran 1.36-1.40x the portable forward at 8k tokens, 1.26x at 1k (level when
-causal), correct against float64 in every case tried (``benchmarks/NOTES.md``); at head dim 128 it was level, so
-the portable kernel keeps it. Its backward is the portable one, from the same out and lse, unless forced as below.
+``backward_parts.py``, taken only under ``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule
+under ``auto`` (``declines``): bf16 with head dim 64, dense (batch, seqlen, heads, d) q, k and v with as many key as
+query heads, causal (bottom-right) or not, and nothing else (no window, softcap, ALiBi, mask, block mask, dropout,
+sink, FP8, KV cache or packed sequences). There, on an H200, its schedule ran 1.36-1.40x the portable forward at 8k
+tokens, 1.26x at 1k (level when causal), correct against float64 in every case tried (``benchmarks/NOTES.md``); at
+head dim 128 it was level, so the portable kernel keeps it. Its backward is the portable one, from the same out and
+lse, unless forced as below.
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
