@@ -31,6 +31,9 @@ TWO_PASS_PER_SCORE = 0.375 + 0.2
 # d=128, where dK and dV hold 128 registers a thread; none at d=64.
 LOCAL_OPS_D128 = {False: 8, True: 24}
 TWO_PASS_PER_SCORE_D128 = 0.461 + 0.284  # dK/dV and dQ kernels' main loops at d=128 (tools.offline.profile)
+# At d=256 non-causal, since the band's and packed sequences' arguments, one consumer's key loop reloads one loop
+# invariant (a row index of the wgmma layout) from local memory once a tile; causal, none.
+LOCAL_OPS_D256 = {False: 1, True: 0}
 TWO_PASS_PER_SCORE_D256 = 2.984 + 0.523  # at d=256 (dK/dV on 16-key mma.sync tiles)
 
 
@@ -61,5 +64,5 @@ def test_the_one_pass_backward_compiles_to_what_it_was_written_for(causal, head_
         assert 0 < r["per_score"] < TWO_PASS_PER_SCORE_D128
     else:  # backward_wide.py: S and dP split by keys, dK, dV and dQ by columns; P^T and dS^T exchanged
         assert loops and all(x["groups"] == 6 and x["red"] > 0 for x in loops)
-        assert sum(x["local"] for x in loops) == 0
+        assert sum(x["local"] for x in loops) <= LOCAL_OPS_D256[causal]
         assert 0 < r["per_score"] < TWO_PASS_PER_SCORE_D256 / 3

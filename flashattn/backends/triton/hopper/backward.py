@@ -153,7 +153,7 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     mbarrier.wait(kv_bar, 0)
     dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
-    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, scoring[3])
+    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, scoring[1])
 
 
 @gluon.jit
@@ -181,7 +181,7 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
             return
     smem, bars, geometry, outs, coords, span = _program(
         descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
-        RIGHT, STAGES)
+        RIGHT, SOFTCAP, STAGES)
     if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)

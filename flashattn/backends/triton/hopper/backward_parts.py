@@ -21,19 +21,21 @@ def _probs_and_grads(s, dp, stats, at, scoring, MASK: gl.constexpr, SCORES: gl.c
     ``steps._capped(s cap_in)`` (the capped score is cap_out (1 + 2 r)) and multiplies dS by its derivative,
     1 - tanh^2 = -4 r (1 + r)."""
     neg_lse2, delta = stats
-    key, query = at
-    qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right = scoring
+    qk_scale, seqlen_k, band, cap = scoring  # (band and cap empty where unused: ``_program``)
     LEFT: gl.constexpr = SCORES[0]
     RIGHT: gl.constexpr = SCORES[1]
     SOFTCAP: gl.constexpr = SCORES[2]
     if SOFTCAP:
+        cap_in, cap_out = cap
         r = _capped(s * cap_in)
         p = gl.exp2(r * (2.0 * cap_out) + (cap_out + neg_lse2))
     else:
         p = gl.exp2(s * qk_scale + neg_lse2)
     if MASK:  # keys past the sequence read whatever follows: P = 0 there, so dS = 0 and nothing reaches dK or dQ
+        key, query = at
         keep = key < seqlen_k
         if LEFT or RIGHT:
+            diagonal, left, right = band
             offset = key - query - diagonal
             if RIGHT:
                 keep = keep & (offset <= right)
@@ -175,7 +177,7 @@ def _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS: 
 
 @gluon.jit
 def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
-             LEFT: gl.constexpr, RIGHT: gl.constexpr, STAGES: gl.constexpr):
+             LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
     """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
     that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
     (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s."""
@@ -206,7 +208,11 @@ def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constex
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     smem = (k_smem, v_smem, q_bufs, do_bufs)
     bars = (kv_bar, q_ready, q_empty)
-    scores = (qk_scale, cap_in, cap_out, seqlen_k, diagonal, left, right)  # _probs_and_grads's
+    # _probs_and_grads's, with only the values it reads: every one is handed to both consumers, and at d=256 three
+    # unused ones cost a spill in the key loop.
+    band = (diagonal, left, right) if LEFT or RIGHT else ()
+    cap = (cap_in, cap_out) if SOFTCAP else ()
+    scores = (qk_scale, seqlen_k, band, cap)
     geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scores)
     query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, hk * group, group)
     outs = (query_heads, dk_ptr, dv_ptr, k_start, kv_heads * HEAD_D, hk * HEAD_D)

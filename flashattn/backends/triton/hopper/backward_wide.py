@@ -120,7 +120,7 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, LEFT:
     dv = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     mbarrier.wait(kv_bar, 0)
     dk, dv = _group_tiles(_wide_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
-    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, scoring[3])
+    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, scoring[1])
 
 
 @gluon.jit
@@ -143,7 +143,7 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
             return
     smem, bars, geometry, outs, coords, span = _program(
         descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
-        RIGHT, STAGES)
+        RIGHT, SOFTCAP, STAGES)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * WG_N, BLOCK_M], dtype)
     p_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)  # P^T: keys x queries
     ds_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)
