@@ -187,8 +187,6 @@ def _inline_asm(text, constraints, args, dtype, is_pure, pack):
     (x,) = args
     if "rcp.approx" in text:
         return _t(1.0 / x)
-    if "tanh.approx" in text:
-        return _t(torch.tanh(x))
     raise NotImplementedError(f"emulate: no model of {text!r}")
 
 

@@ -121,8 +121,9 @@ def _target_declines(arch: int | str | None) -> str | None:
 
 def _options_decline(spec: AttentionSpec, causal_alignment: bool, *, fp8: bool = False,
                      band: bool = False) -> str | None:
-    """The first option the kernel does not read, or "window"; ``fp8``: the FP8 forward, which reads the descales;
-    ``band``: the forward, which reads any window and a softcap (the backward: full or causal, no softcap)."""
+    """The first option the kernels do not read, or "window"; ``fp8``: the FP8 forward, which reads the descales;
+    ``band``: any window and a softcap are read (both kernels do; ``auto`` asks without, until a GPU has checked
+    them)."""
     features = {"softcap": spec.softcap > 0 and not band, "dropout": spec.dropout_p > 0,
                 "alibi": spec.alibi_slopes is not None, "sink": spec.sink is not None,
                 "mask": spec.attn_mask is not None or spec.block_sparse is not None,
@@ -152,6 +153,18 @@ def _memory_declines(q, k, v, *, diagonal_offset: int = 0) -> str | None:
     return None
 
 
+def _band_arguments(q, k, spec: AttentionSpec) -> dict:
+    """What both kernels' ``launch_arguments`` take of ``spec``: scale, band (a side past every key read as
+    unbounded: ``masking.kernel_side``), softcap and packed sequences' offsets."""
+    packed = spec.varlen
+    nq, nk = (q.shape[1], k.shape[1]) if packed is None else (packed.max_seqlen_q, packed.max_seqlen_k)
+    left, right = (kernel_side(side, nq=nq, nk=nk, diagonal_offset=spec.diagonal_offset)
+                   for side in (spec.window_left, spec.window_right))
+    return dict(causal=False, scale=spec.scale, window=(left, right), top_left=not spec.bottom_right,
+                diagonal_offset=spec.diagonal_offset, softcap=spec.softcap,
+                cu_seqlens=None if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k))
+
+
 def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Tensor | None = None) -> None:
     """Run the tier's forward of ``spec`` (its scale, band and softcap: what ``declines`` let through) into ``out``
     (q's shape) and ``lse`` (B, H, Nq) float32, through the path's ``launch`` (compile-only runs and launch plans see
@@ -161,15 +174,9 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
 
     packed = spec.varlen
-    nq, nk = (q.shape[1], k.shape[1]) if packed is None else (packed.max_seqlen_q, packed.max_seqlen_k)
-    window = (kernel_side(side, nq=nq, nk=nk, diagonal_offset=spec.diagonal_offset)
-              for side in (spec.window_left, spec.window_right))
-    grid, kwargs = launch_arguments(
-        q, k, v, out, lse, causal=False, scale=spec.scale, schedule=LAUNCHED[q.shape[-1]], descale=descale,
-        window=tuple(window), top_left=not spec.bottom_right,
-        diagonal_offset=spec.diagonal_offset, softcap=spec.softcap,
-        cu_seqlens=None if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k),
-        max_seqlen_q=0 if packed is None else packed.max_seqlen_q)
+    grid, kwargs = launch_arguments(q, k, v, out, lse, schedule=LAUNCHED[q.shape[-1]], descale=descale,
+                                    max_seqlen_q=0 if packed is None else packed.max_seqlen_q,
+                                    **_band_arguments(q, k, spec))
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 
@@ -218,12 +225,7 @@ def launch_backward(q, k, v, dout, stats, grads, spec: AttentionSpec) -> None:
     from .backward import launch_arguments
 
     packed = spec.varlen
-    nq, nk = (q.shape[1], k.shape[1]) if packed is None else (packed.max_seqlen_q, packed.max_seqlen_k)
-    window = (kernel_side(side, nq=nq, nk=nk, diagonal_offset=spec.diagonal_offset)
-              for side in (spec.window_left, spec.window_right))
-    kernel, grid, kwargs = launch_arguments(
-        q, k, v, dout, stats, grads, causal=False, scale=spec.scale, window=tuple(window),
-        top_left=not spec.bottom_right, diagonal_offset=spec.diagonal_offset, softcap=spec.softcap,
-        cu_seqlens=None if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k),
-        max_seqlen_k=0 if packed is None else packed.max_seqlen_k)
+    kernel, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads,
+                                            max_seqlen_k=0 if packed is None else packed.max_seqlen_k,
+                                            **_band_arguments(q, k, spec))
     launch(kernel, grid, **kwargs)

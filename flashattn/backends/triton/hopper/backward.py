@@ -241,9 +241,7 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
     packed = cu_seqlens is not None
     sequences = 0
     if packed:  # one-batch views for the checks and the descriptors (the kernel reads each sequence's offsets)
-        if not max_seqlen_k > 0:
-            raise ValueError(f"max_seqlen_k must be positive, got {max_seqlen_k}")
-        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, 1)
+        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, ("max_seqlen_k", max_seqlen_k))
         dout, stats, grads = dout[None], tuple(t[None] for t in stats), tuple(t[None] for t in grads)
     _check_arguments(q, k, v, dout, stats, grads, scale=scale)
     (neg_lse2, delta), (dq_sum, dk, dv) = stats, grads

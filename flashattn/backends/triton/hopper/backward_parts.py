@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .steps import _capped
+from .steps import _capped, _visible
 
 
 @gluon.jit
@@ -33,15 +33,7 @@ def _probs_and_grads(s, dp, stats, at, scoring, MASK: gl.constexpr, SCORES: gl.c
         p = gl.exp2(s * qk_scale + neg_lse2)
     if MASK:  # keys past the sequence read whatever follows: P = 0 there, so dS = 0 and nothing reaches dK or dQ
         key, query = at
-        keep = key < seqlen_k
-        if LEFT or RIGHT:
-            diagonal, left, right = band
-            offset = key - query - diagonal
-            if RIGHT:
-                keep = keep & (offset <= right)
-            if LEFT:
-                keep = keep & (offset >= -left)
-        p = gl.where(keep, p, 0.0)
+        p = gl.where(_visible(key, query, seqlen_k, band, LEFT, RIGHT), p, 0.0)
     ds = p * (dp - delta)
     if SOFTCAP:
         ds = ds * (-4.0 * r * (1.0 + r))

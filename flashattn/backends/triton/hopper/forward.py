@@ -304,9 +304,11 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return head_tiles(q, WG_M), head_tiles(k, BLOCK_N[d]), values
 
 
-def _packed_views(q, k, v, cu_seqlens, max_seqlen_q: int):
+def _packed_views(q, k, v, cu_seqlens, longest: tuple[str, int]):
     """Packed q (total_q, heads, d), k and v (total_k, kv_heads, d) as one-batch views for the checks and the
-    descriptors, with their sequence count; ``cu_seqlens`` (q's, k's) int32 (sequences + 1,) on their device."""
+    descriptors, with their sequence count; ``cu_seqlens`` (q's, k's) int32 (sequences + 1,) on their device;
+    ``longest``: (name, value) of the length the grid is sized by (the forward's max_seqlen_q, the backward's
+    max_seqlen_k)."""
     cu_q, cu_k = cu_seqlens
     if q.dtype == torch.float8_e4m3fn:
         raise ValueError("packed sequences take 16-bit q, k and v (FP8's interleaved v starts groups per batch)")
@@ -315,8 +317,8 @@ def _packed_views(q, k, v, cu_seqlens, max_seqlen_q: int):
     if (cu_q.dtype, cu_k.dtype) != (torch.int32, torch.int32) or cu_q.shape != cu_k.shape or cu_q.ndim != 1 or (
             len(cu_q) < 2 or not cu_q.is_contiguous() or not cu_k.is_contiguous()):
         raise ValueError("cu_seqlens must be two contiguous int32 (sequences + 1,) tensors")
-    if not max_seqlen_q > 0:
-        raise ValueError(f"max_seqlen_q must be positive, got {max_seqlen_q}")
+    if not longest[1] > 0:
+        raise ValueError(f"{longest[0]} must be positive, got {longest[1]}")
     return q[None], k[None], v[None], len(cu_q) - 1
 
 
@@ -337,7 +339,7 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
     packed = cu_seqlens is not None
     sequences = 0
     if packed:
-        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, max_seqlen_q)
+        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, ("max_seqlen_q", max_seqlen_q))
     batch, seqlen_q, heads, d = q.shape
     fp8 = q.dtype == torch.float8_e4m3fn
     if d not in STAGES:

@@ -50,6 +50,21 @@ def _key_span(m0, seqlen_q, seqlen_k, band, LEFT: gl.constexpr, RIGHT: gl.conste
 
 
 @gluon.jit
+def _visible(key, query, seqlen_k, band, LEFT: gl.constexpr, RIGHT: gl.constexpr):
+    """Where key ``key`` exists and query ``query`` sees it (both broadcast to a tile either way round: the forward's
+    queries x keys, the backward's keys x queries); ``band`` = (diagonal, left, right) as ``_key_span``'s."""
+    keep = key < seqlen_k
+    if LEFT or RIGHT:
+        diagonal, left, right = band
+        offset = key - query - diagonal
+        if RIGHT:
+            keep = keep & (offset <= right)
+        if LEFT:
+            keep = keep & (offset >= -left)
+    return keep
+
+
+@gluon.jit
 def _segments(lo, hi, lead, plain, LEFT: gl.constexpr):
     """A schedule's loops over its tiles [lo, hi) (the rest peeled): masked [lo, begin), unmasked [begin, end),
     masked [end, hi), from ``_key_span``'s lead and plain: (begin, end). Without a left window no leading masked
@@ -167,13 +182,7 @@ def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, SCORES: gl.constexpr):
         scale = 2.0 * cap_out
     if MASK:
         key = (first + j) * BLOCK_N + cols
-        keep = key[None, :] < seqlen_k
-        if LEFT or RIGHT:
-            offset = key[None, :] - rows[:, None] - diagonal
-            if RIGHT:
-                keep = keep & (offset <= right)
-            if LEFT:
-                keep = keep & (offset >= -left)
+        keep = _visible(key[None, :], rows[:, None], seqlen_k, (diagonal, left, right), LEFT, RIGHT)
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m, gl.max(s, axis=1) * scale)  # scale > 0: the max commutes with it
     # A row with no key yet gets p = 0, not NaN; an unmasked tile gives every row a finite score.
