@@ -352,3 +352,50 @@ def test_the_one_pass_backward_emulated_on_packed_sequences(d):
             for name, ours, w, bl in zip(("dq", "dk", "dv"), (dq[a:b], dk[c:e], dv[c:e]), want, baseline,
                                          strict=True):
                 assert_close(name, ours[None], w, bl, factor=3.0, magnitude=magnitude, precision=BF16)
+
+
+@needs_triton
+@on_oldest
+@pytest.mark.parametrize("d", [40, 96, 192])
+def test_head_dims_between_run_on_padded_tiles_emulated(d):
+    """A head dim below 64, 128 or 256 runs on that tile (``forward.tile_dim``), whose columns past the head read the
+    next head's: Q's (forward) and K's and V's (backward) are zeroed, and O's, dK's, dV's and dQ's never stored. Out,
+    lse and the three gradients against float64 by the suite's rules, grouped heads (so that every operand's padding
+    reads a neighbour), causal and a window with a softcap, a dense batch of two and packed sequences."""
+    import itertools
+
+    from flashattn.backends.triton.hopper.forward import LAUNCHED, tile_dim
+    from tools.gluon.emulate import emulate_backward
+
+    torch.manual_seed(d)
+    lengths = [(130, 200), (77, 40)]
+    qs, ks, vs, dos = ([torch.randn(1, n[i], heads, d, dtype=BF16) for n in lengths]
+                       for i, heads in ((0, 4), (1, 2), (1, 2), (0, 4)))
+    packed = tuple(torch.cat([t[0] for t in ts]) for ts in (qs, ks, vs, dos))
+    ends = [list(itertools.accumulate((t.shape[1] for t in ts), initial=0)) for ts in (qs, ks)]
+    offsets = tuple(torch.tensor(e, dtype=torch.int32) for e in ends)
+    # a batch of two: the first sequence cut to the second's 77 queries and 40 keys
+    dense = tuple(torch.cat([ts[0][:, : ts[1].shape[1]], ts[1]]) for ts in (qs, ks, vs, dos))
+    for (causal, window, top_left, softcap), layout in itertools.product(
+            (BANDS_AND_CAPS[0], BANDS_AND_CAPS[4]), ("dense", "packed")):
+        band = dict(causal=causal, window=window, top_left=top_left, softcap=softcap)
+        reference = dict(causal=causal, window=window, bottom_right=not top_left, softcap=softcap)
+        q, k, v, dout = dense if layout == "dense" else packed
+        extra = {} if layout == "dense" else dict(cu_seqlens=offsets)
+        out, lse = _emulated(q, k, v, schedule=LAUNCHED[tile_dim(d)], max_seqlen_q=130, **band, **extra)
+        grads = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, max_seqlen_k=200, **band, **extra)
+        parts = [(q, k, v, dout, out, lse, grads)] if layout == "dense" else [
+            (qi, ki, vi, doi, out[a:b][None], lse[:, a:b][None], (grads[0][a:b][None], grads[1][c:e][None],
+                                                               grads[2][c:e][None]))
+            for (a, b), (c, e), qi, ki, vi, doi in zip(itertools.pairwise(ends[0]), itertools.pairwise(ends[1]), qs,
+                                                       ks, vs, dos, strict=True)]
+        for qi, ki, vi, doi, oi, lsei, gi in parts:
+            _check(oi, lsei, qi, ki, vi, **reference)
+            leaves = [t.double().requires_grad_() for t in (qi, ki, vi)]
+            want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, doi.double())
+            plain = [t.detach().requires_grad_() for t in (qi, ki, vi)]
+            baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, doi)
+            magnitude = max(w.abs().max().item() for w in want)
+            for name, ours, w, b in zip(("dq", "dk", "dv"), gi, want, baseline, strict=True):
+                assert not torch.isnan(ours).any(), (d, layout, name)
+                assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)

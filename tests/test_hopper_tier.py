@@ -62,7 +62,9 @@ BAND = "window or softcap (run by FLASHATTN_TRITON_TIER=hopper until a GPU has c
     ((_qkv(hk=2), FULL), "grouped heads (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"),
     ((_qkv(hk=3), FULL), "head dims or grouped heads"),  # 3 kv heads for 4 query heads
     ((_qkv(d=128), FULL), "not measured faster than the portable forward"),
-    ((_qkv(d=96), FULL), "head dims or grouped heads"),
+    ((_qkv(d=96), FULL), "not measured faster than the portable forward"),  # (padded: forced only)
+    ((_qkv(d=100), FULL), "head dims or grouped heads"),  # not a multiple of 8: a TMA row is 16 bytes
+    ((_qkv(d=264), FULL), "head dims or grouped heads"),
     ((_qkv(dtype=torch.float16), FULL), "not measured faster than the portable forward"),
     ((_qkv(dtype=torch.float32), FULL), "dtype or layout"),
 ])
@@ -72,8 +74,9 @@ def test_which_forwards_the_tier_takes(case, why):
 
 
 def test_which_backwards_the_tier_takes(monkeypatch):
-    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), d=64, 128 or 256, key/value heads
-    dividing the query heads, full or causal, never deterministic (its dQ is summed with atomics)."""
+    """The one-pass Gluon backward: forced only (FLASHATTN_TRITON_TIER=hopper), head dims that are multiples of 8 up
+    to 256, key/value heads dividing the query heads, full or causal, never deterministic (its dQ is summed with
+    atomics)."""
     q, k, v = _qkv()
     assert hopper.backward_declines(q, k, v, q, CAUSAL, arch=90).startswith("the tier's backward runs under")
     monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
@@ -82,7 +85,9 @@ def test_which_backwards_the_tier_takes(monkeypatch):
     assert hopper.backward_declines(q, k, v, q, AttentionSpec(scale=0.125, deterministic=True), arch=90) == (
         "deterministic (the tier's dQ is summed with atomics)")
     assert hopper.backward_declines(*_qkv(d=128), _qkv(d=128)[0], FULL, arch=90) is None  # dQ's columns split
-    assert hopper.backward_declines(*_qkv(d=96), _qkv(d=96)[0], FULL, arch=90) == "head dims or grouped heads"
+    for d in (8, 40, 96, 192):  # padded up to 64, 128, 256
+        assert hopper.backward_declines(*_qkv(d=d), _qkv(d=d)[0], FULL, arch=90) is None
+    assert hopper.backward_declines(*_qkv(d=60), _qkv(d=60)[0], FULL, arch=90) == "head dims or grouped heads"
     assert hopper.backward_declines(*_qkv(d=256), _qkv(d=256)[0], FULL, arch=90) is None  # backward_wide.py
     assert hopper.backward_declines(*_qkv(hk=2), q, FULL, arch=90) is None  # GQA: dK, dV summed over each group
     assert hopper.backward_declines(*_qkv(hk=3), q, FULL, arch=90) == "head dims or grouped heads"
@@ -124,6 +129,28 @@ def test_forced_it_takes_grouped_heads(monkeypatch):
     for hk in (1, 2):  # MQA, GQA
         assert hopper.declines(*_qkv(hk=hk), FULL, probs=False, arch=90) is None
     assert hopper.declines(*_qkv(hk=3), FULL, probs=False, arch=90) == "head dims or grouped heads"
+
+
+def test_forced_it_takes_head_dims_between_on_padded_tiles(monkeypatch):
+    """Multiples of 8 up to 256 run on tiles of 64, 128 or 256 columns (``forward.tile_dim``); FP8 at those three."""
+    from flashattn.backends.spec import Descale
+    from flashattn.backends.triton.attend import interleaved_values
+    from flashattn.backends.triton.hopper.forward import TILE_DIMS, tile_dim
+
+    assert hopper.TILE_DIMS == TILE_DIMS  # (the routing module's copy: it loads no Gluon)
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "hopper")
+    assert [tile_dim(d) for d in (8, 40, 64, 72, 96, 136, 192, 256)] == [64, 64, 64, 128, 128, 256, 256, 256]
+    for d in (8, 40, 96, 192):
+        assert hopper.declines(*_qkv(d=d, hk=2), CAUSAL, probs=False, arch=90) is None
+    for d in (4, 60, 100, 264):
+        assert hopper.declines(*_qkv(d=d), FULL, probs=False, arch=90) == "head dims or grouped heads"
+        with pytest.raises(ValueError, match=f"head dim {d} not supported"):
+            tile_dim(d)
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv(d=96))
+    ones = torch.ones(2, 4)
+    spec = AttentionSpec(scale=0.125, descale=Descale(ones, ones, ones))
+    assert hopper.declines(q, k, interleaved_values(v), spec, probs=False, arch=90, values_interleaved=True) == (
+        "FP8 at a padded head dim")
 
 
 def test_forced_it_takes_windows_and_softcaps_forward_and_backward(monkeypatch):
@@ -223,9 +250,10 @@ def test_the_backward_launcher_refuses_what_its_kernels_do_not_read():
         ((q, k, v, q, (stats[0], stats[1].double()), grads), "neg_lse2 and delta must be float32"),
         ((torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape), k, v, q, stats, grads), "16-byte aligned"),
     ]
-    q96, k96, v96 = _qkv(b=1, nq=64, nk=64, h=2, hk=2, d=96)
-    bad.append(((q96, k96, v96, q96, stats, (torch.zeros(q96.shape), torch.empty_like(k96), torch.empty_like(v96))),
-                "head dim 96 not supported"))
+    q_odd, k_odd, v_odd = _qkv(b=1, nq=64, nk=64, h=2, hk=2, d=100)
+    bad.append(((q_odd, k_odd, v_odd, q_odd, stats,
+                 (torch.zeros(q_odd.shape), torch.empty_like(k_odd), torch.empty_like(v_odd))),
+                r"head dim 100 not supported \(multiples of 8 up to 256\)"))
     for args, why in bad:
         with pytest.raises(ValueError, match=why):
             backward.launch_arguments(*args, causal=False, scale=0.125)
@@ -339,6 +367,12 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     wide = [backward[0], "attention_backward_wide_kernel", backward[2]]
     assert [name for name, _ in seen["tier=hopper d256 backward"]] == wide
     assert seen["tier=hopper d256 backward"][1][1] == [2 * 2, 5]
+    # Padded head dims: the tier's forward and backward (backward_wide's on 256 columns, 64 keys a program), K's map
+    # over the heads' own columns (2 x d) in tiles of the padded width (TMA boxes of 64 bf16 columns at most).
+    for d, tile, kernel, blocks in ((40, 64, backward[1], 3), (96, 128, backward[1], 3), (192, 256, wide[1], 5)):
+        launched, k_shape, k_block = seen[f"tier=hopper d{d}"]
+        assert launched[0] == ["attention_forward_ws_kernel", [8, 3]] and launched[2] == [kernel, [2 * 2, blocks]]
+        assert k_shape == [600, 2 * d] and k_block == [128 if tile < 256 else 64, 64]
     # 4 query heads over 2 key heads: K's tensor map spans (batch x keys, 2 x d), and the kernel's group is 2.
     assert seen["tier=hopper GQA"] == [["attention_forward_ws_kernel", [8, 3]], [600, 128], 2]
     # Packed sequences: a program per (sequence, head) and 128 rows of the longest (500: 4), the offsets the call's,
@@ -419,6 +453,14 @@ def _script() -> dict:
             launches.clear()
             out.backward(torch.ones_like(out))
             seen[f"tier=hopper d{d} backward"] = [[name, list(grid[:2])] for name, grid, _ in launches.arguments]
+        for d in (40, 96, 192):  # padded tiles: 64, 128, 256 columns of the (batch x keys, 2 x d) view
+            q, k, v = dense(d=d, hk=2, grad=True)()
+            launches.clear()
+            out = flashattn.flash_attn_func(q, k, v, causal=True)
+            out.backward(torch.ones_like(out))
+            k_map = [a for a in launches.arguments[0][2] if type(a).__name__ == "StubTensorMap"][1]
+            seen[f"tier=hopper d{d}"] = [[[name, list(grid[:2])] for name, grid, _ in launches.arguments],
+                                         k_map.shape, k_map.block]
     ones = torch.ones(2, 4)
     fp8 = lambda: [t.to(torch.float8_e4m3fn) for t in dense()()]  # noqa: E731
     names, launches, _ = run(90, fp8, q_descale=ones, k_descale=ones, v_descale=ones)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from flashattn.backends.triton.hopper.backward import launch_arguments
+from flashattn.backends.triton.hopper.forward import tile_dim
 
 PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile shape
 CONSUMER_WARPS = 8
@@ -47,7 +48,8 @@ def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, 
             loops.append({"length": loop.length, "groups": groups,
                           "local": sum(ins.opcode.startswith(("LDL", "STL")) for ins in body),
                           "red": sum(ins.opcode.startswith("RED") for ins in body)})
-    lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE[head_dim]), key=lambda x: x["length"], default=None)
+    tile = tile_dim(head_dim)
+    lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE[tile]), key=lambda x: x["length"], default=None)
     return {
         "causal": causal, "head_dim": head_dim, "window": list(window), "softcap": softcap,
         "registers": report.registers, "spill_bytes": report.spill_bytes,
@@ -55,14 +57,14 @@ def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, 
                               if ins.opcode.startswith("USETMAXREG")}),
         "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
         "tma_loads": sass.count("UTMALDG"), "loops": loops,
-        "per_score": round(lean["length"] * CONSUMER_WARPS / SCORES_PER_TILE[head_dim], 3) if lean else 0.0,
+        "per_score": round(lean["length"] * CONSUMER_WARPS / SCORES_PER_TILE[tile], 3) if lean else 0.0,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Offline sm_90 counts of the Hopper tier's one-pass backward.")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--head-dim", type=int, default=64, choices=sorted(GROUPS_PER_TILE))
+    parser.add_argument("--head-dim", type=int, default=64, help="a multiple of 8 up to 256")
     parser.add_argument("--window", default="-1:-1", help="left:right, -1 for an unbounded side")
     parser.add_argument("--softcap", type=float, default=0.0)
     parser.add_argument("--json", help="write the row here")

@@ -218,7 +218,8 @@ _MATH = dict(
     full=lambda shape, value, dtype, layout=None: _t(torch.full(shape, value, dtype=dtype)),
     zeros=lambda shape, dtype, layout=None: _t(torch.zeros(shape, dtype=dtype)),
     permute=lambda x, order: _t(x.permute(*order)), convert_layout=lambda x, layout: x, SliceLayout=_nothing,
-    DotOperandLayout=_nothing, thread_barrier=_nothing, inline_asm_elementwise=_inline_asm, load=_load, store=_store,
+    DotOperandLayout=_nothing, BlockedLayout=_nothing, thread_barrier=_nothing, inline_asm_elementwise=_inline_asm,
+    load=_load, store=_store,
     NVMMASharedLayout=types.SimpleNamespace(get_default_for=_nothing),
 )
 

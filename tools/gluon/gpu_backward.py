@@ -1,14 +1,14 @@
 """The Hopper tier's one-pass backward kernels on the GPU, alone: dQ, dK and dV against float64, case by case.
 
-``tools.gluon.gpu_run`` runs ``check_backward(d, causal)`` in a child process with a timeout for d 64, 128 and 256
-(a barrier protocol that is wrong deadlocks rather than fails), beside the forward's variants. Each case launches
-the kernel ``hopper.backward.launch_arguments`` picks, on its own inputs: lse and out from float64 attention,
-``neg_lse2`` and ``delta`` from them as the portable preprocess writes them, the fp32 dQ sum zeroed and dK, dV
-poisoned with NaN first. The bound is the tolerance rule's for gradients: at most 3x plain bf16 attention's error
-against float64 (its gradients by autograd), plus one bf16 ulp of the reference's largest magnitude. The shapes
-cross every tile edge the kernels have: 1 row, odd lengths, more queries than keys (causal rows that see no key:
-their dQ 0), grouped heads (a program sums dK and dV over its group); and on two of them sliding windows of either
-alignment and softcaps (``BANDS``).
+``tools.gluon.gpu_run`` runs ``check_backward(d, causal)`` in a child process with a timeout for d 64, 128 and 256 and
+the padded head dims between (``gpu_run.PADDED_DIMS``; a barrier protocol that is wrong deadlocks rather than fails),
+beside the forward's variants. Each case launches the kernel ``hopper.backward.launch_arguments`` picks, on its own
+inputs: lse and out from float64 attention, ``neg_lse2`` and ``delta`` from them as the portable preprocess writes them,
+the fp32 dQ sum zeroed and dK, dV poisoned with NaN first. The bound is the tolerance rule's for gradients: at most 3x
+plain bf16 attention's error against float64 (its gradients by autograd), plus one bf16 ulp of the reference's largest
+magnitude. The shapes cross every tile edge the kernels have: 1 row, odd lengths, more queries than keys (causal rows
+that see no key: their dQ 0), grouped heads (a program sums dK and dV over its group); and on two of them sliding
+windows of either alignment and softcaps (``BANDS``).
 
 ``--dry`` in ``gpu_run`` replaces the kernel by autograd on the CPU, so the harness is tested without a GPU.
 """

@@ -4,8 +4,8 @@ one-pass backward kernels' correctness (``gpu_backward.py``).
     PYTHONPATH=. python -m tools.gluon.gpu_run --out DIR [--budget 240]     # on an H100 / H200
     PYTHONPATH=. python -m tools.gluon.gpu_run --dry --out DIR              # no GPU: the harness alone
 
-Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not; at head dim 256 the schedule the tier
-launches) first runs its correctness cases in its
+Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not; at head dim 256, and at the padded
+head dims ``PADDED_DIMS``, the schedule the tier launches) first runs its correctness cases in its
 own subprocess with a timeout, since a barrier protocol that is wrong deadlocks rather than fails: odd lengths (1,
 113, 173 x 251, 1025), queries longer than keys (causal rows that see no key: out 0, lse -inf), and on three of
 them sliding windows (either alignment) and softcaps (``BANDS``, the launched schedule), outputs poisoned with NaN
@@ -43,6 +43,8 @@ BAND_SHAPES = (SHAPES[2], SHAPES[3], SHAPES[7])
 # over 2 key heads, with no band and with the first and last of BANDS.
 PACKED = ((113, 251), (1, 77), (300, 300), (1025, 600), (200, 90))
 PACKED_BANDS = (((-1, -1), False, 0.0), BANDS[0], BANDS[2])
+# Head dims between 64, 128 and 256, on those tiles (``forward.tile_dim``): the launched schedule, every case above.
+PADDED_DIMS = (40, 96, 192)
 SPEED_SEQLENS = (1024, 8192)
 TOKENS = 16384
 REPEATS = 20
@@ -54,8 +56,8 @@ def _variants():
 
 
 def _launched(d: int):
-    from flashattn.backends.triton.hopper.forward import LAUNCHED
-    return LAUNCHED[d]
+    from flashattn.backends.triton.hopper.forward import LAUNCHED, tile_dim
+    return LAUNCHED[tile_dim(d)]
 
 
 def _launched_at_256():
@@ -323,6 +325,7 @@ def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
     dry = ["--dry"] if a.dry else []
     todo = [(d, causal, i) for d in (128, 64) for causal in (False, True) for i in range(len(_variants()))]
     todo += [(256, causal, _variants().index(_launched_at_256())) for causal in (False, True)]  # the one launched
+    todo += [(d, causal, _variants().index(_launched(d))) for d in PADDED_DIMS for causal in (False, True)]
     if a.dry:  # a variant, and the one launched (which checks the bands too)
         todo = [todo[0], next(c for c in todo if _variants()[c[2]] == _launched(c[0]))]
     check_timeout = max(30.0, 0.4 * a.budget)
@@ -331,7 +334,7 @@ def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
 
     # The backward kernels' cases after the forward's: (name, the child's arguments).
     backward = [(f"backward-d{d}-{'causal' if c else 'full'}", ["--backward", f"{d}:{int(c)}"])
-                for d in HEAD_DIMS for c in (False, True)]
+                for d in HEAD_DIMS + PADDED_DIMS for c in (False, True)]
     jobs = [(_case_name(*case), ["--case", ":".join(str(int(x)) for x in case)]) for case in todo]
     jobs += backward[:1] if a.dry else backward
 

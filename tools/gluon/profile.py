@@ -31,6 +31,7 @@ from flashattn.backends.triton.hopper.forward import (
     Schedule,
     attention_forward_ws_kernel,
     launch_arguments,
+    tile_dim,
 )
 from tools.offline.sass import WGMMA
 
@@ -50,7 +51,7 @@ def compile_sm90(head_dim: int, causal: bool, schedule: Schedule | None = None, 
     q, k, v = (torch.empty(batch, seqlen, heads, head_dim, dtype=dtype) for _ in range(3))
     out = torch.empty_like(q, dtype=torch.float32 if dtype == torch.float8_e4m3fn else dtype)
     lse = torch.empty(batch, heads, seqlen)
-    schedule = schedule or SCHEDULES[head_dim]
+    schedule = schedule or SCHEDULES[tile_dim(head_dim)]
     descale = None
     if dtype == torch.float8_e4m3fn:  # v as the FP8 forward hands it over: keys contiguous (attend.interleaved_values)
         v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
@@ -132,7 +133,7 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: 
             window: tuple[int, int] = (-1, -1), softcap: float = 0.0, packed: bool = False) -> Measured:
     from tools.offline.compile import cubin_report
 
-    schedule = schedule or SCHEDULES[head_dim]
+    schedule = schedule or SCHEDULES[tile_dim(head_dim)]
     kernel = compile_sm90(head_dim, causal, schedule, torch.float8_e4m3fn if fp8 else torch.bfloat16,
                           window=window, softcap=softcap, packed=packed)
     report = cubin_report(kernel.asm["cubin"])
@@ -145,7 +146,8 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: 
         head_dim, causal, schedule, report.registers, setmaxnreg, report.spill_bytes, kernel.metadata.shared,
         kernel.metadata.num_warps, sass.count(WGMMA), sass.hgmma_groups(), sass.hgmma_overlap(), retired(sass),
         sass.count("UTMALDG"), round(per_tile),
-        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[head_dim]), 3), fp8, sass.count("MUFU.RCP"),
+        round(per_tile * CONSUMER_WARPS / (BLOCK_M * BLOCK_N[tile_dim(head_dim)]), 3), fp8,
+        sass.count("MUFU.RCP"),
         sum(_groups(sass, loop) >= 2 for loop in sass.innermost_loops()),
         sum(sass.count(("LDL", "STL"), loop) for loop in sass.innermost_loops() if _groups(sass, loop) >= 2),
     )
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for case in args.cases.split(","):
         head_dim, causal = (int(x) for x in case.split(":"))
-        for schedule in VARIANTS if args.all else ((LAUNCHED if args.launched else SCHEDULES)[head_dim],):
+        chosen = (LAUNCHED if args.launched else SCHEDULES)[tile_dim(head_dim)]
+        for schedule in VARIANTS if args.all else (chosen,):
             row = measure(head_dim, bool(causal), schedule, fp8=args.fp8,
                           window=tuple(int(x) for x in args.window.split(":")), softcap=args.softcap,
                           packed=args.packed)

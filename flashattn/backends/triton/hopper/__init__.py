@@ -13,7 +13,8 @@ lse, unless forced as below.
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
-reads but no GPU has yet checked, head dim 256, grouped key/value heads (GQA, MQA), sliding windows (any left and
+reads but no GPU has yet checked, head dim 256, the head dims between (multiples of 8 from 8 to 256, on tiles of
+the next of 64, 128 and 256: ``forward.tile_dim``), grouped key/value heads (GQA, MQA), sliding windows (any left and
 right bound, either alignment, a diagonal offset), a softcap, packed sequences (``flash_attn_varlen_func``'s
 q, k and v, each program bounded by its sequence's offsets), and FlashAttention-3's FP8 forward: e4m3 q, k, v with
 descales, v handed over as ``attend.interleaved_values`` lays it out).
@@ -40,7 +41,10 @@ from ..configs import DECODE_MAX_ROWS
 TIER = Variable("FLASHATTN_TRITON_TIER")
 TIERS = ("auto", "portable", "hopper")
 MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above)
-RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}  # what the kernel can run (``hopper``)
+# What the kernels can run (``hopper``): these dtypes, and head dims that are multiples of 8 up to 256, those
+# between 64, 128 and 256 on padded tiles (``forward.tile_dim``; FP8 at those three alone).
+RUNS = {torch.bfloat16, torch.float16}, range(8, 257, 8)
+TILE_DIMS = (64, 128, 256)  # forward.TILE_DIMS (this module loads no Gluon)
 INT32 = 2**31 - 1  # the kernel's row and lse offsets are 32-bit
 GRID_Y = 65535  # the query blocks are the grid's second axis
 GLUON_RELEASE = (3, 6)  # the Triton release the kernel is written and checked for
@@ -86,10 +90,8 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
         v.shape[1] >= k.shape[1] and v.shape[1] % 32 == 0 if fp8 else v.shape[1] == k.shape[1])
     if d not in dims or tuple(k.shape) != (b, k.shape[1], hk, d) or not values or not hk or h % hk:
         return "head dims or grouped heads"
-    if fp8 and chosen == "auto":
-        return "FP8 (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked it)"
-    if fp8 and (not values_interleaved or spec.descale is None or spec.fp8_training):
-        return "FP8 without interleaved values and descales (the training mode's, packed sequences')"
+    if fp8 and (why := _fp8_declines(d, spec, chosen=chosen, values_interleaved=values_interleaved)):
+        return why
     if chosen == "auto" and (q.dtype, d) not in MEASURED_FASTER:
         return "not measured faster than the portable forward"
     if chosen == "auto" and hk != h:
@@ -103,6 +105,16 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
     why = "probabilities" if probs else _options_decline(spec, aligned, fp8=fp8, band=True) or _memory_declines(
         q, k, v.permute(0, 2, 3, 1) if fp8 else v, diagonal_offset=spec.diagonal_offset)
     return why or _target_declines(arch)
+
+
+def _fp8_declines(d: int, spec: AttentionSpec, *, chosen: str, values_interleaved: bool) -> str | None:
+    if d not in TILE_DIMS:
+        return "FP8 at a padded head dim"
+    if chosen == "auto":
+        return "FP8 (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked it)"
+    if not values_interleaved or spec.descale is None or spec.fp8_training:
+        return "FP8 without interleaved values and descales (the training mode's, packed sequences')"
+    return None
 
 
 def _target_declines(arch: int | str | None) -> str | None:
@@ -171,22 +183,23 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     it as any other kernel: a plan rebuilds its Gluon descriptors around each call's tensors). FP8: ``descale``
     (B, Hk) the scores' scale, out float32."""
     from ..launch import launch
-    from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
+    from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments, tile_dim
 
     packed = spec.varlen
-    grid, kwargs = launch_arguments(q, k, v, out, lse, schedule=LAUNCHED[q.shape[-1]], descale=descale,
+    grid, kwargs = launch_arguments(q, k, v, out, lse, schedule=LAUNCHED[tile_dim(q.shape[-1])], descale=descale,
                                     max_seqlen_q=0 if packed is None else packed.max_seqlen_q,
                                     **_band_arguments(q, k, spec))
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 
-# What the backward kernels can run (``backward.py``: d 64 and 128; ``backward_wide.py``: 256)
-BACKWARD_RUNS = {torch.bfloat16, torch.float16}, {64, 128, 256}
+# What the backward kernels can run (``backward.py``: tiles of 64 and 128 columns; ``backward_wide.py``: 256)
+BACKWARD_RUNS = RUNS
 
 
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
-    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dim 64, 128 or 256, key/value heads
+    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dims that are multiples of 8 up
+    to 256 (padded up to 64, 128 or 256), key/value heads
     dividing the query heads (GQA, MQA), contiguous q, k, v and dO, dense or packed, any band and softcap (the
     forward's) and no other option, and not ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":

@@ -21,7 +21,8 @@ both compile alike (as the default partition, consumer 0 had kept its loop invar
 spilled them).
 
 Inputs as the tier's forward takes them: q, dO (batch, seqlen_q, heads, d), k, v (batch, seqlen_k, kv_heads, d),
-contiguous, bf16 or fp16, d = 64 or 128, kv_heads dividing
+contiguous, bf16 or fp16, d a multiple of 8 up to 128 (tiles of 64 or 128 columns: ``forward.tile_dim``; the
+padding's columns of K and V zeroed, those of dK, dV and dQ not stored), kv_heads dividing
 heads (GQA, MQA: a program sums dK and dV over its key/value head's query heads, one after another); ``neg_lse2``
 (-lse in log2 units, -inf for rows that see no key) and ``delta`` (rowsum(dO O)) as the portable preprocess writes
 them, (batch, heads, seqlen_q); ``dq_sum`` fp32 of q's shape, zeroed. Causal is bottom-right aligned, as the forward's.
@@ -42,20 +43,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
-from .forward import LOG2E, head_tiles
-from .steps import _mma_layout
+from .forward import LOG2E, head_tiles, tile_dim
+from .steps import _mma_layout, _zero_padding
 
 WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
 BLOCK_N = 2 * WG_N  # keys per program
 BLOCK_M = 64  # queries per step: the M of dQ's wgmma
 STAGES = 2  # Q and dO ring depth: K, V and two stages of Q and dO are 64 KiB at d=64, 128 at d=128
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # the tiles' head dims (``forward.tile_dim``)
 CONSUMER_REGS = 240
 
 
 @gluon.jit
 def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_PITCH: gl.constexpr,  # noqa: PLR0913
-          WG: gl.constexpr):
+          WG: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Query tile j (ring slot i) of the query head ``stats`` points at: dK and dV updated, the tile's dQ added
     into the sum (rows ``DQ_PITCH`` elements apart). The switches are arguments of their own: inside a tuple
     they would arrive as tensors. (``WG`` is in ``ctx`` here; ``_group_tiles`` calls both kernels' tiles alike.)"""
@@ -111,20 +112,22 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
         mbarrier.arrive(ds_empty.index(buf))
         col0 = dq_col0 + wg * HALF_D
+        cols_left: gl.constexpr = HEAD_DIM - WG * HALF_D
     else:
         zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
         ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
         dq = warpgroup_mma(ds_rows, k_t, zero_dq, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
         col0 = dq_col0
+        cols_left: gl.constexpr = HEAD_DIM
     mbarrier.arrive(q_empty.index(stage))
-    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, col0, seqlen_q - j * BLOCK_M, DQ_PITCH)
+    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, col0, seqlen_q - j * BLOCK_M, DQ_PITCH, cols_left)
     return dk, dv
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.constexpr,  # noqa: PLR0913
-              RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr):
+              RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup WG: keys n0 + 64 WG .. + 63 against every query tile that sees them, of each query head of
     the key/value head's group in turn; dK (times the scale) and dV, summed over the group, stored. ``ds_shared``:
     (dS^T buffers, their full and empty barriers) where dQ's columns are split between the two (d > 64), else ()."""
@@ -152,8 +155,10 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, d_layout)
     mbarrier.wait(kv_bar, 0)
-    dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
-    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, scoring[1])
+    _zero_padding(k_smem.index(WG), HEAD_DIM)  # (S^T and dP^T read this warpgroup's keys; dQ's padding is not stored)
+    _zero_padding(v_smem.index(WG), HEAD_DIM)
+    dk, dv = _group_tiles(_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_DIM, WG)
+    _store_grads(dk * scale, dv, outs, n0 + WG * WG_N, 0, scoring[1], HEAD_DIM)
 
 
 @gluon.jit
@@ -162,7 +167,7 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
         cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, group, qk_scale, scale, diagonal_offset, bottom_right,
         window_left, window_right, softcap_in, softcap_out,
         HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
     query heads per key/value head (query head h reads kv head h // group); ``HEADS`` (query heads) a constexpr,
     so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). The band, the
@@ -181,7 +186,7 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
             return
     smem, bars, geometry, outs, coords, span = _program(
         descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
-        RIGHT, SOFTCAP, STAGES)
+        RIGHT, SOFTCAP, STAGES, HEAD_DIM)
     if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)
@@ -195,8 +200,8 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
         ds_shared = ()
     gl.warp_specialize([
         (_producer, (descs, smem, bars, coords, span)),
-        (_consumer, (0, smem, bars, ds_shared, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
-        (_consumer, (1, smem, bars, ds_shared, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
+        (_consumer, (0, smem, bars, ds_shared, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS, HEAD_DIM)),
+        (_consumer, (1, smem, bars, ds_shared, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS, HEAD_DIM)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -228,13 +233,13 @@ def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
 def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,  # noqa: PLR0913
                      window: tuple[int, int] = (-1, -1), top_left: bool = False, diagonal_offset: int = 0,
                      softcap: float = 0.0, cu_seqlens: tuple | None = None, max_seqlen_k: int = 0) -> tuple:
-    """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at
-    d = 64 or 128, ``backward_wide.attention_backward_wide_kernel`` at d = 256. q, k, v, dout (batch, seqlen,
-    heads, d) contiguous, one dtype (bf16 or fp16), key/value heads dividing the query heads; ``stats`` =
-    (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` = (dq_sum, float32 of q's shape, zeroed;
-    dk, dv of k's shape); the band and softcap as the forward's ``launch_arguments``. Packed sequences
-    (``cu_seqlens`` = (q's, k's) int32 offsets, ``max_seqlen_k``): q, dout, dq_sum (total_q, heads, d), k, v, dk, dv
-    (total_k, kv_heads, d), the statistics (heads, total_q)."""
+    """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at tiles
+    of 64 or 128 columns, ``backward_wide.attention_backward_wide_kernel`` at 256 (``forward.tile_dim``: d a multiple of
+    8 up to 256, padded up). q, k, v, dout (batch, seqlen, heads, d) contiguous, one dtype (bf16 or fp16), key/value
+    heads dividing the query heads; ``stats`` = (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` =
+    (dq_sum, float32 of q's shape, zeroed; dk, dv of k's shape); the band and softcap as the forward's
+    ``launch_arguments``. Packed sequences (``cu_seqlens`` = (q's, k's) int32 offsets, ``max_seqlen_k``): q, dout,
+    dq_sum (total_q, heads, d), k, v, dk, dv (total_k, kv_heads, d), the statistics (heads, total_q)."""
     from . import backward_wide
     from .forward import _packed_views
 
@@ -250,14 +255,13 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
     left, right = window[0], 0 if causal else window[1]
     if left < -1 or right < -1 or not softcap >= 0:
         raise ValueError(f"window sides are -1 (unbounded) or >= 0 and softcap >= 0, got {window} and {softcap}")
-    if d in backward_wide.HEAD_DIMS:
+    tile = tile_dim(d)
+    if tile in backward_wide.HEAD_DIMS:
         wide = backward_wide
         kernel, block_m, wg_n, block_n, stages = (wide.attention_backward_wide_kernel, wide.BLOCK_M, wide.WG_N,
                                                   wide.BLOCK_N, wide.STAGES)
-    elif d in HEAD_DIMS:
-        kernel, block_m, wg_n, block_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, BLOCK_N, STAGES
     else:
-        raise ValueError(f"head dim {d} not supported ({', '.join(map(str, HEAD_DIMS + backward_wide.HEAD_DIMS))})")
+        kernel, block_m, wg_n, block_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, BLOCK_N, STAGES
     kwargs = dict(q_desc=head_tiles(q, block_m), k_desc=head_tiles(k, wg_n), v_desc=head_tiles(v, wg_n),
                   do_desc=head_tiles(dout, block_m), dq_ptr=dq_sum,
                   dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta,
@@ -268,6 +272,6 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
                   diagonal_offset=diagonal_offset, bottom_right=0 if top_left else 1, window_left=max(left, 0),
                   window_right=max(right, 0), softcap_in=2 * LOG2E * scale / softcap if softcap else 0.0,
                   softcap_out=softcap * LOG2E, LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, STAGES=stages,
-                  CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+                  CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=d, num_warps=4)
     keys = max_seqlen_k if packed else k.shape[1]
     return kernel, ((sequences if packed else batch) * kv_heads, triton.cdiv(keys, block_n)), kwargs

@@ -41,51 +41,56 @@ def _probs_and_grads(s, dp, stats, at, scoring, MASK: gl.constexpr, SCORES: gl.c
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr):
-    """dQ's tile (its rows from ``row0``, columns from ``col0``; rows past ``rows_left`` not in the sequence) added
-    into the fp32 sum with atomics. The tile's first row and column are one scalar pointer and the elements' offsets
-    from it constants (the row pitch a constexpr): the atomics take them as immediates, where a tensor of addresses,
-    hoisted out of the loop, spilled."""
+def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr, COLS_LEFT: gl.constexpr):
+    """dQ's tile (its rows from ``row0``, columns from ``col0``; rows past ``rows_left`` not in the sequence, columns
+    past ``COLS_LEFT`` not in the head: a padded head dim's) added into the fp32 sum with atomics. The tile's first row
+    and column are one scalar pointer and the elements' offsets from it constants (the row pitch a constexpr): the
+    atomics take them as immediates, where a tensor of addresses, hoisted out of the loop, spilled."""
     layout: gl.constexpr = dq.type.layout
     tile_ptr = dq_ptr + row0.to(gl.int64) * DQ_PITCH + col0
     rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, layout))
-    gl.atomic_add(tile_ptr + rows[:, None] * DQ_PITCH + cols[None, :], dq, mask=rows[:, None] < rows_left,
-                  sem="relaxed")
+    keep = rows[:, None] < rows_left
+    if dq.shape[1] > COLS_LEFT:
+        keep = keep & (cols[None, :] < COLS_LEFT)
+    gl.atomic_add(tile_ptr + rows[:, None] * DQ_PITCH + cols[None, :], dq, mask=keep, sem="relaxed")
 
 
 @gluon.jit
 def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, SCORES: gl.constexpr,  # noqa: PLR0913
-                 HEADS: gl.constexpr, HEAD_D: gl.constexpr, WG: gl.constexpr):
+                 HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, WG: gl.constexpr):
     """(dK, dV) after ``TILE`` (``_tile`` or the wide kernel's) ran over every query tile that sees the program's
     keys, for each query head of the key/value head's group in turn: the tiles on the band's edges or past either
-    sequence's end take the mask, those between none."""
+    sequence's end take the mask, those between none. ``HEAD_DIM``: the heads' own dim (the tiles' is padded up)."""
     dk, dv = grads
     n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
     neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, h0, group = heads
     for g in range(group):
         h = h0 + g
         at = stats_row0 + h * stats_pitch  # this head's rows of neg_lse2 and delta
-        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, q_start, h * HEAD_D)
+        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, q_start, h * HEAD_DIM)
         first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
         for j in range(lo, full_lo):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_DIM, WG, HEAD_DIM)
         for j in range(full_lo, full_hi):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, False, SCORES, HEADS * HEAD_D, WG)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, False, SCORES, HEADS * HEAD_DIM, WG, HEAD_DIM)
         for j in range(full_hi, hi):
-            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_D, WG)
+            dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_DIM, WG, HEAD_DIM)
     return dk, dv
 
 
 @gluon.jit
-def _store_grads(dk, dv, outs, key0, col0, seqlen_k):
-    """dK and dV of keys ``key0`` on (columns ``col0`` on of the head's), stored where the keys exist."""
+def _store_grads(dk, dv, outs, key0, col0, seqlen_k, HEAD_DIM: gl.constexpr):
+    """dK and dV of keys ``key0`` on (columns ``col0`` on of the head's), stored where the keys and the columns (the
+    head's ``HEAD_DIM``) exist."""
     heads, dk_ptr, dv_ptr, kv_row0, kv_pitch, kv_col0 = outs
     layout: gl.constexpr = dk.type.layout
     out_rows = key0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
     out_cols = col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
     offsets = (kv_row0 + out_rows).to(gl.int64)[:, None] * kv_pitch + (kv_col0 + out_cols)[None, :]
     keep = out_rows[:, None] < seqlen_k
+    if col0 + dk.shape[1] > HEAD_DIM:  # (col0 a constexpr: 0, or a wide warpgroup's half)
+        keep = keep & (out_cols[None, :] < HEAD_DIM)
     gl.store(dk_ptr + offsets, dk.to(dk_ptr.dtype.element_ty), mask=keep)
     gl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=keep)
 
@@ -97,7 +102,7 @@ def _producer(descs, smem, bars, coords, span):
     q_desc, k_desc, v_desc, do_desc = descs
     k_smem, v_smem, q_bufs, do_bufs = smem
     kv_bar, q_ready, q_empty = bars
-    q_row0, kv_row0, q_col0, kv_col, group = coords
+    q_row0, kv_row0, q_col0, kv_col, group, head_step = coords
     lo, hi = span
     WG_N: gl.constexpr = k_smem.shape[1]
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -106,9 +111,8 @@ def _producer(descs, smem, bars, coords, span):
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [kv_row0 + w * WG_N, kv_col], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [kv_row0 + w * WG_N, kv_col], kv_bar, v_smem.index(w))
-    HEAD_D: gl.constexpr = q_bufs.shape[2]
     for g in range(group):
-        col = q_col0 + g * HEAD_D
+        col = q_col0 + g * head_step
         for j in range(lo, hi):
             i = g * (hi - lo) + j - lo
             stage = i % STAGES
@@ -169,10 +173,12 @@ def _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS: 
 
 @gluon.jit
 def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
-             LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+             LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+             HEAD_DIM: gl.constexpr):
     """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
     that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
-    (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s."""
+    (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s; ``HEAD_DIM``: the heads' own dim,
+    the tiles' that or padded up (``forward.tile_dim``)."""
     q_desc, k_desc, v_desc, do_desc = descs
     dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr = pointers
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -207,6 +213,6 @@ def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constex
     scores = (qk_scale, seqlen_k, band, cap)
     geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scores)
     query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, hk * group, group)
-    outs = (query_heads, dk_ptr, dv_ptr, k_start, kv_heads * HEAD_D, hk * HEAD_D)
-    coords = (q_start, k_start + n0, hk * group * HEAD_D, hk * HEAD_D, group)
+    outs = (query_heads, dk_ptr, dv_ptr, k_start, kv_heads * HEAD_DIM, hk * HEAD_DIM)
+    coords = (q_start, k_start + n0, hk * group * HEAD_DIM, hk * HEAD_DIM, group, HEAD_DIM)
     return smem, bars, geometry, outs, coords, (lo, hi)

@@ -1,5 +1,6 @@
-"""The Hopper tier's one-pass backward at head dim 256 (Gluon, sm_90): ``backward.py``'s producer and ring, with
-the work split between the two consumer warpgroups the other way (FlashAttention-3's at d=256).
+"""The Hopper tier's one-pass backward on 256-column tiles (head dims above 128, padded up: ``forward.tile_dim``;
+Gluon, sm_90): ``backward.py``'s producer and ring, with the work split between the two consumer warpgroups the
+other way (FlashAttention-3's at d=256).
 
 At d=256 a warpgroup cannot hold dK and dV of 64 keys (256 registers a thread). Here a program owns 64 keys and
 each consumer warpgroup holds dK and dV of all of them for half of the head dim (64 x 128 each: 128 registers a
@@ -30,18 +31,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
-from .steps import _mma_layout
+from .steps import _mma_layout, _zero_padding
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
 BLOCK_N = 2 * WG_N  # keys per program
 BLOCK_M = 64  # queries per step
 STAGES = 2  # Q and dO ring depth
-HEAD_DIMS = (256,)
+HEAD_DIMS = (256,)  # the tiles' head dims
 
 
 @gluon.jit
 def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr,  # noqa: PLR0913
-               DQ_PITCH: gl.constexpr, WG: gl.constexpr):
+               DQ_PITCH: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Query tile j (ring slot i): warpgroup WG's dK and dV columns updated, its dQ columns added into the sum. The
     switches are arguments of their own: inside a tuple they would arrive as tensors."""
     dk, dv = grads
@@ -94,13 +95,14 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
     mbarrier.arrive(pds_empty)
     mbarrier.arrive(q_empty.index(stage))
-    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, dq_col0 + WG * HALF_D, seqlen_q - j * BLOCK_M, DQ_PITCH)
+    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, dq_col0 + WG * HALF_D, seqlen_q - j * BLOCK_M, DQ_PITCH,
+            HEAD_DIM - WG * HALF_D)
     return dk, dv
 
 
 @gluon.jit
 def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, LEFT: gl.constexpr,  # noqa: PLR0913
-                   RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr):
+                   RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup WG: S and dP of keys n0 + 32 WG .. + 31, dK and dV of all 64 keys for head-dim columns
     128 WG .. + 127, against every query tile that sees the keys, of each query head of the group in turn; dK
     (times the scale) and dV, summed over the group, stored."""
@@ -119,8 +121,10 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, LEFT:
     dk = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     dv = gl.zeros([2 * WG_N, HALF_D], gl.float32, h_layout)
     mbarrier.wait(kv_bar, 0)
-    dk, dv = _group_tiles(_wide_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_D, WG)
-    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, scoring[1])
+    _zero_padding(k_smem.index(WG), HEAD_DIM)  # (S and dP read this warpgroup's keys; dQ's padding is not stored)
+    _zero_padding(v_smem.index(WG), HEAD_DIM)
+    dk, dv = _group_tiles(_wide_tile, (dk, dv), ctx, geometry, heads, SCORES, HEADS, HEAD_DIM, WG)
+    _store_grads(dk * scale, dv, outs, n0, WG * HALF_D, scoring[1], HEAD_DIM)
 
 
 @gluon.jit
@@ -129,7 +133,7 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
         cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, group, qk_scale, scale, diagonal_offset, bottom_right,
         window_left, window_right, softcap_in, softcap_out,
         HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 64)); num_warps=4 (the default partition, the producer); the
     arguments as ``attention_backward_ws_kernel``'s."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -143,7 +147,7 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
             return
     smem, bars, geometry, outs, coords, span = _program(
         descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
-        RIGHT, SOFTCAP, STAGES)
+        RIGHT, SOFTCAP, STAGES, HEAD_DIM)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * WG_N, BLOCK_M], dtype)
     p_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)  # P^T: keys x queries
     ds_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)
@@ -154,6 +158,6 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
     exchange = (p_t, ds_t, pds_full, pds_empty)
     gl.warp_specialize([
         (_producer, (descs, smem, bars, coords, span)),
-        (_wide_consumer, (0, smem, bars, exchange, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
-        (_wide_consumer, (1, smem, bars, exchange, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS)),
+        (_wide_consumer, (0, smem, bars, exchange, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS, HEAD_DIM)),
+        (_wide_consumer, (1, smem, bars, exchange, geometry, outs, LEFT, RIGHT, SOFTCAP, HEADS, HEAD_DIM)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

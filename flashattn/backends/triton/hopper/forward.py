@@ -20,9 +20,11 @@ Scores stay in log2 units: ``p = 2^(s * scale * log2(e) - m)`` (with a softcap c
 masked only in the tiles that need it (a left window's masked loop, an unmasked one, then a masked one).
 
 Layout: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads (GQA,
-MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d in (64, 128, 256), bf16 or fp16, read through
-2-D TMA descriptors over the (batch * seqlen, heads * d) views: a tile is rows x d at column head * d. A tile running
-past a sequence reads the next sequence's rows; those keys are masked and those queries never stored. out has q's
+MQA: query head h reads kv head h // (heads / kv_heads)), contiguous, d a multiple of 8 up to 256, bf16 or fp16,
+read through 2-D TMA descriptors over the (batch * seqlen, heads * d) views: a tile is rows x ``tile_dim(d)`` (64,
+128 or 256) at column head * d. A tile running past a sequence reads the next sequence's rows; those keys are masked
+and those queries never stored. One running past a head (a padded d) reads the next head's columns; Q's are zeroed
+(``steps._zero_padding``) and O's never stored. out has q's
 shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serves: the tier's
 ``__init__.py``. Its correctness and speed on a GPU: ``python -m tools.gluon.gpu_run``; its SASS offline:
 ``python -m tools.gluon.profile`` (``benchmarks/NOTES.md`` has both).
@@ -50,6 +52,7 @@ from .steps import (
     _ready,
     _release,
     _take_turn,
+    _zero_padding,
 )
 
 LOG2E = 1.4426950408889634
@@ -62,6 +65,19 @@ BLOCK_N = {64: 128, 128: 128, 256: 64}
 # Q is 64 KiB and a 64-key tile 32 KiB: 2 + 2 make 192 KiB. V gets the deeper ring where it fits because schedule
 # "pv" frees V_{j-1} late (see _pv_step).
 STAGES = {64: (4, 4), 128: (2, 3), 256: (2, 2)}
+TILE_DIMS = (64, 128, 256)  # the head dims the kernel's tiles have; those below run padded (``tile_dim``)
+
+
+def tile_dim(d: int) -> int:
+    """The head dim of the tiles a head dim ``d`` runs on (the tier's forward and backward): the first of 64, 128
+    and 256 that holds it; ``ValueError`` unless d is a multiple of 8 (a TMA row: 16 bytes) from 8 to 256.
+
+    >>> tile_dim(96), tile_dim(64), tile_dim(200)
+    (128, 64, 256)
+    """
+    if not (isinstance(d, int) and 8 <= d <= TILE_DIMS[-1] and d % 8 == 0):
+        raise ValueError(f"head dim {d} not supported (multiples of 8 up to {TILE_DIMS[-1]})")
+    return next(tile for tile in TILE_DIMS if d <= tile)
 
 
 @dataclass(frozen=True)
@@ -93,9 +109,10 @@ LAUNCHED = {64: Schedule("pv", True), 128: Schedule("pv", False), 256: Schedule(
 
 
 @gluon.jit
-def _store(o, m, l, out, rows, limits):
-    """O / l and lse stored for the real rows; ``limits`` = (seqlen_q, lse_shift): what the scores' maximum m (log2
-    units) lacks (a softcap's c log2(e): ``steps._capped``)."""
+def _store(o, m, l, out, rows, limits, HEAD_DIM: gl.constexpr):
+    """O / l and lse stored for the real rows and the head's ``HEAD_DIM`` columns (of the tile's, padded);
+    ``limits`` = (seqlen_q, lse_shift): what the scores' maximum m (log2 units) lacks (a softcap's c log2(e):
+    ``steps._capped``)."""
     o_ptr, lse_ptr, o_row0, o_col0, o_pitch, lse_row0 = out
     seqlen_q, lse_shift = limits
     HEAD_D: gl.constexpr = o.shape[1]
@@ -109,16 +126,19 @@ def _store(o, m, l, out, rows, limits):
     o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
     offsets = (o_row0 + o_rows).to(gl.int64)[:, None] * o_pitch + (o_col0 + o_cols)[None, :]
     # Pointer stores, not TMA: a tile's last rows may belong to the next sequence of the flat view.
-    gl.store(o_ptr + offsets, o.to(o_ptr.dtype.element_ty), mask=o_rows[:, None] < seqlen_q)
+    keep = o_rows[:, None] < seqlen_q
+    if HEAD_DIM < HEAD_D:
+        keep = keep & (o_cols[None, :] < HEAD_DIM)
+    gl.store(o_ptr + offsets, o.to(o_ptr.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- see the docstring
               LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_AHEAD: gl.constexpr,
-              PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile they see; O and lse
-    stored. The switches are arguments of their own: inside a tuple, warp_specialize hands constexprs over as
-    tensors."""
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile they see; O and lse stored
+    (``HEAD_DIM``: the heads' own dim, the tiles' padded up). The switches are arguments of their own: inside a tuple,
+    warp_specialize hands constexprs over as tensors."""
     q_smem, k_bufs, v_bufs = smem
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
     m0, seqlen_q, seqlen_k, qk_scale, band, softcap = geometry
@@ -141,6 +161,7 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- s
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 takes the first turn
     mbarrier.wait(q_bar, 0)
+    _zero_padding(q_smem.index(WG), HEAD_DIM)
     _ready(k_ready, 0)
     _take_turn(turn, WG, 0, PINGPONG)
     s = _qk(ctx, 0)
@@ -154,7 +175,7 @@ def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- s
         o, m, l = _qk_schedule((s, o, m, l), (tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG, UNROLL)
     else:
         o, m, l = _pv_schedule((s, o, m, l), (tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG)
-    _store(o, m, l, out, rows, limits)
+    _store(o, m, l, out, rows, limits, HEAD_DIM)
 
 
 @gluon.jit
@@ -198,8 +219,10 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
         softcap_out,
         LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr,
         PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``group``: query
+        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        HEAD_DIM: gl.constexpr):
+    """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``HEAD_DIM``:
+    the heads' dim, the descriptors' tiles that or padded up (``tile_dim``). ``group``: query
     heads per key/value head (query head h reads kv head h // group). Packed sequences (``cu_seqlens_q`` and
     ``_k``, int32 (batch + 1,)): sequence b is rows [cu[b], cu[b + 1]) of (total, heads, d) tensors, lse (heads,
     ``lse_pitch`` = total queries), seqlen_q the longest (the grid's), and programs past their sequence's queries
@@ -267,11 +290,13 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
     smem = (q_smem, k_bufs, v_bufs)
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
     geometry = (m0, seqlen_q, seqlen_k, qk_scale, band, (softcap_in, softcap_out))
-    out = (o_ptr, lse_ptr, q_start, h * HEAD_D, heads * HEAD_D, lse_row0)
-    coords = (q_start + m0, k_start, h * HEAD_D, hk * HEAD_D, (b * (heads // group) + hk) * HEAD_D)
+    out = (o_ptr, lse_ptr, q_start, h * HEAD_DIM, heads * HEAD_DIM, lse_row0)
+    coords = (q_start + m0, k_start, h * HEAD_DIM, hk * HEAD_DIM, (b * (heads // group) + hk) * HEAD_DIM)
     gl.warp_specialize([
-        (_consumer, (0, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL)),
-        (_consumer, (1, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL)),
+        (_consumer, (0, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL,
+                     HEAD_DIM)),
+        (_consumer, (1, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL,
+                     HEAD_DIM)),
         (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, (first, tiles))),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -287,21 +312,24 @@ def tma_descriptor(flat: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def head_tiles(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """``tma_descriptor`` of (batch, seqlen, heads, d) ``t`` viewed as (batch * seqlen, heads * d), ``rows`` x d
-    tiles: one head's rows of a tile, at column head * d."""
+    """``tma_descriptor`` of (batch, seqlen, heads, d) ``t`` viewed as (batch * seqlen, heads * d), ``rows`` x
+    ``tile_dim(d)`` tiles: one head's rows of a tile, at column head * d (a padded tile reads on into the next
+    head's columns, zeros past the last)."""
     d = t.shape[3]
-    return tma_descriptor(t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d), [rows, d])
+    return tma_descriptor(t.reshape(t.shape[0] * t.shape[1], t.shape[2] * d), [rows, tile_dim(d)])
 
 
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Q in 64-row tiles, K and V in ``BLOCK_N[d]``-row ones (``head_tiles``). FP8: V^T over the
-    (batch * kv_heads * d, keys) view of ``attend.interleaved_values``'s v (keys contiguous), d x BLOCK_N tiles."""
+    """Q in 64-row tiles, K and V in ``BLOCK_N[tile_dim(d)]``-row ones (``head_tiles``). FP8 (d 64, 128 or 256):
+    V^T over the (batch * kv_heads * d, keys) view of ``attend.interleaved_values``'s v (keys contiguous), d x
+    BLOCK_N tiles."""
     d = q.shape[-1]
+    keys = BLOCK_N[tile_dim(d)]
     if q.dtype == torch.float8_e4m3fn:
-        values = tma_descriptor(v.permute(0, 2, 3, 1).reshape(-1, v.shape[1]), [d, BLOCK_N[d]])
+        values = tma_descriptor(v.permute(0, 2, 3, 1).reshape(-1, v.shape[1]), [d, keys])
     else:
-        values = head_tiles(v, BLOCK_N[d])
-    return head_tiles(q, WG_M), head_tiles(k, BLOCK_N[d]), values
+        values = head_tiles(v, keys)
+    return head_tiles(q, WG_M), head_tiles(k, keys), values
 
 
 def _packed_views(q, k, v, cu_seqlens, longest: tuple[str, int]):
@@ -326,24 +354,26 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
                      descale: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1), top_left: bool = False,
                      diagonal_offset: int = 0, softcap: float = 0.0, cu_seqlens: tuple | None = None,
                      max_seqlen_q: int = 0) -> tuple[tuple, dict]:
-    """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v
-    (batch, seqlen_k, kv_heads, d), kv_heads dividing heads, out (q's shape) and lse (batch, heads, seqlen_q)
-    float32: ``kernel[grid](**kwargs)``; packed sequences (``cu_seqlens`` = (q's, k's) offsets, int32, and
-    ``max_seqlen_q``): q, out (total_q, heads, d), k and v (total_k, kv_heads, d), lse (heads, total_q). FP8 (q, k, v
-    float8_e4m3fn, not packed): v as ``attend.interleaved_values`` returns it (keys contiguous, padded to whole
-    groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's descale times k's), out float32 (v's
-    descale and the rounding come after). ``window`` = (left, right), -1 for an unbounded side, around a diagonal
-    aligned bottom-right (flash_attn's; ``top_left``: SDPA's) and moved by ``diagonal_offset``: query i sees key j
-    iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's softcap. The
-    tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another way."""
+    """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v (batch,
+    seqlen_k, kv_heads, d), kv_heads dividing heads, d a multiple of 8 up to 256 (``tile_dim``), out (q's shape) and lse
+    (batch, heads, seqlen_q) float32: ``kernel[grid](**kwargs)``; packed sequences (``cu_seqlens`` = (q's, k's) offsets,
+    int32, and ``max_seqlen_q``): q, out (total_q, heads, d), k and v (total_k, kv_heads, d), lse (heads, total_q). FP8
+    (q, k, v float8_e4m3fn, not packed, d 64, 128 or 256): v as ``attend.interleaved_values`` returns it (keys
+    contiguous, padded to whole groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's descale
+    times k's), out float32 (v's descale and the rounding come after). ``window`` = (left, right), -1 for an unbounded
+    side, around a diagonal aligned bottom-right (flash_attn's; ``top_left``: SDPA's) and moved by ``diagonal_offset``:
+    query i sees key j iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's
+    softcap. The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another
+    way."""
     packed = cu_seqlens is not None
     sequences = 0
     if packed:
         q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, ("max_seqlen_q", max_seqlen_q))
     batch, seqlen_q, heads, d = q.shape
     fp8 = q.dtype == torch.float8_e4m3fn
-    if d not in STAGES:
-        raise ValueError(f"head dim {d} not supported ({', '.join(map(str, STAGES))})")
+    tile = tile_dim(d)
+    if fp8 and d != tile:
+        raise ValueError(f"FP8 takes head dims {', '.join(map(str, TILE_DIMS))}, got {d}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k, v must share one dtype, bf16, fp16 or float8_e4m3fn")
     kv_heads = k.shape[2]
@@ -376,7 +406,8 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
                   window_left=max(left, 0), window_right=max(right, 0),
                   softcap_in=2 * LOG2E * scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E,
                   LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, OVERLAP=schedule.overlap,
-                  PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[d][0], V_STAGES=STAGES[d][1],
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                  PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[tile][0],
+                  V_STAGES=STAGES[tile][1], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HEAD_DIM=d,
+                  num_warps=4)
     rows = max_seqlen_q if packed else seqlen_q
     return ((sequences if packed else batch) * heads, triton.cdiv(rows, BLOCK_M)), kwargs

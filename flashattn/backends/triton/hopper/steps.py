@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 
 @gluon.constexpr_function
@@ -19,6 +24,22 @@ def _mma_layout(n, k=16):
 def _instr_k(dtype):
     """The k of a wgmma instruction on operands of ``dtype``: 32 bytes of each row."""
     return 32 if dtype == gl.float8e4nv else 16
+
+
+@gluon.jit
+def _zero_padding(tile, HEAD_DIM: gl.constexpr):
+    """Columns ``HEAD_DIM`` on of one warpgroup's shared ``tile`` (rows x the tile's head dim) set to zero, before a
+    wgmma reads it. Below 64, 128 and 256 a head dim runs on tiles of the next of those (``forward.tile_dim``): a
+    TMA tile at column head * HEAD_DIM reads on into the next head's columns (zeros past the last head), so one
+    operand of each product over the head dim is zeroed there, once a program: Q in the forward, K and V in the
+    backward. What the padding adds to O, dK, dV and dQ lies in columns that are never stored."""
+    if tile.shape[1] > HEAD_DIM:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # a warpgroup's 4 warps
+        values = tile.load(layout)
+        cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, layout))
+        tile.store(gl.where(cols[None, :] < HEAD_DIM, values, 0.0).to(tile.dtype))
+        fence_async_shared()  # the stores, before wgmma (the async proxy) reads them
+        gl.thread_barrier()  # every thread's, before any of the warpgroup's wgmmas
 
 
 @gluon.jit
