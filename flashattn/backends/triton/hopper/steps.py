@@ -32,7 +32,9 @@ def _zero_padding(tile, HEAD_DIM: gl.constexpr):
     wgmma reads it. Below 64, 128 and 256 a head dim runs on tiles of the next of those (``forward.tile_dim``): a
     TMA tile at column head * HEAD_DIM reads on into the next head's columns (zeros past the last head), so one
     operand of each product over the head dim is zeroed there, once a program: Q in the forward, K and V in the
-    backward. What the padding adds to O, dK, dV and dQ lies in columns that are never stored."""
+    backward. What the padding adds to O, dK, dV and dQ lies in columns that are never stored. (The other operand's
+    padding is the neighbour's data: an inf or NaN there reaches this head as 0 x inf, where unpadded it would stay
+    in its own head.)"""
     if tile.shape[1] > HEAD_DIM:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # a warpgroup's 4 warps
         values = tile.load(layout)
