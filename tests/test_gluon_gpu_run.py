@@ -69,7 +69,7 @@ def test_a_wrong_kernel_fails_its_case(fault, monkeypatch):
             out[0, -1, 0, 0] = float("nan") if fault == "nan" else out[0, -1, 0, 0] + 0.05
         return out, lse
 
-    monkeypatch.setattr(gpu_run, "_kernel", lambda dry: wrong)
+    monkeypatch.setattr(gpu_run, "_kernel", lambda dry, programs=None: wrong)
     launched = gpu_run._variants().index(gpu_run._launched(64))  # the schedule whose bands are checked
     report = gpu_run.check_case(64, False, launched, dry=True)
     assert not report["ok"]
@@ -93,7 +93,7 @@ def test_a_packed_launch_that_mixes_up_sequences_fails(monkeypatch):
     def wrong(qs, ks, vs, causal, schedule, **band):
         return right(qs, ks[1:] + ks[:1], vs[1:] + vs[:1], causal, schedule, **band)
 
-    monkeypatch.setattr(gpu_run, "_packed_kernel", lambda dry: wrong)
+    monkeypatch.setattr(gpu_run, "_packed_kernel", lambda dry, programs=None: wrong)
     report = gpu_run.check_case(64, True, gpu_run._variants().index(gpu_run._launched(64)), dry=True)
     failed = [c for c in report["cases"] if not c["ok"]]
     assert not report["ok"] and failed and all(c.get("packed") for c in failed)

@@ -399,3 +399,41 @@ def test_head_dims_between_run_on_padded_tiles_emulated(d):
             for name, ours, w, b in zip(("dq", "dk", "dv"), gi, want, baseline, strict=True):
                 assert not torch.isnan(ours).any(), (d, layout, name)
                 assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)
+
+
+@needs_triton
+@on_oldest
+def test_persistent_programs_emulated_run_every_work_tile_once():
+    """Persistent (``walk.py``): 5 (packed: 7) programs walk every (sequence, head, 128 rows) work tile in
+    serpentine waves, the last one part empty, their rings, Q barrier and ping-pong turns running on from tile to
+    tile (a wait on a phase already passed on is raised: ``emulate.py``); out and lse against float64 (outputs
+    start as NaN: a tile skipped stays NaN).
+    Every schedule (the two persistent variants and "qk"), dense with grouped heads, a padded head dim, causal,
+    full and a band with a softcap, and packed sequences."""
+    import dataclasses
+    import itertools
+
+    from flashattn.backends.triton.hopper.forward import VARIANTS, Schedule
+
+    schedules = [s for s in VARIANTS if s.persistent] + [Schedule("qk", True, 2, persistent=True),
+                                                         Schedule("qk", False, persistent=True)]
+    assert len(schedules) == 4 and all(dataclasses.replace(s, persistent=False) in VARIANTS for s in schedules[:2])
+    torch.manual_seed(2)
+    for schedule, d in [(s, 64) for s in schedules] + [(schedules[0], 96)]:
+        q, k, v = (torch.randn(2, n, heads, d, dtype=BF16) for n, heads in ((300, 4), (420, 2), (420, 2)))
+        for causal, window, top_left, softcap in BANDS_AND_CAPS[:3] + BANDS_AND_CAPS[4:5]:
+            out, lse = _emulated(q, k, v, causal=causal, schedule=schedule, window=window, top_left=top_left,
+                                 softcap=softcap, programs=5)  # 24 work tiles
+            _check(out, lse, q, k, v, causal=causal, window=window, bottom_right=not top_left, softcap=softcap)
+    lengths = [(113, 251), (1, 77), (300, 300), (0, 5), (200, 90)]
+    qs, ks, vs = ([torch.randn(1, n[i], heads, 64, dtype=BF16) for n in lengths] for i, heads in ((0, 4), (1, 2),
+                                                                                                  (1, 2)))
+    q, k, v = (torch.cat([t[0] for t in ts]) for ts in (qs, ks, vs))
+    ends = [list(itertools.accumulate((t.shape[1] for t in ts), initial=0)) for ts in (qs, ks)]
+    offsets = tuple(torch.tensor(e, dtype=torch.int32) for e in ends)
+    for schedule in schedules[:2]:
+        out, lse = _emulated(q, k, v, causal=True, schedule=schedule, cu_seqlens=offsets, max_seqlen_q=300,
+                             programs=7)  # 60 work tiles
+        for (a, b), qi, ki, vi in zip(itertools.pairwise(ends[0]), qs, ks, vs, strict=True):
+            if b > a:
+                _check(out[a:b][None], lse[:, a:b][None], qi, ki, vi, causal=True)

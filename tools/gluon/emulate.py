@@ -4,7 +4,8 @@ Gluon's primitives replaced by what they compute.
 
 - ``gl.warp_specialize`` runs each partition in a thread of its own; ``mbarrier`` is a barrier with phases,
   arrivals and transaction bytes, whose ``wait`` blocks its thread (every partition waiting at once is a deadlock,
-  raised); a TMA copy writes its tile (zero past the tensor) into shared memory, then completes its bytes.
+  raised; a wait that passes on a phase its thread already passed on, a parity that names an old phase, is
+  raised too); a TMA copy writes its tile (zero past the tensor) into shared memory, then completes its bytes.
 - Shared memory is a tensor poisoned with NaN (``index``, ``slice``, ``permute`` are views; ``store`` writes), so
   a matmul that reads a stage no copy has filled yet gives NaN.
 - wgmma is a product in fp32 of its operands as stored (16-bit); scalars are 0-d int32 tensors, wrapping as the
@@ -55,7 +56,9 @@ class _Program:
     def __init__(self):
         self.cond, self.alive, self.waiters, self.failed = threading.Condition(), 0, {}, None
 
-    def block_until(self, ready) -> None:
+    def block_until(self, ready, then=None) -> None:
+        """Block this thread until ``ready()``, then run ``then()`` (under the lock, so that nothing moves between
+        the two)."""
         with self.cond:
             me = threading.get_ident()
             self.waiters[me] = ready
@@ -71,6 +74,8 @@ class _Program:
                     if not self.cond.wait(WAIT_S):
                         self.failed = f"a partition waited {WAIT_S:.0f} s"
                         raise _Abort(self.failed)
+                if then is not None:
+                    then()
             finally:
                 del self.waiters[me]
 
@@ -81,6 +86,7 @@ class _Barrier:
 
     def __init__(self, program: _Program):
         self.program, self.count, self.pending, self.tx, self.completed = program, 1, 1, 0, 0
+        self.consumed = {}  # thread -> the last phase a wait of it passed on
 
     def _settle(self):
         if self.pending == 0 and self.tx == 0:
@@ -266,7 +272,16 @@ def _primitives(program: _Program, pid: tuple, grid: tuple) -> dict:
 
     def wait(bar, parity):
         bar = _barrier(bar)
-        program.block_until(lambda: bar.completed % 2 != int(parity))
+        me = threading.get_ident()
+
+        def consume():  # the phase this wait passed on: the latest completed; a thread never passes one twice
+            phase = bar.completed - 1
+            if phase <= bar.consumed.get(me, -2):
+                program.failed = f"stale wait: parity {int(parity)} passed on phase {phase} again"
+                program.cond.notify_all()
+                raise _Abort(program.failed)
+            bar.consumed[me] = phase
+        program.block_until(lambda: bar.completed % 2 != int(parity), consume)
 
     def init(bar, count):
         _barrier(bar).count = _barrier(bar).pending = count
@@ -325,6 +340,7 @@ def _run(kernel, grid: tuple, kwargs: dict) -> None:
         elif isinstance(value, int) and not isinstance(value, bool) and key not in constexprs:
             value = torch.tensor(value, dtype=torch.int32 if -2**31 <= value < 2**31 else torch.int64)
         arguments[key] = value
+    grid = (*grid, 1)[:2]  # (a persistent grid is one-dimensional)
     for pid in ((x, y) for x in range(grid[0]) for y in range(grid[1])):
         program = _Program()
         _kernel(kernel, program, pid, grid)(**arguments)

@@ -4,8 +4,9 @@ one-pass backward kernels' correctness (``gpu_backward.py``).
     PYTHONPATH=. python -m tools.gluon.gpu_run --out DIR [--budget 240]     # on an H100 / H200
     PYTHONPATH=. python -m tools.gluon.gpu_run --dry --out DIR              # no GPU: the harness alone
 
-Every kernel variant (``forward.VARIANTS`` x head dim 64/128 x causal or not; at head dim 256, and at the padded
-head dims ``PADDED_DIMS``, the schedule the tier launches) first runs its correctness cases in its
+Every kernel variant (``forward.VARIANTS``, persistent ones among them, x head dim 64/128 x causal or not; at head
+dim 256 the schedule the tier launches and its persistent twin; at the padded head dims ``PADDED_DIMS`` the
+launched one) first runs its correctness cases in its
 own subprocess with a timeout, since a barrier protocol that is wrong deadlocks rather than fails: odd lengths (1,
 113, 173 x 251, 1025), queries longer than keys (causal rows that see no key: out 0, lse -inf), and on three of
 them sliding windows (either alignment) and softcaps (``BANDS``, the launched schedule), outputs poisoned with NaN
@@ -21,6 +22,7 @@ table is printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -45,6 +47,8 @@ PACKED = ((113, 251), (1, 77), (300, 300), (1025, 600), (200, 90))
 PACKED_BANDS = (((-1, -1), False, 0.0), BANDS[0], BANDS[2])
 # Head dims between 64, 128 and 256, on those tiles (``forward.tile_dim``): the launched schedule, every case above.
 PADDED_DIMS = (40, 96, 192)
+# A persistent schedule's grid in the correctness cases: few programs, so that each walks several work tiles.
+CHECK_PROGRAMS = 5
 SPEED_SEQLENS = (1024, 8192)
 TOKENS = 16384
 REPEATS = 20
@@ -69,9 +73,10 @@ def _case_name(d: int, causal: bool, index: int) -> str:
     return f"d{d}-{'causal' if causal else 'full'}-{_variants()[index]}"
 
 
-def _kernel(dry: bool):
+def _kernel(dry: bool, programs: int | None = None):
     """forward(q, k, v, causal, schedule, window=(-1, -1), top_left=False, softcap=0.0) -> (out, lse), out
-    poisoned first; --dry: plain attention on the CPU."""
+    poisoned first; --dry: plain attention on the CPU. ``programs``: a persistent schedule's grid (default: the
+    SMs)."""
     import torch
 
     if dry:
@@ -89,13 +94,13 @@ def _kernel(dry: bool):
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
         grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=q.shape[-1] ** -0.5,
                                         schedule=schedule, window=window, top_left=top_left,
-                                        softcap=softcap)
+                                        softcap=softcap, programs=programs)
         attention_forward_ws_kernel[grid](**kwargs)
         return out, lse
     return launch
 
 
-def _packed_kernel(dry: bool):
+def _packed_kernel(dry: bool, programs: int | None = None):
     """forward(qs, ks, vs, causal, schedule, window, top_left, softcap) on sequences given as (1, n, heads, d)
     tensors, packed into one (total, heads, d) launch with their offsets: [(out, lse)] per sequence, cut back out
     of the packed out (poisoned first) and lse (heads, total)."""
@@ -103,7 +108,7 @@ def _packed_kernel(dry: bool):
 
     import torch
 
-    dense = _kernel(dry)
+    dense = _kernel(dry, programs)
     if dry:
         return lambda qs, ks, vs, causal, schedule, **band: [dense(q, k, v, causal, schedule, **band)
                                                              for q, k, v in zip(qs, ks, vs, strict=True)]
@@ -117,7 +122,8 @@ def _packed_kernel(dry: bool):
         lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device=q.device)
         grid, kwargs = launch_arguments(q, k, v, out, lse, causal=causal, scale=q.shape[-1] ** -0.5,
                                         schedule=schedule, window=window, top_left=top_left, softcap=softcap,
-                                        cu_seqlens=(cu_q, cu_k), max_seqlen_q=max(t.shape[1] for t in qs))
+                                        cu_seqlens=(cu_q, cu_k), max_seqlen_q=max(t.shape[1] for t in qs),
+                                        programs=programs)
         attention_forward_ws_kernel[grid](**kwargs)
         return [(out[a:b][None], lse[:, a:b][None]) for a, b in itertools.pairwise(ends[0])]
     return launch
@@ -151,7 +157,7 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
 
     device = "cpu" if dry else "cuda"
     schedule = _variants()[index]
-    kernel = _kernel(dry)
+    kernel = _kernel(dry, CHECK_PROGRAMS)
     torch.manual_seed(0)
     cases = []
     plain = [(shape, ((-1, -1), False, 0.0)) for shape in SHAPES]
@@ -169,7 +175,7 @@ def check_case(d: int, causal: bool, index: int, dry: bool) -> dict:
         qs, ks, vs = ([torch.randn(1, n[i], heads, d, dtype=torch.bfloat16, device=device) for n in PACKED]
                       for i, heads in ((0, 4), (1, 2), (1, 2)))
         band = dict(window=window, top_left=top_left, softcap=softcap)
-        results = _packed_kernel(dry)(qs, ks, vs, causal, schedule, **band)
+        results = _packed_kernel(dry, CHECK_PROGRAMS)(qs, ks, vs, causal, schedule, **band)
         for (out, lse), q, k, v in zip(results, qs, ks, vs, strict=True):
             cases.append(dict(shape=[1, q.shape[1], k.shape[1], 4, 2], packed=True,
                               **_judged(out, lse, q, k, v, causal=causal, band=band)))
@@ -324,7 +330,8 @@ def _checked_then_timed(a: argparse.Namespace, report: dict) -> None:
     start = time.monotonic()
     dry = ["--dry"] if a.dry else []
     todo = [(d, causal, i) for d in (128, 64) for causal in (False, True) for i in range(len(_variants()))]
-    todo += [(256, causal, _variants().index(_launched_at_256())) for causal in (False, True)]  # the one launched
+    at_256 = (_launched_at_256(), dataclasses.replace(_launched_at_256(), persistent=True))  # launched, persistent
+    todo += [(256, causal, _variants().index(s)) for s in at_256 for causal in (False, True)]
     todo += [(d, causal, _variants().index(_launched(d))) for d in PADDED_DIMS for causal in (False, True)]
     if a.dry:  # a variant, and the one launched (which checks the bands too)
         todo = [todo[0], next(c for c in todo if _variants()[c[2]] == _launched(c[0]))]

@@ -156,14 +156,15 @@ def measure(head_dim: int, causal: bool, schedule: Schedule | None = None, fp8: 
 def format_row(r: Measured) -> str:
     gaps = {kind: [gap for k, gap in r.retired if k == kind] for kind in ("qk", "pv")}
     return (f"{r.head_dim:4d} {r.causal!s:>6} {r.schedule.overlap:>3} {int(r.schedule.pingpong):2d} "
-            f"{r.schedule.unroll:2d} {r.registers:4d} {'/'.join(map(str, r.setmaxnreg)):>14} {r.spill_bytes:5d} "
+            f"{r.schedule.unroll:2d} {int(r.schedule.persistent):2d} {r.registers:4d} "
+            f"{'/'.join(map(str, r.setmaxnreg)):>14} {r.spill_bytes:5d} "
             f"{r.shared_bytes:6d} {r.warps:5d} {r.hgmma:5d} {r.hgmma_groups:6d} {r.tma_loads:3d} {r.loop:5d} "
             f"{r.per_score:10.3f}  qk {gaps['qk']} pv {gaps['pv']}")
 
 
-HEADER = (f"{'d':>4} {'causal':>6} {'ovl':>3} {'pp':>2} {'un':>2} {'regs':>4} {'setmaxnreg':>14} {'spill':>5} "
-          f"{'smem':>6} {'warps':>5} {'hgmma':>5} {'groups':>6} {'tma':>3} {'/tile':>5} {'inst/score':>10}  "
-          "instructions until each group retires")
+HEADER = (f"{'d':>4} {'causal':>6} {'ovl':>3} {'pp':>2} {'un':>2} {'ps':>2} {'regs':>4} {'setmaxnreg':>14} "
+          f"{'spill':>5} {'smem':>6} {'warps':>5} {'hgmma':>5} {'groups':>6} {'tma':>3} {'/tile':>5} "
+          f"{'inst/score':>10}  instructions until each group retires")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,12 +38,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .steps import (
     _instr_k,
-    _key_span,
     _mma_layout,
     _pass_turn,
     _pv_schedule,
@@ -54,6 +53,7 @@ from .steps import (
     _take_turn,
     _zero_padding,
 )
+from .walk import _grid_tile, _producer, _serpentine, _tile, _waves
 
 LOG2E = 1.4426950408889634
 WG_M = 64  # query rows per consumer warpgroup: S (64 x 128 fp32) is 64 registers a thread, so two fit
@@ -84,16 +84,21 @@ def tile_dim(d: int) -> int:
 class Schedule:
     """How a consumer warpgroup overlaps its matmuls with its softmax: ``overlap`` "qk" (S_{j+1} = Q K_{j+1}^T runs
     under the softmax of S_j) or "pv" (FlashAttention-3's Algorithm 2: O += P_{j-1} V_{j-1} runs under it);
-    ``pingpong``: the two consumers take turns issuing; ``unroll`` (schedule "qk"): 2 saves S's 64-register copy."""
+    ``pingpong``: the two consumers take turns issuing; ``unroll`` (schedule "qk"): 2 saves S's 64-register copy;
+    ``persistent``: a program an SM runs work tiles one after another (``walk.py``), the next tile's Q and first
+    K and V tiles loading under the last one's softmax and store."""
 
     overlap: str = "qk"
     pingpong: bool = True
     unroll: int = 1
+    persistent: bool = False
 
     def __str__(self) -> str:
-        return f"{self.overlap}{'+pingpong' if self.pingpong else ''}{f' x{self.unroll}' if self.unroll > 1 else ''}"
+        return (f"{self.overlap}{'+pingpong' if self.pingpong else ''}{f' x{self.unroll}' if self.unroll > 1 else ''}"
+                f"{' persistent' if self.persistent else ''}")
 
 
+OFFLINE_SMS = 132  # a persistent grid's programs off a GPU (an H100 SXM's SMs): compiled, emulated
 CONSUMER_REGS = 240  # FA3's split of 64K registers over 3 warpgroups: 240 + 240 + 24 (x 128 threads) <= 65536
 PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scalars
 # The schedule tools/gluon/profile.py measures by default: the fewest instructions per score with a QK^T under every
@@ -101,7 +106,7 @@ PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer only holds scala
 # At d=256 the unrolled "qk" spills (O's 128 registers beside two S tiles): FlashAttention-3's "pv", 0.41.
 SCHEDULES = {64: Schedule("qk", True, 2), 128: Schedule("qk", True, 2), 256: Schedule("pv", False)}
 VARIANTS = (Schedule("qk", False), Schedule("qk", True), Schedule("qk", True, 2), Schedule("pv", False),
-            Schedule("pv", True))
+            Schedule("pv", True), Schedule("pv", False, persistent=True), Schedule("pv", True, persistent=True))
 # What the tier launches (``launch_forward``): the fastest correct schedule on an H200 at 1k and 8k tokens
 # (benchmarks/NOTES.md): FlashAttention-3's (P V under the softmax), with ping-pong at d=64 (1.36-1.40x the portable
 # forward at 8k), without at d=128 (and at d=256, not yet timed: the fewest instructions a score offline).
@@ -133,151 +138,129 @@ def _store(o, m, l, out, rows, limits, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, smem, bars, geometry, out,  # noqa: PLR0913 -- see the docstring
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_AHEAD: gl.constexpr,
-              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): query rows m0 + 64 WG .. + 63 against every key tile they see; O and lse stored
-    (``HEAD_DIM``: the heads' own dim, the tiles' padded up). The switches are arguments of their own: inside a tuple,
-    warp_specialize hands constexprs over as tensors."""
+def _consume(t, ring0, done, WG: gl.constexpr, smem, bars, problem, cu_seqlens_q, cu_seqlens_k,  # noqa: PLR0913
+             descale_ptr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_AHEAD: gl.constexpr,
+             PINGPONG: gl.constexpr, UNROLL: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work tile t (``walk._tile``) for consumer warpgroup WG (0 or 1): its query rows m0 + 64 WG .. + 63 against
+    every key tile they see, O and lse stored; (ring0, done) after it: the ring slots and the work tiles this
+    program consumed (``walk.py``). ``HEAD_DIM``: the heads' own dim, the tiles' padded up. The switches are
+    arguments of their own: inside a tuple, warp_specialize hands constexprs over as tensors."""
     q_smem, k_bufs, v_bufs = smem
-    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
-    m0, seqlen_q, seqlen_k, qk_scale, band, softcap = geometry
+    q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     SCORES: gl.constexpr = (LEFT, RIGHT, SOFTCAP)
     WG_M: gl.constexpr = q_smem.shape[1]
     HEAD_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, _instr_k(q_smem.dtype))
-    first, tiles, lead, plain = _key_span(m0, seqlen_q, seqlen_k, band, LEFT, RIGHT, 2 * WG_M, BLOCK_N)
-    limits = (seqlen_q, softcap[1] if SOFTCAP else 0.0)
-    diagonal, left, right = band
-    cap_in, cap_out = softcap
-    rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)  # never read: use_acc=False
-    scoring = (qk_scale, cap_in, cap_out, first, seqlen_k, diagonal, left, right)
-    ctx = (q_smem.index(WG), k_bufs, v_bufs, zero_s, cols, rows, scoring)
-    loop_bars = (k_ready, v_ready, k_empty, v_empty, turn)
+    active, geometry, out, coords, span = _tile(t, problem, cu_seqlens_q, cu_seqlens_k, descale_ptr, LEFT, RIGHT,
+                                                HEAD_DIM, PERSISTENT, 2 * WG_M, BLOCK_N)
+    if active:
+        m0, seqlen_q, seqlen_k, qk_scale, band, softcap = geometry
+        first, tiles, lead, plain = span
+        limits = (seqlen_q, softcap[1] if SOFTCAP else 0.0)
+        diagonal, left, right = band
+        cap_in, cap_out = softcap
+        rows = m0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)  # never read: use_acc=False
+        # Key tile first + i is ring slot ring0 + i: the steps take slots, the softmax's mask finds the keys.
+        scoring = (qk_scale, cap_in, cap_out, first - ring0, seqlen_k, diagonal, left, right)
+        ctx = (q_smem.index(WG), k_bufs, v_bufs, zero_s, cols, rows, scoring)
+        loop_bars = (k_ready, v_ready, k_empty, v_empty, turn)
+        flip = done & 1  # schedule "pv": n + 1 turns a work tile of n key tiles (``steps._pv_schedule``)
 
+        mbarrier.wait(q_bar, done & 1)
+        _zero_padding(q_smem.index(WG), HEAD_DIM)
+        _ready(k_ready, ring0)
+        _take_turn(turn, WG, 0 if QK_AHEAD else (ring0 & 1) ^ flip, PINGPONG)
+        s = _qk(ctx, ring0)
+        _pass_turn(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        _release(k_empty, ring0)
+        m = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+        o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D, _instr_k(q_smem.dtype)))
+        if QK_AHEAD:
+            o, m, l = _qk_schedule((s, o, m, l), (ring0, tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG,
+                                   UNROLL)
+        else:
+            o, m, l = _pv_schedule((s, o, m, l), (ring0, tiles, lead, plain, flip), ctx, loop_bars, WG, SCORES,
+                                   PINGPONG)
+        last = ring0 + tiles - 1
+        if PERSISTENT:  # every wgmma retired: Q and the V stages the schedule kept go back to the producer
+            mbarrier.arrive(q_empty)
+            if not QK_AHEAD:  # ("pv" releases V_{j-2} at tile j)
+                V_STAGES: gl.constexpr = v_empty.shape[0]
+                mbarrier.arrive(v_empty.index((last + V_STAGES - 1) % V_STAGES), pred=tiles >= 2)
+            _release(v_empty, last)
+        _store(o, m, l, out, rows, limits, HEAD_DIM)
+        if PERSISTENT:  # (one work tile a program otherwise: the counts stay constants)
+            ring0 = last + 1
+            done = done + 1
+    return ring0, done
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, smem, bars, problem, cu_seqlens_q, cu_seqlens_k, descale_ptr,  # noqa: PLR0913
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_AHEAD: gl.constexpr,
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warpgroup WG: its program's work tiles, one after another (``_consume``)."""
+    turn = bars[6]
     if PINGPONG and WG == 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 takes the first turn
-    mbarrier.wait(q_bar, 0)
-    _zero_padding(q_smem.index(WG), HEAD_DIM)
-    _ready(k_ready, 0)
-    _take_turn(turn, WG, 0, PINGPONG)
-    s = _qk(ctx, 0)
-    _pass_turn(turn, WG, PINGPONG)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    _release(k_empty, 0)
-    m = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
-    o = gl.zeros([WG_M, HEAD_D], gl.float32, _mma_layout(HEAD_D, _instr_k(q_smem.dtype)))
-    if QK_AHEAD:
-        o, m, l = _qk_schedule((s, o, m, l), (tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG, UNROLL)
+    if PERSISTENT:
+        ring0 = 0
+        done = 0
+        for i in range(_waves(problem)):
+            ring0, done = _consume(_serpentine(i), ring0, done, WG, smem, bars, problem, cu_seqlens_q, cu_seqlens_k,
+                                   descale_ptr, LEFT, RIGHT, SOFTCAP, QK_AHEAD, PINGPONG, UNROLL, HEAD_DIM,
+                                   PERSISTENT)
     else:
-        o, m, l = _pv_schedule((s, o, m, l), (tiles, lead, plain), ctx, loop_bars, WG, SCORES, PINGPONG)
-    _store(o, m, l, out, rows, limits, HEAD_DIM)
-
-
-@gluon.jit
-def _load(desc, bufs, ready, empty, j, row, col):
-    """Tile j into its stage of a ring once both consumers have released the stage's previous tile."""
-    STAGES: gl.constexpr = bufs.shape[0]
-    stage = j % STAGES
-    # A fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait.
-    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], ready.index(stage), bufs.index(stage))
-
-
-@gluon.jit
-def _producer(descs, smem, bars, coords, span):
-    """One warp: Q once, then K_j and V_j for every key tile of ``span`` = (first, tiles) into the rings; a K or V
-    stage is refilled once both consumers have released it (count 2)."""
-    q_desc, k_desc, v_desc = descs
-    q_smem, k_bufs, v_bufs = smem
-    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
-    q_row, kv_row, q_col, kv_col, vt_row = coords
-    WG_M: gl.constexpr = q_smem.shape[1]
-    BLOCK_N: gl.constexpr = k_bufs.shape[1]
-    first, tiles = span
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
-    for j in range(tiles):
-        key = (first + j) * BLOCK_N
-        _load(k_desc, k_bufs, k_ready, k_empty, j, kv_row + key, kv_col)
-        if v_bufs.dtype == gl.float8e4nv:  # V^T: the head's d rows, keys from key on
-            _load(v_desc, v_bufs, v_ready, v_empty, j, vt_row, key)
-        else:
-            _load(v_desc, v_bufs, v_ready, v_empty, j, kv_row + key, kv_col)
+        _consume(_grid_tile(), 0, 0, WG, smem, bars, problem, cu_seqlens_q, cu_seqlens_k, descale_ptr, LEFT, RIGHT,
+                 SOFTCAP, QK_AHEAD, PINGPONG, UNROLL, HEAD_DIM, PERSISTENT)
 
 
 @gluon.jit
 def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, o_ptr, lse_ptr, descale_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
         lse_pitch, heads, group, qk_scale, diagonal_offset, bottom_right, window_left, window_right, softcap_in,
-        softcap_out,
+        softcap_out, batch_heads, m_blocks,
         LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr,
         PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
         K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        HEAD_DIM: gl.constexpr):
-    """Grid (batch * heads, cdiv(seqlen_q, 128)); num_warps=4 (the default partition, consumer 0). ``HEAD_DIM``:
-    the heads' dim, the descriptors' tiles that or padded up (``tile_dim``). ``group``: query
-    heads per key/value head (query head h reads kv head h // group). Packed sequences (``cu_seqlens_q`` and
-    ``_k``, int32 (batch + 1,)): sequence b is rows [cu[b], cu[b + 1]) of (total, heads, d) tensors, lse (heads,
-    ``lse_pitch`` = total queries), seqlen_q the longest (the grid's), and programs past their sequence's queries
-    return at once. Query i sees key j iff j - i - diagonal is at least -``window_left`` (where LEFT) and at most
-    ``window_right`` (where RIGHT), the diagonal ``diagonal_offset`` plus, where ``bottom_right`` (0 or 1), the
-    sequence's seqlen_k - seqlen_q: causal is RIGHT with window_right 0, bottom-right. SOFTCAP: the scores s scale
-    become c tanh(s scale / c), ``softcap_in`` = 2 log2(e) scale / c and ``softcap_out`` = c log2(e). OVERLAP is
-    "qk" or "pv" (the schedule), UNROLL 1 or 2 (schedule "qk" only). Programs start in grid order, every head's
-    block of a row before the next row's: under a right bound alone (causal) the row order is reversed, so the
-    query blocks that see the most keys start first and the short ones fill the last wave. FP8 (e4m3 q, k and v):
-    ``v_desc`` reads V^T (see ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads) float32 multiplies the
-    scores; out is
-    float32 then, P rounded to e4m3 for P V."""
+        HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """``batch_heads`` x ``m_blocks`` (128 query rows) work tiles: grid (batch_heads, m_blocks), a tile a program,
+    or with PERSISTENT a program an SM, each running its tiles one after another (``walk.py``); num_warps=4 (the
+    default partition, consumer 0). ``HEAD_DIM``: the heads' dim, the descriptors' tiles that or padded up
+    (``tile_dim``). ``group``: query heads per key/value head (query head h reads kv head h // group). Packed sequences
+    (``cu_seqlens_q`` and ``_k``, int32 (batch + 1,)): sequence b is rows [cu[b], cu[b + 1]) of (total, heads, d)
+    tensors, lse (heads, ``lse_pitch`` = total queries), seqlen_q the longest (the grid's), and the work tiles
+    past a sequence's queries are skipped. Query i sees key j iff j - i - diagonal is at least -``window_left``
+    (where LEFT) and at most ``window_right`` (where RIGHT), the diagonal ``diagonal_offset`` plus, where
+    ``bottom_right`` (0 or 1), the sequence's seqlen_k - seqlen_q: causal is RIGHT with window_right 0,
+    bottom-right. SOFTCAP: the scores s scale become c tanh(s scale / c), ``softcap_in`` = 2 log2(e) scale / c and
+    ``softcap_out`` = c log2(e). OVERLAP is "qk" or "pv" (the schedule), UNROLL 1 or 2 (schedule "qk" only). Work
+    tiles go every head's block of a row before the next row's: under a right bound alone (causal) the row order
+    is reversed, so the query blocks that see the most keys start first and the short ones fill the last wave.
+    FP8 (e4m3 q, k and v): ``v_desc`` reads V^T (see ``launch_arguments``) and ``descale_ptr`` (batch, kv_heads)
+    float32 multiplies the scores; out is float32 then, P rounded to e4m3 for P V."""
     WG_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    pid_bh = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    if RIGHT and not LEFT:
-        pid_m = gl.num_programs(1) - 1 - pid_m
-    b = pid_bh // heads
-    h = pid_bh % heads
-    m0 = pid_m * (2 * WG_M)
-    if cu_seqlens_q is not None:  # packed: sequence b's rows of the (total, heads, d) views
-        q_start = gl.load(cu_seqlens_q + b)
-        k_start = gl.load(cu_seqlens_k + b)
-        seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
-        seqlen_k = gl.load(cu_seqlens_k + b + 1) - k_start
-        lse_row0 = h * lse_pitch + q_start
-        if m0 >= seqlen_q:  # the grid is sized for the longest sequence
-            return
-    else:
-        q_start = b * seqlen_q
-        k_start = b * seqlen_k
-        lse_row0 = pid_bh * seqlen_q
-    band = (diagonal_offset + bottom_right * (seqlen_k - seqlen_q), window_left, window_right)
-    first, tiles, lead, plain = _key_span(m0, seqlen_q, seqlen_k, band, LEFT, RIGHT, 2 * WG_M, BLOCK_N)
-    hk = h // group
-    if descale_ptr is not None:  # FP8: q's descale times k's, per (batch, kv head)
-        descale = gl.load(descale_ptr + b * (heads // group) + hk)
-        qk_scale = qk_scale * descale
-        softcap_in = softcap_in * descale
-
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]],
                                        v_desc.layout)  # keys x d, or FP8's d x keys
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup (persistent programs)
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -288,16 +271,18 @@ def attention_forward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descri
         mbarrier.init(turn.index(i), count=1)
 
     smem = (q_smem, k_bufs, v_bufs)
-    bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
-    geometry = (m0, seqlen_q, seqlen_k, qk_scale, band, (softcap_in, softcap_out))
-    out = (o_ptr, lse_ptr, q_start, h * HEAD_DIM, heads * HEAD_DIM, lse_row0)
-    coords = (q_start + m0, k_start, h * HEAD_DIM, hk * HEAD_DIM, (b * (heads // group) + hk) * HEAD_DIM)
+    bars = (q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
+    problem = (o_ptr, lse_ptr, seqlen_q, seqlen_k, lse_pitch, heads, group, qk_scale, diagonal_offset, bottom_right,
+               window_left, window_right, softcap_in, softcap_out, batch_heads, m_blocks)
+    qk = OVERLAP == "qk"
+    # (The offsets and the descales are arguments of their own: either may be None.)
     gl.warp_specialize([
-        (_consumer, (0, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL,
-                     HEAD_DIM)),
-        (_consumer, (1, smem, bars, geometry, out, LEFT, RIGHT, SOFTCAP, OVERLAP == "qk", PINGPONG, UNROLL,
-                     HEAD_DIM)),
-        (_producer, ((q_desc, k_desc, v_desc), smem, bars, coords, (first, tiles))),
+        (_consumer, (0, smem, bars, problem, cu_seqlens_q, cu_seqlens_k, descale_ptr, LEFT, RIGHT, SOFTCAP, qk,
+                     PINGPONG, UNROLL, HEAD_DIM, PERSISTENT)),
+        (_consumer, (1, smem, bars, problem, cu_seqlens_q, cu_seqlens_k, descale_ptr, LEFT, RIGHT, SOFTCAP, qk,
+                     PINGPONG, UNROLL, HEAD_DIM, PERSISTENT)),
+        (_producer, ((q_desc, k_desc, v_desc), smem, bars, problem, cu_seqlens_q, cu_seqlens_k, descale_ptr, LEFT,
+                     RIGHT, HEAD_DIM, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -350,29 +335,11 @@ def _packed_views(q, k, v, cu_seqlens, longest: tuple[str, int]):
     return q[None], k[None], v[None], len(cu_q) - 1
 
 
-def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule,  # noqa: PLR0913
-                     descale: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1), top_left: bool = False,
-                     diagonal_offset: int = 0, softcap: float = 0.0, cu_seqlens: tuple | None = None,
-                     max_seqlen_q: int = 0) -> tuple[tuple, dict]:
-    """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v (batch,
-    seqlen_k, kv_heads, d), kv_heads dividing heads, d a multiple of 8 up to 256 (``tile_dim``), out (q's shape) and lse
-    (batch, heads, seqlen_q) float32: ``kernel[grid](**kwargs)``; packed sequences (``cu_seqlens`` = (q's, k's) offsets,
-    int32, and ``max_seqlen_q``): q, out (total_q, heads, d), k and v (total_k, kv_heads, d), lse (heads, total_q). FP8
-    (q, k, v float8_e4m3fn, not packed, d 64, 128 or 256): v as ``attend.interleaved_values`` returns it (keys
-    contiguous, padded to whole groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's descale
-    times k's), out float32 (v's descale and the rounding come after). ``window`` = (left, right), -1 for an unbounded
-    side, around a diagonal aligned bottom-right (flash_attn's; ``top_left``: SDPA's) and moved by ``diagonal_offset``:
-    query i sees key j iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's
-    softcap. The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another
-    way."""
-    packed = cu_seqlens is not None
-    sequences = 0
-    if packed:
-        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, ("max_seqlen_q", max_seqlen_q))
-    batch, seqlen_q, heads, d = q.shape
+def _check_tensors(q, k, v, out, descale) -> None:
+    """What ``launch_arguments`` refuses of the tensors (dense views: packed ones as one batch)."""
+    batch, _, heads, d = q.shape
     fp8 = q.dtype == torch.float8_e4m3fn
-    tile = tile_dim(d)
-    if fp8 and d != tile:
+    if fp8 and d not in TILE_DIMS:
         raise ValueError(f"FP8 takes head dims {', '.join(map(str, TILE_DIMS))}, got {d}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k, v must share one dtype, bf16, fp16 or float8_e4m3fn")
@@ -391,6 +358,32 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
         raise ValueError("FP8 takes descale, (batch, kv_heads) float32 contiguous; 16-bit inputs none")
     if fp8 and out.dtype != torch.float32:
         raise ValueError("FP8's out is float32 (v's descale and the rounding follow)")
+
+
+def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule: Schedule,  # noqa: PLR0913
+                     descale: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1), top_left: bool = False,
+                     diagonal_offset: int = 0, softcap: float = 0.0, cu_seqlens: tuple | None = None,
+                     max_seqlen_q: int = 0, programs: int | None = None) -> tuple[tuple, dict]:
+    """(grid, keyword arguments) of ``attention_forward_ws_kernel`` for q (batch, seqlen_q, heads, d), k and v (batch,
+    seqlen_k, kv_heads, d), kv_heads dividing heads, d a multiple of 8 up to 256 (``tile_dim``), out (q's shape) and lse
+    (batch, heads, seqlen_q) float32: ``kernel[grid](**kwargs)``; packed sequences (``cu_seqlens`` = (q's, k's) offsets,
+    int32, and ``max_seqlen_q``): q, out (total_q, heads, d), k and v (total_k, kv_heads, d), lse (heads, total_q). FP8
+    (q, k, v float8_e4m3fn, not packed, d 64, 128 or 256): v as ``attend.interleaved_values`` returns it (keys
+    contiguous, padded to whole groups of 32), ``descale`` (batch, kv_heads) float32 the scores' scale (q's descale
+    times k's), out float32 (v's descale and the rounding come after). ``window`` = (left, right), -1 for an unbounded
+    side, around a diagonal aligned bottom-right (flash_attn's; ``top_left``: SDPA's) and moved by ``diagonal_offset``:
+    query i sees key j iff -left <= j - i - diagonal <= right; ``causal`` is right = 0. ``softcap`` > 0: flash_attn's
+    softcap. ``schedule.persistent``: a grid of ``programs`` (default: the device's SMs) that walk the work tiles.
+    The tier's ``declines`` says which calls may come here; this refuses the rest, in case one comes another
+    way."""
+    packed = cu_seqlens is not None
+    sequences = 0
+    if packed:
+        q, k, v, sequences = _packed_views(q, k, v, cu_seqlens, ("max_seqlen_q", max_seqlen_q))
+    batch, seqlen_q, heads, d = q.shape
+    tile = tile_dim(d)
+    _check_tensors(q, k, v, out, descale)
+    kv_heads = k.shape[2]
     if not scale > 0:
         raise ValueError("scale must be positive (the row max is taken before scaling)")
     left, right = window
@@ -408,6 +401,17 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
                   LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, OVERLAP=schedule.overlap,
                   PINGPONG=schedule.pingpong, UNROLL=schedule.unroll, K_STAGES=STAGES[tile][0],
                   V_STAGES=STAGES[tile][1], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HEAD_DIM=d,
-                  num_warps=4)
-    rows = max_seqlen_q if packed else seqlen_q
-    return ((sequences if packed else batch) * heads, triton.cdiv(rows, BLOCK_M)), kwargs
+                  PERSISTENT=schedule.persistent, num_warps=4)
+    batch_heads = (sequences if packed else batch) * heads
+    m_blocks = triton.cdiv(max_seqlen_q if packed else seqlen_q, BLOCK_M)
+    kwargs.update(batch_heads=batch_heads, m_blocks=m_blocks)
+    if schedule.persistent:
+        return (min(batch_heads * m_blocks, programs or _multiprocessors(q.device)),), kwargs
+    return (batch_heads, m_blocks), kwargs
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """A persistent grid's programs: one per SM (a program's shared memory leaves room for no second)."""
+    if device.type != "cuda":
+        return OFFLINE_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -187,7 +187,7 @@ def _capped(y):
 
 @gluon.jit
 def _softmax(s, m, l, j, ctx, MASK: gl.constexpr, SCORES: gl.constexpr):
-    """Online softmax of score tile j (``s`` = raw QK^T, 64 x BLOCK_N; j counts from the program's first tile):
+    """Online softmax of score tile j (``s`` = raw QK^T, 64 x BLOCK_N; j its ring slot, key tile ``first`` + j):
     (P fp32, alpha, new row max, new row sum), the row max in log2 units of the scaled scores. ``SCORES`` = (LEFT,
     RIGHT, SOFTCAP): which sides of the band bound the keys (masked on ``MASK`` tiles), and whether a softcap c
     applies: s scale becomes c tanh(s scale / c), so ``_capped(s cap_in)`` (cap_in = 2 log2(e) scale / c) takes
@@ -255,31 +255,32 @@ def _qk_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, SCORES: 
 @gluon.jit
 def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, SCORES: gl.constexpr, PINGPONG: gl.constexpr,
                  UNROLL: gl.constexpr):
-    """Schedule "qk" from state (S_0 retired, O, m, l) over span (``_key_span``'s tiles, lead, plain: masked tiles
-    [0, lead) under a left window, unmasked [lead, plain), masked up to tiles); the last tile is peeled: no S_{j+1}
-    to issue."""
+    """Schedule "qk" from state (S_0 retired, O, m, l) over span (the ring slot of the first tile, r0, then
+    ``_key_span``'s tiles, lead, plain: masked tiles [0, lead) under a left window, unmasked [lead, plain), masked up
+    to tiles; tile i is ring slot r0 + i, the index the steps take); the last tile is peeled: no S_{j+1} to issue.
+    Each tile takes 2 turns of ping-pong, so every program's count stays even: the parities are constants."""
     s, o, m, l = state
-    tiles, lead, plain = span
+    r0, tiles, lead, plain = span
     k_ready, v_ready, k_empty, v_empty, turn = bars
     LEFT: gl.constexpr = SCORES[0]
     begin, plain = _segments(0, tiles - 1, lead, plain, LEFT)
     if LEFT:
-        for j in range(begin):
+        for j in range(r0, r0 + begin):
             s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
     if UNROLL == 2:
         # S_j and S_{j+1} swap register sets instead of a 64-register copy closing every trip (the wgmma result
         # lands in the same registers each time). An odd plain tile goes to the masked loop.
         start = begin + (plain - begin) // 2 * 2
-        for j in range(begin, start, 2):
+        for j in range(r0 + begin, r0 + start, 2):
             s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
             s, o, m, l = _qk_step(j + 1, (s, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
     else:
         start = plain
-        for j in range(begin, plain):
+        for j in range(r0 + begin, r0 + plain):
             s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
-    for j in range(start, tiles - 1):
+    for j in range(r0 + start, r0 + tiles - 1):
         s, o, m, l = _qk_step(j, (s, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
-    o, m, l = _softmax_pv(s, o, m, l, tiles - 1, ctx, bars, WG, 1, True, SCORES, PINGPONG)
+    o, m, l = _softmax_pv(s, o, m, l, r0 + tiles - 1, ctx, bars, WG, 1, True, SCORES, PINGPONG)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, m, l
 
@@ -288,15 +289,18 @@ def _qk_schedule(state, span, ctx, bars, WG: gl.constexpr, SCORES: gl.constexpr,
 
 
 @gluon.jit
-def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, SCORES: gl.constexpr,
-             PINGPONG: gl.constexpr):
-    """Tile j, state (P_{j-1} in operand registers, its alpha, O retired, m, l): S_j and PV_{j-1} issued back to
-    back (one turn), S_j retired, its softmax under PV_{j-1}, then PV_{j-1} retired and P_j converted."""
+def _pv_step(j, state, ctx, bars, walk, WG: gl.constexpr, MASK: gl.constexpr,  # noqa: PLR0913
+             SCORES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Tile j (a ring slot), state (P_{j-1} in operand registers, its alpha, O retired, m, l): S_j and PV_{j-1}
+    issued back to back (one turn), S_j retired, its softmax under PV_{j-1}, then PV_{j-1} retired and P_j
+    converted. ``walk`` = (r0, flip): the slot of the work tile's first key tile, and what turns the ping-pong
+    parity (``_pv_schedule``)."""
     p, alpha, o, m, l = state
     k_ready, v_ready, k_empty, v_empty, turn = bars
+    r0, flip = walk
     STAGES: gl.constexpr = v_empty.shape[0]
     _ready(k_ready, j)
-    _take_turn(turn, WG, j & 1, PINGPONG)
+    _take_turn(turn, WG, (j & 1) ^ flip, PINGPONG)
     s = _qk(ctx, j)
     o = _rescale(o, alpha)
     _ready(v_ready, j - 1)
@@ -306,7 +310,7 @@ def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, SCORES: 
     _release(k_empty, j)
     # V_{j-2}, not V_{j-1}: an arrive that must follow PV_{j-1}'s retirement lets ptxas hoist that wait above the
     # softmax (measured: 33 instructions left under PV instead of about 200). Hence V's deeper ring.
-    mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), pred=j >= 2)
+    mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), pred=j >= r0 + 2)
     p, alpha, m, l = _softmax(s, m, l, j, ctx, MASK, SCORES)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     # Converted only now: P_{j-1}'s registers are wgmma inputs until PV_{j-1} retires.
@@ -315,26 +319,29 @@ def _pv_step(j, state, ctx, bars, WG: gl.constexpr, MASK: gl.constexpr, SCORES: 
 
 @gluon.jit
 def _pv_schedule(state, span, ctx, bars, WG: gl.constexpr, SCORES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Schedule "pv" from state (S_0 retired, O, m, l) over span (as ``_qk_schedule``'s; tile 0 is masked here
-    whatever it is); the last PV is issued after the loops."""
+    """Schedule "pv" from state (S_0 retired, O, m, l) over span (as ``_qk_schedule``'s, and ``flip``; tile 0 is
+    masked here whatever it is); the last PV is issued after the loops. A work tile of n key tiles takes n + 1 turns
+    of ping-pong: turn i of one whose first slot is r0 has the parity (r0 + i) ^ flip, flip the parity of the work
+    tiles the program ran before (``forward._consume``)."""
     s, o, m, l = state
-    tiles, lead, plain = span
+    r0, tiles, lead, plain, flip = span
     k_ready, v_ready, k_empty, v_empty, turn = bars
     LEFT: gl.constexpr = SCORES[0]
-    p, alpha, m, l = _softmax(s, m, l, 0, ctx, True, SCORES)
+    walk = (r0, flip)
+    p, alpha, m, l = _softmax(s, m, l, r0, ctx, True, SCORES)
     p = _to_p(p, ctx[2].dtype, o.shape[1])
     begin, plain = _segments(1, tiles, lead, plain, LEFT)
     if LEFT:
-        for j in range(1, begin):
-            p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
-    for j in range(begin, plain):
-        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, False, SCORES, PINGPONG)
-    for j in range(plain, tiles):
-        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, WG, True, SCORES, PINGPONG)
-    last = tiles - 1
+        for j in range(r0 + 1, r0 + begin):
+            p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, walk, WG, True, SCORES, PINGPONG)
+    for j in range(r0 + begin, r0 + plain):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, walk, WG, False, SCORES, PINGPONG)
+    for j in range(r0 + plain, r0 + tiles):
+        p, alpha, o, m, l = _pv_step(j, (p, alpha, o, m, l), ctx, bars, walk, WG, True, SCORES, PINGPONG)
+    last = r0 + tiles - 1
     o = _rescale(o, alpha)
     _ready(v_ready, last)
-    _take_turn(turn, WG, tiles & 1, PINGPONG)
+    _take_turn(turn, WG, ((last + 1) & 1) ^ flip, PINGPONG)
     o = _pv(ctx, o, p, last)
     _pass_turn(turn, WG, PINGPONG)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
