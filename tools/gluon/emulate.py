@@ -8,7 +8,8 @@ Gluon's primitives replaced by what they compute.
   raised too); a TMA copy writes its tile (zero past the tensor) into shared memory, then completes its bytes.
 - Shared memory is a tensor poisoned with NaN (``index``, ``slice``, ``permute`` are views; ``store`` writes), so
   a matmul that reads a stage no copy has filled yet gives NaN.
-- wgmma is a product in fp32 of its operands as stored (16-bit); scalars are 0-d int32 tensors, wrapping as the
+- wgmma is a product in fp32 of its operands as stored (16-bit or e4m3: the FP8 tensor cores' narrower
+  accumulation is not modelled); scalars are 0-d int32 tensors, wrapping as the
   GPU's do; pointers gather, scatter and add atomically.
 
 What it proves without a GPU: the arithmetic the kernels do in Python-level code, from the launchers' real
@@ -86,7 +87,7 @@ class _Barrier:
 
     def __init__(self, program: _Program):
         self.program, self.count, self.pending, self.tx, self.completed = program, 1, 1, 0, 0
-        self.consumed = {}  # thread -> the last phase a wait of it passed on
+        self.consumed = {}  # partition (its thread) -> the last phase a wait of it passed on
 
     def _settle(self):
         if self.pending == 0 and self.tx == 0:
@@ -215,17 +216,17 @@ def _wgmma(a, b, acc, use_acc=True, is_async=True):
 
 # Gluon's arithmetic, layouts and tensor constructors, as torch computes them (layouts are nothing here).
 _MATH = dict(
-    float32=torch.float32, int64=torch.int64, int32=torch.int32, float8e4nv="float8e4nv", bfloat16=torch.bfloat16,
-    float16=torch.float16, static_range=range, minimum=min, maximum=_maximum, cdiv=lambda a, b: -(-a // b),
-    where=lambda c, a, b: _t(torch.where(c, a, b)), max=lambda x, axis: _t(x.max(axis).values),
-    sum=lambda x, axis: _t(x.sum(axis)), exp2=lambda x: _t(torch.exp2(torch.as_tensor(x))),
-    exp=lambda x: _t(torch.exp(x)), log2=lambda x: _t(torch.log2(x)),
-    arange=lambda a, b, layout=None: _t(torch.arange(a, b, dtype=torch.int32)),
+    float32=torch.float32, int64=torch.int64, int32=torch.int32, float8e4nv=torch.float8_e4m3fn,
+    bfloat16=torch.bfloat16, float16=torch.float16, static_range=range, minimum=min, maximum=_maximum,
+    cdiv=lambda a, b: -(-a // b), where=lambda c, a, b: _t(torch.where(c, a, b)),
+    max=lambda x, axis: _t(x.max(axis).values), sum=lambda x, axis: _t(x.sum(axis)),
+    exp2=lambda x: _t(torch.exp2(torch.as_tensor(x))), exp=lambda x: _t(torch.exp(x)),
+    log2=lambda x: _t(torch.log2(x)), arange=lambda a, b, layout=None: _t(torch.arange(a, b, dtype=torch.int32)),
     full=lambda shape, value, dtype, layout=None: _t(torch.full(shape, value, dtype=dtype)),
     zeros=lambda shape, dtype, layout=None: _t(torch.zeros(shape, dtype=dtype)),
-    permute=lambda x, order: _t(x.permute(*order)), convert_layout=lambda x, layout: x, SliceLayout=_nothing,
-    DotOperandLayout=_nothing, BlockedLayout=_nothing, thread_barrier=_nothing, inline_asm_elementwise=_inline_asm,
-    load=_load, store=_store,
+    permute=lambda x, order: _t(x.permute(*order)), reshape=lambda x, shape: _t(x.reshape(shape)),
+    convert_layout=lambda x, layout: x, SliceLayout=_nothing, DotOperandLayout=_nothing, BlockedLayout=_nothing,
+    thread_barrier=_nothing, inline_asm_elementwise=_inline_asm, load=_load, store=_store,
     NVMMASharedLayout=types.SimpleNamespace(get_default_for=_nothing),
 )
 
@@ -272,12 +273,14 @@ def _primitives(program: _Program, pid: tuple, grid: tuple) -> dict:
 
     def wait(bar, parity):
         bar = _barrier(bar)
-        me = threading.get_ident()
+        me = threading.current_thread()  # (not its ident: a finished partition's ident goes to the next one started)
 
         def consume():  # the phase this wait passed on: the latest completed; a thread never passes one twice
             phase = bar.completed - 1
             if phase <= bar.consumed.get(me, -2):
-                program.failed = f"stale wait: parity {int(parity)} passed on phase {phase} again"
+                caller = sys._getframe(3)  # (consume, block_until, wait): the kernel's line that waited
+                program.failed = (f"stale wait: parity {int(parity)} passed on phase {phase} again "
+                                  f"({caller.f_code.co_name}, line {caller.f_lineno})")
                 program.cond.notify_all()
                 raise _Abort(program.failed)
             bar.consumed[me] = phase
@@ -348,11 +351,14 @@ def _run(kernel, grid: tuple, kwargs: dict) -> None:
 
 def emulate_forward(q, k, v, **arguments) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the tier's forward on CPU tensors as ``forward.launch_arguments(q, k, v, out, lse,
-    **arguments)`` launches it, out and lse poisoned with NaN first (what no program writes stays NaN)."""
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"emulate_forward: q.dtype {q.dtype}: the emulation covers the 16-bit forward")
+    **arguments)`` launches it, out and lse poisoned with NaN first (what no program writes stays NaN). FP8: q, k
+    float8_e4m3fn, v as ``attend.interleaved_values`` returns it, ``descale`` (batch, kv_heads) in ``arguments``;
+    out float32, before v's descale."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if q.dtype not in (torch.bfloat16, torch.float16) and not fp8:
+        raise ValueError(f"emulate_forward: q.dtype {q.dtype}: the emulation covers the 16-bit and e4m3 forwards")
     packed = arguments.get("cu_seqlens") is not None
-    out = torch.full_like(q, float("nan"))
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32 if fp8 else q.dtype)
     lse = torch.full((q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1]), float("nan"))
     grid, kwargs = forward.launch_arguments(q, k, v, out, lse, **arguments)
     _run(forward.attention_forward_ws_kernel, grid, kwargs)
