@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import assert_close, attention_ref, max_err
-from test_hopper_models import BANDS_AND_CAPS, _check, _emulated
+from test_hopper_models import BANDS_AND_CAPS, _check, _emulated, reference_grads
 from triton_versions import needs_triton, recorded_on_oldest
 
 BF16 = torch.bfloat16
@@ -51,11 +51,7 @@ def test_head_dims_between_run_on_padded_tiles_emulated(d):
                                                        ks, vs, dos, strict=True)]
         for qi, ki, vi, doi, oi, lsei, gi in parts:
             _check(oi, lsei, qi, ki, vi, **reference)
-            leaves = [t.double().requires_grad_() for t in (qi, ki, vi)]
-            want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, doi.double())
-            plain = [t.detach().requires_grad_() for t in (qi, ki, vi)]
-            baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, doi)
-            magnitude = max(w.abs().max().item() for w in want)
+            want, baseline, magnitude = reference_grads(qi, ki, vi, doi, reference)
             for name, ours, w, b in zip(("dq", "dk", "dv"), gi, want, baseline, strict=True):
                 assert not torch.isnan(ours).any(), (d, layout, name)
                 assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)

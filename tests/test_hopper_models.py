@@ -184,6 +184,16 @@ def _check(out, lse, q, k, v, **reference):
     assert (lse[~seen] == -math.inf).all() and (out.transpose(1, 2)[~seen] == 0).all()
 
 
+def reference_grads(q, k, v, dout, reference: dict) -> tuple:
+    """(dq, dk, dv) of ``attention_ref`` in float64 and in the inputs' dtype (the rule's baseline), and the float64
+    ones' largest magnitude: what a backward's gradients are judged against."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, dout.double())
+    plain = [t.detach().requires_grad_() for t in (q, k, v)]
+    baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, dout)
+    return want, baseline, max(w.abs().max().item() for w in want)
+
+
 # (nq, nk, heads, kv heads, d): odd lengths, a tile's edge, more queries than keys (rows that see no key), GQA.
 SHAPES = [(113, 251, 2, 2, 64), (300, 100, 4, 2, 64), (129, 129, 2, 1, 128), (1, 77, 2, 2, 64)]
 # (causal, window, top-left aligned, softcap)
@@ -303,11 +313,7 @@ def test_the_one_pass_backward_emulated_from_its_own_source_matches_float64(d):
         reference = dict(causal=causal, window=window, bottom_right=not top_left, softcap=softcap)
         out, lse = _emulated(q, k, v, schedule=LAUNCHED[d], **band)
         grads = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, **band)
-        leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, dout.double())
-        plain = [t.detach().requires_grad_() for t in (q, k, v)]
-        baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, dout)
-        magnitude = max(w.abs().max().item() for w in want)
+        want, baseline, magnitude = reference_grads(q, k, v, dout, reference)
         for name, ours, w, b in zip(("dq", "dk", "dv"), grads, want, baseline, strict=True):
             assert not torch.isnan(ours).any(), name
             assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)
@@ -344,11 +350,7 @@ def test_the_one_pass_backward_emulated_on_packed_sequences(d):
             if b == a or e == c:  # nothing to attend: zero gradients
                 assert (dq[a:b] == 0).all() and (dk[c:e] == 0).all() and (dv[c:e] == 0).all()
                 continue
-            leaves = [t.double().requires_grad_() for t in (qi, ki, vi)]
-            want = torch.autograd.grad(attention_ref(*leaves, **reference)[0], leaves, doi.double())
-            plain = [t.detach().requires_grad_() for t in (qi, ki, vi)]
-            baseline = torch.autograd.grad(attention_ref(*plain, upcast=False, **reference)[0], plain, doi)
-            magnitude = max(w.abs().max().item() for w in want)
+            want, baseline, magnitude = reference_grads(qi, ki, vi, doi, reference)
             for name, ours, w, bl in zip(("dq", "dk", "dv"), (dq[a:b], dk[c:e], dv[c:e]), want, baseline,
                                          strict=True):
                 assert_close(name, ours[None], w, bl, factor=3.0, magnitude=magnitude, precision=BF16)

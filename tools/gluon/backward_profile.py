@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from flashattn.backends.triton.hopper import tile_dim
 from flashattn.backends.triton.hopper.backward import launch_arguments
-from flashattn.backends.triton.hopper.forward import tile_dim
 
 PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile shape
 CONSUMER_WARPS = 8

@@ -9,8 +9,8 @@ Gluon's primitives replaced by what they compute.
 - Shared memory is a tensor poisoned with NaN (``index``, ``slice``, ``permute`` are views; ``store`` writes), so
   a matmul that reads a stage no copy has filled yet gives NaN.
 - wgmma is a product in fp32 of its operands as stored (16-bit or e4m3: the FP8 tensor cores' narrower
-  accumulation is not modelled); scalars are 0-d int32 tensors, wrapping as the
-  GPU's do; pointers gather, scatter and add atomically.
+  accumulation is not modelled); scalars are 0-d int32 tensors, wrapping as the GPU's do; pointers gather,
+  scatter and add atomically.
 
 What it proves without a GPU: the arithmetic the kernels do in Python-level code, from the launchers' real
 arguments (``launch_arguments``) to the stored results, and that their barrier protocols neither deadlock nor

@@ -60,7 +60,8 @@ def _variants():
 
 
 def _launched(d: int):
-    from flashattn.backends.triton.hopper.forward import LAUNCHED, tile_dim
+    from flashattn.backends.triton.hopper import tile_dim
+    from flashattn.backends.triton.hopper.forward import LAUNCHED
     return LAUNCHED[tile_dim(d)]
 
 

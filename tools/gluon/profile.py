@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from flashattn.backends.triton.hopper import tile_dim
 from flashattn.backends.triton.hopper.forward import (
     BLOCK_M,
     BLOCK_N,
@@ -31,7 +32,6 @@ from flashattn.backends.triton.hopper.forward import (
     Schedule,
     attention_forward_ws_kernel,
     launch_arguments,
-    tile_dim,
 )
 from tools.offline.sass import WGMMA
 

@@ -14,7 +14,7 @@ lse, unless forced as below.
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
 reads but no GPU has yet checked, head dim 256, the head dims between (multiples of 8 from 8 to 256, on tiles of
-the next of 64, 128 and 256: ``forward.tile_dim``), grouped key/value heads (GQA, MQA), sliding windows (any left and
+the next of 64, 128 and 256: ``tile_dim``), grouped key/value heads (GQA, MQA), sliding windows (any left and
 right bound, either alignment, a diagonal offset), a softcap, packed sequences (``flash_attn_varlen_func``'s
 q, k and v, each program bounded by its sequence's offsets), and FlashAttention-3's FP8 forward: e4m3 q, k, v with
 descales, v handed over as ``attend.interleaved_values`` lays it out).
@@ -41,13 +41,25 @@ from ..configs import DECODE_MAX_ROWS
 TIER = Variable("FLASHATTN_TRITON_TIER")
 TIERS = ("auto", "portable", "hopper")
 MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above)
-# What the kernels can run (``hopper``): these dtypes, and head dims that are multiples of 8 up to 256, those
-# between 64, 128 and 256 on padded tiles (``forward.tile_dim``; FP8 at those three alone).
-RUNS = {torch.bfloat16, torch.float16}, range(8, 257, 8)
-TILE_DIMS = (64, 128, 256)  # forward.TILE_DIMS (this module loads no Gluon)
+TILE_DIMS = (64, 128, 256)  # the head dims the kernels' tiles have; those below run padded (``tile_dim``)
+# What the kernels can run (``hopper``): these dtypes, and head dims that are multiples of 8 (a TMA row is 16
+# bytes) up to 256, those between 64, 128 and 256 on padded tiles (FP8 at those three alone).
+RUNS = {torch.bfloat16, torch.float16}, range(8, TILE_DIMS[-1] + 1, 8)
 INT32 = 2**31 - 1  # the kernel's row and lse offsets are 32-bit
 GRID_Y = 65535  # the query blocks are the grid's second axis
 GLUON_RELEASE = (3, 6)  # the Triton release the kernel is written and checked for
+
+
+def tile_dim(d: int) -> int:
+    """The head dim of the tiles a head dim ``d`` runs on (the tier's forward and backward): the first of 64, 128
+    and 256 that holds it; ``ValueError`` unless d is one ``RUNS`` names.
+
+    >>> tile_dim(96), tile_dim(64), tile_dim(200)
+    (128, 64, 256)
+    """
+    if d not in RUNS[1]:
+        raise ValueError(f"head dim {d} not supported (multiples of 8 up to {TILE_DIMS[-1]})")
+    return next(tile for tile in TILE_DIMS if d <= tile)
 
 
 def tier() -> str:
@@ -183,17 +195,13 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     it as any other kernel: a plan rebuilds its Gluon descriptors around each call's tensors). FP8: ``descale``
     (B, Hk) the scores' scale, out float32."""
     from ..launch import launch
-    from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments, tile_dim
+    from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
 
     packed = spec.varlen
     grid, kwargs = launch_arguments(q, k, v, out, lse, schedule=LAUNCHED[tile_dim(q.shape[-1])], descale=descale,
                                     max_seqlen_q=0 if packed is None else packed.max_seqlen_q,
                                     **_band_arguments(q, k, spec))
     launch(attention_forward_ws_kernel, grid, **kwargs)
-
-
-# What the backward kernels can run (``backward.py``: tiles of 64 and 128 columns; ``backward_wide.py``: 256)
-BACKWARD_RUNS = RUNS
 
 
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
@@ -204,7 +212,7 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
     forward's) and no other option, and not ``deterministic`` (its dQ is summed with atomics)."""
     if tier() != "hopper":
         return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
-    dtypes, dims = BACKWARD_RUNS
+    dtypes, dims = RUNS  # (``backward.py``: tiles of 64 and 128 columns; ``backward_wide.py``: 256)
     packed = spec.varlen is not None and spec.cache is None  # (a paged cache's calls: "cache" below)
     if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != (3 if packed else 4) or (
             packed and spec.varlen.batch < 1):

@@ -21,7 +21,7 @@ both compile alike (as the default partition, consumer 0 had kept its loop invar
 spilled them).
 
 Inputs as the tier's forward takes them: q, dO (batch, seqlen_q, heads, d), k, v (batch, seqlen_k, kv_heads, d),
-contiguous, bf16 or fp16, d a multiple of 8 up to 128 (tiles of 64 or 128 columns: ``forward.tile_dim``; the
+contiguous, bf16 or fp16, d a multiple of 8 up to 128 (tiles of 64 or 128 columns: ``hopper.tile_dim``; the
 padding's columns of K and V zeroed, those of dK, dV and dQ not stored), kv_heads dividing
 heads (GQA, MQA: a program sums dK and dV over its key/value head's query heads, one after another); ``neg_lse2``
 (-lse in log2 units, -inf for rows that see no key) and ``delta`` (rowsum(dO O)) as the portable preprocess writes
@@ -42,15 +42,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import tile_dim
 from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
-from .forward import LOG2E, head_tiles, tile_dim
+from .forward import LOG2E, head_tiles
 from .steps import _mma_layout, _zero_padding
 
 WG_N = 64  # keys per consumer warpgroup: the M of its wgmmas
 BLOCK_N = 2 * WG_N  # keys per program
 BLOCK_M = 64  # queries per step: the M of dQ's wgmma
 STAGES = 2  # Q and dO ring depth: K, V and two stages of Q and dO are 64 KiB at d=64, 128 at d=128
-HEAD_DIMS = (64, 128)  # the tiles' head dims (``forward.tile_dim``)
+HEAD_DIMS = (64, 128)  # the tiles' head dims (``hopper.tile_dim``)
 CONSUMER_REGS = 240
 
 
@@ -234,7 +235,7 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
                      window: tuple[int, int] = (-1, -1), top_left: bool = False, diagonal_offset: int = 0,
                      softcap: float = 0.0, cu_seqlens: tuple | None = None, max_seqlen_k: int = 0) -> tuple:
     """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at tiles
-    of 64 or 128 columns, ``backward_wide.attention_backward_wide_kernel`` at 256 (``forward.tile_dim``: d a multiple of
+    of 64 or 128 columns, ``backward_wide.attention_backward_wide_kernel`` at 256 (``hopper.tile_dim``: d a multiple of
     8 up to 256, padded up). q, k, v, dout (batch, seqlen, heads, d) contiguous, one dtype (bf16 or fp16), key/value
     heads dividing the query heads; ``stats`` = (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` =
     (dq_sum, float32 of q's shape, zeroed; dk, dv of k's shape); the band and softcap as the forward's

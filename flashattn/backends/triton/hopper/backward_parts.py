@@ -178,7 +178,7 @@ def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constex
     """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
     that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
     (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s; ``HEAD_DIM``: the heads' own dim,
-    the tiles' that or padded up (``forward.tile_dim``)."""
+    the tiles' that or padded up (``hopper.tile_dim``)."""
     q_desc, k_desc, v_desc, do_desc = descs
     dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr = pointers
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]

@@ -1,4 +1,4 @@
-"""The Hopper tier's one-pass backward on 256-column tiles (head dims above 128, padded up: ``forward.tile_dim``;
+"""The Hopper tier's one-pass backward on 256-column tiles (head dims above 128, padded up: ``hopper.tile_dim``;
 Gluon, sm_90): ``backward.py``'s producer and ring, with the work split between the two consumer warpgroups the
 other way (FlashAttention-3's at d=256).
 

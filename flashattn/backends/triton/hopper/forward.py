@@ -32,6 +32,7 @@ shape; lse is (batch, heads, seqlen_q) float32, natural log. Which calls it serv
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import TILE_DIMS, tile_dim  # (re-exported: the tools and tests name them here)
 from .steps import (
     _instr_k,
     _mma_layout,
@@ -65,19 +67,6 @@ BLOCK_N = {64: 128, 128: 128, 256: 64}
 # Q is 64 KiB and a 64-key tile 32 KiB: 2 + 2 make 192 KiB. V gets the deeper ring where it fits because schedule
 # "pv" frees V_{j-1} late (see _pv_step).
 STAGES = {64: (4, 4), 128: (2, 3), 256: (2, 2)}
-TILE_DIMS = (64, 128, 256)  # the head dims the kernel's tiles have; those below run padded (``tile_dim``)
-
-
-def tile_dim(d: int) -> int:
-    """The head dim of the tiles a head dim ``d`` runs on (the tier's forward and backward): the first of 64, 128
-    and 256 that holds it; ``ValueError`` unless d is a multiple of 8 (a TMA row: 16 bytes) from 8 to 256.
-
-    >>> tile_dim(96), tile_dim(64), tile_dim(200)
-    (128, 64, 256)
-    """
-    if not (isinstance(d, int) and 8 <= d <= TILE_DIMS[-1] and d % 8 == 0):
-        raise ValueError(f"head dim {d} not supported (multiples of 8 up to {TILE_DIMS[-1]})")
-    return next(tile for tile in TILE_DIMS if d <= tile)
 
 
 @dataclass(frozen=True)
@@ -410,8 +399,10 @@ def launch_arguments(q, k, v, out, lse, *, causal: bool, scale: float, schedule:
     return (batch_heads, m_blocks), kwargs
 
 
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
-    """A persistent grid's programs: one per SM (a program's shared memory leaves room for no second)."""
+    """A persistent grid's programs: one per SM (a program's shared memory leaves room for no second); asked of
+    the driver once a device."""
     if device.type != "cuda":
         return OFFLINE_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count

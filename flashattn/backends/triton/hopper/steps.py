@@ -29,7 +29,7 @@ def _instr_k(dtype):
 @gluon.jit
 def _zero_padding(tile, HEAD_DIM: gl.constexpr):
     """Columns ``HEAD_DIM`` on of one warpgroup's shared ``tile`` (rows x the tile's head dim) set to zero, before a
-    wgmma reads it. Below 64, 128 and 256 a head dim runs on tiles of the next of those (``forward.tile_dim``): a
+    wgmma reads it. Below 64, 128 and 256 a head dim runs on tiles of the next of those (``hopper.tile_dim``): a
     TMA tile at column head * HEAD_DIM reads on into the next head's columns (zeros past the last head), so one
     operand of each product over the head dim is zeroed there, once a program: Q in the forward, K and V in the
     backward. What the padding adds to O, dK, dV and dQ lies in columns that are never stored. (The other operand's
