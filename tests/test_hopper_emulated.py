@@ -130,3 +130,85 @@ def test_the_fp8_forward_emulated_meets_flashattention_3s_rule(d):
         assert max_err(final, truth) <= 2 * max_err(same_way, truth), (max_err(final, truth), max_err(same_way, truth))
         seen = torch.isfinite(truth_lse)
         assert (lse[seen].double() - truth_lse[seen]).abs().max() < 1e-3 and (lse[~seen] == -torch.inf).all()
+
+
+@needs_triton
+@on_oldest
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_deterministic_dq_turns_rank_every_block_that_adds_into_a_tile(block_n):
+    """``backward_parts._dq_turn`` from its own source on ints, against ``_query_tiles`` (which tiles each key
+    block visits): for every 64-row query tile, the blocks that visit it are consecutive, each is told their count,
+    and their ranks are 0 .. count - 1, from the last block down under a right bound (the order the blocks reach
+    the tile, and the grid's order: ``_key_block`` reverses it there), from the first up otherwise. A wrong rank
+    would hang the launch (a turn that never comes) or reset a semaphore early."""
+    from test_hopper_models import BANDS, _on_ints
+
+    from flashattn.backends.masking import Band
+    from flashattn.backends.triton.hopper.backward_parts import _dq_turn, _query_tiles
+
+    tiles, turn = _on_ints(_query_tiles), _on_ints(_dq_turn)
+    for nq, nk in ((300, 500), (500, 300), (1, 1), (129, 1), (128, 1000), (1000, 128), (257, 600)):
+        for left, right in BANDS:
+            for bottom_right, offset in ((True, 0), (False, 0), (True, -40), (False, 130), (False, 63), (True, -1)):
+                band = Band.of(nq, nk, left=left, right=right, bottom_right=bottom_right, diagonal_offset=offset)
+                scoring = (band.diagonal, max(left, 0), max(right, 0))
+                visitors = {}
+                for n in range(-(-nk // block_n)):
+                    lo, _, _, hi = tiles(n * block_n, nq, nk, scoring, left >= 0, right >= 0, 64, block_n)
+                    for j in range(lo, hi):
+                        visitors.setdefault(j, []).append(n)
+                for j, blocks in visitors.items():
+                    where = (nq, nk, left, right, bottom_right, offset, j)
+                    assert blocks == list(range(blocks[0], blocks[-1] + 1)), where
+                    ranks = [turn((None, n, *scoring, nk), j, (left >= 0, right >= 0, False), 64, block_n)
+                             for n in blocks]
+                    assert all(count == len(blocks) for _, count in ranks), where
+                    order = [rank for rank, _ in ranks]
+                    assert order == (list(range(len(blocks)))[::-1] if right >= 0 else list(range(len(blocks)))), where
+
+
+@needs_triton
+@on_oldest
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_deterministic_backward_emulated_adds_dq_in_turn(d):
+    """``deterministic``: each warpgroup's adds into a query tile's dQ wait for their turn on a semaphore
+    (``backward_parts._dq_turn``; the emulation runs programs one after another in the grid's order, so a turn
+    that is not exactly the count of the adds before it never comes: a deadlock, raised), and the last add of each
+    tile sets its semaphore back to zero (checked: ``emulate_backward``). The gradients against float64 by the
+    suite's rule and against the unordered kernel's (the same sums in another order), causal (the grid reversed),
+    full, windows, a softcap, grouped heads, a batch of two, and packed sequences."""
+    import itertools
+
+    from flashattn.backends.triton.hopper.forward import LAUNCHED
+    from tools.gluon.emulate import emulate_backward
+
+    torch.manual_seed(d + 1)
+    q, k, v = (torch.randn(2, n, heads, d, dtype=BF16) for n, heads in ((200, 4), (330, 2), (330, 2)))
+    dout = torch.randn_like(q)
+    for causal, window, top_left, softcap in BANDS_AND_CAPS[:5]:
+        band = dict(causal=causal, window=window, top_left=top_left, softcap=softcap)
+        reference = dict(causal=causal, window=window, bottom_right=not top_left, softcap=softcap)
+        out, lse = _emulated(q, k, v, schedule=LAUNCHED[d], **band)
+        ordered = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, deterministic=True, **band)
+        unordered = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, **band)
+        want, baseline, magnitude = reference_grads(q, k, v, dout, reference)
+        for name, ours, other, w, b in zip(("dq", "dk", "dv"), ordered, unordered, want, baseline, strict=True):
+            assert_close(name, ours, w, b, factor=3.0, magnitude=magnitude, precision=BF16)
+            assert (ours.float() - other.float()).abs().max() <= 1e-5 * magnitude, (name, band)
+    lengths = [(113, 251), (0, 5), (300, 140), (64, 0)]
+    qs, ks, vs, dos = ([torch.randn(1, n[i], heads, d, dtype=BF16) for n in lengths]
+                       for i, heads in ((0, 4), (1, 2), (1, 2), (0, 4)))
+    q, k, v, dout = (torch.cat([t[0] for t in ts]) for ts in (qs, ks, vs, dos))
+    ends = [list(itertools.accumulate((t.shape[1] for t in ts), initial=0)) for ts in (qs, ks)]
+    offsets = tuple(torch.tensor(e, dtype=torch.int32) for e in ends)
+    out, lse = _emulated(q, k, v, schedule=LAUNCHED[d], causal=True, cu_seqlens=offsets, max_seqlen_q=300)
+    dq, dk, dv = emulate_backward(q, k, v, out, lse, dout, scale=d**-0.5, causal=True, cu_seqlens=offsets,
+                                  max_seqlen_k=251, deterministic=True)
+    for (a, b), (c, e), qi, ki, vi, doi in zip(itertools.pairwise(ends[0]), itertools.pairwise(ends[1]), qs, ks, vs,
+                                               dos, strict=True):
+        if b == a or e == c:
+            assert (dq[a:b] == 0).all() and (dk[c:e] == 0).all() and (dv[c:e] == 0).all()
+            continue
+        want, baseline, magnitude = reference_grads(qi, ki, vi, doi, dict(causal=True))
+        for name, ours, w, bl in zip(("dq", "dk", "dv"), (dq[a:b], dk[c:e], dv[c:e]), want, baseline, strict=True):
+            assert_close(name, ours[None], w, bl, factor=3.0, magnitude=magnitude, precision=BF16)

@@ -40,6 +40,11 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     # 4 query heads over 2 key heads: a program per (batch, key head) and 128 keys (300 keys: 3 blocks).
     assert [name for name, _ in seen["tier=hopper GQA backward"]] == backward
     assert seen["tier=hopper GQA backward"][1][1] == [2 * 2, 3]
+    # Deterministic: the same backward kernel, handed the stream's zeroed counters (``tickets``; two per query head
+    # and 64-row tile, and one per head a sequence: 2 x 4 x (2 + 10) = 96 of them), also when a plan replays it.
+    deterministic = seen["tier=hopper deterministic"]
+    assert [step[:3] for step in deterministic] == [[backward[1], [2 * 2, 3], 3], [backward[1], [2 * 2, 3], 0]]
+    assert all(len(step[3]) == 1 and step[3][0][0] >= 96 and step[3][0][1] == 0 for step in deterministic)
     # FP8: the tier's forward on e4m3 q, k, v, V^T's map over (batch x kv heads x d, keys padded to 32: 320).
     assert seen["tier=hopper fp8"] == [["attention_forward_ws_kernel", [8, 3]], [2 * 4 * 64, 320]]
     # d=128: the same kernel and grid; d=256: backward_wide's, 64 keys a program (300 keys: 5 blocks).
@@ -133,6 +138,16 @@ def _script() -> dict:
             launches.clear()
             out.backward(torch.ones_like(out))
             seen[f"tier=hopper d{d} backward"] = [[name, list(grid[:2])] for name, grid, _ in launches.arguments]
+        for _ in range(2):  # deterministic: dQ's adds take turns on zeroed int32 counters (the second: replayed)
+            q, k, v = dense(hk=2, grad=True)()
+            out = flashattn.flash_attn_func(q, k, v, causal=True, deterministic=True)
+            launches.clear()
+            out.backward(torch.ones_like(out))
+            name, grid, arguments = launches.arguments[1]
+            counters = [a for a in arguments if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
+            seen.setdefault("tier=hopper deterministic", []).append(
+                [name, list(grid[:2]), launches.through_launcher, [[c.numel(), int(c.count_nonzero())]
+                                                                   for c in counters]])
         for d in (40, 96, 192):  # padded tiles: 64, 128, 256 columns of the (batch x keys, 2 x d) view
             q, k, v = dense(d=d, hk=2, grad=True)()
             launches.clear()

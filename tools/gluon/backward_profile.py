@@ -2,9 +2,12 @@
 registers and their reallocation, spills (and whether any sits in a loop), shared memory, HGMMA, TMA loads, the
 atomic reductions of dQ, and instructions per score in the consumers' unmasked loop.
 
-    python -m tools.gluon.backward_profile [--causal] [--head-dim 64] [--window=100:0] [--softcap 30] [--json out]
+    python -m tools.gluon.backward_profile [--causal] [--head-dim 64] [--window=100:0] [--softcap 30] [--packed]
+                                           [--deterministic] [--json out]
 
-``--window left:right`` (-1 for an unbounded side) and ``--softcap``: compiled for a sliding window and a softcap.
+``--window left:right`` (-1 for an unbounded side) and ``--softcap``: compiled for a sliding window and a softcap;
+``--packed``: for packed sequences (``flash_attn_varlen_func``'s layout, the profile's batch as two sequences);
+``--deterministic``: dQ's adds ordered on semaphores (``atomics`` counts their scalar atomics, ``spin`` the wait's).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flashattn.backends.triton.hopper import tile_dim
-from flashattn.backends.triton.hopper.backward import launch_arguments
+from flashattn.backends.triton.hopper.backward import launch_arguments, semaphores_needed
 
 PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile shape
 CONSUMER_WARPS = 8
@@ -27,21 +30,32 @@ GROUPS_PER_TILE = {64: 5, 128: 6, 256: 6}
 SCORES_PER_TILE = {64: 128 * 64, 128: 128 * 64, 256: 64 * 64}
 
 
-def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> dict:
+def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+            packed: bool = False, deterministic: bool = False) -> dict:
     from tools.offline.compile import _offline, cubin_report
 
     (b, n, h), d = PROFILE_SHAPE, head_dim
-    q, k, v, dout = (torch.empty(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
-    stats = (torch.empty(b, h, n), torch.empty(b, h, n))
-    grads = (torch.empty(b, n, h, d), torch.empty_like(k), torch.empty_like(v))
+    shape = (b * n, h, d) if packed else (b, n, h, d)
+    q, k, v, dout = (torch.empty(shape, dtype=torch.bfloat16) for _ in range(4))
+    stats = tuple(torch.empty((h, b * n) if packed else (b, h, n)) for _ in range(2))
+    grads = (torch.empty(shape), torch.empty_like(k), torch.empty_like(v))
+    varlen = {}
+    if packed:
+        offsets = torch.arange(0, b * n + 1, n, dtype=torch.int32)
+        varlen = dict(cu_seqlens=(offsets, offsets), max_seqlen_k=n)
     jit, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads, causal=causal, scale=d**-0.5, window=window,
-                                         softcap=softcap)
+                                         softcap=softcap, **varlen, dq_semaphores=torch.zeros(
+                                             semaphores_needed(q, sequences=b if packed else 0), dtype=torch.int32)
+                                         if deterministic else None)
     with _offline(90):
         kernel = jit.warmup(grid=grid, **kwargs)
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     loops = []
-    for loop in sass.innermost_loops():
+    matmul_loops = [loop for loop in sass.loops() if sass.count("HGMMA", loop)]
+    for loop in matmul_loops:  # the innermost with matmuls (deterministic: a semaphore's spin loop nests inside)
+        if any(loop.contains(other) and other != loop for other in matmul_loops):
+            continue
         body = sass.instructions[loop.start: loop.end + 1]
         groups = sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in body)
         if groups:
@@ -51,12 +65,13 @@ def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, 
     tile = tile_dim(head_dim)
     lean = min((x for x in loops if x["groups"] == GROUPS_PER_TILE[tile]), key=lambda x: x["length"], default=None)
     return {
-        "causal": causal, "head_dim": head_dim, "window": list(window), "softcap": softcap,
+        "causal": causal, "head_dim": head_dim, "window": list(window), "softcap": softcap, "packed": packed,
+        "deterministic": deterministic,
         "registers": report.registers, "spill_bytes": report.spill_bytes,
         "setmaxnreg": sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
                               if ins.opcode.startswith("USETMAXREG")}),
         "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
-        "tma_loads": sass.count("UTMALDG"), "loops": loops,
+        "tma_loads": sass.count("UTMALDG"), "loops": loops, "atomics": sass.count("ATOM"),
         "per_score": round(lean["length"] * CONSUMER_WARPS / SCORES_PER_TILE[tile], 3) if lean else 0.0,
     }
 
@@ -67,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64, help="a multiple of 8 up to 256")
     parser.add_argument("--window", default="-1:-1", help="left:right, -1 for an unbounded side")
     parser.add_argument("--softcap", type=float, default=0.0)
+    parser.add_argument("--packed", action="store_true", help="packed sequences (varlen)")
+    parser.add_argument("--deterministic", action="store_true", help="dQ's adds ordered (semaphores)")
     parser.add_argument("--json", help="write the row here")
     args = parser.parse_args(argv)
     row = measure(args.causal, args.head_dim, window=tuple(int(x) for x in args.window.split(":")),
-                  softcap=args.softcap)
+                  softcap=args.softcap, packed=args.packed,
+                  deterministic=args.deterministic)
     print(json.dumps(row))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))

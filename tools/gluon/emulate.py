@@ -10,7 +10,8 @@ Gluon's primitives replaced by what they compute.
   a matmul that reads a stage no copy has filled yet gives NaN.
 - wgmma is a product in fp32 of its operands as stored (16-bit or e4m3: the FP8 tensor cores' narrower
   accumulation is not modelled); scalars are 0-d int32 tensors, wrapping as the GPU's do; pointers gather,
-  scatter and add atomically.
+  scatter and add atomically; the deterministic backward's spin on a semaphore (``backward_parts._wait_turn``) is a
+  wait the deadlock check sees (programs run one after another, so a turn computed wrong never comes).
 
 What it proves without a GPU: the arithmetic the kernels do in Python-level code, from the launchers' real
 arguments (``launch_arguments``) to the stored results, and that their barrier protocols neither deadlock nor
@@ -264,7 +265,15 @@ def _primitives(program: _Program, pid: tuple, grid: tuple) -> dict:
     def atomic_add(pointer, value, mask=None, sem=None):
         offsets, keep = pointer.where(mask)
         with program.cond:
-            pointer.flat.index_add_(0, offsets[keep], torch.broadcast_to(value, offsets.shape)[keep].float())
+            old = pointer.flat[offsets.clamp(0, pointer.flat.numel() - 1)].clone()
+            value = torch.broadcast_to(torch.as_tensor(value), offsets.shape)
+            pointer.flat.index_add_(0, offsets[keep], value[keep].to(pointer.flat.dtype))
+            program.cond.notify_all()  # (a semaphore some partition waits on: ``wait_turn``)
+        return _t(old)
+
+    def wait_turn(sem_ptr, turn):  # backward_parts._wait_turn's spin, as a wait the deadlock check sees
+        offset = int(sem_ptr.where(None)[0])
+        program.block_until(lambda: int(sem_ptr.flat[offset]) == int(turn))
 
     def allocate(dtype, shape, layout=None):
         if dtype is torch.int64:  # mbarriers
@@ -302,7 +311,7 @@ def _primitives(program: _Program, pid: tuple, grid: tuple) -> dict:
         expect=lambda bar, nbytes: _barrier(bar).arrive(tx=nbytes), MBarrierLayout=_nothing)
     return {"gl": gl, "mbarrier": mbarrier, "tma": types.SimpleNamespace(async_copy_global_to_shared=copy),
             "warpgroup_mma": _wgmma, "fence_async_shared": _nothing, "_mma_layout": _nothing,
-            "_instr_k": lambda dtype: 16, "range": range,
+            "_instr_k": lambda dtype: 16, "range": range, "_wait_turn": wait_turn,
             "warpgroup_mma_wait": lambda num_outstanding=0, deps=(): deps if len(deps) > 1 else deps[0]}
 
 
@@ -365,16 +374,24 @@ def emulate_forward(q, k, v, **arguments) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def emulate_backward(q, k, v, out, lse, dout, **arguments) -> tuple[torch.Tensor, ...]:
+def emulate_backward(q, k, v, out, lse, dout, *, deterministic: bool = False,
+                     **arguments) -> tuple[torch.Tensor, ...]:
     """(dq fp32, dk, dv) of the tier's one-pass backward (d 64, 128: ``backward.py``; 256: ``backward_wide.py``)
     as ``backward.launch_arguments(..., **arguments)`` launches it (causal, scale, window, top_left, softcap, ...),
     from the forward's out and lse (natural log, (batch, heads, seqlen_q), packed (heads, total_q)), the statistics
-    as the portable preprocess writes them; dk and dv poisoned with NaN first."""
+    as the portable preprocess writes them; dk and dv poisoned with NaN first. ``deterministic``: dQ's adds ordered
+    on zeroed counters, which must end at zero (else ``RuntimeError``)."""
     neg_lse2 = torch.where(torch.isneginf(lse), -math.inf, -lse.float() * forward.LOG2E).contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # (batch, seqlen_q, heads), packed (total, heads)
     delta = (delta.T if arguments.get("cu_seqlens") is not None else delta.transpose(1, 2)).contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    kernel, grid, kwargs = backward.launch_arguments(q, k, v, dout, (neg_lse2, delta), (dq, dk, dv), **arguments)
+    sequences = arguments["cu_seqlens"][0].numel() - 1 if arguments.get("cu_seqlens") is not None else 0
+    semaphores = torch.zeros(backward.semaphores_needed(q, sequences=sequences) + 1, dtype=torch.int32)
+    kernel, grid, kwargs = backward.launch_arguments(q, k, v, dout, (neg_lse2, delta), (dq, dk, dv),
+                                                     dq_semaphores=semaphores if deterministic else None, **arguments)
     _run(kernel, grid, kwargs)
+    if semaphores.any():
+        raise RuntimeError(f"emulate_backward: {int(semaphores.count_nonzero())} dQ semaphores left nonzero "
+                           f"(first at {int(semaphores.nonzero()[0])}: {int(semaphores[semaphores != 0][0])})")
     return dq, dk, dv

@@ -209,7 +209,7 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
     ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dims that are multiples of 8 up
     to 256 (padded up to 64, 128 or 256), key/value heads
     dividing the query heads (GQA, MQA), contiguous q, k, v and dO, dense or packed, any band and softcap (the
-    forward's) and no other option, and not ``deterministic`` (its dQ is summed with atomics)."""
+    forward's) and no other option; ``deterministic`` orders dQ's atomic adds (``launch_backward``)."""
     if tier() != "hopper":
         return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
     dtypes, dims = RUNS  # (``backward.py``: tiles of 64 and 128 columns; ``backward_wide.py``: 256)
@@ -225,8 +225,6 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
         return "head dims or grouped heads"
     if dout.shape != q.shape:
         return "dtype or layout"
-    if spec.deterministic:
-        return "deterministic (the tier's dQ is summed with atomics)"
     why = _options_decline(spec, nq == k.shape[1], band=True) or _memory_declines(
         q, k, v, diagonal_offset=spec.diagonal_offset)
     if why:
@@ -241,12 +239,20 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
 def launch_backward(q, k, v, dout, stats, grads, spec: AttentionSpec) -> None:
     """Run the tier's one-pass backward of ``spec`` (its scale, band and softcap): ``stats`` = (neg_lse2, delta) as
     the portable preprocess writes them, ``grads`` = (dq_sum fp32 zeroed, dk, dv), through the path's ``launch``
-    (plans replay it)."""
+    (plans replay it). ``deterministic``: dQ's atomic adds into each query tile run in a fixed order of the key
+    blocks, each waiting on a counter (``tickets``, left at zero) for its turn, so a call's dQ is the same bits
+    every time, at the cost of the waits."""
+    from .. import plans
     from ..launch import launch
-    from .backward import launch_arguments
+    from ..tickets import tickets
+    from .backward import launch_arguments, semaphores_needed
 
     packed = spec.varlen
+    semaphores = None
+    if spec.deterministic:
+        count = semaphores_needed(q, sequences=0 if packed is None else packed.batch)
+        semaphores = plans.counters(tickets(q.device, count), count)
     kernel, grid, kwargs = launch_arguments(q, k, v, dout, stats, grads,
                                             max_seqlen_k=0 if packed is None else packed.max_seqlen_k,
-                                            **_band_arguments(q, k, spec))
+                                            dq_semaphores=semaphores, **_band_arguments(q, k, spec))
     launch(kernel, grid, **kwargs)

@@ -11,7 +11,8 @@ One program (CTA) owns 128 keys of one (batch, key/value head); three partitions
   dP^T = V dO_j^T (async wgmma, both operands in shared memory), P^T = 2^(S^T scale log2(e) - lse_j) and
   dS^T = P^T (dP^T - delta_j) in registers, then dV += P^T dO_j, dK += dS^T Q_j and the tile's dQ = dS K issued
   together, and dQ (times the scale) added into the fp32 sum with atomics. Five matmuls a tile, where the portable
-  two-pass backward runs seven.
+  two-pass backward runs seven. Deterministic calls order those adds: a warpgroup waits on a counter per (query
+  head, tile) for its key block's turn (``backward_parts._dq_turn``), so every call sums dQ in the same order.
 
 At d=128 dK and dV take 128 registers a thread, and a 64 x 128 dQ beside them would not fit (288 in all): there,
 as FlashAttention-3 does, each warpgroup stores its dS^T into shared memory (two tiles deep, a "full" and an
@@ -43,7 +44,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import tile_dim
-from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
+from .backward_parts import (
+    _add_dq,
+    _dq_turn,
+    _end_turn,
+    _group_tiles,
+    _key_block,
+    _probs_and_grads,
+    _producer,
+    _program,
+    _sequence,
+    _store_grads,
+    _wait_turn,
+)
 from .forward import LOG2E, head_tiles
 from .steps import _mma_layout, _zero_padding
 
@@ -63,7 +76,7 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
     they would arrive as tensors. (``WG`` is in ``ctx`` here; ``_group_tiles`` calls both kernels' tiles alike.)"""
     dk, dv = grads
     k_t, v_t, q_bufs, do_bufs, q_ready, q_empty, rows_k, cols, limits, shared_ds = ctx
-    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0 = stats
+    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0, order = stats
     seqlen_q, scale, scoring = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -114,6 +127,8 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
         mbarrier.arrive(ds_empty.index(buf))
         col0 = dq_col0 + wg * HALF_D
         cols_left: gl.constexpr = HEAD_DIM - WG * HALF_D
+        slot: gl.constexpr = WG  # (deterministic: each warpgroup's columns in the blocks' order, on its own)
+        turns: gl.constexpr = 1
     else:
         zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
         ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
@@ -121,8 +136,17 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
         col0 = dq_col0
         cols_left: gl.constexpr = HEAD_DIM
+        slot: gl.constexpr = 0  # (deterministic: both warpgroups add every column, a block's first one first)
+        turns: gl.constexpr = 2
     mbarrier.arrive(q_empty.index(stage))
+    if len(order) > 0:  # deterministic: the tile's adds in the key blocks' order (``_dq_turn``)
+        sem = order[0] + 2 * j + slot
+        rank, count = _dq_turn(order, j, SCORES, BLOCK_M, 2 * WG_N)
+        turn = turns * rank + WG % turns
+        _wait_turn(sem, turn)
     _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, col0, seqlen_q - j * BLOCK_M, DQ_PITCH, cols_left)
+    if len(order) > 0:
+        _end_turn(sem, turn, turns * count - 1)
     return dk, dv
 
 
@@ -166,7 +190,7 @@ def _consumer(WG: gl.constexpr, smem, bars, ds_shared, geometry, outs, LEFT: gl.
 def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, cu_seqlens_q,
         cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, group, qk_scale, scale, diagonal_offset, bottom_right,
-        window_left, window_right, softcap_in, softcap_out,
+        window_left, window_right, softcap_in, softcap_out, dq_semaphores, semaphore_pitch,
         HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 128)); num_warps=4 (the default partition, the producer). ``group``:
@@ -174,7 +198,9 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     so that dQ's row pitch is one and the atomics' offsets immediates (a compilation per head count). The band, the
     softcap and packed sequences as the forward's (``forward.attention_forward_ws_kernel``; packed: a program per
     128 keys of the longest sequence, returning at once past its own). Programs start in grid order, every
-    head's first key block first: causal, those see the most queries."""
+    head's first key block first: causal, those see the most queries. ``dq_semaphores`` (int32, zeroed; None:
+    unordered) and ``semaphore_pitch`` (tiles a head): deterministic, dQ's adds into a tile in a fixed order
+    (``backward_parts._dq_turn``), the key blocks reversed under a right bound (``_key_block``)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -183,11 +209,11 @@ def attention_backward_ws_kernel(  # noqa: PLR0913 -- a kernel takes every descr
     scoring = (qk_scale, softcap_in, softcap_out, diagonal_offset, bottom_right, window_left, window_right)
     sequence = _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS, group)
     if cu_seqlens_q is not None:  # noqa: SIM102 -- resolved at compile time, the inner test at run time
-        if gl.program_id(1) * (2 * WG_N) >= sequence[3]:  # the grid is sized for the longest sequence's keys
+        if _key_block(dq_semaphores, RIGHT) * (2 * WG_N) >= sequence[3]:  # the grid is sized for the longest
             return
     smem, bars, geometry, outs, coords, span = _program(
-        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
-        RIGHT, SOFTCAP, STAGES, HEAD_DIM)
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring,
+        (dq_semaphores, semaphore_pitch), HEADS, LEFT, RIGHT, SOFTCAP, STAGES, HEAD_DIM)
     if HEAD_D > 64:  # dS^T of each warpgroup, two tiles deep (buffer 2 * (tile % 2) + warpgroup)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M], ds_layout)
@@ -233,14 +259,17 @@ def _check_arguments(q, k, v, dout, stats, grads, *, scale: float) -> None:
 
 def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,  # noqa: PLR0913
                      window: tuple[int, int] = (-1, -1), top_left: bool = False, diagonal_offset: int = 0,
-                     softcap: float = 0.0, cu_seqlens: tuple | None = None, max_seqlen_k: int = 0) -> tuple:
+                     softcap: float = 0.0, cu_seqlens: tuple | None = None, max_seqlen_k: int = 0,
+                     dq_semaphores: torch.Tensor | None = None) -> tuple:
     """(kernel, grid, keyword arguments) of the tier's backward for this call: ``attention_backward_ws_kernel`` at tiles
     of 64 or 128 columns, ``backward_wide.attention_backward_wide_kernel`` at 256 (``hopper.tile_dim``: d a multiple of
     8 up to 256, padded up). q, k, v, dout (batch, seqlen, heads, d) contiguous, one dtype (bf16 or fp16), key/value
     heads dividing the query heads; ``stats`` = (neg_lse2, delta), (batch, heads, seqlen_q) float32 dense; ``grads`` =
     (dq_sum, float32 of q's shape, zeroed; dk, dv of k's shape); the band and softcap as the forward's
     ``launch_arguments``. Packed sequences (``cu_seqlens`` = (q's, k's) int32 offsets, ``max_seqlen_k``): q, dout,
-    dq_sum (total_q, heads, d), k, v, dk, dv (total_k, kv_heads, d), the statistics (heads, total_q)."""
+    dq_sum (total_q, heads, d), k, v, dk, dv (total_k, kv_heads, d), the statistics (heads, total_q).
+    ``dq_semaphores``: deterministic, dQ's adds in a fixed order (``backward_parts._dq_turn``), on these int32
+    counters, at least ``semaphores_needed`` of them at zero (the launch leaves them at zero)."""
     from . import backward_wide
     from .forward import _packed_views
 
@@ -263,6 +292,10 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
                                                   wide.BLOCK_N, wide.STAGES)
     else:
         kernel, block_m, wg_n, block_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, BLOCK_N, STAGES
+    pitch = (sequences if packed else batch) + triton.cdiv(batch * seqlen_q, block_m)  # (``_program``'s tile0)
+    if dq_semaphores is not None and (dq_semaphores.dtype != torch.int32 or dq_semaphores.numel() < 2 * heads * pitch
+                                      or dq_semaphores.device != q.device):
+        raise ValueError(f"dq_semaphores must be int32 on q's device with at least {2 * heads * pitch} elements")
     kwargs = dict(q_desc=head_tiles(q, block_m), k_desc=head_tiles(k, wg_n), v_desc=head_tiles(v, wg_n),
                   do_desc=head_tiles(dout, block_m), dq_ptr=dq_sum,
                   dk_ptr=dk, dv_ptr=dv, neg_lse2_ptr=neg_lse2, delta_ptr=delta,
@@ -272,7 +305,15 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
                   scale=scale,
                   diagonal_offset=diagonal_offset, bottom_right=0 if top_left else 1, window_left=max(left, 0),
                   window_right=max(right, 0), softcap_in=2 * LOG2E * scale / softcap if softcap else 0.0,
-                  softcap_out=softcap * LOG2E, LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0, STAGES=stages,
-                  CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=d, num_warps=4)
+                  softcap_out=softcap * LOG2E, dq_semaphores=dq_semaphores,
+                  semaphore_pitch=0 if dq_semaphores is None else pitch, LEFT=left >= 0, RIGHT=right >= 0,
+                  SOFTCAP=softcap > 0, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=d, num_warps=4)
     keys = max_seqlen_k if packed else k.shape[1]
     return kernel, ((sequences if packed else batch) * kv_heads, triton.cdiv(keys, block_n)), kwargs
+
+
+def semaphores_needed(q, *, sequences: int = 0) -> int:
+    """How many counters a deterministic launch of q (dense (batch, seqlen_q, heads, d), or packed (total_q, heads,
+    d) of ``sequences``) orders dQ's adds on: two per (query head, 64-row query tile), and one per head a sequence."""
+    rows, heads = (q.shape[0], q.shape[1]) if sequences else (q.shape[0] * q.shape[1], q.shape[2])
+    return 2 * heads * ((sequences or q.shape[0]) + triton.cdiv(rows, BLOCK_M))

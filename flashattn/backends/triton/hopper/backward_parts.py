@@ -57,6 +57,53 @@ def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr, COLS_LEFT
 
 
 @gluon.jit
+def _key_block(dq_turns, RIGHT: gl.constexpr):
+    """The program's key block: the grid's second index, reversed where dQ's adds are ordered under a right bound
+    (``dq_turns`` not None: see ``_dq_turn``), so that every block a program waits for started before it."""
+    n_block = gl.program_id(1)
+    if dq_turns is not None and RIGHT:
+        n_block = gl.num_programs(1) - 1 - n_block
+    return n_block
+
+
+@gluon.jit
+def _dq_turn(order, j, SCORES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(rank, count): this program's key block's place among the ``count`` blocks that add into query tile j's dQ,
+    in the order they add (``deterministic``): under a right bound from the last block that sees the tile down
+    (started together, the blocks reach a tile in that order: a later block's first tile is a later one), else from
+    the first up. The blocks that see a tile are consecutive (``_query_tiles``' bounds grow with the block), from the
+    first whose last key the tile's first row sees to the last whose first key its last row sees. ``order`` =
+    ``_program``'s (semaphores, block, diagonal, left, right, seqlen_k)."""
+    n_block = order[1]
+    diagonal, left, right, seqlen_k = order[2], order[3], order[4], order[5]
+    first = 0
+    last = gl.cdiv(seqlen_k, BLOCK_N) - 1
+    if SCORES[0]:
+        first = gl.maximum(j * BLOCK_M + diagonal - left, 0) // BLOCK_N
+    if SCORES[1]:
+        last = gl.minimum(gl.maximum((j + 1) * BLOCK_M + diagonal + right - 1, 0) // BLOCK_N, last)
+        rank = last - n_block
+    else:
+        rank = n_block - first
+    return rank, last - first + 1
+
+
+@gluon.jit
+def _wait_turn(sem_ptr, turn):
+    """Spin until the semaphore reads ``turn`` (acquire: the adds it counts come before this warpgroup's)."""
+    while gl.atomic_add(sem_ptr, 0, sem="acquire") != turn:
+        pass
+
+
+@gluon.jit
+def _end_turn(sem_ptr, turn, final):
+    """The next add's turn, once every thread of the warpgroup has issued its adds (release: they come first); after
+    the ``final`` one, zero again: semaphores leave a launch as they came (``tickets``)."""
+    gl.thread_barrier()
+    gl.atomic_add(sem_ptr, 1 - (turn == final).to(gl.int32) * (turn + 1), sem="release")
+
+
+@gluon.jit
 def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, SCORES: gl.constexpr,  # noqa: PLR0913
                  HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, WG: gl.constexpr):
     """(dK, dV) after ``TILE`` (``_tile`` or the wide kernel's) ran over every query tile that sees the program's
@@ -64,11 +111,15 @@ def _group_tiles(TILE: gl.constexpr, grads, ctx, geometry, heads, SCORES: gl.con
     sequence's end take the mask, those between none. ``HEAD_DIM``: the heads' own dim (the tiles' is padded up)."""
     dk, dv = grads
     n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scoring = geometry
-    neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, h0, group = heads
+    neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, h0, group, order = heads
     for g in range(group):
         h = h0 + g
         at = stats_row0 + h * stats_pitch  # this head's rows of neg_lse2 and delta
-        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, q_start, h * HEAD_DIM)
+        if len(order) > 0:  # this head's semaphores
+            head_order = (order[0] + h * order[6], order[1], order[2], order[3], order[4], order[5])
+        else:
+            head_order = order
+        stats = (neg_lse2_ptr + at, delta_ptr + at, dq_ptr, q_start, h * HEAD_DIM, head_order)
         first = g * (hi - lo) - lo  # ring slot of tile j: first + j, counted across the group's heads
         for j in range(lo, full_lo):
             dk, dv = TILE(j, first + j, (dk, dv), ctx, stats, True, SCORES, HEADS * HEAD_DIM, WG, HEAD_DIM)
@@ -172,13 +223,14 @@ def _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS: 
 
 
 @gluon.jit
-def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constexpr,  # noqa: PLR0913
+def _program(descs, pointers, sequence, group, scale, scoring, dq_turns, HEADS: gl.constexpr,  # noqa: PLR0913
              LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
              HEAD_DIM: gl.constexpr):
     """What both backward kernels share (this one and ``backward_wide.py``'s): the program's keys, the query tiles
     that see them, K, V and the Q/dO ring in shared memory with their barriers, and the partitions' arguments:
-    (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s; ``HEAD_DIM``: the heads' own dim,
-    the tiles' that or padded up (``hopper.tile_dim``)."""
+    (smem, bars, geometry, outs, coords, span). ``sequence``: ``_sequence``'s; ``dq_turns``: (semaphores, their
+    pitch a head) where dQ's adds are ordered (the tiles' ``order``; ``_dq_turn``), else (None, 0); ``HEAD_DIM``:
+    the heads' own dim, the tiles' that or padded up (``hopper.tile_dim``)."""
     q_desc, k_desc, v_desc, do_desc = descs
     dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr = pointers
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -187,7 +239,8 @@ def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constex
     dtype: gl.constexpr = q_desc.dtype
     kv_heads = HEADS // group
     hk = gl.program_id(0) % kv_heads
-    n0 = gl.program_id(1) * (2 * WG_N)
+    n_block = _key_block(dq_turns[0], RIGHT)
+    n0 = n_block * (2 * WG_N)
     q_start, k_start, seqlen_q, seqlen_k, stats_row0, stats_pitch = sequence
     qk_scale, cap_in, cap_out, diagonal_offset, bottom_right, left, right = scoring
     diagonal = diagonal_offset + bottom_right * (seqlen_k - seqlen_q)
@@ -212,7 +265,14 @@ def _program(descs, pointers, sequence, group, scale, scoring, HEADS: gl.constex
     cap = (cap_in, cap_out) if SOFTCAP else ()
     scores = (qk_scale, seqlen_k, band, cap)
     geometry = (n0, lo, full_lo, full_hi, hi, seqlen_q, scale, scores)
-    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, hk * group, group)
+    sems, sem_pitch = dq_turns
+    if sems is not None:  # a query tile's semaphores: its sequence's number plus its first row over BLOCK_M (distinct
+        # across packed sequences without their longest length), two a tile (``backward.py``'s ``_tile``)
+        tile0 = gl.program_id(0) // kv_heads + q_start // BLOCK_M
+        order = (sems + 2 * tile0, n_block, diagonal, left, right, seqlen_k, 2 * sem_pitch)
+    else:
+        order = ()  # (a None in a returned tuple would not compile)
+    query_heads = (neg_lse2_ptr, delta_ptr, dq_ptr, q_start, stats_row0, stats_pitch, hk * group, group, order)
     outs = (query_heads, dk_ptr, dv_ptr, k_start, kv_heads * HEAD_DIM, hk * HEAD_DIM)
     coords = (q_start, k_start + n0, hk * group * HEAD_DIM, hk * HEAD_DIM, group, HEAD_DIM)
     return smem, bars, geometry, outs, coords, (lo, hi)

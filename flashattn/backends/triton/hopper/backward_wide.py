@@ -30,7 +30,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward_parts import _add_dq, _group_tiles, _probs_and_grads, _producer, _program, _sequence, _store_grads
+from .backward_parts import (
+    _add_dq,
+    _dq_turn,
+    _end_turn,
+    _group_tiles,
+    _key_block,
+    _probs_and_grads,
+    _producer,
+    _program,
+    _sequence,
+    _store_grads,
+    _wait_turn,
+)
 from .steps import _mma_layout, _zero_padding
 
 WG_N = 32  # keys of a warpgroup's S and dP (their N)
@@ -48,7 +60,7 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr
     dk, dv = grads
     k_smem, v_smem, q_bufs, do_bufs, q_ready, q_empty, exchange, keys, limits = ctx
     p_t, ds_t, pds_full, pds_empty = exchange
-    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0 = stats
+    neg_lse2_ptr, delta_ptr, dq_ptr, dq_row0, dq_col0, order = stats
     seqlen_q, scale, scoring = limits
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -95,8 +107,14 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
     mbarrier.arrive(pds_empty)
     mbarrier.arrive(q_empty.index(stage))
+    if len(order) > 0:  # deterministic: each warpgroup's columns in the key blocks' order (``_dq_turn``)
+        sem = order[0] + 2 * j + WG
+        turn, count = _dq_turn(order, j, SCORES, BLOCK_M, 2 * WG_N)
+        _wait_turn(sem, turn)
     _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, dq_col0 + WG * HALF_D, seqlen_q - j * BLOCK_M, DQ_PITCH,
             HEAD_DIM - WG * HALF_D)
+    if len(order) > 0:
+        _end_turn(sem, turn, count - 1)
     return dk, dv
 
 
@@ -131,7 +149,7 @@ def _wide_consumer(WG: gl.constexpr, smem, bars, exchange, geometry, outs, LEFT:
 def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every descriptor, pointer, size and switch
         q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr, cu_seqlens_q,
         cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, group, qk_scale, scale, diagonal_offset, bottom_right,
-        window_left, window_right, softcap_in, softcap_out,
+        window_left, window_right, softcap_in, softcap_out, dq_semaphores, semaphore_pitch,
         HEADS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Grid (batch * kv_heads, cdiv(seqlen_k, 64)); num_warps=4 (the default partition, the producer); the
@@ -143,11 +161,11 @@ def attention_backward_wide_kernel(  # noqa: PLR0913 -- a kernel takes every des
     scoring = (qk_scale, softcap_in, softcap_out, diagonal_offset, bottom_right, window_left, window_right)
     sequence = _sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, lse_pitch, HEADS, group)
     if cu_seqlens_q is not None:  # noqa: SIM102 -- resolved at compile time, the inner test at run time
-        if gl.program_id(1) * (2 * WG_N) >= sequence[3]:  # the grid is sized for the longest sequence's keys
+        if _key_block(dq_semaphores, RIGHT) * (2 * WG_N) >= sequence[3]:  # the grid is sized for the longest
             return
     smem, bars, geometry, outs, coords, span = _program(
-        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring, HEADS, LEFT,
-        RIGHT, SOFTCAP, STAGES, HEAD_DIM)
+        descs, (dq_ptr, dk_ptr, dv_ptr, neg_lse2_ptr, delta_ptr), sequence, group, scale, scoring,
+        (dq_semaphores, semaphore_pitch), HEADS, LEFT, RIGHT, SOFTCAP, STAGES, HEAD_DIM)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * WG_N, BLOCK_M], dtype)
     p_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)  # P^T: keys x queries
     ds_t = gl.allocate_shared_memory(dtype, [2 * WG_N, BLOCK_M], t_layout)
