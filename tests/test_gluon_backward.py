@@ -52,6 +52,7 @@ def test_the_one_pass_backward_compiles_to_what_it_was_written_for(causal, head_
     assert r["warps"] == 12 and {24, 240} <= set(r["setmaxnreg"])  # two consumer warpgroups and a producer warp
     assert r["shared_bytes"] <= SHARED_LIMIT_SM90
     assert r["tma_loads"] >= 4  # K, V, Q and dO
+    assert r["ordering"] == [0, 0, 0]  # no semaphore, no fence: only deterministic calls order dQ's adds
     loops = r["loops"]  # each consumer's loops over query tiles: masked, unmasked, masked
     if head_dim == 64:
         assert loops and all(x["groups"] == 5 and x["red"] > 0 for x in loops)  # five wgmma groups a tile, dQ by RED
@@ -66,3 +67,22 @@ def test_the_one_pass_backward_compiles_to_what_it_was_written_for(causal, head_
         assert loops and all(x["groups"] == 6 and x["red"] > 0 for x in loops)
         assert sum(x["local"] for x in loops) <= LOCAL_OPS_D256[causal]
         assert 0 < r["per_score"] < TWO_PASS_PER_SCORE_D256 / 3
+
+
+def test_the_deterministic_backward_takes_turns_around_its_dq_adds(tmp_path):
+    """``deterministic``: each consumer's tile loops wait for their turn (an acquire load by one thread, then L1
+    invalidated, in a loop nested in the tile loop) and pass it on after the adds (a GPU-scope fence, then the
+    add), d=64 causal, with the unordered kernel's five wgmma groups a tile, no spill, fewer instructions a score
+    than the two-pass backward's."""
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        pytest.skip("this triton has no Gluon (triton.experimental.gluon)")
+    out = tmp_path / "row.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, "-m", "tools.gluon.backward_profile", "--json", str(out), "--causal", "--deterministic"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    loops = r["loops"]
+    assert len(loops) == 6 and all(x["groups"] == 5 and x["red"] > 0 and x["local"] == 0 for x in loops)
+    assert r["ordering"] == [6, 6, 6]  # per tile loop: an acquire (L1 invalidated), a fence, a release add
+    assert r["spill_bytes"] == 0 and 0 < r["per_score"] < TWO_PASS_PER_SCORE

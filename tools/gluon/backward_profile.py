@@ -7,7 +7,7 @@ atomic reductions of dQ, and instructions per score in the consumers' unmasked l
 
 ``--window left:right`` (-1 for an unbounded side) and ``--softcap``: compiled for a sliding window and a softcap;
 ``--packed``: for packed sequences (``flash_attn_varlen_func``'s layout, the profile's batch as two sequences);
-``--deterministic``: dQ's adds ordered on semaphores (``atomics`` counts their scalar atomics, ``spin`` the wait's).
+``--deterministic``: dQ's adds ordered on semaphores (``ordering``: the turns' acquires, fences, release adds).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile sh
 CONSUMER_WARPS = 8
 # S^T, dP^T, dV, dK, dQ: each wgmma its own commit group; at d=128 dQ is two (each warpgroup's dS^T)
 GROUPS_PER_TILE = {64: 5, 128: 6, 256: 6}
+SPIN_LENGTH = 16  # instructions of the deterministic kernels' wait for a semaphore (12 on sm_90), a loop in a loop
 # Scores a tile: 128 keys x 64 queries (backward.py), 64 x 64 at d=256 (backward_wide.py)
 SCORES_PER_TILE = {64: 128 * 64, 128: 128 * 64, 256: 64 * 64}
 
@@ -52,9 +53,11 @@ def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, 
     report = cubin_report(kernel.asm["cubin"])
     sass = report.sass
     loops = []
-    matmul_loops = [loop for loop in sass.loops() if sass.count("HGMMA", loop)]
-    for loop in matmul_loops:  # the innermost with matmuls (deterministic: a semaphore's spin loop nests inside)
-        if any(loop.contains(other) and other != loop for other in matmul_loops):
+    every = sass.loops()
+    for loop in every:  # the tile loops: with matmuls, nothing nested but a spin (deterministic: the semaphore's)
+        nested = [other for other in every if loop.contains(other)]
+        if not sass.count("HGMMA", loop) or any(other.length > SPIN_LENGTH or sass.count("HGMMA", other)
+                                                for other in nested):
             continue
         body = sass.instructions[loop.start: loop.end + 1]
         groups = sum(ins.opcode.startswith("HGMMA") and "gsb0" in ins.operands for ins in body)
@@ -71,7 +74,9 @@ def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, 
         "setmaxnreg": sorted({int(ins.operands.split(",")[-1], 16) for ins in sass.instructions
                               if ins.opcode.startswith("USETMAXREG")}),
         "shared_bytes": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "hgmma": sass.count("HGMMA"),
-        "tma_loads": sass.count("UTMALDG"), "loops": loops, "atomics": sass.count("ATOM"),
+        "tma_loads": sass.count("UTMALDG"), "loops": loops,
+        # deterministic: the turns' acquires (a load, then L1 invalidated), the fences before the release adds, the adds
+        "ordering": [sass.count("CCTL.IVALL"), sass.count("MEMBAR.ALL.GPU"), sass.count("REDG.E.ADD.STRONG.GPU")],
         "per_score": round(lean["length"] * CONSUMER_WARPS / SCORES_PER_TILE[tile], 3) if lean else 0.0,
     }
 

@@ -8,7 +8,9 @@ the fp32 dQ sum zeroed and dK, dV poisoned with NaN first. The bound is the tole
 plain bf16 attention's error against float64 (its gradients by autograd), plus one bf16 ulp of the reference's largest
 magnitude. The shapes cross every tile edge the kernels have: 1 row, odd lengths, more queries than keys (causal rows
 that see no key: their dQ 0), grouped heads (a program sums dK and dV over its group); and on two of them sliding
-windows of either alignment and softcaps (``BANDS``).
+windows of either alignment and softcaps (``BANDS``). Deterministic launches (dQ's adds ordered on semaphores) on
+two shapes, the plain band and the first window, each run twice: the two dQs must be the same bits and the
+semaphores back at zero.
 
 ``--dry`` in ``gpu_run`` replaces the kernel by autograd on the CPU, so the harness is tested without a GPU.
 """
@@ -43,8 +45,9 @@ def _grads(q, k, v, dout, *, causal: bool, upcast: bool, band=PLAIN):
     return [g.to(torch.float64) for g in grads]
 
 
-def _kernel_grads(q, k, v, dout, *, causal: bool, dry: bool, band=PLAIN):
-    """(dq, dk, dv) from the tier's backward kernel (``dry``: autograd in the inputs' dtype on the CPU)."""
+def _kernel_grads(q, k, v, dout, *, causal: bool, dry: bool, band=PLAIN, semaphores=None):
+    """(dq, dk, dv) from the tier's backward kernel (``dry``: autograd in the inputs' dtype on the CPU);
+    ``semaphores``: deterministic, on these zeroed counters."""
     import torch
 
     if dry:
@@ -61,7 +64,7 @@ def _kernel_grads(q, k, v, dout, *, causal: bool, dry: bool, band=PLAIN):
     window, top_left, softcap = band
     kernel, grid, kwargs = launch_arguments(q, k, v, dout, (neg_lse2, delta), (dq_sum, dk, dv), causal=causal,
                                             scale=q.shape[-1] ** -0.5, window=window, top_left=top_left,
-                                            softcap=softcap)
+                                            softcap=softcap, dq_semaphores=semaphores)
     kernel[grid](**kwargs)
     torch.cuda.synchronize()
     return [g.to(torch.float64) for g in (dq_sum, dk, dv)]
@@ -76,18 +79,30 @@ def check_backward(d: int, causal: bool, dry: bool) -> dict:
     device = "cpu" if dry else "cuda"
     torch.manual_seed(0)
     cases = []
-    plain = [(shape, PLAIN) for shape in (SHAPES[:2] if dry else SHAPES)]
-    bands = [(shape, band) for shape in (SHAPES[2], SHAPES[4]) for band in BANDS]
-    for (b, nq, nk, h, hk), band in plain + (bands[:1] if dry else bands):
+    plain = [(shape, PLAIN, False) for shape in (SHAPES[:2] if dry else SHAPES)]
+    bands = [(shape, band, False) for shape in (SHAPES[2], SHAPES[4]) for band in BANDS]
+    ordered = [(shape, band, True) for shape in (SHAPES[4], SHAPES[5]) for band in (PLAIN, BANDS[0])]
+    for (b, nq, nk, h, hk), band, deterministic in plain + (bands[:1] if dry else bands + ordered):
         q, dout = (torch.randn(b, nq, h, d, dtype=torch.bfloat16, device=device) for _ in range(2))
         k, v = (torch.randn(b, nk, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
         ref = _grads(q, k, v, dout, causal=causal, upcast=True, band=band)
         base = _grads(q, k, v, dout, causal=causal, upcast=False, band=band)
-        ours = _kernel_grads(q, k, v, dout, causal=causal, dry=dry, band=band)
+        ordering = {}
+        if deterministic:
+            from flashattn.backends.triton.hopper.backward import semaphores_needed
+
+            ordering["semaphores"] = torch.zeros(semaphores_needed(q), dtype=torch.int32, device=device)
+        ours = _kernel_grads(q, k, v, dout, causal=causal, dry=dry, band=band, **ordering)
+        repeats = True
+        if deterministic:  # the same bits again, and the counters left at zero
+            again = _kernel_grads(q, k, v, dout, causal=causal, dry=dry, band=band, **ordering)
+            repeats = all(torch.equal(a, b) for a, b in zip(ours, again, strict=True)) and not (
+                ordering["semaphores"].any())
         eps = torch.finfo(torch.bfloat16).eps
         errors = [max_err(g, r) for g, r in zip(ours, ref, strict=True)]
         bounds = [3 * max_err(g, r) + eps * (1 + r.abs().max().item()) for g, r in zip(base, ref, strict=True)]
         nan = any(bool(torch.isnan(g).any()) for g in ours)
-        ok = not nan and all(e <= bound for e, bound in zip(errors, bounds, strict=True))
-        cases.append(dict(shape=[b, nq, nk, h, hk], band=list(band), ok=ok, errors=errors, bounds=bounds, nan=nan))
+        ok = not nan and repeats and all(e <= bound for e, bound in zip(errors, bounds, strict=True))
+        cases.append(dict(shape=[b, nq, nk, h, hk], band=list(band), ok=ok, errors=errors, bounds=bounds, nan=nan,
+                          deterministic=deterministic, repeats=repeats))
     return {"ok": all(c["ok"] for c in cases), "cases": cases}
