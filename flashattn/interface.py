@@ -71,7 +71,8 @@ def flash_attn_func(  # noqa: PLR0913 (flash_attn's signature)
             i + seqlen_k - seqlen_q + right]; -1 is unbounded.
         softcap: if > 0, scores are ``softcap * tanh(scores / softcap)``.
         alibi_slopes: (nheads,) or (batch, nheads); adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
-        deterministic: bitwise-reproducible backward (always true of the CPU path).
+        deterministic: bitwise-reproducible backward (always true of the CPU path; also asked for by
+            ``torch.use_deterministic_algorithms(True)``, as every PyTorch op is).
         return_attn_probs: also return ``softmax_lse`` and, with dropout, ``S_dmask`` (testing only: it
             materialises a (batch, nheads, seqlen_q, seqlen_k) tensor; without dropout it is None and costs
             nothing).

@@ -102,3 +102,25 @@ def test_sdpa_rejects(overrides, error, words):
     assert message.startswith("scaled_dot_product_attention:")
     for word in words:
         assert word in message, f"{word!r} missing from: {message}"
+
+
+def test_torch_deterministic_mode_asks_for_deterministic_kernels():
+    """PyTorch's convention: ``torch.use_deterministic_algorithms(True)`` makes every call ask for its deterministic
+    kernels (``deterministic=True`` for the flash_attn functions; SDPA has no flag of its own), and the checker's
+    cache of passed signatures keeps the two modes apart."""
+    from flashattn.checks.flash import check_flash
+    from flashattn.checks.sdpa import check_sdpa
+
+    q = torch.randn(1, 8, 2, 16)
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                   alibi_slopes=None, deterministic=False, return_attn_probs=False)
+    sdpa = lambda: check_sdpa("scaled_dot_product_attention", q.transpose(1, 2), q.transpose(1, 2),  # noqa: E731
+                              q.transpose(1, 2), is_causal=True)[0].spec
+    assert not check_flash("flash_attn_func", q, q, q, **options).spec.deterministic and not sdpa().deterministic
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert check_flash("flash_attn_func", q, q, q, **options).spec.deterministic and sdpa().deterministic
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert not check_flash("flash_attn_func", q, q, q, **options).spec.deterministic

@@ -89,7 +89,9 @@ def flash_options(fn: str, q: torch.Tensor, *, batch: int, learnable_sink: objec
     if set(options) != set(FLASH_OPTIONS):  # a programming error inside the library, never the user's
         raise TypeError(f"flash_options: expected the options {FLASH_OPTIONS}, got {tuple(options)}")
     causal = validate_flag(fn, "causal", options["causal"])
-    deterministic = validate_flag(fn, "deterministic", options["deterministic"])
+    # PyTorch's convention: torch.use_deterministic_algorithms(True) asks every op for its deterministic kernels.
+    deterministic = validate_flag(fn, "deterministic", options["deterministic"]) or (
+        torch.are_deterministic_algorithms_enabled())
     validate_flag(fn, "return_attn_probs", options["return_attn_probs"])
     left, right = validate_window(fn, options["window_size"], causal)
     return AttentionSpec(
@@ -110,7 +112,8 @@ def check_flash(fn: str, q: object, k: object, v: object, *, names: tuple[str, s
     """Validate the arguments of the ``flash_attn_*func`` family (flash layout, bottom-right causal); ``options``
     are the keyword arguments of ``flash_attn_func`` after q, k, v, and ``block_mask`` a FlexAttention
     ``BlockMask`` or None."""
-    signature = _CHECKED.key(fn, (q, k, v), (names, block_mask, *options, *options.values()))
+    signature = _CHECKED.key(fn, (q, k, v), (names, block_mask, torch.are_deterministic_algorithms_enabled(),
+                                             *options, *options.values()))
     spec = _CHECKED.get(signature)
     if spec is not None:
         return CheckedCall(q, k, v, spec)

@@ -173,6 +173,7 @@ def check_sdpa(fn: str, query: object, key: object, value: object, **options) ->
         dropout_p=validate_dropout(fn, options.get("dropout_p", 0.0)),
         attn_mask=_mask_four_dims(mask, shapes, (length_q, length_k)),
         block_sparse=block_sparse,
+        deterministic=torch.are_deterministic_algorithms_enabled(),  # (PyTorch's global switch: SDPA has no flag)
     )
     q4 = _as_four_dims(q, shapes.batch, shapes.heads_q)
     k4, v4 = (_as_four_dims(t, shapes.batch, shapes.heads_k) for t in (k, v))
