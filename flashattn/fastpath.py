@@ -160,7 +160,8 @@ def flash(q: object, k: object, v: object, options: tuple, absent: tuple) -> tup
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15, k.shape, k.stride(), k.dtype, k.device,
                k.data_ptr() & 15, v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, k is q, v is q, v is k,
-               options, grad, backends.requested_by(), stubbed)  # (is: the plans' slots, ``spec.aliases``)
+               options, grad, torch.are_deterministic_algorithms_enabled(), backends.requested_by(),
+               stubbed)  # (is: the plans' slots, ``spec.aliases``; the switch: the checkers' ``deterministic``)
     except RuntimeError:  # no strides (sparse, nested, MKL-DNN) or no storage (torch.func's wrappers, even
         return None, None  # escaped from their transform): the full way, whose checks say what it is
     entry = _ENTRIES.get(key)
@@ -199,7 +200,7 @@ def sdpa(query: object, key: object, value: object, attn_mask: object, options: 
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     try:
         signature = ("sdpa", *map(_signature, (query, key, value)), key is query, value is query, value is key,
-                     options, grad, backends.requested_by(), stubbed)
+                     options, grad, torch.are_deterministic_algorithms_enabled(), backends.requested_by(), stubbed)
     except RuntimeError:
         return None, None
     entry = _ENTRIES.get(signature)
@@ -282,8 +283,8 @@ def varlen(given: tuple, maxima: tuple, options: tuple, absent: tuple) -> tuple[
     if grad and table is not None:
         return None, None
     try:
-        key = ("varlen", *map(_signature, given), aliases(given), maxima, options, grad, backends.requested_by(),
-               stubbed)
+        key = ("varlen", *map(_signature, given), aliases(given), maxima, options, grad,
+               torch.are_deterministic_algorithms_enabled(), backends.requested_by(), stubbed)
     except RuntimeError:  # no strides or storage: the full way's checks say what it is
         return None, None
     entry = _ENTRIES.get(key)

@@ -172,9 +172,10 @@ def test_deterministic_dq_turns_rank_every_block_that_adds_into_a_tile(block_n):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_deterministic_backward_emulated_adds_dq_in_turn(d):
     """``deterministic``: each warpgroup's adds into a query tile's dQ wait for their turn on a semaphore
-    (``backward_parts._dq_turn``; the emulation runs programs one after another in the grid's order, so a turn
-    that is not exactly the count of the adds before it never comes: a deadlock, raised), and the last add of each
-    tile sets its semaphore back to zero (checked: ``emulate_backward``). The gradients against float64 by the
+    (``backward_parts._dq_turn``; the emulation runs each head's key blocks one after another in the grid's order,
+    so a turn that is not exactly the count of the adds before it never comes: a deadlock, raised), every add waits
+    for one, and the last add of each tile sets its semaphore back to zero (both checked: ``emulate_backward``).
+    The gradients against float64 by the
     suite's rule and against the unordered kernel's (the same sums in another order), causal (the grid reversed),
     full, windows, a softcap, grouped heads, a batch of two, and packed sequences."""
     import itertools

@@ -45,6 +45,8 @@ def test_stubbed_calls_launch_the_tier_on_their_own_tensors():
     deterministic = seen["tier=hopper deterministic"]
     assert [step[:3] for step in deterministic] == [[backward[1], [2 * 2, 3], 3], [backward[1], [2 * 2, 3], 0]]
     assert all(len(step[3]) == 1 and step[3][0][0] >= 96 and step[3][0][1] == 0 for step in deterministic)
+    # torch.use_deterministic_algorithms(True) asks for the same, also of a call the fast path has seen before.
+    assert seen["tier=hopper torch deterministic"] == [0, 0, 1]
     # FP8: the tier's forward on e4m3 q, k, v, V^T's map over (batch x kv heads x d, keys padded to 32: 320).
     assert seen["tier=hopper fp8"] == [["attention_forward_ws_kernel", [8, 3]], [2 * 4 * 64, 320]]
     # d=128: the same kernel and grid; d=256: backward_wide's, 64 keys a program (300 keys: 5 blocks).
@@ -148,6 +150,15 @@ def _script() -> dict:
             seen.setdefault("tier=hopper deterministic", []).append(
                 [name, list(grid[:2]), launches.through_launcher, [[c.numel(), int(c.count_nonzero())]
                                                                    for c in counters]])
+        for switch in (False, False, True):  # PyTorch's global switch, after the fast path learned the call
+            torch.use_deterministic_algorithms(switch)
+            q, k, v = dense(hk=2, grad=True)()
+            out = flashattn.flash_attn_func(q, k, v, causal=True)
+            launches.clear()
+            out.backward(torch.ones_like(out))
+            counters = [a for a in launches.arguments[1][2] if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
+            seen.setdefault("tier=hopper torch deterministic", []).append(len(counters))
+        torch.use_deterministic_algorithms(False)
         for d in (40, 96, 192):  # padded tiles: 64, 128, 256 columns of the (batch x keys, 2 x d) view
             q, k, v = dense(d=d, hk=2, grad=True)()
             launches.clear()

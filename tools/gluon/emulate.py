@@ -34,6 +34,8 @@ import torch
 from flashattn.backends.triton.hopper import backward, forward
 
 WAIT_S = 60.0  # a partition blocked this long while others still run: the emulation is stuck, not slow
+# fp32 atomic adds (dQ's) and waits for a turn (``backward_parts._wait_turn``) since the last emulate_backward began
+COUNTS = {"dq_adds": 0, "turns": 0}
 
 
 class _Tensor(torch.Tensor):
@@ -269,11 +271,14 @@ def _primitives(program: _Program, pid: tuple, grid: tuple) -> dict:
             value = torch.broadcast_to(torch.as_tensor(value), offsets.shape)
             pointer.flat.index_add_(0, offsets[keep], value[keep].to(pointer.flat.dtype))
             program.cond.notify_all()  # (a semaphore some partition waits on: ``wait_turn``)
+            COUNTS["dq_adds"] += pointer.flat.dtype == torch.float32
         return _t(old)
 
     def wait_turn(sem_ptr, turn):  # backward_parts._wait_turn's spin, as a wait the deadlock check sees
         offset = int(sem_ptr.where(None)[0])
         program.block_until(lambda: int(sem_ptr.flat[offset]) == int(turn))
+        with program.cond:
+            COUNTS["turns"] += 1
 
     def allocate(dtype, shape, layout=None):
         if dtype is torch.int64:  # mbarriers
@@ -338,8 +343,9 @@ def _kernel(kernel, program: _Program, pid: tuple, grid: tuple):
 
 
 def _run(kernel, grid: tuple, kwargs: dict) -> None:
-    """Every program of the grid, one after another (each one's partitions in threads); int arguments as the GPU
-    holds them (int32 where they fit), tensors as pointers, descriptors as TMA reads."""
+    """Every program of the grid, one after another (each one's partitions in threads; axis 1 fastest, where the GPU
+    starts axis 0's first: the same order within each axis-0 index, all the backward's turns depend on); int
+    arguments as the GPU holds them (int32 where they fit), tensors as pointers, descriptors as TMA reads."""
     arguments = {}
     constexprs = {p.name for p in kernel.params if p.is_constexpr}
     for key, value in kwargs.items():
@@ -380,7 +386,7 @@ def emulate_backward(q, k, v, out, lse, dout, *, deterministic: bool = False,
     as ``backward.launch_arguments(..., **arguments)`` launches it (causal, scale, window, top_left, softcap, ...),
     from the forward's out and lse (natural log, (batch, heads, seqlen_q), packed (heads, total_q)), the statistics
     as the portable preprocess writes them; dk and dv poisoned with NaN first. ``deterministic``: dQ's adds ordered
-    on zeroed counters, which must end at zero (else ``RuntimeError``)."""
+    on zeroed counters, which must end at zero, every add having waited for its turn (else ``RuntimeError``)."""
     neg_lse2 = torch.where(torch.isneginf(lse), -math.inf, -lse.float() * forward.LOG2E).contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # (batch, seqlen_q, heads), packed (total, heads)
     delta = (delta.T if arguments.get("cu_seqlens") is not None else delta.transpose(1, 2)).contiguous()
@@ -390,7 +396,10 @@ def emulate_backward(q, k, v, out, lse, dout, *, deterministic: bool = False,
     semaphores = torch.zeros(backward.semaphores_needed(q, sequences=sequences) + 1, dtype=torch.int32)
     kernel, grid, kwargs = backward.launch_arguments(q, k, v, dout, (neg_lse2, delta), (dq, dk, dv),
                                                      dq_semaphores=semaphores if deterministic else None, **arguments)
+    COUNTS.update(dq_adds=0, turns=0)
     _run(kernel, grid, kwargs)
+    if deterministic and COUNTS["turns"] != COUNTS["dq_adds"]:
+        raise RuntimeError(f"emulate_backward: {COUNTS['dq_adds']} dQ adds, {COUNTS['turns']} of them in turn")
     if semaphores.any():
         raise RuntimeError(f"emulate_backward: {int(semaphores.count_nonzero())} dQ semaphores left nonzero "
                            f"(first at {int(semaphores.nonzero()[0])}: {int(semaphores[semaphores != 0][0])})")
