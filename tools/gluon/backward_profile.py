@@ -26,7 +26,7 @@ PROFILE_SHAPE = (2, 2048, 4)  # batch, tokens, heads: the tl kernels' profile sh
 CONSUMER_WARPS = 8
 # S^T, dP^T, dV, dK, dQ: each wgmma its own commit group; at d=128 dQ is two (each warpgroup's dS^T)
 GROUPS_PER_TILE = {64: 5, 128: 6, 256: 6}
-SPIN_LENGTH = 16  # instructions of the deterministic kernels' wait for a semaphore (12 on sm_90), a loop in a loop
+SPIN_LENGTH = 32  # instructions of the deterministic kernels' wait for a turn (a poll in a loop of 23 on sm_90)
 # Scores a tile: 128 keys x 64 queries (backward.py), 64 x 64 at d=256 (backward_wide.py)
 SCORES_PER_TILE = {64: 128 * 64, 128: 128 * 64, 256: 64 * 64}
 
@@ -54,7 +54,7 @@ def measure(causal: bool, head_dim: int = 64, *, window: tuple[int, int] = (-1, 
     sass = report.sass
     loops = []
     every = sass.loops()
-    for loop in every:  # the tile loops: with matmuls, nothing nested but a spin (deterministic: the semaphore's)
+    for loop in every:  # the tile loops: with matmuls, nothing nested but a wait (deterministic: for a turn)
         nested = [other for other in every if loop.contains(other)]
         if not sass.count("HGMMA", loop) or any(other.length > SPIN_LENGTH or sass.count("HGMMA", other)
                                                 for other in nested):

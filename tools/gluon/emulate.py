@@ -274,7 +274,7 @@ def _primitives(program: _Program, pid: tuple, grid: tuple) -> dict:
             COUNTS["dq_adds"] += pointer.flat.dtype == torch.float32
         return _t(old)
 
-    def wait_turn(sem_ptr, turn):  # backward_parts._wait_turn's spin, as a wait the deadlock check sees
+    def wait_turn(sem_ptr, turn, seen):  # backward_parts._wait_turn's poll, as a wait the deadlock check sees
         offset = int(sem_ptr.where(None)[0])
         program.block_until(lambda: int(sem_ptr.flat[offset]) == int(turn))
         with program.cond:

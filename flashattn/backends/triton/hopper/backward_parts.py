@@ -89,10 +89,19 @@ def _dq_turn(order, j, SCORES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _wait_turn(sem_ptr, turn):
-    """Spin until the semaphore reads ``turn`` (acquire: the adds it counts come before this warpgroup's)."""
-    while gl.atomic_add(sem_ptr, 0, sem="acquire") != turn:
-        pass
+def _turn_seen(sem_ptr):
+    """The semaphore's count, read with acquire while the tile's products run (its latency under theirs)."""
+    return gl.atomic_add(sem_ptr, 0, sem="acquire")
+
+
+@gluon.jit
+def _wait_turn(sem_ptr, turn, seen):
+    """Until the semaphore reads ``turn``: ``seen`` (``_turn_seen``'s) did, or a relaxed poll does (an acquire
+    invalidates L1 each time), then one acquire: the adds it counts come before this warpgroup's."""
+    while seen != turn:  # (the acquire's value tested, so that it is not dropped as unused)
+        while gl.atomic_add(sem_ptr, 0, sem="relaxed") != turn:
+            pass
+        seen = gl.atomic_add(sem_ptr, 0, sem="acquire")
 
 
 @gluon.jit
