@@ -13,7 +13,8 @@ them sliding windows (either alignment) and softcaps (``BANDS``, the launched sc
 before the launch, judged by the tolerance rule of ``tests/oracle.py`` (at most 2x plain bf16 attention's error
 against float64). Only the variants that pass are timed, in one more subprocess: 16k tokens a batch (2048 = heads x
 d, FlashAttention-3's setting) at N = 1024 and 8192, beside SDPA's cuDNN and flash backends and the ``triton`` path
-of flashattn (``flash_attn_func``), CUDA events, L2 flushed, median of 20. ``gluon.json`` holds everything; the
+of flashattn (``flash_attn_func`` as it chooses, and with its portable forward alone: gpu-tune's ``tier`` step picks
+the schedules against that), CUDA events, L2 flushed, median of 20. ``gluon.json`` holds everything; the
 table is printed last.
 
 ``--dry`` replaces the kernel by plain attention on the CPU, so the harness itself can be tested without a GPU.
@@ -188,7 +189,8 @@ def _tflops(b, h, n, d, causal, seconds):
 
 
 def _implementations(kernel, q, k, v, *, causal: bool, indices: list[int]) -> dict:
-    """name -> a call of it on (q, k, v): the Gluon variants, SDPA's cuDNN and flash backends, flashattn."""
+    """name -> a call of it on (q, k, v): the Gluon variants, SDPA's cuDNN and flash backends, flashattn (as it
+    chooses, and its portable forward alone)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -206,6 +208,13 @@ def _implementations(kernel, q, k, v, *, causal: bool, indices: list[int]) -> di
     impls["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     impls["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
     impls["flashattn"] = lambda: flashattn.flash_attn_func(q, k, v, causal=causal)
+
+    def portable():  # the portable forward alone: what gpu-tune's ``tier`` step compares the schedules with
+        from flashattn.backends.triton import hopper
+
+        with hopper.using("portable"):
+            return flashattn.flash_attn_func(q, k, v, causal=causal)
+    impls["flashattn-portable"] = portable
     return impls
 
 

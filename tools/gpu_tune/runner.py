@@ -20,7 +20,8 @@ TUNED = (("forward", 128), ("backward", 128), ("forward", 64), ("backward", 64),
 
 
 def steps(*, smoke: bool, jobs: int, measured: str) -> list[Step]:
-    # The portable kernels are what is tuned and compared (their tables): the Hopper tier's forward stays out.
+    # The portable kernels are what the sweeps tune and the comparison times (their tables: the Hopper tier stays
+    # out of both); the tier's own step picks its schedules.
     interpret = {"TRITON_INTERPRET": "1", "FLASHATTN_CPU_KERNEL": "0"} if smoke else {}
     interpret["FLASHATTN_TRITON_TIER"] = "portable"
     plan = []
@@ -30,6 +31,10 @@ def steps(*, smoke: bool, jobs: int, measured: str) -> list[Step]:
                 "--name", name, "--jobs", str(jobs)] + (["--smoke"] if smoke else [])
         share = 0.16 if d == 128 and group != "decode" else 0.1
         plan.append(Step(name, args, share, 2 if smoke else 25, env=dict(interpret), reader="tune"))
+    if not smoke:  # the Hopper tier's forward schedules (sm_90 alone: skipped elsewhere), checked, then timed
+        # beside the portable forward with the configs just measured (``tier.pick``)
+        plan.append(Step("tier", ["tools.gluon.gpu_run", "--out", "{out}", "--budget", "{allowed}", "--jobs",
+                                  str(jobs)], 0.2, 60, env={"FLASHATTN_TRITON_MEASURED": measured}, reader="gluon"))
     compare = ["flashattn", "bench", "sweep", "--modes", "fwd,bwd", "--quiet", "--out", "{out}", "--name", "compare"]
     if smoke:
         compare += ["--seqlens", "64", "--headdims", "16", "--causal", "false", "--baselines", "sdpa", "--repeats",
@@ -58,7 +63,14 @@ def merge(work: Path, header: dict) -> dict:
                             "tflops": w.get("tflops"), "speedup": round(speedup, 3),
                             "dtype": data["dtype"], "device": header["device"], "date": header["date"],
                             "versions": header["versions"], "commit": header["commit"]})
-    return {"family": family, "entries": entries}
+    gluon = work / "gluon.json"  # the tier step's (sm_90: the tier's family)
+    tier_entries = []
+    if gluon.exists():
+        from .tier import pick
+
+        tier_entries = [{**e, "device": header["device"], "date": header["date"], "versions": header["versions"],
+                         "commit": header["commit"]} for e in pick(json.loads(gluon.read_text()).get("speed", []))]
+    return {"family": family or ("sm90" if tier_entries else None), "entries": entries, "tier": tier_entries}
 
 
 def _tune_headline(work: Path, step: Step) -> str:
@@ -94,7 +106,8 @@ def command(args: argparse.Namespace) -> int:
         table = merge(work, header)
         if table["family"]:  # one entry per line: a committed file reads and diffs by entry
             text = (f'{{"family": "{table["family"]}", "entries": [\n'
-                    + ",\n".join(json.dumps(e) for e in table["entries"]) + "\n]}\n")
+                    + ",\n".join(json.dumps(e) for e in table["entries"]) + "\n], \"tier\": [\n"
+                    + ",\n".join(json.dumps(e) for e in table["tier"]) + "\n]}\n")
             measured.write_text(text)
             (dest / f"measured-{table['family']}.json").write_text(text)
 

@@ -62,3 +62,46 @@ def load(folder: Path = FOLDER, extra: str | None = None) -> dict[str, Measured]
         for kernel, table in entries.items():
             found.setdefault(family, {}).setdefault(kernel, {}).update(table)
     return found
+
+
+# --- the Hopper tier's forward: its schedule per head dim, and how it compared with the portable forward ---------
+# A family file's "tier" list (``tools/gpu_tune``'s ``tier`` step, from gpu-check's ``gluon`` timing):
+#   {"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 64, "schedule": "pv+pingpong",
+#    "vs_portable": 1.37, "worst": 1.12, "cases": 4, "device": ..., "date": ...}
+# ``vs_portable``: the geometric mean of its speed over the portable forward's in the cases timed (causal and not, 1k
+# and 8k tokens a sequence), ``worst`` the least of them. The tier reads it (``hopper.declines``, ``launch_forward``).
+TierMeasured = dict[tuple[str, int], dict]  # (dtype name, head dim) -> entry
+
+
+def parse_tier(data: dict) -> TierMeasured:
+    """A measured file's tier entries by (dtype, head dim); a malformed one is an error naming what is wrong.
+
+    >>> parse_tier({"tier": [{"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 128, "schedule": "pv",
+    ...                       "vs_portable": 1.1, "worst": 1.02}]})[("bfloat16", 128)]["schedule"]
+    'pv'
+    """
+    out: TierMeasured = {}
+    for entry in data.get("tier", []):
+        ratios = (entry.get("vs_portable"), entry.get("worst"))
+        if (entry.get("kernel") != "tier_forward" or entry.get("dtype") not in ("bfloat16", "float16")
+                or entry.get("head_dim") not in (64, 128, 256) or not isinstance(entry.get("schedule"), str)
+                or not all(isinstance(r, (int, float)) and r > 0 for r in ratios)):
+            raise ValueError("a measured tier entry needs kernel 'tier_forward', dtype bfloat16 or float16, head_dim "
+                             f"64, 128 or 256, a schedule string and positive vs_portable and worst; got {entry!r}")
+        out[(entry["dtype"], entry["head_dim"])] = entry
+    return out
+
+
+def load_tier(family: str = "sm90", folder: Path = FOLDER, extra: str | None = None) -> TierMeasured:
+    """``family``'s tier entries: the shipped file's, then ``extra`` (default ``$FLASHATTN_TRITON_MEASURED``) over
+    them."""
+    extra = os.environ.get(ENV) if extra is None else extra
+    found: TierMeasured = {}
+    for path in sorted(folder.glob("*.json")) + ([Path(extra)] if extra else []):
+        try:
+            data = json.loads(path.read_text())
+            if data.get("family") == family:
+                found.update(parse_tier(data))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"flashattn: the measured tier entries in {path} do not read: {e}") from e
+    return found

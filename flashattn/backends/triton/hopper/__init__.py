@@ -8,8 +8,9 @@ under ``auto`` (``declines``): bf16 with head dim 64, dense (batch, seqlen, head
 query heads, causal (bottom-right) or not, and nothing else (no window, softcap, ALiBi, mask, block mask, dropout,
 sink, FP8, KV cache or packed sequences). There, on an H200, its schedule ran 1.36-1.40x the portable forward at 8k
 tokens, 1.26x at 1k (level when causal), correct against float64 in every case tried (``benchmarks/NOTES.md``); at
-head dim 128 it was level, so the portable kernel keeps it. Its backward is the portable one, from the same out and
-lse, unless forced as below.
+head dim 128 it was level, so the portable kernel keeps it. A measured table's ``tier`` entries (``make gpu-tune``:
+``measured.load_tier``) replace that rule and the launched schedule per head dim (``measured_faster``,
+``launched_schedule``). Its backward is the portable one, from the same out and lse, unless forced as below.
 
 ``FLASHATTN_TRITON_TIER`` chooses, for comparison and for users: ``auto`` (the default: the rule above),
 ``portable`` (never the tier), ``hopper`` (the tier wherever it can run: head dim 128, fp16, and, which the kernel
@@ -31,6 +32,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...environ import Variable, setting
@@ -40,7 +43,11 @@ from ..configs import DECODE_MAX_ROWS
 
 TIER = Variable("FLASHATTN_TRITON_TIER")
 TIERS = ("auto", "portable", "hopper")
-MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above)
+MEASURED_FASTER = {(torch.bfloat16, 64)}  # (dtype, head dim) where ``auto`` takes the tier (see above) ...
+# ... unless a measured file has an entry for it (``measured.load_tier``: gpu-tune's ``tier`` step): then ``auto``
+# takes the tier where that entry reads at least this much faster than the portable forward over its cases
+# (geometric mean) and no case slower than the second, and launches the schedule it names.
+TAKES_OVER = (1.02, 0.98)
 TILE_DIMS = (64, 128, 256)  # the head dims the kernels' tiles have; those below run padded (``tile_dim``)
 # What the kernels can run (``hopper``): these dtypes, and head dims that are multiples of 8 (a TMA row is 16
 # bytes) up to 256, those between 64, 128 and 256 on padded tiles (FP8 at those three alone).
@@ -104,7 +111,7 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
         return "head dims or grouped heads"
     if fp8 and (why := _fp8_declines(d, spec, chosen=chosen, values_interleaved=values_interleaved)):
         return why
-    if chosen == "auto" and (q.dtype, d) not in MEASURED_FASTER:
+    if chosen == "auto" and not measured_faster(q.dtype, d):
         return "not measured faster than the portable forward"
     if chosen == "auto" and hk != h:
         return "grouped heads (run by FLASHATTN_TRITON_TIER=hopper until a GPU has checked them)"
@@ -117,6 +124,39 @@ def declines(q, k, v, spec: AttentionSpec, *, probs: bool, arch: int | str | Non
     why = "probabilities" if probs else _options_decline(spec, aligned, fp8=fp8, band=True) or _memory_declines(
         q, k, v.permute(0, 2, 3, 1) if fp8 else v, diagonal_offset=spec.diagonal_offset)
     return why or _target_declines(arch)
+
+
+@functools.cache
+def _tier_measured() -> dict:
+    from ..measured import load_tier
+
+    return load_tier()
+
+
+def measured_faster(dtype: torch.dtype, d: int) -> bool:
+    """Whether ``auto`` takes the tier's forward at this dtype and head dim (``TAKES_OVER``; ``MEASURED_FASTER``
+    where no measured entry says)."""
+    entry = _tier_measured().get((str(dtype).removeprefix("torch."), d))
+    if entry is None:
+        return (dtype, d) in MEASURED_FASTER
+    return entry["vs_portable"] >= TAKES_OVER[0] and entry["worst"] >= TAKES_OVER[1]
+
+
+def launched_schedule(dtype: torch.dtype, tile: int):
+    """The forward schedule the tier launches on tiles of ``tile`` columns: a measured entry's (its dtype's; fp16
+    also bf16's, the same instructions), else ``forward.LAUNCHED``'s (FP8's always: it is timed on its own)."""
+    from .forward import LAUNCHED, VARIANTS
+
+    found = _tier_measured()
+    entry = found.get((str(dtype).removeprefix("torch."), tile)) or (
+        found.get(("bfloat16", tile)) if dtype == torch.float16 else None)
+    if entry is None:
+        return LAUNCHED[tile]
+    for schedule in VARIANTS:
+        if str(schedule) == entry["schedule"]:
+            return schedule
+    raise ValueError(f"flashattn: the measured tier schedule {entry['schedule']!r} (head dim {tile}) is none of "
+                     f"{', '.join(map(str, VARIANTS))}")
 
 
 def _fp8_declines(d: int, spec: AttentionSpec, *, chosen: str, values_interleaved: bool) -> str | None:
@@ -195,10 +235,11 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     it as any other kernel: a plan rebuilds its Gluon descriptors around each call's tensors). FP8: ``descale``
     (B, Hk) the scores' scale, out float32."""
     from ..launch import launch
-    from .forward import LAUNCHED, attention_forward_ws_kernel, launch_arguments
+    from .forward import attention_forward_ws_kernel, launch_arguments
 
     packed = spec.varlen
-    grid, kwargs = launch_arguments(q, k, v, out, lse, schedule=LAUNCHED[tile_dim(q.shape[-1])], descale=descale,
+    schedule = launched_schedule(q.dtype, tile_dim(q.shape[-1]))
+    grid, kwargs = launch_arguments(q, k, v, out, lse, schedule=schedule, descale=descale,
                                     max_seqlen_q=0 if packed is None else packed.max_seqlen_q,
                                     **_band_arguments(q, k, spec))
     launch(attention_forward_ws_kernel, grid, **kwargs)
