@@ -13,7 +13,7 @@ from triton_versions import needs_triton, recorded_on_oldest
 from flashattn.backends.spec import AttentionSpec
 from flashattn.backends.triton import hopper, measured
 from tools.gpu_tune.runner import merge
-from tools.gpu_tune.tier import pick
+from tools.gpu_tune.tier import pick, pick_backward
 
 CASES = [(causal, n) for causal in (True, False) for n in (1024, 8192)]
 
@@ -49,12 +49,34 @@ def test_merge_writes_the_tier_entries_with_their_provenance(tmp_path):
     assert table["family"] == "sm90" and table["entries"] == []
     (entry,) = table["tier"]
     assert entry["device"] == "NVIDIA H200" and entry["commit"] == "abc" and entry["schedule"] == "pv"
-    assert measured.parse_tier(table)[("bfloat16", 128)] == entry
+    assert measured.parse_tier(table)[("tier_forward", "bfloat16", 128)] == entry
     assert merge(tmp_path / "none", header)["tier"] == []  # no tier step (smoke, or not sm_90)
 
 
+def test_the_backward_entry_compares_the_tiers_backward_with_the_portable_one(tmp_path):
+    """``tier-backward``: flashattn-hopper's backward over flashattn's (the portable one) in every case, bf16 "bwd"
+    rows only; a head dim where the tier misses a case gets no entry. Written beside the forward's entries when the
+    run reached the tier (its ``gluon.json`` not skipped)."""
+    def row(impl, d, causal, n, tflops, mode="bwd"):
+        return dict(impl=impl, headdim=d, causal=causal, seqlen=n, mode=mode, dtype="bfloat16", tflops=tflops)
+
+    rows = [row("flashattn", d, c, n, 100.0) for d in (64, 128) for c, n in CASES]
+    rows += [row("flashattn-hopper", 128, c, n, t) for (c, n), t in zip(CASES, (150.0, 120.0, 90.0, 200.0),
+                                                                         strict=True)]
+    rows += [row("flashattn-hopper", 64, True, 1024, 300.0), row("flashattn-hopper", 64, False, 1024, 1.0, "fwd")]
+    (entry,) = pick_backward(rows)
+    assert entry["kernel"] == "tier_backward" and entry["head_dim"] == 128 and entry["worst"] == 0.9
+    assert entry["vs_portable"] == pytest.approx((1.5 * 1.2 * 0.9 * 2.0) ** 0.25, abs=1e-3)
+    header = {"device": "NVIDIA H200", "date": "2026-11-29", "versions": {}, "commit": "abc"}
+    (tmp_path / "tier-backward.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "gluon.json").write_text(json.dumps({"skipped": "not sm_90"}))
+    assert merge(tmp_path, header)["tier"] == []
+    (tmp_path / "gluon.json").write_text(json.dumps({"speed": []}))
+    assert [e["kernel"] for e in merge(tmp_path, header)["tier"]] == ["tier_backward"]
+
+
 @pytest.mark.parametrize("entry", [{"head_dim": 96}, {"dtype": "float32"}, {"vs_portable": 0}, {"schedule": 3},
-                                   {"kernel": "forward"}])
+                                   {"kernel": "forward"}, {"schedule": None}])
 def test_a_bad_tier_entry_is_an_error_naming_its_file(tmp_path, entry):
     good = {"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 128, "schedule": "pv", "vs_portable": 1.1,
             "worst": 1.0}
@@ -98,5 +120,35 @@ def test_measured_tier_entries_decide_auto_and_the_launched_schedule(tmp_path, m
         hopper._tier_measured.cache_clear()
         with pytest.raises(ValueError, match="'fastest'"):
             hopper.launched_schedule(torch.bfloat16, 128)
+    finally:
+        hopper._tier_measured.cache_clear()
+
+
+@needs_triton
+@recorded_on_oldest("the Hopper tier's Gluon kernel (Gluon's API changes between releases)")
+def test_a_measured_backward_entry_lets_auto_take_the_tiers_backward(tmp_path, monkeypatch):
+    """``auto`` takes the tier's one-pass backward only where a ``tier_backward`` entry timed it faster: its dtype and
+    head dim, dense, as many key as query heads, causal or full, not deterministic; never without an entry."""
+    path = tmp_path / "sm90.json"
+    path.write_text(json.dumps({"family": "sm90", "tier": [
+        {"kernel": "tier_backward", "dtype": "bfloat16", "head_dim": 128, "vs_portable": 1.2, "worst": 1.05}]}))
+    monkeypatch.setenv("FLASHATTN_TRITON_MEASURED", str(path))
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "auto")
+    hopper._tier_measured.cache_clear()
+    try:
+        q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
+        causal = AttentionSpec(scale=0.125, window_right=0)
+        assert hopper.backward_declines(q, q, q, q, causal, arch=90) is None
+        assert hopper.backward_declines(q, q, q, q, AttentionSpec(scale=0.125), arch=90) is None
+        later = "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has measured it faster"
+        kv = q[:, :, :2].contiguous()
+        small = q[..., :64].contiguous()
+        for args, spec in (((q, kv, kv, q), causal), ((small, small, small, small), causal),
+                           ((q, q, q, q), AttentionSpec(scale=0.125, deterministic=True)),
+                           ((q, q, q, q), AttentionSpec(scale=0.125, window_left=64, window_right=0))):
+            assert hopper.backward_declines(*args, spec, arch=90) == later
+        assert hopper.backward_declines(q, q, q, q, causal, arch=80) == "not sm_90 (80)"
+        monkeypatch.setenv("FLASHATTN_TRITON_TIER", "portable")
+        assert hopper.backward_declines(q, q, q, q, causal, arch=90) == "FLASHATTN_TRITON_TIER=portable"
     finally:
         hopper._tier_measured.cache_clear()

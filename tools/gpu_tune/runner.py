@@ -35,6 +35,13 @@ def steps(*, smoke: bool, jobs: int, measured: str) -> list[Step]:
         # beside the portable forward with the configs just measured (``tier.pick``)
         plan.append(Step("tier", ["tools.gluon.gpu_run", "--out", "{out}", "--budget", "{allowed}", "--jobs",
                                   str(jobs)], 0.2, 60, env={"FLASHATTN_TRITON_MEASURED": measured}, reader="gluon"))
+        # The tier's one-pass backward (forced) beside the portable backward (the tier kept out of "flashattn")
+        plan.append(Step("tier-backward", ["flashattn", "bench", "sweep", "--seqlens", "1024,8192", "--headdims",
+                                           "64,128,256", "--modes", "bwd", "--baselines", "flashattn-hopper",
+                                           "--tokens", "16384", "--repeats", "20", "--quiet", "--out", "{out}",
+                                           "--name", "tier-backward"], 0.1, 30,
+                         env={"FLASHATTN_TRITON_MEASURED": measured, "FLASHATTN_TRITON_TIER": "portable"},
+                         reader="headline"))
     compare = ["flashattn", "bench", "sweep", "--modes", "fwd,bwd", "--quiet", "--out", "{out}", "--name", "compare"]
     if smoke:
         compare += ["--seqlens", "64", "--headdims", "16", "--causal", "false", "--baselines", "sdpa", "--repeats",
@@ -63,14 +70,17 @@ def merge(work: Path, header: dict) -> dict:
                             "tflops": w.get("tflops"), "speedup": round(speedup, 3),
                             "dtype": data["dtype"], "device": header["device"], "date": header["date"],
                             "versions": header["versions"], "commit": header["commit"]})
-    gluon = work / "gluon.json"  # the tier step's (sm_90: the tier's family)
-    tier_entries = []
-    if gluon.exists():
-        from .tier import pick
+    from .tier import pick, pick_backward
 
-        tier_entries = [{**e, "device": header["device"], "date": header["date"], "versions": header["versions"],
-                         "commit": header["commit"]} for e in pick(json.loads(gluon.read_text()).get("speed", []))]
-    return {"family": family or ("sm90" if tier_entries else None), "entries": entries, "tier": tier_entries}
+    tier_entries = []
+    gluon, backward = work / "gluon.json", work / "tier-backward.json"  # the tier steps' (skipped off sm_90)
+    if gluon.exists() and not json.loads(gluon.read_text()).get("skipped") and family in (None, "sm90"):
+        tier_entries = pick(json.loads(gluon.read_text()).get("speed", []))
+        if backward.exists():
+            tier_entries += pick_backward(json.loads(backward.read_text()).get("rows", []))
+    provenance = {key: header[key] for key in ("device", "date", "versions", "commit")}
+    return {"family": family or ("sm90" if tier_entries else None), "entries": entries,
+            "tier": [{**e, **provenance} for e in tier_entries]}
 
 
 def _tune_headline(work: Path, step: Step) -> str:

@@ -65,30 +65,35 @@ def load(folder: Path = FOLDER, extra: str | None = None) -> dict[str, Measured]
 
 
 # --- the Hopper tier's forward: its schedule per head dim, and how it compared with the portable forward ---------
-# A family file's "tier" list (``tools/gpu_tune``'s ``tier`` step, from gpu-check's ``gluon`` timing):
+# A family file's "tier" list (``tools/gpu_tune``'s ``tier`` and ``tier-backward`` steps):
 #   {"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 64, "schedule": "pv+pingpong",
 #    "vs_portable": 1.37, "worst": 1.12, "cases": 4, "device": ..., "date": ...}
-# ``vs_portable``: the geometric mean of its speed over the portable forward's in the cases timed (causal and not, 1k
-# and 8k tokens a sequence), ``worst`` the least of them. The tier reads it (``hopper.declines``, ``launch_forward``).
-TierMeasured = dict[tuple[str, int], dict]  # (dtype name, head dim) -> entry
+#   {"kernel": "tier_backward", "dtype": "bfloat16", "head_dim": 128, "vs_portable": 1.3, "worst": 1.1, ...}
+# ``vs_portable``: the geometric mean of its speed over the portable kernels' in the cases timed (causal and not, 1k
+# and 8k tokens a sequence), ``worst`` the least of them. The tier reads it (``hopper.measured_faster``,
+# ``launched_schedule``).
+TierMeasured = dict[tuple[str, str, int], dict]  # (kernel, dtype name, head dim) -> entry
+TIER_KERNELS = ("tier_forward", "tier_backward")
 
 
 def parse_tier(data: dict) -> TierMeasured:
     """A measured file's tier entries by (dtype, head dim); a malformed one is an error naming what is wrong.
 
     >>> parse_tier({"tier": [{"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 128, "schedule": "pv",
-    ...                       "vs_portable": 1.1, "worst": 1.02}]})[("bfloat16", 128)]["schedule"]
+    ...                       "vs_portable": 1.1, "worst": 1.02}]})[("tier_forward", "bfloat16", 128)]["schedule"]
     'pv'
     """
     out: TierMeasured = {}
     for entry in data.get("tier", []):
-        ratios = (entry.get("vs_portable"), entry.get("worst"))
-        if (entry.get("kernel") != "tier_forward" or entry.get("dtype") not in ("bfloat16", "float16")
-                or entry.get("head_dim") not in (64, 128, 256) or not isinstance(entry.get("schedule"), str)
+        kernel, ratios = entry.get("kernel"), (entry.get("vs_portable"), entry.get("worst"))
+        if (kernel not in TIER_KERNELS or entry.get("dtype") not in ("bfloat16", "float16")
+                or entry.get("head_dim") not in (64, 128, 256)
+                or kernel == "tier_forward" and not isinstance(entry.get("schedule"), str)
                 or not all(isinstance(r, (int, float)) and r > 0 for r in ratios)):
-            raise ValueError("a measured tier entry needs kernel 'tier_forward', dtype bfloat16 or float16, head_dim "
-                             f"64, 128 or 256, a schedule string and positive vs_portable and worst; got {entry!r}")
-        out[(entry["dtype"], entry["head_dim"])] = entry
+            raise ValueError(f"a measured tier entry needs kernel {' or '.join(TIER_KERNELS)}, dtype bfloat16 or "
+                             "float16, head_dim 64, 128 or 256, positive vs_portable and worst, and (forward) a "
+                             f"schedule string; got {entry!r}")
+        out[(kernel, entry["dtype"], entry["head_dim"])] = entry
     return out
 
 

@@ -3,7 +3,8 @@ register reallocation, async wgmma under the softmax; written in Gluon), chosen 
 kernels where they serve the call and were measured faster.
 
 Two kernels: the forward (``forward.py``) and a one-pass backward (``backward.py`` and ``backward_wide.py`` over
-``backward_parts.py``, taken only under ``FLASHATTN_TRITON_TIER=hopper``: ``backward_declines``). The forward's rule
+``backward_parts.py``, taken under ``FLASHATTN_TRITON_TIER=hopper``, and under ``auto`` only where a measured entry
+timed it faster: ``backward_declines``). The forward's rule
 under ``auto`` (``declines``): bf16 with head dim 64, dense (batch, seqlen, heads, d) q, k and v with as many key as
 query heads, causal (bottom-right) or not, and nothing else (no window, softcap, ALiBi, mask, block mask, dropout,
 sink, FP8, KV cache or packed sequences). There, on an H200, its schedule ran 1.36-1.40x the portable forward at 8k
@@ -133,12 +134,12 @@ def _tier_measured() -> dict:
     return load_tier()
 
 
-def measured_faster(dtype: torch.dtype, d: int) -> bool:
-    """Whether ``auto`` takes the tier's forward at this dtype and head dim (``TAKES_OVER``; ``MEASURED_FASTER``
-    where no measured entry says)."""
-    entry = _tier_measured().get((str(dtype).removeprefix("torch."), d))
+def measured_faster(dtype: torch.dtype, d: int, *, kernel: str = "tier_forward") -> bool:
+    """Whether ``auto`` takes the tier's ``kernel`` (``tier_forward`` or ``tier_backward``) at this dtype and head dim
+    (``TAKES_OVER``; where no measured entry says, ``MEASURED_FASTER`` for the forward, never for the backward)."""
+    entry = _tier_measured().get((kernel, str(dtype).removeprefix("torch."), d))
     if entry is None:
-        return (dtype, d) in MEASURED_FASTER
+        return kernel == "tier_forward" and (dtype, d) in MEASURED_FASTER
     return entry["vs_portable"] >= TAKES_OVER[0] and entry["worst"] >= TAKES_OVER[1]
 
 
@@ -148,8 +149,8 @@ def launched_schedule(dtype: torch.dtype, tile: int):
     from .forward import LAUNCHED, VARIANTS
 
     found = _tier_measured()
-    entry = found.get((str(dtype).removeprefix("torch."), tile)) or (
-        found.get(("bfloat16", tile)) if dtype == torch.float16 else None)
+    entry = found.get(("tier_forward", str(dtype).removeprefix("torch."), tile)) or (
+        found.get(("tier_forward", "bfloat16", tile)) if dtype == torch.float16 else None)
     if entry is None:
         return LAUNCHED[tile]
     for schedule in VARIANTS:
@@ -246,13 +247,16 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
 
 
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
-    """Why the tier's one-pass backward does not run this call's backward (None: it does): only with
-    ``FLASHATTN_TRITON_TIER=hopper`` until a GPU has checked it, bf16/fp16 at head dims that are multiples of 8 up
-    to 256 (padded up to 64, 128 or 256), key/value heads
-    dividing the query heads (GQA, MQA), contiguous q, k, v and dO, dense or packed, any band and softcap (the
-    forward's) and no other option; ``deterministic`` orders dQ's atomic adds (``launch_backward``)."""
-    if tier() != "hopper":
-        return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has checked it"
+    """Why the tier's one-pass backward does not run this call's backward (None: it does): with
+    ``FLASHATTN_TRITON_TIER=hopper``, bf16/fp16 at head dims that are multiples of 8 up to 256 (padded up to 64, 128
+    or 256), key/value heads dividing the query heads (GQA, MQA), contiguous q, k, v and dO, dense or packed, any
+    band and softcap (the forward's) and no other option; ``deterministic`` orders dQ's atomic adds
+    (``launch_backward``). Under ``auto`` only the calls a measured ``tier_backward`` entry timed faster than the
+    portable backward (``measured_faster``): its dtype and head dim, dense, as many key as query heads, causal or
+    full, not deterministic."""
+    chosen = tier()
+    if chosen == "portable":
+        return "FLASHATTN_TRITON_TIER=portable"
     dtypes, dims = RUNS  # (``backward.py``: tiles of 64 and 128 columns; ``backward_wide.py``: 256)
     packed = spec.varlen is not None and spec.cache is None  # (a paged cache's calls: "cache" below)
     if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != (3 if packed else 4) or (
@@ -266,6 +270,9 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
         return "head dims or grouped heads"
     if dout.shape != q.shape:
         return "dtype or layout"
+    if chosen == "auto" and (packed or hk != h or spec.deterministic or _options_decline(spec, nq == k.shape[1])
+                             or not measured_faster(q.dtype, d, kernel="tier_backward")):
+        return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has measured it faster"
     why = _options_decline(spec, nq == k.shape[1], band=True) or _memory_declines(
         q, k, v, diagonal_offset=spec.diagonal_offset)
     if why:
