@@ -87,6 +87,17 @@ def test_a_bad_tier_entry_is_an_error_naming_its_file(tmp_path, entry):
     assert str(path) in str(e.value)
 
 
+def _measured(tmp_path, monkeypatch, tier: list[dict]):
+    """A measured file of these tier entries in force (``FLASHATTN_TRITON_MEASURED``), the tier on ``auto``; the
+    caller clears ``hopper._tier_measured``'s cache when done."""
+    path = tmp_path / "sm90.json"
+    path.write_text(json.dumps({"family": "sm90", "entries": [], "tier": tier}))
+    monkeypatch.setenv("FLASHATTN_TRITON_MEASURED", str(path))
+    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "auto")
+    hopper._tier_measured.cache_clear()
+    return path
+
+
 @needs_triton
 @recorded_on_oldest("the Hopper tier's Gluon kernel (Gluon's API changes between releases)")
 def test_measured_tier_entries_decide_auto_and_the_launched_schedule(tmp_path, monkeypatch):
@@ -99,12 +110,8 @@ def test_measured_tier_entries_decide_auto_and_the_launched_schedule(tmp_path, m
         return {"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": d, "schedule": schedule,
                 "vs_portable": vs, "worst": worst}
 
-    path = tmp_path / "sm90.json"
-    path.write_text(json.dumps({"family": "sm90", "entries": [], "tier": [
-        entry(128, "pv+pingpong persistent", 1.1, 0.99), entry(64, "qk", 0.95, 0.9)]}))
-    monkeypatch.setenv("FLASHATTN_TRITON_MEASURED", str(path))
-    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "auto")
-    hopper._tier_measured.cache_clear()
+    path = _measured(tmp_path, monkeypatch, [entry(128, "pv+pingpong persistent", 1.1, 0.99),
+                                             entry(64, "qk", 0.95, 0.9)])
     try:
         q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
         spec = AttentionSpec(scale=0.125, window_right=0)
@@ -129,12 +136,8 @@ def test_measured_tier_entries_decide_auto_and_the_launched_schedule(tmp_path, m
 def test_a_measured_backward_entry_lets_auto_take_the_tiers_backward(tmp_path, monkeypatch):
     """``auto`` takes the tier's one-pass backward only where a ``tier_backward`` entry timed it faster: its dtype and
     head dim, dense, as many key as query heads, causal or full, not deterministic; never without an entry."""
-    path = tmp_path / "sm90.json"
-    path.write_text(json.dumps({"family": "sm90", "tier": [
-        {"kernel": "tier_backward", "dtype": "bfloat16", "head_dim": 128, "vs_portable": 1.2, "worst": 1.05}]}))
-    monkeypatch.setenv("FLASHATTN_TRITON_MEASURED", str(path))
-    monkeypatch.setenv("FLASHATTN_TRITON_TIER", "auto")
-    hopper._tier_measured.cache_clear()
+    _measured(tmp_path, monkeypatch, [
+        {"kernel": "tier_backward", "dtype": "bfloat16", "head_dim": 128, "vs_portable": 1.2, "worst": 1.05}])
     try:
         q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
         causal = AttentionSpec(scale=0.125, window_right=0)

@@ -46,17 +46,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import tile_dim
 from .backward_parts import (
     _add_dq,
-    _dq_turn,
-    _end_turn,
     _group_tiles,
     _key_block,
+    _look_at_turn,
     _probs_and_grads,
     _producer,
     _program,
     _sequence,
     _store_grads,
-    _turn_seen,
-    _wait_turn,
 )
 from .forward import LOG2E, head_tiles
 from .steps import _mma_layout, _zero_padding
@@ -124,13 +121,8 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
         zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, h_layout)
         dq = warpgroup_mma(ds_bufs.index(2 * buf).permute((1, 0)), k_cols[0], zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_bufs.index(2 * buf + 1).permute((1, 0)), k_cols[1], dq, is_async=True)
-        slot: gl.constexpr = WG  # (deterministic: each warpgroup's columns in the blocks' order, on its own)
-        turns: gl.constexpr = 1
-        if len(order) > 0:  # deterministic: the tile's adds in the key blocks' order (``_dq_turn``)
-            sem = order[0] + 2 * j + slot
-            rank, count = _dq_turn(order, j, SCORES, BLOCK_M, 2 * WG_N)
-            turn = turns * rank + WG % turns
-            seen = _turn_seen(sem)
+        # deterministic: each warpgroup's columns in the key blocks' order, on a counter of its own
+        looked = _look_at_turn(order, j, SCORES, BLOCK_M, 2 * WG_N, WG, 1, WG)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
         mbarrier.arrive(ds_empty.index(buf))
         col0 = dq_col0 + wg * HALF_D
@@ -139,22 +131,13 @@ def _tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr, DQ_
         zero_dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
         ds_rows = gl.convert_layout(gl.permute(ds.to(dtype), (1, 0)), operand)  # dS: queries x keys, dQ's A
         dq = warpgroup_mma(ds_rows, k_t, zero_dq, use_acc=False, is_async=True)
-        slot: gl.constexpr = 0  # (deterministic: both warpgroups add every column, a block's first one first)
-        turns: gl.constexpr = 2
-        if len(order) > 0:
-            sem = order[0] + 2 * j + slot
-            rank, count = _dq_turn(order, j, SCORES, BLOCK_M, 2 * WG_N)
-            turn = turns * rank + WG % turns
-            seen = _turn_seen(sem)
+        # deterministic: both warpgroups add every column, in the key blocks' order, warpgroup 0 first
+        looked = _look_at_turn(order, j, SCORES, BLOCK_M, 2 * WG_N, 0, 2, WG)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
         col0 = dq_col0
         cols_left: gl.constexpr = HEAD_DIM
     mbarrier.arrive(q_empty.index(stage))
-    if len(order) > 0:
-        _wait_turn(sem, turn, seen)
-    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, col0, seqlen_q - j * BLOCK_M, DQ_PITCH, cols_left)
-    if len(order) > 0:
-        _end_turn(sem, turn, turns * count - 1)
+    _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, col0, seqlen_q - j * BLOCK_M, DQ_PITCH, cols_left, looked)
     return dk, dv
 
 

@@ -41,11 +41,14 @@ def _probs_and_grads(s, dp, stats, at, scoring, MASK: gl.constexpr, SCORES: gl.c
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr, COLS_LEFT: gl.constexpr):
+def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr, COLS_LEFT: gl.constexpr, looked):
     """dQ's tile (its rows from ``row0``, columns from ``col0``; rows past ``rows_left`` not in the sequence, columns
-    past ``COLS_LEFT`` not in the head: a padded head dim's) added into the fp32 sum with atomics. The tile's first row
-    and column are one scalar pointer and the elements' offsets from it constants (the row pitch a constexpr): the
-    atomics take them as immediates, where a tensor of addresses, hoisted out of the loop, spilled."""
+    past ``COLS_LEFT`` not in the head: a padded head dim's) added into the fp32 sum with atomics, in its turn where
+    ``looked`` (``_look_at_turn``'s) says one. The tile's first row and column are one scalar pointer and the
+    elements' offsets from it constants (the row pitch a constexpr): the atomics take them as immediates, where a
+    tensor of addresses, hoisted out of the loop, spilled."""
+    if len(looked) > 0:
+        _wait_turn(looked[0], looked[1], looked[3])
     layout: gl.constexpr = dq.type.layout
     tile_ptr = dq_ptr + row0.to(gl.int64) * DQ_PITCH + col0
     rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
@@ -54,6 +57,8 @@ def _add_dq(dq, dq_ptr, row0, col0, rows_left, DQ_PITCH: gl.constexpr, COLS_LEFT
     if dq.shape[1] > COLS_LEFT:
         keep = keep & (cols[None, :] < COLS_LEFT)
     gl.atomic_add(tile_ptr + rows[:, None] * DQ_PITCH + cols[None, :], dq, mask=keep, sem="relaxed")
+    if len(looked) > 0:
+        _end_turn(looked[0], looked[1], looked[2])
 
 
 @gluon.jit
@@ -89,14 +94,25 @@ def _dq_turn(order, j, SCORES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _turn_seen(sem_ptr):
-    """The semaphore's count, read with acquire while the tile's products run (its latency under theirs)."""
-    return gl.atomic_add(sem_ptr, 0, sem="acquire")
+def _look_at_turn(order, j, SCORES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,  # noqa: PLR0913
+                  SLOT: gl.constexpr, TURNS: gl.constexpr, WG: gl.constexpr):
+    """Deterministic (``order`` not empty): (counter, turn, final turn, the counter read with acquire) of query tile
+    j's dQ adds, for ``_add_dq``; read while the tile's products run, so that the read's latency hides under them.
+    ``SLOT``: the tile's counter (one per warpgroup where each adds its own columns); ``TURNS``: adds a block (two
+    where both warpgroups add every column, warpgroup 0 first). Not deterministic: ()."""
+    if len(order) > 0:
+        sem = order[0] + 2 * j + SLOT
+        rank, count = _dq_turn(order, j, SCORES, BLOCK_M, BLOCK_N)
+        turn = TURNS * rank + WG % TURNS
+        looked = (sem, turn, TURNS * count - 1, gl.atomic_add(sem, 0, sem="acquire"))
+    else:
+        looked = ()
+    return looked
 
 
 @gluon.jit
 def _wait_turn(sem_ptr, turn, seen):
-    """Until the semaphore reads ``turn``: ``seen`` (``_turn_seen``'s) did, or a relaxed poll does (an acquire
+    """Until the semaphore reads ``turn``: ``seen`` (``_look_at_turn``'s) did, or a relaxed poll does (an acquire
     invalidates L1 each time), then one acquire: the adds it counts come before this warpgroup's."""
     while seen != turn:  # (the acquire's value tested, so that it is not dropped as unused)
         while gl.atomic_add(sem_ptr, 0, sem="relaxed") != turn:

@@ -32,17 +32,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .backward_parts import (
     _add_dq,
-    _dq_turn,
-    _end_turn,
     _group_tiles,
     _key_block,
+    _look_at_turn,
     _probs_and_grads,
     _producer,
     _program,
     _sequence,
     _store_grads,
-    _turn_seen,
-    _wait_turn,
 )
 from .steps import _mma_layout, _zero_padding
 
@@ -105,19 +102,13 @@ def _wide_tile(j, i, grads, ctx, stats, MASK: gl.constexpr, SCORES: gl.constexpr
                        zero_dq, use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_t.slice(WG_N, WG_N, 0).permute((1, 0)), k_smem.index(1).slice(WG * HALF_D, HALF_D, 1),
                        dq, is_async=True)
-    if len(order) > 0:  # deterministic: each warpgroup's columns in the key blocks' order (``_dq_turn``)
-        sem = order[0] + 2 * j + WG
-        turn, count = _dq_turn(order, j, SCORES, BLOCK_M, 2 * WG_N)
-        seen = _turn_seen(sem)
+    # deterministic: each warpgroup's columns in the key blocks' order, on a counter of its own
+    looked = _look_at_turn(order, j, SCORES, BLOCK_M, 2 * WG_N, WG, 1, WG)
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
     mbarrier.arrive(pds_empty)
     mbarrier.arrive(q_empty.index(stage))
-    if len(order) > 0:
-        _wait_turn(sem, turn, seen)
     _add_dq(dq * scale, dq_ptr, dq_row0 + j * BLOCK_M, dq_col0 + WG * HALF_D, seqlen_q - j * BLOCK_M, DQ_PITCH,
-            HEAD_DIM - WG * HALF_D)
-    if len(order) > 0:
-        _end_turn(sem, turn, count - 1)
+            HEAD_DIM - WG * HALF_D, looked)
     return dk, dv
 
 
