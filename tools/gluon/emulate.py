@@ -10,7 +10,7 @@ Gluon's primitives replaced by what they compute.
   a matmul that reads a stage no copy has filled yet gives NaN.
 - wgmma is a product in fp32 of its operands as stored (16-bit or e4m3: the FP8 tensor cores' narrower
   accumulation is not modelled); scalars are 0-d int32 tensors, wrapping as the GPU's do; pointers gather,
-  scatter and add atomically; the deterministic backward's spin on a semaphore (``backward_parts._wait_turn``) is a
+  scatter and add atomically; the deterministic backward's wait for its turn (``backward_parts._wait_turn``) is a
   wait the deadlock check sees (programs run one after another, so a turn computed wrong never comes).
 
 What it proves without a GPU: the arithmetic the kernels do in Python-level code, from the launchers' real
@@ -393,7 +393,7 @@ def emulate_backward(q, k, v, out, lse, dout, *, deterministic: bool = False,
     dq = torch.zeros(q.shape, dtype=torch.float32)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     sequences = arguments["cu_seqlens"][0].numel() - 1 if arguments.get("cu_seqlens") is not None else 0
-    semaphores = torch.zeros(backward.semaphores_needed(q, sequences=sequences) + 1, dtype=torch.int32)
+    semaphores = torch.zeros(backward.semaphores_needed(q, sequences=sequences), dtype=torch.int32)
     kernel, grid, kwargs = backward.launch_arguments(q, k, v, dout, (neg_lse2, delta), (dq, dk, dv),
                                                      dq_semaphores=semaphores if deterministic else None, **arguments)
     COUNTS.update(dq_adds=0, turns=0)

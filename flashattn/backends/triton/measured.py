@@ -46,25 +46,31 @@ def parse(data: dict) -> Measured:
     return out
 
 
+def _read(folder: Path, extra: str | None, parser) -> list[tuple[str, object]]:
+    """(family, ``parser(data)``) of each measured file: the shipped ones, then ``extra`` (default
+    ``$FLASHATTN_TRITON_MEASURED``), in that order; a file that does not read or parse is an error naming it."""
+    extra = os.environ.get(ENV) if extra is None else extra
+    read = []
+    for path in sorted(folder.glob("*.json")) + ([Path(extra)] if extra else []):
+        try:
+            data = json.loads(path.read_text())
+            read.append((data["family"], parser(data)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"flashattn: the measured Triton configs in {path} do not read: {e}") from e
+    return read
+
+
 def load(folder: Path = FOLDER, extra: str | None = None) -> dict[str, Measured]:
     """family -> its measured entries: the shipped files, then ``extra`` (default ``$FLASHATTN_TRITON_MEASURED``)
     on top of them."""
-    extra = os.environ.get(ENV) if extra is None else extra
-    files = sorted(folder.glob("*.json")) + ([Path(extra)] if extra else [])
     found: dict[str, Measured] = {}
-    for path in files:
-        try:
-            data = json.loads(path.read_text())
-            family = data["family"]
-            entries = parse(data)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"flashattn: the measured Triton configs in {path} do not read: {e}") from e
+    for family, entries in _read(folder, extra, parse):
         for kernel, table in entries.items():
             found.setdefault(family, {}).setdefault(kernel, {}).update(table)
     return found
 
 
-# --- the Hopper tier's forward: its schedule per head dim, and how it compared with the portable forward ---------
+# --- the Hopper tier: its forward's schedule per head dim, and how its kernels compared with the portable ones --
 # A family file's "tier" list (``tools/gpu_tune``'s ``tier`` and ``tier-backward`` steps):
 #   {"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 64, "schedule": "pv+pingpong",
 #    "vs_portable": 1.37, "worst": 1.12, "cases": 4, "device": ..., "date": ...}
@@ -77,7 +83,8 @@ TIER_KERNELS = ("tier_forward", "tier_backward")
 
 
 def parse_tier(data: dict) -> TierMeasured:
-    """A measured file's tier entries by (dtype, head dim); a malformed one is an error naming what is wrong.
+    """A measured file's tier entries by (kernel, dtype, head dim); a malformed one is an error naming what is
+    wrong.
 
     >>> parse_tier({"tier": [{"kernel": "tier_forward", "dtype": "bfloat16", "head_dim": 128, "schedule": "pv",
     ...                       "vs_portable": 1.1, "worst": 1.02}]})[("tier_forward", "bfloat16", 128)]["schedule"]
@@ -100,13 +107,8 @@ def parse_tier(data: dict) -> TierMeasured:
 def load_tier(family: str = "sm90", folder: Path = FOLDER, extra: str | None = None) -> TierMeasured:
     """``family``'s tier entries: the shipped file's, then ``extra`` (default ``$FLASHATTN_TRITON_MEASURED``) over
     them."""
-    extra = os.environ.get(ENV) if extra is None else extra
     found: TierMeasured = {}
-    for path in sorted(folder.glob("*.json")) + ([Path(extra)] if extra else []):
-        try:
-            data = json.loads(path.read_text())
-            if data.get("family") == family:
-                found.update(parse_tier(data))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"flashattn: the measured tier entries in {path} do not read: {e}") from e
+    for read_family, entries in _read(folder, extra, parse_tier):
+        if read_family == family:
+            found.update(entries)
     return found

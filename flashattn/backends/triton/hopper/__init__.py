@@ -246,6 +246,9 @@ def launch_forward(q, k, v, out, lse, spec: AttentionSpec, *, descale: torch.Ten
     launch(attention_forward_ws_kernel, grid, **kwargs)
 
 
+AUTO_BACKWARD = "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has measured it faster"
+
+
 def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | None = None) -> str | None:
     """Why the tier's one-pass backward does not run this call's backward (None: it does): with
     ``FLASHATTN_TRITON_TIER=hopper``, bf16/fp16 at head dims that are multiples of 8 up to 256 (padded up to 64, 128
@@ -257,6 +260,8 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
     chosen = tier()
     if chosen == "portable":
         return "FLASHATTN_TRITON_TIER=portable"
+    if chosen == "auto" and not measured_faster(q.dtype, q.shape[-1], kernel="tier_backward"):
+        return AUTO_BACKWARD  # (every backward asks: the common answer first, before the layout's checks)
     dtypes, dims = RUNS  # (``backward.py``: tiles of 64 and 128 columns; ``backward_wide.py``: 256)
     packed = spec.varlen is not None and spec.cache is None  # (a paged cache's calls: "cache" below)
     if q.dtype not in dtypes or not q.dtype == k.dtype == v.dtype == dout.dtype or q.ndim != (3 if packed else 4) or (
@@ -270,9 +275,8 @@ def backward_declines(q, k, v, dout, spec: AttentionSpec, *, arch: int | str | N
         return "head dims or grouped heads"
     if dout.shape != q.shape:
         return "dtype or layout"
-    if chosen == "auto" and (packed or hk != h or spec.deterministic or _options_decline(spec, nq == k.shape[1])
-                             or not measured_faster(q.dtype, d, kernel="tier_backward")):
-        return "the tier's backward runs under FLASHATTN_TRITON_TIER=hopper until a GPU has measured it faster"
+    if chosen == "auto" and (packed or hk != h or spec.deterministic or _options_decline(spec, nq == k.shape[1])):
+        return AUTO_BACKWARD
     why = _options_decline(spec, nq == k.shape[1], band=True) or _memory_declines(
         q, k, v, diagonal_offset=spec.diagonal_offset)
     if why:

@@ -283,7 +283,7 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
                                                   wide.BLOCK_N, wide.STAGES)
     else:
         kernel, block_m, wg_n, block_n, stages = attention_backward_ws_kernel, BLOCK_M, WG_N, BLOCK_N, STAGES
-    pitch = (sequences if packed else batch) + triton.cdiv(batch * seqlen_q, block_m)  # (``_program``'s tile0)
+    pitch = _tiles_a_head(batch * seqlen_q, sequences if packed else batch, block_m)
     if dq_semaphores is not None and (dq_semaphores.dtype != torch.int32 or dq_semaphores.numel() < 2 * heads * pitch
                                       or dq_semaphores.device != q.device):
         raise ValueError(f"dq_semaphores must be int32 on q's device with at least {2 * heads * pitch} elements")
@@ -303,8 +303,14 @@ def launch_arguments(q, k, v, dout, stats, grads, *, causal: bool, scale: float,
     return kernel, ((sequences if packed else batch) * kv_heads, triton.cdiv(keys, block_n)), kwargs
 
 
+def _tiles_a_head(rows: int, sequences: int, block_m: int = BLOCK_M) -> int:
+    """The query tiles' counter indices a head spans (``_program``'s ``tile0`` + j: a tile's sequence number plus
+    its first row over ``block_m``)."""
+    return sequences + triton.cdiv(rows, block_m)
+
+
 def semaphores_needed(q, *, sequences: int = 0) -> int:
     """How many counters a deterministic launch of q (dense (batch, seqlen_q, heads, d), or packed (total_q, heads,
     d) of ``sequences``) orders dQ's adds on: two per (query head, 64-row query tile), and one per head a sequence."""
     rows, heads = (q.shape[0], q.shape[1]) if sequences else (q.shape[0] * q.shape[1], q.shape[2])
-    return 2 * heads * ((sequences or q.shape[0]) + triton.cdiv(rows, BLOCK_M))
+    return 2 * heads * _tiles_a_head(rows, sequences or q.shape[0])
